@@ -1,0 +1,1313 @@
+// Package idem is a durable embedded engine for exactly-once request
+// handling: each request carries an id; idem remembers, durably, what
+// happened to it.
+//
+//   - an unknown id is claimed by exactly one caller (Begin returns Fresh),
+//     who runs the side effect and commits the reply;
+//   - a retry of a committed id gets the same reply back (Done);
+//   - a retry while the first still runs is told so (InFlight), or waits (Do, Wait);
+//   - the same id with a different fingerprint is ErrConflict;
+//   - acks, expiry and an administrator's Forget keep storage bounded.
+//
+// Every change is a record in a write-ahead log (package wal), fsynced before
+// it is acknowledged; the live set of ids is kept in a Pebble store (package
+// index) that replays the log on Open. See docs/design.md for the formats and
+// the durability contract.
+package idem
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"hash/maphash"
+	"io"
+	"path/filepath"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/cockroachdb/pebble/v2/vfs"
+	"github.com/idemdb/idem/index"
+	"github.com/idemdb/idem/wal"
+)
+
+// Status of a Result.
+type Status int
+
+const (
+	// Absent: the id is unknown (Lookup only).
+	Absent Status = iota
+	// Fresh: the caller owns the id now and must Commit or Abort its Claim.
+	Fresh
+	// Done: the id was committed; Result.Reply is its reply. Nothing runs.
+	Done
+	// InFlight: another caller owns the id until Result.LeaseUntil.
+	InFlight
+)
+
+func (s Status) String() string {
+	switch s {
+	case Absent:
+		return "absent"
+	case Fresh:
+		return "fresh"
+	case Done:
+		return "done"
+	case InFlight:
+		return "in-flight"
+	}
+	return fmt.Sprintf("status(%d)", int(s))
+}
+
+// Request identifies one request. Give either ID, or Client and Seq
+// (sequence mode, source 002), never both.
+type Request struct {
+	// Scope separates independent id spaces (tenants, endpoints). May be empty.
+	Scope string
+	// ID is the request id (for example a UUID, or time + random nonce).
+	ID []byte
+	// Acked lists ids (in Scope) whose replies the client has received and
+	// will never retry; they are removed from the set (source 000).
+	Acked [][]byte
+	// Fingerprint of the payload (for example its SHA-256). A retry with a
+	// different fingerprint is ErrConflict. Empty means unchecked.
+	Fingerprint []byte
+	// Client and Seq select sequence mode: Seq must be the client's last
+	// committed sequence number + 1 to run.
+	Client string
+	Seq    uint64
+}
+
+// Result is the outcome of Begin, Wait and Lookup.
+type Result struct {
+	Status Status
+	// Reply is the stored reply when Status is Done.
+	Reply []byte
+	// Claim is set when Status is Fresh: commit or abort it.
+	Claim *Claim
+	// LeaseUntil is when the owner's claim expires (InFlight, Fresh).
+	LeaseUntil time.Time
+	// CommittedAt is when the reply was committed (Done).
+	CommittedAt time.Time
+	// Seq is the sequence number the result is about (sequence mode).
+	Seq uint64
+}
+
+const numShards = 256
+
+// Engine is an open idem directory. It is safe for concurrent use.
+type Engine struct {
+	o     Options
+	dir   string
+	fs    vfs.FS
+	locks []io.Closer
+
+	w  *wal.WAL
+	ix *index.Index
+
+	// opMu is held shared by every operation while it uses the WAL or the
+	// index, and exclusively by Close.
+	opMu   sync.RWMutex
+	closed atomic.Bool
+	failed atomic.Pointer[error] // sticky failure of the applier
+
+	seed   maphash.Seed
+	shards [numShards]shard
+	// mark is the newest forget mark. It is replaced only while every shard
+	// lock is held, so an operation holding one shard lock sees a mark that
+	// agrees with the log order of its own record.
+	mark atomic.Pointer[index.Mark]
+
+	applyCh   chan []*index.Update
+	applyDone chan struct{}
+	stopBg    chan struct{}
+	bg        sync.WaitGroup
+
+	inDoubtMu sync.Mutex
+	inDoubt   []inDoubtRef // guarded by inDoubtMu
+
+	st counters
+}
+
+// shard is one stripe of the in-memory table in front of the index.
+type shard struct {
+	mu    sync.Mutex
+	m     map[string]*slot // guarded by mu
+	bytes int64            // guarded by mu: accounted size of the slots
+}
+
+// slot caches one key's entry. It is pinned (never evicted) while the entry
+// is in flight, not yet applied to the index, or waited on.
+type slot struct {
+	e       *index.Entry  // as stored (forget marks may still apply); nil = absent
+	dirty   wal.LSN       // last change not yet applied to the index; 0 = clean
+	waiters chan struct{} // closed when the current claim finishes; nil if nobody waits
+	size    int64
+}
+
+type counters struct {
+	hits, misses, conflicts, collisions, gaps, alreadyCommitted, leaseLost, takeovers, expired atomic.Uint64
+}
+
+var (
+	openDirsMu sync.Mutex
+	openDirs   = map[string]bool{} // guarded by openDirsMu: directories open in this process
+)
+
+// Open opens (creating if needed) the idem directory dir. On open the WAL
+// is checked frame by frame, a torn tail is cut (and logged), and the
+// records the index has not applied are replayed.
+func Open(dir string, opts *Options) (*Engine, error) {
+	o := opts.withDefaults()
+	e := &Engine{o: o, dir: dir, fs: o.FS, seed: maphash.MakeSeed()}
+	for i := range e.shards {
+		e.shards[i].m = make(map[string]*slot)
+	}
+	if err := e.lockDir(); err != nil {
+		return nil, err
+	}
+	ok := false
+	defer func() {
+		if !ok {
+			e.unlockDir()
+		}
+	}()
+	ix, err := index.Open(index.Options{FS: o.FS, Dir: filepath.Join(dir, "index"), CacheSize: o.IndexCacheSize, Logger: o.Logger})
+	if err != nil {
+		return nil, wrapCorrupt(err)
+	}
+	e.ix = ix
+	rep := ix.NewReplayer()
+	applied := ix.Applied()
+	e.applyCh = make(chan []*index.Update, 256)
+	w, scan, err := wal.Open(wal.Options{
+		FS:           o.FS,
+		Dir:          filepath.Join(dir, "wal"),
+		SegmentSize:  o.SegmentSize,
+		SyncMode:     o.Sync.wal(),
+		SyncInterval: o.SyncInterval,
+		FirstLSN:     applied + 1,
+		Logger:       o.Logger,
+		OnSynced:     e.onSynced,
+	}, applied, func(r wal.Record) error {
+		if err := rep.Apply(r.LSN, r.Type, r.Payload); err != nil {
+			return fmt.Errorf("%w: segment %s offset %d: %w", ErrCorrupt, r.Segment, r.Offset, err)
+		}
+		return nil
+	})
+	if err != nil {
+		ix.Close(false)
+		return nil, wrapCorrupt(err)
+	}
+	e.w = w
+	fail := func(err error) (*Engine, error) {
+		w.Close()
+		ix.Close(false)
+		return nil, err
+	}
+	if err := rep.Flush(); err != nil {
+		return fail(wrapCorrupt(err))
+	}
+	if scan.LastLSN < applied {
+		return fail(fmt.Errorf("%w: the index has applied LSN %d but the WAL ends at LSN %d (WAL segments lost?)", ErrCorrupt, applied, scan.LastLSN))
+	}
+	if scan.TornTail != nil {
+		o.Logger.Warn("idem: cut torn WAL tail", "segment", scan.TornTail.Segment, "offset", scan.TornTail.Offset, "bytes", scan.TornTail.Bytes, "saved_as", scan.TornTail.SavedAs)
+	}
+	m := ix.Mark()
+	e.mark.Store(&m)
+	if err := ix.InDoubt(func(key []byte, en *index.Entry) error {
+		e.inDoubt = append(e.inDoubt, inDoubtRef{key: key, claimLSN: en.ClaimLSN})
+		return nil
+	}); err != nil {
+		return fail(wrapCorrupt(err))
+	}
+	e.applyDone = make(chan struct{})
+	e.stopBg = make(chan struct{})
+	go e.applier()
+	if o.Retention > 0 {
+		e.bg.Add(1)
+		go e.retentionLoop()
+	}
+	ok = true
+	return e, nil
+}
+
+func wrapCorrupt(err error) error {
+	if errors.Is(err, ErrCorrupt) {
+		return err
+	}
+	if errors.Is(err, wal.ErrCorrupt) || errors.Is(err, index.ErrCorrupt) || errors.Is(err, wal.ErrBadRecord) || errors.Is(err, index.ErrBadEntry) || errors.Is(err, index.ErrNoClaim) {
+		return fmt.Errorf("%w: %w", ErrCorrupt, err)
+	}
+	return err
+}
+
+func (e *Engine) lockDir() error {
+	abs, err := filepath.Abs(e.dir)
+	if err != nil {
+		abs = e.dir
+	}
+	// Directories on different in-memory filesystems are different even
+	// with the same name; only the OS filesystem is shared process-wide.
+	regKey := ""
+	if e.fs == vfs.Default {
+		regKey = abs
+		openDirsMu.Lock()
+		if openDirs[abs] {
+			openDirsMu.Unlock()
+			return fmt.Errorf("%w: %s is already open in this process", ErrLocked, e.dir)
+		}
+		openDirs[abs] = true
+		openDirsMu.Unlock()
+	}
+	if err := e.fs.MkdirAll(e.dir, 0o755); err != nil {
+		e.releaseReg(regKey)
+		return fmt.Errorf("idem: create %s: %w", e.dir, err)
+	}
+	if err := syncDir(e.fs, filepath.Dir(e.dir)); err != nil {
+		e.releaseReg(regKey)
+		return err
+	}
+	l, err := e.fs.Lock(filepath.Join(e.dir, "LOCK"))
+	if err != nil {
+		e.releaseReg(regKey)
+		return fmt.Errorf("%w: %s: %v", ErrLocked, e.dir, err)
+	}
+	e.locks = append(e.locks, l, regCloser(regKey))
+	return nil
+}
+
+type regCloser string
+
+func (r regCloser) Close() error {
+	if r != "" {
+		openDirsMu.Lock()
+		delete(openDirs, string(r))
+		openDirsMu.Unlock()
+	}
+	return nil
+}
+
+func (e *Engine) releaseReg(k string) { _ = regCloser(k).Close() }
+
+func (e *Engine) unlockDir() {
+	for _, l := range e.locks {
+		_ = l.Close()
+	}
+	e.locks = nil
+}
+
+func syncDir(fs vfs.FS, dir string) error {
+	d, err := fs.OpenDir(dir)
+	if err != nil {
+		return fmt.Errorf("idem: open dir %s: %w", dir, err)
+	}
+	defer d.Close()
+	if err := d.Sync(); err != nil {
+		return fmt.Errorf("idem: sync dir %s: %w", dir, err)
+	}
+	return nil
+}
+
+// Close flushes the WAL and the index and releases the directory. Claims
+// still open stay in doubt (see InDoubt). Close is safe to call twice.
+func (e *Engine) Close() error {
+	e.opMu.Lock()
+	if e.closed.Swap(true) {
+		e.opMu.Unlock()
+		return nil
+	}
+	e.opMu.Unlock()
+	close(e.stopBg)
+	e.bg.Wait()
+	err := e.w.Close() // fsyncs and delivers the last OnSynced batch
+	close(e.applyCh)
+	<-e.applyDone
+	if f := e.failed.Load(); f != nil && err == nil {
+		err = *f
+	}
+	flush := e.failed.Load() == nil
+	if cerr := e.ix.Close(flush); err == nil {
+		err = cerr
+	}
+	e.unlockDir()
+	return err
+}
+
+// enter starts an operation: it fails once the engine is closed or failed.
+func (e *Engine) enter() error {
+	e.opMu.RLock()
+	if e.closed.Load() {
+		e.opMu.RUnlock()
+		return ErrClosed
+	}
+	if f := e.failed.Load(); f != nil {
+		e.opMu.RUnlock()
+		return *f
+	}
+	return nil
+}
+
+func (e *Engine) leave() { e.opMu.RUnlock() }
+
+// onSynced runs on the WAL's sync goroutine: hand the records it made
+// durable to the applier, in order. A full channel holds the sync
+// goroutine back, which bounds the memory of not yet applied records.
+func (e *Engine) onSynced(recs []wal.Synced) {
+	ups := make([]*index.Update, 0, len(recs))
+	for _, r := range recs {
+		if u, ok := r.Value.(*index.Update); ok && u != nil {
+			ups = append(ups, u)
+		}
+	}
+	if len(ups) > 0 {
+		e.applyCh <- ups
+	}
+}
+
+// applier writes durable records into the index, in LSN order, and then
+// unpins the slots they changed.
+func (e *Engine) applier() {
+	defer close(e.applyDone)
+	var batch []index.Update
+	var ptrs []*index.Update
+	for ups := range e.applyCh {
+		batch, ptrs = batch[:0], ptrs[:0]
+		add := func(us []*index.Update) {
+			for _, u := range us {
+				batch = append(batch, *u)
+				ptrs = append(ptrs, u)
+			}
+		}
+		add(ups)
+	drain:
+		for len(batch) < 8192 {
+			select {
+			case more, ok := <-e.applyCh:
+				if !ok {
+					break drain
+				}
+				add(more)
+			default:
+				break drain
+			}
+		}
+		if e.failed.Load() != nil {
+			continue // keep draining so the WAL never blocks
+		}
+		if err := e.ix.Apply(batch); err != nil {
+			err = fmt.Errorf("%w: applying to the index: %w", ErrFailed, err)
+			e.failed.Store(&err)
+			e.o.Logger.Error("idem: index apply failed; the engine stops accepting writes", "err", err)
+			continue
+		}
+		for _, u := range ptrs {
+			for _, t := range u.Transitions {
+				sh := e.shardOf(t.Key)
+				sh.mu.Lock()
+				if sl := sh.m[string(t.Key)]; sl != nil && sl.dirty == u.LSN {
+					sl.dirty = 0
+				}
+				sh.mu.Unlock()
+			}
+		}
+	}
+}
+
+func (e *Engine) retentionLoop() {
+	defer e.bg.Done()
+	t := time.NewTicker(e.o.CleanupInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-e.stopBg:
+			return
+		case <-t.C:
+			before := e.o.Clock().Add(-e.o.Retention)
+			if err := e.Forget(context.Background(), before); err != nil && !errors.Is(err, ErrClosed) {
+				e.o.Logger.Warn("idem: retention forget failed", "err", err)
+			}
+		}
+	}
+}
+
+// ---- keys and the in-memory table ----
+
+// reqKey is a validated request identity.
+type reqKey struct {
+	scope  string
+	mode   byte
+	ident  []byte // id, or client name
+	seq    uint64
+	key    []byte // index entry key
+	acked  [][]byte
+	ackKey [][]byte
+}
+
+func (e *Engine) validate(r *Request) (reqKey, error) {
+	max := e.o.MaxIDLen
+	if len(r.Scope) > max {
+		return reqKey{}, invalid("scope of %d bytes exceeds %d", len(r.Scope), max)
+	}
+	if len(r.Fingerprint) > max {
+		return reqKey{}, invalid("fingerprint of %d bytes exceeds %d", len(r.Fingerprint), max)
+	}
+	k := reqKey{scope: r.Scope}
+	switch {
+	case len(r.ID) > 0 && (r.Client != "" || r.Seq != 0):
+		return reqKey{}, invalid("both an id and a client/seq were given; use one identity")
+	case len(r.ID) > 0:
+		if len(r.ID) > max {
+			return reqKey{}, invalid("id of %d bytes exceeds %d", len(r.ID), max)
+		}
+		k.mode, k.ident = index.ModeID, r.ID
+	case r.Client != "":
+		if r.Seq == 0 {
+			return reqKey{}, invalid("client %q without a sequence number (sequences start at 1)", r.Client)
+		}
+		if len(r.Client) > max {
+			return reqKey{}, invalid("client name of %d bytes exceeds %d", len(r.Client), max)
+		}
+		k.mode, k.ident, k.seq = index.ModeClient, []byte(r.Client), r.Seq
+	case r.Seq != 0:
+		return reqKey{}, invalid("sequence number %d without a client", r.Seq)
+	default:
+		return reqKey{}, invalid("empty id")
+	}
+	k.key = index.EntryKey(nil, k.scope, k.mode, k.ident)
+	if len(r.Acked) > 4096 {
+		return reqKey{}, invalid("%d acked ids exceed 4096", len(r.Acked))
+	}
+	for _, a := range r.Acked {
+		if len(a) == 0 || len(a) > max {
+			return reqKey{}, invalid("acked id of %d bytes (want 1..%d)", len(a), max)
+		}
+		if k.mode == index.ModeID && string(a) == string(r.ID) {
+			return reqKey{}, invalid("a request cannot ack its own id")
+		}
+		k.acked = append(k.acked, a)
+		k.ackKey = append(k.ackKey, index.EntryKey(nil, k.scope, index.ModeID, a))
+	}
+	return k, nil
+}
+
+func (e *Engine) shardIdx(key []byte) int { return int(maphash.Bytes(e.seed, key) % numShards) }
+
+func (e *Engine) shardOf(key []byte) *shard { return &e.shards[e.shardIdx(key)] }
+
+// lockKeys locks the shards of keys in index order (so that multi-key
+// operations never deadlock) and returns the unlock function.
+func (e *Engine) lockKeys(keys ...[]byte) func() {
+	if len(keys) == 1 {
+		sh := e.shardOf(keys[0])
+		sh.mu.Lock()
+		return sh.mu.Unlock
+	}
+	idx := make([]int, 0, len(keys))
+	for _, k := range keys {
+		idx = append(idx, e.shardIdx(k))
+	}
+	slices.Sort(idx)
+	idx = slices.Compact(idx)
+	for _, i := range idx {
+		e.shards[i].mu.Lock()
+	}
+	return func() {
+		for j := len(idx) - 1; j >= 0; j-- {
+			e.shards[idx[j]].mu.Unlock()
+		}
+	}
+}
+
+func (e *Engine) lockAll() func() {
+	for i := range e.shards {
+		e.shards[i].mu.Lock()
+	}
+	return func() {
+		for i := len(e.shards) - 1; i >= 0; i-- {
+			e.shards[i].mu.Unlock()
+		}
+	}
+}
+
+// slotLocked returns key's slot, loading it from the index if needed. The
+// shard's lock must be held.
+func (e *Engine) slotLocked(key []byte) (*slot, error) {
+	sh := e.shardOf(key)
+	if sl := sh.m[string(key)]; sl != nil {
+		return sl, nil
+	}
+	en, err := e.ix.Get(key)
+	if err != nil {
+		return nil, wrapCorrupt(err)
+	}
+	sl := &slot{e: en}
+	sl.size = slotSize(key, en)
+	sh.m[string(key)] = sl
+	sh.bytes += sl.size
+	e.evictLocked(sh)
+	return sl, nil
+}
+
+func slotSize(key []byte, en *index.Entry) int64 {
+	n := int64(len(key)) + 160
+	if en != nil {
+		n += int64(len(en.Reply) + len(en.Fingerprint) + len(en.ClaimFP))
+	}
+	return n
+}
+
+// evictLocked drops clean, unpinned slots while the shard is over its share
+// of CacheSize. Go's map iteration order is random, which makes this a
+// random eviction: cheap, and good enough in front of Pebble's own cache.
+func (e *Engine) evictLocked(sh *shard) {
+	limit := e.o.CacheSize / numShards
+	if sh.bytes <= limit {
+		return
+	}
+	target := limit - limit/8
+	for k, sl := range sh.m {
+		if sh.bytes <= target {
+			return
+		}
+		if sl.dirty != 0 || sl.waiters != nil || (sl.e != nil && sl.e.InFlight) {
+			continue
+		}
+		delete(sh.m, k)
+		sh.bytes -= sl.size
+	}
+}
+
+// setLocked publishes a new entry for a slot after its record was appended.
+func (e *Engine) setLocked(key []byte, sl *slot, en *index.Entry, lsn wal.LSN) {
+	sh := e.shardOf(key)
+	sh.bytes -= sl.size
+	sl.e = en
+	sl.dirty = lsn
+	sl.size = slotSize(key, en)
+	sh.bytes += sl.size
+}
+
+// current returns the slot's entry as the newest forget mark leaves it.
+func (e *Engine) current(sl *slot, mode byte) *index.Entry {
+	return index.Normalize(sl.e, mode, *e.mark.Load())
+}
+
+// expired says whether retention has expired en's reply (a decision made
+// with the clock now; the log learns of it through forget records).
+func (e *Engine) expired(en *index.Entry, now time.Time) bool {
+	return e.o.Retention > 0 && en.HasTimeKey() && en.CommitTime < now.Add(-e.o.Retention).UnixNano()
+}
+
+// getLocked is the Transitions callback for the live path: every key it is
+// asked for is locked by the caller.
+func (e *Engine) getLocked(key []byte, mode byte) (*index.Entry, error) {
+	sl, err := e.slotLocked(key)
+	if err != nil {
+		return nil, err
+	}
+	return e.current(sl, mode), nil
+}
+
+// appendOp appends op, whose transitions ts were computed with the caller
+// holding the locks of every key they touch, stamps the LSN into them and
+// publishes them to the slots. It returns the LSN; the caller still holds
+// the locks and waits for durability after releasing them.
+func (e *Engine) appendOp(op *wal.Op, ts []index.Transition) (wal.LSN, error) {
+	payload, err := wal.EncodeOp(nil, op)
+	if err != nil {
+		return 0, err
+	}
+	up := &index.Update{Transitions: ts}
+	lsn, err := e.w.AppendWith(op.Type, payload, func(lsn wal.LSN) any {
+		up.LSN = lsn
+		index.Stamp(ts, op.Type, lsn)
+		return up
+	})
+	if err != nil {
+		return 0, e.failure(err)
+	}
+	for _, t := range ts {
+		sl, err := e.slotLocked(t.Key)
+		if err != nil { // cannot happen: every key was loaded by getLocked
+			return 0, err
+		}
+		e.setLocked(t.Key, sl, t.Next, lsn)
+	}
+	return lsn, nil
+}
+
+func (e *Engine) failure(err error) error {
+	if errors.Is(err, wal.ErrClosed) {
+		return ErrClosed
+	}
+	if errors.Is(err, ErrFailed) {
+		return err
+	}
+	return fmt.Errorf("%w: %w", ErrFailed, err)
+}
+
+func (e *Engine) waitDurable(lsn wal.LSN) error {
+	if err := e.w.WaitDurable(lsn); err != nil {
+		return e.failure(err)
+	}
+	return nil
+}
+
+// ---- the API ----
+
+// Begin looks the request up and, if it is new, claims it for the caller.
+//
+//   - Fresh: the caller owns the id; run the side effect, then
+//     Result.Claim.Commit(reply) or Abort(). The claim is durable when Begin
+//     returns (unless Options.RelaxedClaims).
+//   - Done: Result.Reply is the committed reply; nothing must run.
+//   - InFlight: someone else owns the id until Result.LeaseUntil.
+//
+// Errors: ErrConflict (fingerprint mismatch), *SequenceGapError,
+// ErrAlreadyCommitted, ErrInvalidRequest, ErrClosed, ErrFailed.
+func (e *Engine) Begin(ctx context.Context, req Request) (Result, error) {
+	res, _, err := e.begin(ctx, req)
+	return res, err
+}
+
+func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error) {
+	k, err := e.validate(&req)
+	if err != nil {
+		return Result{}, k, err
+	}
+	if err := ctx.Err(); err != nil {
+		return Result{}, k, err
+	}
+	if err := e.enter(); err != nil {
+		return Result{}, k, err
+	}
+	defer e.leave()
+	fp := req.Fingerprint
+	if len(fp) == 0 {
+		fp = nil
+	}
+	now := e.o.Clock()
+	var unlock func()
+	if len(k.ackKey) == 0 {
+		unlock = e.lockKeys(k.key)
+	} else {
+		unlock = e.lockKeys(append([][]byte{k.key}, k.ackKey...)...)
+	}
+	sl, err := e.slotLocked(k.key)
+	if err != nil {
+		unlock()
+		return Result{}, k, err
+	}
+	cur := e.current(sl, k.mode)
+	takeover := false
+	if k.mode == index.ModeID {
+		switch {
+		case cur != nil && cur.Committed && !e.expired(cur, now):
+			if !fpMatch(cur.Fingerprint, fp) {
+				unlock()
+				e.st.conflicts.Add(1)
+				return Result{}, k, fmt.Errorf("%w: scope %q id %s", ErrConflict, k.scope, printable(k.ident))
+			}
+			res := doneResult(cur)
+			unlock()
+			e.st.hits.Add(1)
+			return res, k, e.waitDurable(cur.CommitLSN)
+		case cur != nil && cur.Committed:
+			e.st.expired.Add(1) // retention ran out: runs again as new (source 003, T+61m)
+		case cur != nil && cur.InFlight:
+			if !fpMatch(cur.ClaimFP, fp) {
+				unlock()
+				e.st.conflicts.Add(1)
+				return Result{}, k, fmt.Errorf("%w: scope %q id %s (in flight)", ErrConflict, k.scope, printable(k.ident))
+			}
+			if now.UnixNano() < cur.LeaseUntil {
+				res := Result{Status: InFlight, LeaseUntil: time.Unix(0, cur.LeaseUntil)}
+				unlock()
+				e.st.collisions.Add(1)
+				return res, k, nil
+			}
+			takeover = true
+		}
+	} else {
+		var last uint64
+		if cur != nil && cur.Committed {
+			last = cur.Seq
+		}
+		switch {
+		case k.seq <= last:
+			if k.seq == last && cur.ReplyKept && !e.expired(cur, now) {
+				if !fpMatch(cur.Fingerprint, fp) {
+					unlock()
+					e.st.conflicts.Add(1)
+					return Result{}, k, fmt.Errorf("%w: scope %q client %q seq %d", ErrConflict, k.scope, k.ident, k.seq)
+				}
+				res := doneResult(cur)
+				unlock()
+				e.st.hits.Add(1)
+				return res, k, e.waitDurable(cur.CommitLSN)
+			}
+			unlock()
+			e.st.alreadyCommitted.Add(1)
+			return Result{Seq: k.seq}, k, fmt.Errorf("%w: scope %q client %q seq %d (last committed %d)", ErrAlreadyCommitted, k.scope, k.ident, k.seq, last)
+		case k.seq == last+1:
+			if cur != nil && cur.InFlight {
+				if !fpMatch(cur.ClaimFP, fp) {
+					unlock()
+					e.st.conflicts.Add(1)
+					return Result{}, k, fmt.Errorf("%w: scope %q client %q seq %d (in flight)", ErrConflict, k.scope, k.ident, k.seq)
+				}
+				if now.UnixNano() < cur.LeaseUntil {
+					res := Result{Status: InFlight, LeaseUntil: time.Unix(0, cur.LeaseUntil), Seq: k.seq}
+					unlock()
+					e.st.collisions.Add(1)
+					return res, k, nil
+				}
+				takeover = true
+			}
+		default:
+			unlock()
+			e.st.gaps.Add(1)
+			return Result{}, k, &SequenceGapError{Scope: k.scope, Client: string(k.ident), Seq: k.seq, Last: last}
+		}
+	}
+	// Claim it.
+	lease := now.Add(e.o.Lease)
+	op := &wal.Op{
+		Type: wal.OpClaim, Scope: k.scope, Fingerprint: fp, Acked: k.acked,
+		Time: now.UnixNano(), LeaseUntil: lease.UnixNano(),
+	}
+	if k.mode == index.ModeID {
+		op.ID = k.ident
+		if cur == nil {
+			op.Flags |= wal.ClaimFlagNew
+		}
+	} else {
+		op.Client, op.Seq = string(k.ident), k.seq
+	}
+	ts, err := index.Transitions(op, 0, e.getLocked)
+	if err != nil {
+		unlock()
+		return Result{}, k, err
+	}
+	lsn, err := e.appendOp(op, ts)
+	unlock()
+	if err != nil {
+		return Result{}, k, err
+	}
+	if takeover {
+		e.st.takeovers.Add(1)
+	}
+	e.st.misses.Add(1)
+	if !e.o.RelaxedClaims {
+		if err := e.waitDurable(lsn); err != nil {
+			return Result{}, k, err
+		}
+	}
+	c := &Claim{e: e, k: k, lsn: lsn, fp: fp, leaseUntil: lease}
+	return Result{Status: Fresh, Claim: c, LeaseUntil: lease, Seq: k.seq}, k, nil
+}
+
+func doneResult(en *index.Entry) Result {
+	return Result{Status: Done, Reply: en.Reply, CommittedAt: time.Unix(0, en.CommitTime), Seq: en.Seq}
+}
+
+// fpMatch: an unchecked request matches anything; a checked one needs the
+// same fingerprint, and never matches an entry stored without one (source 001).
+func fpMatch(stored, asked []byte) bool {
+	if asked == nil {
+		return true
+	}
+	return stored != nil && string(stored) == string(asked)
+}
+
+// Claim is the ownership of one id handed out by a Fresh Begin (or by
+// InDoubt after a restart). Exactly one of Commit or Abort should be called.
+type Claim struct {
+	e          *Engine
+	k          reqKey
+	lsn        wal.LSN
+	fp         []byte
+	leaseUntil time.Time
+	finished   atomic.Bool
+}
+
+// LeaseUntil is when the claim's lease runs out.
+func (c *Claim) LeaseUntil() time.Time { return c.leaseUntil }
+
+// Commit stores reply as the id's reply, durably (in SyncAlways mode) when it
+// returns, and wakes callers waiting for it. If the lease ran out and another
+// caller took the id over, it returns ErrLeaseLost and changes nothing.
+func (c *Claim) Commit(ctx context.Context, reply []byte) error {
+	if len(reply) > c.e.o.MaxReplySize {
+		return invalid("reply of %d bytes exceeds %d", len(reply), c.e.o.MaxReplySize)
+	}
+	if reply == nil {
+		reply = []byte{}
+	}
+	return c.finish(ctx, wal.OpCommit, reply)
+}
+
+// Abort releases the id: it is unknown again (a sequence number is not
+// consumed). Use it when the side effect failed and did not happen.
+func (c *Claim) Abort(ctx context.Context) error {
+	return c.finish(ctx, wal.OpAbort, nil)
+}
+
+func (c *Claim) finish(ctx context.Context, typ byte, reply []byte) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	e := c.e
+	if err := e.enter(); err != nil {
+		return err
+	}
+	defer e.leave()
+	if c.finished.Swap(true) {
+		return fmt.Errorf("%w: claim on %s was already finished", ErrLeaseLost, printable(c.k.ident))
+	}
+	k := c.k
+	unlock := e.lockKeys(k.key)
+	sl, err := e.slotLocked(k.key)
+	if err != nil {
+		unlock()
+		return err
+	}
+	cur := e.current(sl, k.mode)
+	if cur == nil || !cur.InFlight || cur.ClaimLSN != c.lsn {
+		unlock()
+		e.st.leaseLost.Add(1)
+		return fmt.Errorf("%w: scope %q %s", ErrLeaseLost, k.scope, printable(k.ident))
+	}
+	op := &wal.Op{Type: typ, Scope: k.scope, ClaimLSN: c.lsn, Time: e.o.Clock().UnixNano(), Reply: reply}
+	if k.mode == index.ModeID {
+		op.ID = k.ident
+	} else {
+		op.Client, op.Seq = string(k.ident), k.seq
+	}
+	ts, err := index.Transitions(op, 0, e.getLocked)
+	if err != nil {
+		unlock()
+		return err
+	}
+	lsn, err := e.appendOp(op, ts)
+	var waiters chan struct{}
+	if err == nil {
+		waiters, sl.waiters = sl.waiters, nil
+	}
+	unlock()
+	if err != nil {
+		return err
+	}
+	err = e.waitDurable(lsn)
+	if waiters != nil {
+		close(waiters)
+	}
+	return err
+}
+
+// Do runs fn exactly once for the request: a new id runs fn and commits its
+// reply (or aborts on its error, so that a retry runs again); a committed id
+// returns the stored reply; while another caller runs the id, Do waits for
+// it (bounded by ctx). If fn panics the claim is aborted and the panic goes on.
+func (e *Engine) Do(ctx context.Context, req Request, fn func(context.Context) ([]byte, error)) ([]byte, error) {
+	for {
+		res, k, err := e.begin(ctx, req)
+		if err != nil {
+			return nil, err
+		}
+		switch res.Status {
+		case Done:
+			return res.Reply, nil
+		case Fresh:
+			return e.run(ctx, res.Claim, fn)
+		case InFlight:
+			if _, err := e.waitKey(ctx, k); err != nil {
+				return nil, err
+			}
+		}
+	}
+}
+
+func (e *Engine) run(ctx context.Context, c *Claim, fn func(context.Context) ([]byte, error)) (reply []byte, err error) {
+	done := false
+	defer func() {
+		if !done {
+			_ = c.Abort(context.WithoutCancel(ctx))
+		}
+	}()
+	reply, err = fn(ctx)
+	if err != nil {
+		done = true
+		if aerr := c.Abort(context.WithoutCancel(ctx)); aerr != nil {
+			return nil, errors.Join(err, aerr)
+		}
+		return nil, err
+	}
+	done = true
+	if err := c.Commit(context.WithoutCancel(ctx), reply); err != nil {
+		return nil, err
+	}
+	return reply, nil
+}
+
+// Wait blocks until the id is no longer in flight (or its lease runs out, or
+// ctx ends) and returns what Lookup then says.
+func (e *Engine) Wait(ctx context.Context, scope string, id []byte) (Result, error) {
+	k, err := e.validate(&Request{Scope: scope, ID: id})
+	if err != nil {
+		return Result{}, err
+	}
+	return e.waitKey(ctx, k)
+}
+
+func (e *Engine) waitKey(ctx context.Context, k reqKey) (Result, error) {
+	for {
+		if err := ctx.Err(); err != nil {
+			return Result{}, err
+		}
+		if err := e.enter(); err != nil {
+			return Result{}, err
+		}
+		unlock := e.lockKeys(k.key)
+		sl, err := e.slotLocked(k.key)
+		if err != nil {
+			unlock()
+			e.leave()
+			return Result{}, err
+		}
+		cur := e.current(sl, k.mode)
+		now := e.o.Clock()
+		if cur != nil && cur.InFlight && (k.mode == index.ModeID || cur.ClaimSeq == k.seq) && now.UnixNano() < cur.LeaseUntil {
+			if sl.waiters == nil {
+				sl.waiters = make(chan struct{})
+			}
+			ch := sl.waiters
+			left := time.Duration(cur.LeaseUntil - now.UnixNano())
+			unlock()
+			e.leave()
+			t := time.NewTimer(left)
+			select {
+			case <-ch:
+			case <-t.C:
+			case <-ctx.Done():
+				t.Stop()
+				return Result{}, ctx.Err()
+			}
+			t.Stop()
+			continue
+		}
+		res := e.resultLocked(cur, k, now)
+		unlock()
+		e.leave()
+		if res.Status == Done {
+			if err := e.waitDurable(cur.CommitLSN); err != nil {
+				return Result{}, err
+			}
+		}
+		return res, nil
+	}
+}
+
+func (e *Engine) resultLocked(cur *index.Entry, k reqKey, now time.Time) Result {
+	if cur == nil {
+		return Result{Status: Absent}
+	}
+	if k.mode == index.ModeClient {
+		if cur.InFlight && (k.seq == 0 || k.seq == cur.ClaimSeq) {
+			return Result{Status: InFlight, LeaseUntil: time.Unix(0, cur.LeaseUntil), Seq: cur.ClaimSeq}
+		}
+		if cur.Committed && cur.ReplyKept && !e.expired(cur, now) && (k.seq == 0 || k.seq == cur.Seq) {
+			return doneResult(cur)
+		}
+		return Result{Status: Absent, Seq: k.seq}
+	}
+	if cur.InFlight {
+		return Result{Status: InFlight, LeaseUntil: time.Unix(0, cur.LeaseUntil)}
+	}
+	if cur.Committed && !e.expired(cur, now) {
+		return doneResult(cur)
+	}
+	return Result{Status: Absent}
+}
+
+// Lookup reports what the engine knows of an id without claiming it:
+// Absent, Done (with the reply) or InFlight. It does not count as a hit or
+// a miss.
+func (e *Engine) Lookup(scope string, id []byte) (Result, error) {
+	k, err := e.validate(&Request{Scope: scope, ID: id})
+	if err != nil {
+		return Result{}, err
+	}
+	return e.lookup(k)
+}
+
+// LookupSeq is Lookup for sequence mode: what the engine knows of a
+// client's request seq.
+func (e *Engine) LookupSeq(scope, client string, seq uint64) (Result, error) {
+	k, err := e.validate(&Request{Scope: scope, Client: client, Seq: seq})
+	if err != nil {
+		return Result{}, err
+	}
+	return e.lookup(k)
+}
+
+func (e *Engine) lookup(k reqKey) (Result, error) {
+	if err := e.enter(); err != nil {
+		return Result{}, err
+	}
+	defer e.leave()
+	unlock := e.lockKeys(k.key)
+	sl, err := e.slotLocked(k.key)
+	if err != nil {
+		unlock()
+		return Result{}, err
+	}
+	cur := e.current(sl, k.mode)
+	res := e.resultLocked(cur, k, e.o.Clock())
+	unlock()
+	if res.Status == Done {
+		if err := e.waitDurable(cur.CommitLSN); err != nil {
+			return Result{}, err
+		}
+	}
+	return res, nil
+}
+
+// ClientState returns the client's last committed sequence number in scope
+// (0 for a client never seen). The client resumes at that number + 1.
+func (e *Engine) ClientState(scope, client string) (uint64, error) {
+	if client == "" || len(client) > e.o.MaxIDLen || len(scope) > e.o.MaxIDLen {
+		return 0, invalid("client name must be 1..%d bytes", e.o.MaxIDLen)
+	}
+	if err := e.enter(); err != nil {
+		return 0, err
+	}
+	defer e.leave()
+	key := index.EntryKey(nil, scope, index.ModeClient, []byte(client))
+	unlock := e.lockKeys(key)
+	defer unlock()
+	sl, err := e.slotLocked(key)
+	if err != nil {
+		return 0, err
+	}
+	if sl.e == nil || !sl.e.Committed {
+		return 0, nil
+	}
+	if err := e.waitDurable(sl.e.CommitLSN); err != nil {
+		return 0, err
+	}
+	return sl.e.Seq, nil
+}
+
+// Ack removes committed ids whose replies the client has received (source
+// 000), by a logged record, so that replay removes them too. Unknown and
+// in-flight ids are ignored. Durable when it returns (SyncAlways).
+func (e *Engine) Ack(ctx context.Context, scope string, ids ...[]byte) error {
+	if len(ids) == 0 {
+		return nil
+	}
+	if len(scope) > e.o.MaxIDLen {
+		return invalid("scope of %d bytes exceeds %d", len(scope), e.o.MaxIDLen)
+	}
+	keys := make([][]byte, 0, len(ids))
+	for _, id := range ids {
+		if len(id) == 0 || len(id) > e.o.MaxIDLen {
+			return invalid("acked id of %d bytes (want 1..%d)", len(id), e.o.MaxIDLen)
+		}
+		keys = append(keys, index.EntryKey(nil, scope, index.ModeID, id))
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if err := e.enter(); err != nil {
+		return err
+	}
+	defer e.leave()
+	unlock := e.lockKeys(keys...)
+	op := &wal.Op{Type: wal.OpAck, Scope: scope, Acked: ids, Time: e.o.Clock().UnixNano()}
+	ts, err := index.Transitions(op, 0, e.getLocked)
+	if err != nil || len(ts) == 0 {
+		unlock()
+		return err // nothing to remove: nothing to log
+	}
+	lsn, err := e.appendOp(op, ts)
+	unlock()
+	if err != nil {
+		return err
+	}
+	return e.waitDurable(lsn)
+}
+
+// Forget appends the administrator's tombstone "forget every reply
+// committed before before" (source 000). Ids forgotten run again as new;
+// sequence-mode clients keep their last sequence number (a retry at or
+// below it is ErrAlreadyCommitted). A forget never moves backwards: a
+// before earlier than a previous one changes nothing. Durable when it
+// returns (SyncAlways).
+func (e *Engine) Forget(ctx context.Context, before time.Time) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if err := e.enter(); err != nil {
+		return err
+	}
+	defer e.leave()
+	unlock := e.lockAll()
+	cur := *e.mark.Load()
+	b := max(before.UnixNano(), cur.Before)
+	op := &wal.Op{Type: wal.OpForget, Before: b, Time: e.o.Clock().UnixNano()}
+	payload, err := wal.EncodeOp(nil, op)
+	if err != nil {
+		unlock()
+		return err
+	}
+	lsn, err := e.w.AppendWith(wal.OpForget, payload, func(lsn wal.LSN) any {
+		return &index.Update{LSN: lsn, Forget: &index.Mark{Before: b, LSN: lsn}}
+	})
+	if err != nil {
+		unlock()
+		return e.failure(err)
+	}
+	e.mark.Store(&index.Mark{Before: b, LSN: lsn})
+	unlock()
+	return e.waitDurable(lsn)
+}
+
+// InDoubtClaim is a claim found in flight when the engine opened: its
+// owner crashed (or closed) between Begin and Commit, so whether the side
+// effect happened is unknown to idem. Retries see InFlight until the lease
+// runs out. Resolve it with Claim.Commit (recover-and-commit) or
+// Claim.Abort (recover-and-abort), source 004.
+type InDoubtClaim struct {
+	Scope       string
+	ID          []byte // id mode
+	Client      string // sequence mode
+	Seq         uint64
+	Fingerprint []byte
+	ClaimedAt   time.Time
+	LeaseUntil  time.Time
+	Claim       *Claim
+}
+
+type inDoubtRef struct {
+	key      []byte
+	claimLSN wal.LSN
+}
+
+// InDoubt lists the claims that were in flight when the engine opened and
+// are still unresolved.
+func (e *Engine) InDoubt() ([]InDoubtClaim, error) {
+	if err := e.enter(); err != nil {
+		return nil, err
+	}
+	defer e.leave()
+	e.inDoubtMu.Lock()
+	defer e.inDoubtMu.Unlock()
+	var out []InDoubtClaim
+	keep := e.inDoubt[:0]
+	for _, r := range e.inDoubt {
+		unlock := e.lockKeys(r.key)
+		sl, err := e.slotLocked(r.key)
+		if err != nil {
+			unlock()
+			return nil, err
+		}
+		cur := sl.e
+		unlock()
+		if cur == nil || !cur.InFlight || cur.ClaimLSN != r.claimLSN {
+			continue // resolved, or taken over by a new claim
+		}
+		keep = append(keep, r)
+		scope, mode, ident, err := index.ParseEntryKey(r.key)
+		if err != nil {
+			return nil, wrapCorrupt(err)
+		}
+		k := reqKey{scope: scope, mode: mode, ident: append([]byte(nil), ident...), key: r.key}
+		d := InDoubtClaim{Scope: scope, Fingerprint: cur.ClaimFP, ClaimedAt: time.Unix(0, cur.ClaimTime), LeaseUntil: time.Unix(0, cur.LeaseUntil)}
+		if mode == index.ModeID {
+			d.ID = k.ident
+		} else {
+			d.Client, d.Seq, k.seq = string(k.ident), cur.ClaimSeq, cur.ClaimSeq
+		}
+		d.Claim = &Claim{e: e, k: k, lsn: cur.ClaimLSN, fp: cur.ClaimFP, leaseUntil: d.LeaseUntil}
+		out = append(out, d)
+	}
+	e.inDoubt = keep
+	return out, nil
+}
+
+// Stats are the engine's counters and sizes.
+type Stats struct {
+	Hits               uint64 // Begin returned Done (source 003 idempotency.hit)
+	Misses             uint64 // Begin returned Fresh (idempotency.miss)
+	Conflicts          uint64 // ErrConflict (idempotency.conflict)
+	InFlightCollisions uint64 // Begin returned InFlight (idempotency.processing_collision)
+	Cleanups           uint64 // replies removed by forget records (idempotency.cleanup.count)
+	Expired            uint64 // ids found expired by retention at Begin and run again
+	SequenceGaps       uint64
+	AlreadyCommitted   uint64
+	LeaseLost          uint64
+	Takeovers          uint64 // claims taken over after their lease ran out
+
+	LiveEntries int64 // entries in the index (as of AppliedLSN)
+	InDoubt     int   // claims found in flight at Open, still unresolved
+	CacheBytes  int64 // accounted size of the in-memory table
+
+	WALBytes     int64
+	WALSegments  int
+	LastLSN      uint64 // last record appended
+	DurableLSN   uint64 // last record fsynced
+	AppliedLSN   uint64 // last record applied to the index
+	TornTailsCut int
+	IndexBytes   uint64
+}
+
+// Stats returns a snapshot of the counters.
+func (e *Engine) Stats() Stats {
+	s := Stats{
+		Hits:               e.st.hits.Load(),
+		Misses:             e.st.misses.Load(),
+		Conflicts:          e.st.conflicts.Load(),
+		InFlightCollisions: e.st.collisions.Load(),
+		Expired:            e.st.expired.Load(),
+		SequenceGaps:       e.st.gaps.Load(),
+		AlreadyCommitted:   e.st.alreadyCommitted.Load(),
+		LeaseLost:          e.st.leaseLost.Load(),
+		Takeovers:          e.st.takeovers.Load(),
+		LiveEntries:        e.ix.Count(),
+		Cleanups:           e.ix.Forgotten(),
+		AppliedLSN:         uint64(e.ix.Applied()),
+	}
+	ws := e.w.Stats()
+	s.WALBytes, s.WALSegments = ws.Bytes, ws.Segments
+	s.LastLSN, s.DurableLSN, s.TornTailsCut = uint64(ws.LastLSN), uint64(ws.SyncedLSN), ws.TornTailsCut
+	for i := range e.shards {
+		sh := &e.shards[i]
+		sh.mu.Lock()
+		s.CacheBytes += sh.bytes
+		sh.mu.Unlock()
+	}
+	e.inDoubtMu.Lock()
+	s.InDoubt = len(e.inDoubt)
+	e.inDoubtMu.Unlock()
+	if !e.closed.Load() {
+		s.IndexBytes = e.ix.DiskUsage()
+	}
+	return s
+}
+
+// Dir returns the engine's directory.
+func (e *Engine) Dir() string { return e.dir }
+
+// printable renders an id for error messages: text when printable, else hex.
+func printable(b []byte) string {
+	for _, c := range b {
+		if c < 0x20 || c > 0x7e {
+			return fmt.Sprintf("0x%x", b)
+		}
+	}
+	return fmt.Sprintf("%q", b)
+}

@@ -1,0 +1,1065 @@
+package idem
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/cockroachdb/pebble/v2/vfs"
+	"github.com/cockroachdb/pebble/v2/vfs/errorfs"
+)
+
+var bg = context.Background()
+
+type fakeClock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func newClock() *fakeClock { return &fakeClock{t: time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)} }
+
+func (c *fakeClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.t
+}
+
+func (c *fakeClock) Advance(d time.Duration) {
+	c.mu.Lock()
+	c.t = c.t.Add(d)
+	c.mu.Unlock()
+}
+
+func openMem(t testing.TB, fs vfs.FS, o *Options) *Engine {
+	t.Helper()
+	var opts Options
+	if o != nil {
+		opts = *o
+	}
+	opts.FS = fs
+	e, err := Open("db", &opts)
+	if err != nil {
+		t.Fatalf("open: %v", err)
+	}
+	return e
+}
+
+func mustBegin(t testing.TB, e *Engine, r Request, want Status) Result {
+	t.Helper()
+	res, err := e.Begin(bg, r)
+	if err != nil {
+		t.Fatalf("begin %q: %v", r.ID, err)
+	}
+	if res.Status != want {
+		t.Fatalf("begin %q: status %v, want %v", r.ID, res.Status, want)
+	}
+	return res
+}
+
+func id(s string) []byte { return []byte(s) }
+
+func TestStatusesAndFingerprints(t *testing.T) {
+	e := openMem(t, vfs.NewMem(), nil)
+	defer e.Close()
+	r := Request{Scope: "s", ID: id("a"), Fingerprint: id("fp1")}
+	res := mustBegin(t, e, r, Fresh)
+	in := mustBegin(t, e, r, InFlight)
+	if !in.LeaseUntil.Equal(res.LeaseUntil) {
+		t.Fatalf("lease %v != %v", in.LeaseUntil, res.LeaseUntil)
+	}
+	if _, err := e.Begin(bg, Request{Scope: "s", ID: id("a"), Fingerprint: id("other")}); !errors.Is(err, ErrConflict) {
+		t.Fatalf("in-flight conflict: %v", err)
+	}
+	if err := res.Claim.Commit(bg, id("reply-a")); err != nil {
+		t.Fatal(err)
+	}
+	d := mustBegin(t, e, r, Done)
+	if string(d.Reply) != "reply-a" {
+		t.Fatalf("reply %q", d.Reply)
+	}
+	// Unchecked retry of a checked entry is fine; a different fingerprint is not.
+	mustBegin(t, e, Request{Scope: "s", ID: id("a")}, Done)
+	if _, err := e.Begin(bg, Request{Scope: "s", ID: id("a"), Fingerprint: id("fp2")}); !errors.Is(err, ErrConflict) {
+		t.Fatalf("conflict: %v", err)
+	}
+	// An entry stored without a fingerprint never satisfies a checked request.
+	res = mustBegin(t, e, Request{Scope: "s", ID: id("u")}, Fresh)
+	if err := res.Claim.Commit(bg, nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.Begin(bg, Request{Scope: "s", ID: id("u"), Fingerprint: id("x")}); !errors.Is(err, ErrConflict) {
+		t.Fatalf("unchecked entry, checked request: %v", err)
+	}
+	if d := mustBegin(t, e, Request{Scope: "s", ID: id("u")}, Done); d.Reply == nil || len(d.Reply) != 0 {
+		t.Fatalf("empty reply should be empty, got %v", d.Reply)
+	}
+	// Scopes are separate id spaces.
+	mustBegin(t, e, Request{Scope: "t", ID: id("a")}, Fresh)
+	// Lookup.
+	if l, _ := e.Lookup("s", id("a")); l.Status != Done || string(l.Reply) != "reply-a" {
+		t.Fatalf("lookup %+v", l)
+	}
+	if l, _ := e.Lookup("s", id("zz")); l.Status != Absent {
+		t.Fatalf("lookup absent %+v", l)
+	}
+	if l, _ := e.Lookup("t", id("a")); l.Status != InFlight {
+		t.Fatalf("lookup in flight %+v", l)
+	}
+	st := e.Stats()
+	if st.Hits != 3 || st.Misses != 3 || st.Conflicts != 3 || st.InFlightCollisions != 1 {
+		t.Fatalf("stats %+v", st)
+	}
+}
+
+func TestAbortFreesID(t *testing.T) {
+	e := openMem(t, vfs.NewMem(), nil)
+	defer e.Close()
+	r := Request{ID: id("a")}
+	res := mustBegin(t, e, r, Fresh)
+	if err := res.Claim.Abort(bg); err != nil {
+		t.Fatal(err)
+	}
+	if err := res.Claim.Commit(bg, id("x")); !errors.Is(err, ErrLeaseLost) {
+		t.Fatalf("commit after abort: %v", err)
+	}
+	res = mustBegin(t, e, r, Fresh)
+	if err := res.Claim.Commit(bg, id("x")); err != nil {
+		t.Fatal(err)
+	}
+	mustBegin(t, e, r, Done)
+}
+
+func TestLeaseTakeoverFencing(t *testing.T) {
+	clk := newClock()
+	e := openMem(t, vfs.NewMem(), &Options{Clock: clk.Now, Lease: time.Minute})
+	defer e.Close()
+	r := Request{ID: id("a")}
+	old := mustBegin(t, e, r, Fresh)
+	clk.Advance(30 * time.Second)
+	mustBegin(t, e, r, InFlight)
+	clk.Advance(31 * time.Second)
+	nw := mustBegin(t, e, r, Fresh) // lease ran out: taken over
+	if err := old.Claim.Commit(bg, id("old")); !errors.Is(err, ErrLeaseLost) {
+		t.Fatalf("fenced commit: %v", err)
+	}
+	if err := nw.Claim.Commit(bg, id("new")); err != nil {
+		t.Fatal(err)
+	}
+	if d := mustBegin(t, e, r, Done); string(d.Reply) != "new" {
+		t.Fatalf("reply %q", d.Reply)
+	}
+	// A claim whose lease ran out but was not taken over still commits.
+	c := mustBegin(t, e, Request{ID: id("b")}, Fresh)
+	clk.Advance(2 * time.Minute)
+	if err := c.Claim.Commit(bg, id("late")); err != nil {
+		t.Fatalf("late commit: %v", err)
+	}
+	if st := e.Stats(); st.Takeovers != 1 || st.LeaseLost != 1 {
+		t.Fatalf("stats %+v", st)
+	}
+}
+
+func TestInvalidRequests(t *testing.T) {
+	e := openMem(t, vfs.NewMem(), &Options{MaxIDLen: 16})
+	defer e.Close()
+	for name, r := range map[string]Request{
+		"empty":          {},
+		"both":           {ID: id("a"), Client: "c", Seq: 1},
+		"seq only":       {Seq: 3},
+		"client no seq":  {Client: "c"},
+		"long id":        {ID: bytes.Repeat(id("x"), 17)},
+		"long scope":     {Scope: strings.Repeat("s", 17), ID: id("a")},
+		"ack self":       {ID: id("a"), Acked: [][]byte{id("a")}},
+		"empty ack":      {ID: id("a"), Acked: [][]byte{{}}},
+		"long fp":        {ID: id("a"), Fingerprint: bytes.Repeat(id("f"), 17)},
+		"id and seq":     {ID: id("a"), Seq: 2},
+		"long client":    {Client: strings.Repeat("c", 17), Seq: 1},
+		"id with client": {ID: id("a"), Client: "c"},
+	} {
+		if _, err := e.Begin(bg, r); !errors.Is(err, ErrInvalidRequest) {
+			t.Errorf("%s: %v", name, err)
+		}
+	}
+	if _, err := e.Do(bg, Request{}, nil); !errors.Is(err, ErrInvalidRequest) {
+		t.Errorf("do: %v", err)
+	}
+}
+
+func TestSequenceMode(t *testing.T) {
+	fs := vfs.NewMem()
+	e := openMem(t, fs, nil)
+	seq := func(n uint64) Request { return Request{Scope: "ns", Client: "c1", Seq: n} }
+	if n, _ := e.ClientState("ns", "c1"); n != 0 {
+		t.Fatalf("fresh client state %d", n)
+	}
+	var gap *SequenceGapError
+	if _, err := e.Begin(bg, seq(2)); !errors.As(err, &gap) || gap.Last != 0 || !errors.Is(err, ErrSequenceGap) {
+		t.Fatalf("gap on a new client: %v", err)
+	}
+	r := mustBegin(t, e, seq(1), Fresh)
+	mustBegin(t, e, seq(1), InFlight)
+	if _, err := e.Begin(bg, seq(2)); !errors.As(err, &gap) || gap.Last != 0 {
+		t.Fatalf("gap while 1 in flight: %v", err)
+	}
+	if err := r.Claim.Commit(bg, id("r1")); err != nil {
+		t.Fatal(err)
+	}
+	if d := mustBegin(t, e, seq(1), Done); string(d.Reply) != "r1" || d.Seq != 1 {
+		t.Fatalf("dup %+v", d)
+	}
+	if _, err := e.Begin(bg, seq(3)); !errors.As(err, &gap) || gap.Last != 1 {
+		t.Fatalf("gap: %v", err)
+	}
+	// An aborted sequence number is not consumed.
+	r = mustBegin(t, e, seq(2), Fresh)
+	if err := r.Claim.Abort(bg); err != nil {
+		t.Fatal(err)
+	}
+	if n, _ := e.ClientState("ns", "c1"); n != 1 {
+		t.Fatalf("state after abort %d", n)
+	}
+	r = mustBegin(t, e, seq(2), Fresh)
+	if err := r.Claim.Commit(bg, id("r2")); err != nil {
+		t.Fatal(err)
+	}
+	// Starting seq 2 promised seq 1 is never retried: its reply is gone.
+	if _, err := e.Begin(bg, seq(1)); !errors.Is(err, ErrAlreadyCommitted) {
+		t.Fatalf("old seq: %v", err)
+	}
+	if d := mustBegin(t, e, seq(2), Done); string(d.Reply) != "r2" {
+		t.Fatalf("dup 2 %+v", d)
+	}
+	// Other scope, other client: separate streams.
+	mustBegin(t, e, Request{Scope: "other", Client: "c1", Seq: 1}, Fresh)
+	mustBegin(t, e, Request{Scope: "ns", Client: "c2", Seq: 1}, Fresh)
+	// Do in sequence mode.
+	out, err := e.Do(bg, seq(3), func(context.Context) ([]byte, error) { return id("r3"), nil })
+	if err != nil || string(out) != "r3" {
+		t.Fatalf("do: %q %v", out, err)
+	}
+	if d := mustBegin(t, e, seq(3), Done); string(d.Reply) != "r3" {
+		t.Fatalf("dup 3 %+v", d)
+	}
+	// A failure consumes no sequence number.
+	_, err = e.Do(bg, seq(4), func(context.Context) ([]byte, error) { return nil, errors.New("boom") })
+	if err == nil || err.Error() != "boom" {
+		t.Fatalf("do failure: %v", err)
+	}
+	if n, _ := e.ClientState("ns", "c1"); n != 3 {
+		t.Fatalf("state %d", n)
+	}
+	// Starting seq 4 (even if it failed) promised seq 3 is never retried.
+	if _, err := e.Begin(bg, seq(3)); !errors.Is(err, ErrAlreadyCommitted) {
+		t.Fatalf("seq 3 after seq 4 started: %v", err)
+	}
+	e.Close()
+	e = openMem(t, fs, nil)
+	defer e.Close()
+	if n, _ := e.ClientState("ns", "c1"); n != 3 {
+		t.Fatalf("state after reopen %d", n)
+	}
+	if _, err := e.Begin(bg, seq(2)); !errors.Is(err, ErrAlreadyCommitted) {
+		t.Fatalf("after reopen old seq: %v", err)
+	}
+	r = mustBegin(t, e, seq(4), Fresh)
+	if err := r.Claim.Commit(bg, id("r4")); err != nil {
+		t.Fatal(err)
+	}
+	if d := mustBegin(t, e, seq(4), Done); string(d.Reply) != "r4" {
+		t.Fatalf("after reopen %+v", d)
+	}
+	mustBegin(t, e, Request{Scope: "ns", Client: "c2", Seq: 1}, InFlight)
+}
+
+func commitID(t testing.TB, e *Engine, r Request, reply string) {
+	t.Helper()
+	res := mustBegin(t, e, r, Fresh)
+	if err := res.Claim.Commit(bg, []byte(reply)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestAckAndForgetSurviveReplay(t *testing.T) {
+	fs := vfs.NewMem()
+	clk := newClock()
+	e := openMem(t, fs, &Options{Clock: clk.Now})
+	for i := 0; i < 10; i++ {
+		commitID(t, e, Request{Scope: "s", ID: []byte(fmt.Sprint("old", i))}, "r")
+	}
+	commitID(t, e, Request{Client: "c", Seq: 1, Scope: "s"}, "seq1")
+	clk.Advance(time.Hour)
+	cut := clk.Now()
+	clk.Advance(time.Minute)
+	for i := 0; i < 10; i++ {
+		commitID(t, e, Request{Scope: "s", ID: []byte(fmt.Sprint("new", i))}, "r")
+	}
+	// Ack via a request's Acked list and via Ack.
+	commitID(t, e, Request{Scope: "s", ID: id("carrier"), Acked: [][]byte{id("new0"), id("new1"), id("unknown")}}, "r")
+	if err := e.Ack(bg, "s", id("new2"), id("new3")); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Forget(bg, cut); err != nil {
+		t.Fatal(err)
+	}
+	check := func(e *Engine) {
+		t.Helper()
+		for i := 0; i < 10; i++ {
+			want := Done
+			if i < 4 {
+				want = Absent
+			}
+			if l, _ := e.Lookup("s", []byte(fmt.Sprint("new", i))); l.Status != want {
+				t.Fatalf("new%d: %v want %v", i, l.Status, want)
+			}
+			if l, _ := e.Lookup("s", []byte(fmt.Sprint("old", i))); l.Status != Absent {
+				t.Fatalf("old%d: %v", i, l.Status)
+			}
+		}
+		if n, _ := e.ClientState("s", "c"); n != 1 {
+			t.Fatalf("forget must keep the sequence number, got %d", n)
+		}
+		if _, err := e.Begin(bg, Request{Scope: "s", Client: "c", Seq: 1}); !errors.Is(err, ErrAlreadyCommitted) {
+			t.Fatalf("forgotten seq reply: %v", err)
+		}
+	}
+	check(e)
+	// Let the applier catch up, then check what the index counts.
+	waitApplied(t, e)
+	if st := e.Stats(); st.LiveEntries != 6+1+1 || st.Cleanups != 11 {
+		t.Fatalf("stats after forget: live %d cleanups %d", st.LiveEntries, st.Cleanups)
+	}
+	e.Close()
+	e = openMem(t, fs, &Options{Clock: clk.Now})
+	defer e.Close()
+	check(e)
+	if st := e.Stats(); st.LiveEntries != 8 {
+		t.Fatalf("live after reopen %d", st.LiveEntries)
+	}
+	// A forgotten id runs again as new.
+	mustBegin(t, e, Request{Scope: "s", ID: id("old1")}, Fresh)
+}
+
+func waitApplied(t testing.TB, e *Engine) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		st := e.Stats()
+		if st.AppliedLSN >= st.LastLSN {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("applier stuck: %+v", st)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// snapshotState collects every Lookup answer for the given ids.
+func snapshotState(t testing.TB, e *Engine, scopes []string, ids [][]byte) map[string]string {
+	t.Helper()
+	out := map[string]string{}
+	for _, s := range scopes {
+		for _, i := range ids {
+			l, err := e.Lookup(s, i)
+			if err != nil {
+				t.Fatal(err)
+			}
+			out[s+"/"+string(i)] = fmt.Sprintf("%v:%s", l.Status, l.Reply)
+		}
+	}
+	return out
+}
+
+func TestReopenReplayEqualsState(t *testing.T) {
+	fs := vfs.NewMem()
+	clk := newClock()
+	opts := &Options{Clock: clk.Now, SegmentSize: 16 << 10}
+	e := openMem(t, fs, opts)
+	rng := rand.New(rand.NewPCG(1, 2))
+	scopes := []string{"a", "b"}
+	var ids [][]byte
+	for i := 0; i < 300; i++ {
+		ids = append(ids, []byte(fmt.Sprint("id", i)))
+	}
+	var open []*Claim
+	for i := 0; i < 3000; i++ {
+		s := scopes[rng.IntN(2)]
+		x := ids[rng.IntN(len(ids))]
+		switch rng.IntN(10) {
+		case 0:
+			_ = e.Ack(bg, s, x)
+		case 1:
+			if len(open) > 0 {
+				_ = open[0].Abort(bg)
+				open = open[1:]
+			}
+		default:
+			res, err := e.Begin(bg, Request{Scope: s, ID: x})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.Status == Fresh {
+				if rng.IntN(4) == 0 {
+					open = append(open, res.Claim)
+				} else if err := res.Claim.Commit(bg, []byte(fmt.Sprint("reply", i))); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		clk.Advance(time.Second)
+		if i == 1500 {
+			if err := e.Forget(bg, clk.Now().Add(-10*time.Minute)); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	before := snapshotState(t, e, scopes, ids)
+	live := e.Stats().LiveEntries
+	waitApplied(t, e)
+	live = e.Stats().LiveEntries
+	e.Close()
+	// Reopen: the index was flushed; then again from scratch by deleting
+	// the index, which replays the whole WAL.
+	e = openMem(t, fs, opts)
+	if after := snapshotState(t, e, scopes, ids); !equalMaps(before, after) {
+		t.Fatalf("state differs after reopen")
+	}
+	e.Close()
+	if err := fs.RemoveAll("db/index"); err != nil {
+		t.Fatal(err)
+	}
+	e = openMem(t, fs, opts)
+	defer e.Close()
+	if after := snapshotState(t, e, scopes, ids); !equalMaps(before, after) {
+		t.Fatalf("state differs after full replay")
+	}
+	if got := e.Stats().LiveEntries; got != live {
+		t.Fatalf("live entries %d after full replay, want %d", got, live)
+	}
+}
+
+func equalMaps(a, b map[string]string) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for k, v := range a {
+		if b[k] != v {
+			return false
+		}
+	}
+	return true
+}
+
+func TestConcurrentDoRunsOnce(t *testing.T) {
+	e := openMem(t, vfs.NewMem(), nil)
+	defer e.Close()
+	var runs atomic.Int64
+	var wg sync.WaitGroup
+	replies := make([][]byte, 1000)
+	errs := make([]error, 1000)
+	start := make(chan struct{})
+	for i := 0; i < 1000; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			<-start
+			replies[i], errs[i] = e.Do(bg, Request{Scope: "s", ID: id("one")}, func(context.Context) ([]byte, error) {
+				runs.Add(1)
+				time.Sleep(5 * time.Millisecond)
+				return id("the reply"), nil
+			})
+		}(i)
+	}
+	close(start)
+	wg.Wait()
+	if runs.Load() != 1 {
+		t.Fatalf("fn ran %d times", runs.Load())
+	}
+	for i := range replies {
+		if errs[i] != nil || string(replies[i]) != "the reply" {
+			t.Fatalf("caller %d: %q %v", i, replies[i], errs[i])
+		}
+	}
+}
+
+func TestConcurrentBeginExactlyOneFresh(t *testing.T) {
+	e := openMem(t, vfs.NewMem(), nil)
+	defer e.Close()
+	for round := 0; round < 50; round++ {
+		var fresh atomic.Int64
+		var wg sync.WaitGroup
+		for g := 0; g < 16; g++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				res, err := e.Begin(bg, Request{ID: []byte(fmt.Sprint("k", round))})
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				if res.Status == Fresh {
+					fresh.Add(1)
+				}
+			}()
+		}
+		wg.Wait()
+		if fresh.Load() != 1 {
+			t.Fatalf("round %d: %d callers got Fresh", round, fresh.Load())
+		}
+	}
+}
+
+func TestDoAbortsOnErrorAndPanic(t *testing.T) {
+	e := openMem(t, vfs.NewMem(), nil)
+	defer e.Close()
+	r := Request{ID: id("p")}
+	func() {
+		defer func() {
+			if recover() == nil {
+				t.Fatal("panic not propagated")
+			}
+		}()
+		_, _ = e.Do(bg, r, func(context.Context) ([]byte, error) { panic("fn panics") })
+	}()
+	if l, _ := e.Lookup("", id("p")); l.Status != Absent {
+		t.Fatalf("after panic: %v", l.Status)
+	}
+	out, err := e.Do(bg, r, func(context.Context) ([]byte, error) { return id("ok"), nil })
+	if err != nil || string(out) != "ok" {
+		t.Fatal(out, err)
+	}
+	// Do waits for a concurrent owner, bounded by ctx.
+	res := mustBegin(t, e, Request{ID: id("w")}, Fresh)
+	ctx, cancel := context.WithTimeout(bg, 20*time.Millisecond)
+	defer cancel()
+	if _, err := e.Do(ctx, Request{ID: id("w")}, nil); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("wait bounded by ctx: %v", err)
+	}
+	go func() {
+		time.Sleep(10 * time.Millisecond)
+		_ = res.Claim.Commit(bg, id("w-reply"))
+	}()
+	w, err := e.Wait(bg, "", id("w"))
+	if err != nil || w.Status != Done || string(w.Reply) != "w-reply" {
+		t.Fatalf("wait: %+v %v", w, err)
+	}
+}
+
+func TestTwoOpensLocked(t *testing.T) {
+	dir := t.TempDir()
+	e, err := Open(dir, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Open(dir, nil); !errors.Is(err, ErrLocked) {
+		t.Fatalf("second open: %v", err)
+	}
+	if err := e.Close(); err != nil {
+		t.Fatal(err)
+	}
+	e, err = Open(dir, nil)
+	if err != nil {
+		t.Fatalf("reopen after close: %v", err)
+	}
+	defer e.Close()
+	fs := vfs.NewMem()
+	m := openMem(t, fs, nil)
+	defer m.Close()
+	if _, err := Open("db", &Options{FS: fs}); !errors.Is(err, ErrLocked) {
+		t.Fatalf("second open on memfs: %v", err)
+	}
+}
+
+func TestClosedEngine(t *testing.T) {
+	e := openMem(t, vfs.NewMem(), nil)
+	res := mustBegin(t, e, Request{ID: id("a")}, Fresh)
+	if err := e.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Close(); err != nil {
+		t.Fatalf("second close: %v", err)
+	}
+	if _, err := e.Begin(bg, Request{ID: id("b")}); !errors.Is(err, ErrClosed) {
+		t.Fatal(err)
+	}
+	if err := res.Claim.Commit(bg, nil); !errors.Is(err, ErrClosed) {
+		t.Fatal(err)
+	}
+}
+
+// segmentFiles lists the WAL segments of dir/wal in order.
+func segmentFiles(t testing.TB, fs vfs.FS, dir string) []string {
+	names, err := fs.List(filepath.Join(dir, "wal"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var segs []string
+	for _, n := range names {
+		if strings.HasSuffix(n, ".wal") {
+			segs = append(segs, filepath.Join(dir, "wal", n))
+		}
+	}
+	sort.Strings(segs)
+	return segs
+}
+
+func readFile(t testing.TB, fs vfs.FS, name string) []byte {
+	f, err := fs.Open(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	st, _ := f.Stat()
+	b := make([]byte, st.Size())
+	if _, err := f.ReadAt(b, 0); err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func writeFile(t testing.TB, fs vfs.FS, name string, b []byte) {
+	f, err := fs.Create(name, vfs.WriteCategoryUnspecified)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.Write(b); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+}
+
+func TestTornTailIsCut(t *testing.T) {
+	fs := vfs.NewMem()
+	e := openMem(t, fs, nil)
+	for i := 0; i < 20; i++ {
+		commitID(t, e, Request{ID: []byte(fmt.Sprint("id", i))}, "reply")
+	}
+	e.Close()
+	segs := segmentFiles(t, fs, "db")
+	last := segs[len(segs)-1]
+	b := readFile(t, fs, last)
+	// A partial frame: a plausible header and half a payload.
+	torn := append(b, 0xde, 0xad, 0xbe, 0xef, 40, 0, 0, 0, 1, 2, 3)
+	writeFile(t, fs, last, torn)
+	e = openMem(t, fs, nil)
+	defer e.Close()
+	if st := e.Stats(); st.TornTailsCut != 1 {
+		t.Fatalf("torn tails cut %d", st.TornTailsCut)
+	}
+	for i := 0; i < 20; i++ {
+		mustBegin(t, e, Request{ID: []byte(fmt.Sprint("id", i))}, Done)
+	}
+	commitID(t, e, Request{ID: id("after")}, "r")
+}
+
+func TestFlippedByteRefusesToOpen(t *testing.T) {
+	fs := vfs.NewMem()
+	e := openMem(t, fs, nil)
+	for i := 0; i < 200; i++ {
+		commitID(t, e, Request{ID: []byte(fmt.Sprint("id", i))}, "reply")
+	}
+	e.Close()
+	// Replay everything: remove the index so the WAL is read in full.
+	if err := fs.RemoveAll("db/index"); err != nil {
+		t.Fatal(err)
+	}
+	segs := segmentFiles(t, fs, "db")
+	last := segs[len(segs)-1]
+	b := readFile(t, fs, last)
+	b[len(b)/2] ^= 0x40
+	writeFile(t, fs, last, b)
+	_, err := Open("db", &Options{FS: fs})
+	if !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("open with a flipped byte: %v", err)
+	}
+	if !strings.Contains(err.Error(), filepath.Base(last)) {
+		t.Fatalf("error does not name the segment: %v", err)
+	}
+	t.Logf("refused as expected: %v", err)
+}
+
+// syncHookFS calls hook after every successful file or directory Sync.
+type syncHookFS struct {
+	vfs.FS
+	hook func()
+}
+
+func (fs *syncHookFS) Create(name string, c vfs.DiskWriteCategory) (vfs.File, error) {
+	f, err := fs.FS.Create(name, c)
+	if err != nil {
+		return nil, err
+	}
+	return &syncHookFile{File: f, hook: fs.hook}, nil
+}
+
+func (fs *syncHookFS) OpenReadWrite(name string, c vfs.DiskWriteCategory, opts ...vfs.OpenOption) (vfs.File, error) {
+	f, err := fs.FS.OpenReadWrite(name, c, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return &syncHookFile{File: f, hook: fs.hook}, nil
+}
+
+func (fs *syncHookFS) OpenDir(name string) (vfs.File, error) {
+	f, err := fs.FS.OpenDir(name)
+	if err != nil {
+		return nil, err
+	}
+	return &syncHookFile{File: f, hook: fs.hook}, nil
+}
+
+type syncHookFile struct {
+	vfs.File
+	hook func()
+}
+
+func (f *syncHookFile) Sync() error {
+	if err := f.File.Sync(); err != nil {
+		return err
+	}
+	f.hook()
+	return nil
+}
+
+func (f *syncHookFile) SyncData() error {
+	if err := f.File.SyncData(); err != nil {
+		return err
+	}
+	f.hook()
+	return nil
+}
+
+// TestCrashAtEverySyncPoint runs a scripted scenario on a crashable
+// filesystem, takes a crash image after every fsync, and checks each image:
+// every commit acknowledged before the crash is there with its reply, every
+// acknowledged claim is in doubt (never Fresh), acks and forgets that were
+// acknowledged stay applied.
+func TestCrashAtEverySyncPoint(t *testing.T) {
+	mem := vfs.NewCrashableMem()
+	type image struct {
+		fs    *vfs.MemFS
+		model model
+	}
+	var (
+		mu     sync.Mutex
+		images []image
+		m      = newModel()
+		rng    = rand.New(rand.NewPCG(7, 7))
+		keep   = 0
+	)
+	hfs := &syncHookFS{FS: mem}
+	hfs.hook = func() {
+		mu.Lock()
+		defer mu.Unlock()
+		cfg := vfs.CrashCloneCfg{}
+		if keep%3 == 1 {
+			cfg = vfs.CrashCloneCfg{UnsyncedDataPercent: 50, RNG: rand.New(rand.NewPCG(uint64(keep), 1))}
+		}
+		keep++
+		images = append(images, image{fs: mem.CrashClone(cfg), model: m.clone()})
+	}
+	clk := newClock()
+	opts := &Options{Clock: clk.Now, SegmentSize: 4 << 10}
+	e := openMem(t, hfs, opts)
+	var open []*Claim
+	var openIDs []string
+	for i := 0; i < 400; i++ {
+		x := fmt.Sprint("id", rng.IntN(60))
+		clk.Advance(time.Second)
+		switch op := rng.IntN(10); {
+		case op < 6:
+			res, err := e.Begin(bg, Request{ID: []byte(x)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.Status == Fresh {
+				mu.Lock()
+				m.claimed[x] = true
+				mu.Unlock()
+				if rng.IntN(3) == 0 {
+					open, openIDs = append(open, res.Claim), append(openIDs, x)
+					continue
+				}
+				reply := fmt.Sprint("reply-", x, "-", i)
+				if err := res.Claim.Commit(bg, []byte(reply)); err != nil {
+					t.Fatal(err)
+				}
+				mu.Lock()
+				delete(m.claimed, x)
+				m.committed[x] = reply
+				mu.Unlock()
+			}
+		case op < 8 && len(open) > 0:
+			c, cx := open[0], openIDs[0]
+			open, openIDs = open[1:], openIDs[1:]
+			if rng.IntN(2) == 0 {
+				mu.Lock()
+				m.acking = cx // an image taken during the Abort may or may not have it
+				mu.Unlock()
+				if err := c.Abort(bg); err != nil {
+					t.Fatal(err)
+				}
+				mu.Lock()
+				m.acking = ""
+				delete(m.claimed, cx)
+				mu.Unlock()
+			} else {
+				reply := "late-" + cx
+				if err := c.Commit(bg, []byte(reply)); err != nil {
+					t.Fatal(err)
+				}
+				mu.Lock()
+				delete(m.claimed, cx)
+				m.committed[cx] = reply
+				mu.Unlock()
+			}
+		case op == 8:
+			mu.Lock()
+			m.acking = x // an image taken during the Ack may or may not have it
+			mu.Unlock()
+			if err := e.Ack(bg, "", []byte(x)); err != nil {
+				t.Fatal(err)
+			}
+			mu.Lock()
+			m.acking = ""
+			if _, ok := m.committed[x]; ok {
+				delete(m.committed, x)
+				m.gone[x] = true
+			}
+			mu.Unlock()
+		default:
+			if i%100 == 99 {
+				e.Close()
+				e = openMem(t, hfs, opts)
+			}
+		}
+	}
+	e.Close()
+	if len(images) < 100 {
+		t.Fatalf("only %d sync points", len(images))
+	}
+	for n, img := range images {
+		e, err := Open("db", &Options{FS: img.fs, Clock: clk.Now})
+		if err != nil {
+			t.Fatalf("crash image %d: open: %v", n, err)
+		}
+		img.model.check(t, n, e)
+		e.Close()
+	}
+	t.Logf("checked %d crash images", len(images))
+}
+
+// model is what the test knows was acknowledged.
+type model struct {
+	committed map[string]string // acknowledged commits
+	claimed   map[string]bool   // acknowledged claims not finished
+	gone      map[string]bool   // acknowledged acks
+	acking    string            // id of an Ack or Abort in progress: it may be absent
+}
+
+func newModel() model {
+	return model{committed: map[string]string{}, claimed: map[string]bool{}, gone: map[string]bool{}}
+}
+
+func (m model) clone() model {
+	c := newModel()
+	for k, v := range m.committed {
+		c.committed[k] = v
+	}
+	for k := range m.claimed {
+		c.claimed[k] = true
+	}
+	for k := range m.gone {
+		c.gone[k] = true
+	}
+	c.acking = m.acking
+	return c
+}
+
+func (m model) check(t *testing.T, n int, e *Engine) {
+	t.Helper()
+	for x, reply := range m.committed {
+		l, err := e.Lookup("", []byte(x))
+		if err != nil {
+			t.Fatalf("image %d: lookup %s: %v", n, x, err)
+		}
+		if x == m.acking && l.Status == Absent {
+			continue
+		}
+		if l.Status != Done || string(l.Reply) != reply {
+			t.Fatalf("image %d: acknowledged commit %s = %q lost: got %v %q", n, x, reply, l.Status, l.Reply)
+		}
+	}
+	for x := range m.claimed {
+		l, _ := e.Lookup("", []byte(x))
+		if l.Status == Absent && x != m.acking {
+			t.Fatalf("image %d: acknowledged claim %s is absent (could run twice)", n, x)
+		}
+	}
+	for x := range m.gone {
+		if _, ok := m.committed[x]; ok {
+			continue
+		}
+		if m.claimed[x] {
+			continue
+		}
+		l, _ := e.Lookup("", []byte(x))
+		if l.Status == Done {
+			// It may have been committed again after the ack; the model
+			// records that in committed, so Done here means resurrection.
+			t.Fatalf("image %d: acked %s came back", n, x)
+		}
+	}
+}
+
+func TestInDoubtRecovery(t *testing.T) {
+	mem := vfs.NewCrashableMem()
+	clk := newClock()
+	opts := &Options{Clock: clk.Now, Lease: time.Minute}
+	e := openMem(t, mem, opts)
+	mustBegin(t, e, Request{ID: id("commit-me")}, Fresh)
+	mustBegin(t, e, Request{ID: id("abort-me")}, Fresh)
+	mustBegin(t, e, Request{Client: "c", Seq: 1}, Fresh)
+	mustBegin(t, e, Request{ID: id("expire-me")}, Fresh)
+	crashed := mem.CrashClone(vfs.CrashCloneCfg{})
+	e.Close()
+	e = openMem(t, crashed, opts)
+	defer e.Close()
+	// Retries see InFlight, not Fresh.
+	mustBegin(t, e, Request{ID: id("commit-me")}, InFlight)
+	mustBegin(t, e, Request{Client: "c", Seq: 1}, InFlight)
+	ds, err := e.InDoubt()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ds) != 4 {
+		t.Fatalf("in doubt: %d", len(ds))
+	}
+	if st := e.Stats(); st.InDoubt != 4 {
+		t.Fatalf("stats in doubt %d", st.InDoubt)
+	}
+	for _, d := range ds {
+		switch {
+		case string(d.ID) == "commit-me":
+			if err := d.Claim.Commit(bg, id("recovered")); err != nil {
+				t.Fatal(err)
+			}
+		case string(d.ID) == "abort-me":
+			if err := d.Claim.Abort(bg); err != nil {
+				t.Fatal(err)
+			}
+		case d.Client == "c":
+			if d.Seq != 1 {
+				t.Fatalf("seq %d", d.Seq)
+			}
+			if err := d.Claim.Commit(bg, id("seq-recovered")); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if d := mustBegin(t, e, Request{ID: id("commit-me")}, Done); string(d.Reply) != "recovered" {
+		t.Fatal(string(d.Reply))
+	}
+	mustBegin(t, e, Request{ID: id("abort-me")}, Fresh)
+	if n, _ := e.ClientState("", "c"); n != 1 {
+		t.Fatalf("client state %d", n)
+	}
+	// The unresolved one is taken over once its lease ran out.
+	clk.Advance(2 * time.Minute)
+	mustBegin(t, e, Request{ID: id("expire-me")}, Fresh)
+	if ds, _ := e.InDoubt(); len(ds) != 0 {
+		t.Fatalf("still in doubt: %d", len(ds))
+	}
+}
+
+func TestRetentionExpiresExactly(t *testing.T) {
+	clk := newClock()
+	fs := vfs.NewMem()
+	opts := &Options{Clock: clk.Now, Retention: time.Hour}
+	e := openMem(t, fs, opts)
+	commitID(t, e, Request{ID: id("k")}, "v1")
+	commitID(t, e, Request{Client: "c", Seq: 1}, "s1")
+	clk.Advance(60 * time.Minute)
+	mustBegin(t, e, Request{ID: id("k")}, Done) // T+60m: cached
+	clk.Advance(time.Minute + time.Nanosecond)
+	// T+61m: runs as new, with no forget record or compaction yet.
+	res := mustBegin(t, e, Request{ID: id("k")}, Fresh)
+	if err := res.Claim.Commit(bg, id("v2")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.Begin(bg, Request{Client: "c", Seq: 1}); !errors.Is(err, ErrAlreadyCommitted) {
+		t.Fatalf("expired seq: %v", err)
+	}
+	e.Close()
+	e = openMem(t, fs, opts)
+	defer e.Close()
+	if d := mustBegin(t, e, Request{ID: id("k")}, Done); string(d.Reply) != "v2" {
+		t.Fatal(string(d.Reply))
+	}
+}
+
+func TestFailStopOnSyncError(t *testing.T) {
+	mem := vfs.NewMem()
+	var fail atomic.Bool
+	inj := errorfs.InjectorFunc(func(op errorfs.Op) error {
+		if fail.Load() && op.Kind == errorfs.OpFileSync && strings.Contains(op.Path, "wal") {
+			return errorfs.ErrInjected
+		}
+		return nil
+	})
+	fs := errorfs.Wrap(mem, inj)
+	e := openMem(t, fs, nil)
+	commitID(t, e, Request{ID: id("before")}, "r")
+	res := mustBegin(t, e, Request{ID: id("x")}, Fresh)
+	fail.Store(true)
+	if err := res.Claim.Commit(bg, id("r")); !errors.Is(err, ErrFailed) {
+		t.Fatalf("commit with failing fsync: %v", err)
+	}
+	fail.Store(false)
+	// Fail-stop: even with a healthy disk again, nothing more is accepted.
+	if _, err := e.Begin(bg, Request{ID: id("y")}); !errors.Is(err, ErrFailed) {
+		t.Fatalf("begin after failure: %v", err)
+	}
+	e.Close()
+	e = openMem(t, mem, nil)
+	defer e.Close()
+	mustBegin(t, e, Request{ID: id("before")}, Done)
+	// x's commit may or may not have reached the disk; it is never Fresh.
+	if l, _ := e.Lookup("", id("x")); l.Status == Absent {
+		t.Fatalf("x is absent after a failed commit")
+	}
+}
+
+func TestDiskDirectory(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "nested", "db")
+	e, err := Open(dir, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	commitID(t, e, Request{ID: id("a")}, "r")
+	if err := e.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "wal")); err != nil {
+		t.Fatal(err)
+	}
+	e, err = Open(dir, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	mustBegin(t, e, Request{ID: id("a")}, Done)
+}

@@ -1,0 +1,57 @@
+package idem
+
+import (
+	"errors"
+	"fmt"
+)
+
+// Errors returned by the engine; match them with errors.Is / errors.As.
+var (
+	// ErrConflict: the id is known with a different fingerprint, or it was
+	// stored without a fingerprint and is asked for with one (an unchecked
+	// entry never satisfies a checked request).
+	ErrConflict = errors.New("idem: id already used with a different request (fingerprint mismatch)")
+	// ErrSequenceGap is matched by *SequenceGapError.
+	ErrSequenceGap = errors.New("idem: sequence gap")
+	// ErrAlreadyCommitted: a sequence number at or below the client's last
+	// committed one whose reply is no longer kept. The request ran; its
+	// reply cannot be replayed.
+	ErrAlreadyCommitted = errors.New("idem: sequence number already committed and its reply is no longer kept")
+	// ErrLeaseLost: the claim's lease ran out and another caller took the
+	// id over, or the claim was finished already; the Commit changed nothing.
+	ErrLeaseLost = errors.New("idem: claim lost (lease expired and taken over, or already finished)")
+	// ErrInvalidRequest: the request is malformed (see the message).
+	ErrInvalidRequest = errors.New("idem: invalid request")
+	// ErrClosed: the engine was closed.
+	ErrClosed = errors.New("idem: engine closed")
+	// ErrLocked: the directory is open by another engine, in this process
+	// or another.
+	ErrLocked = errors.New("idem: directory is locked by another engine")
+	// ErrCorrupt: the WAL or the index holds data that cannot be trusted;
+	// the message says where.
+	ErrCorrupt = errors.New("idem: corrupt data")
+	// ErrFailed: an earlier write or fsync failed; the engine stopped
+	// accepting writes so that it never reports as durable what may not be.
+	// Close it and open it again to recover from the WAL.
+	ErrFailed = errors.New("idem: engine failed")
+)
+
+// SequenceGapError is returned when a client skips sequence numbers: Seq is
+// beyond Last+1. The client should resume at Last+1 (see ClientState).
+type SequenceGapError struct {
+	Scope, Client string
+	Seq           uint64 // the sequence number asked for
+	Last          uint64 // the client's last committed sequence number
+}
+
+func (e *SequenceGapError) Error() string {
+	return fmt.Sprintf("idem: sequence gap: scope %q client %q sent seq %d, last committed is %d (next expected %d)",
+		e.Scope, e.Client, e.Seq, e.Last, e.Last+1)
+}
+
+// Is makes errors.Is(err, ErrSequenceGap) true.
+func (e *SequenceGapError) Is(target error) bool { return target == ErrSequenceGap }
+
+func invalid(format string, args ...any) error {
+	return fmt.Errorf("%w: %s", ErrInvalidRequest, fmt.Sprintf(format, args...))
+}

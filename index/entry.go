@@ -1,0 +1,352 @@
+package index
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"sync"
+
+	"github.com/idemdb/idem/wal"
+	"github.com/vmihailenco/msgpack/v5"
+)
+
+// Entry is the state of one key of the dedup set.
+//
+// An id-mode key (ModeID) is either in flight (claimed, not finished) or
+// committed, never both. A client key (ModeClient, sequence mode) holds the
+// client's last committed sequence number with, while it is kept, that
+// request's reply; and at the same time, possibly, the claim of the next
+// sequence number.
+//
+// Entries are immutable once published: transitions return a new *Entry.
+type Entry struct {
+	// The committed part.
+	Committed   bool
+	Seq         uint64 // client keys: last committed sequence number
+	CommitTime  int64  // unix ns
+	CommitLSN   wal.LSN
+	ReplyKept   bool // false once acked, forgotten, or (client keys) superseded by the next claim
+	Reply       []byte
+	Fingerprint []byte // of the committed request; nil = stored without one
+
+	// The in-flight part.
+	InFlight   bool
+	ClaimLSN   wal.LSN // identifies the claim: a commit or abort must name it
+	ClaimSeq   uint64
+	ClaimFP    []byte
+	ClaimTime  int64
+	LeaseUntil int64
+
+	// LSN of the last record that changed this entry.
+	LSN wal.LSN
+}
+
+// HasTimeKey says whether the entry has a row in the time index: it does
+// while it holds a committed reply, which is what forget and expiry remove.
+func (e *Entry) HasTimeKey() bool { return e != nil && e.Committed && e.ReplyKept }
+
+// Mark is the newest forget tombstone: every reply committed before Before by
+// a record with LSN below LSN is gone. Before only grows (the engine writes
+// max(previous, requested)), so the newest mark subsumes all older ones.
+type Mark struct {
+	Before int64
+	LSN    wal.LSN
+}
+
+// Forgotten says whether m removed e's committed reply.
+func (m Mark) Forgotten(e *Entry) bool {
+	return e.HasTimeKey() && e.CommitTime < m.Before && e.CommitLSN < m.LSN
+}
+
+// Normalize returns e as the forget mark m leaves it: for an id key a
+// forgotten entry is gone (nil); a client key keeps its sequence number and
+// loses the reply. The index applies marks physically, so this only matters
+// for copies of entries held in memory.
+func Normalize(e *Entry, mode byte, m Mark) *Entry {
+	if !m.Forgotten(e) {
+		return e
+	}
+	return dropReply(e, mode)
+}
+
+func dropReply(e *Entry, mode byte) *Entry {
+	if mode == ModeID {
+		if e.InFlight { // cannot happen for id keys; keep the claim to be safe
+			n := *e
+			n.Committed, n.ReplyKept, n.Reply = false, false, nil
+			return &n
+		}
+		return nil
+	}
+	n := *e
+	n.ReplyKept, n.Reply = false, nil
+	return &n
+}
+
+// Transition is one key's change made by one record.
+type Transition struct {
+	Key  []byte
+	Mode byte
+	Prev *Entry // as stored (after forget marks), nil = absent
+	Next *Entry // nil = delete
+}
+
+// ErrNoClaim is returned by Transitions when a commit or abort does not
+// name the key's current claim. The engine checks this before appending, so
+// in the log it only appears through corruption.
+var ErrNoClaim = errors.New("index: record does not match the current claim")
+
+// Transitions computes the changes that op, appended at lsn, makes.
+// get returns the current state of a key (after forget marks). The same
+// function serves the live engine and replay, which is what makes replay
+// rebuild exactly the set the engine had.
+//
+// Forget records change no single key; they are applied by Index.Apply.
+func Transitions(op *wal.Op, lsn wal.LSN, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, error) {
+	var out []Transition
+	// Acked ids are removed first: they name earlier requests.
+	for _, id := range op.Acked {
+		k := EntryKey(nil, op.Scope, ModeID, id)
+		prev, err := get(k, ModeID)
+		if err != nil {
+			return nil, err
+		}
+		if prev == nil || !prev.Committed {
+			continue // unknown, or still in flight: an ack cannot drop a claim
+		}
+		out = append(out, Transition{Key: k, Mode: ModeID, Prev: prev, Next: nil})
+	}
+	if op.Type == wal.OpAck || op.Type == wal.OpForget {
+		return out, nil
+	}
+	mode, ident := ModeID, op.ID
+	if op.Client != "" {
+		mode, ident = ModeClient, []byte(op.Client)
+	}
+	k := EntryKey(nil, op.Scope, mode, ident)
+	var prev *Entry
+	if op.Type != wal.OpClaim || op.Flags&wal.ClaimFlagNew == 0 || mode != ModeID {
+		var err error
+		if prev, err = get(k, mode); err != nil {
+			return nil, err
+		}
+	}
+	var next *Entry
+	switch op.Type {
+	case wal.OpClaim:
+		n := Entry{}
+		if mode == ModeClient && prev != nil {
+			n = *prev
+			// Starting seq N promises that N-1 is never retried: its
+			// reply can go; the sequence number stays.
+			n.ReplyKept, n.Reply = false, nil
+		}
+		n.InFlight = true
+		n.ClaimLSN = lsn
+		n.ClaimSeq = op.Seq
+		n.ClaimFP = op.Fingerprint
+		n.ClaimTime = op.Time
+		n.LeaseUntil = op.LeaseUntil
+		n.LSN = lsn
+		next = &n
+	case wal.OpCommit:
+		if prev == nil || !prev.InFlight || prev.ClaimLSN != op.ClaimLSN {
+			return nil, fmt.Errorf("%w: commit at LSN %d names claim %d", ErrNoClaim, lsn, op.ClaimLSN)
+		}
+		n := Entry{
+			Committed:   true,
+			Seq:         prev.ClaimSeq,
+			CommitTime:  op.Time,
+			CommitLSN:   lsn,
+			ReplyKept:   true,
+			Reply:       op.Reply,
+			Fingerprint: prev.ClaimFP,
+			LSN:         lsn,
+		}
+		if n.Reply == nil {
+			n.Reply = []byte{}
+		}
+		next = &n
+	case wal.OpAbort:
+		if prev == nil || !prev.InFlight || prev.ClaimLSN != op.ClaimLSN {
+			return nil, fmt.Errorf("%w: abort at LSN %d names claim %d", ErrNoClaim, lsn, op.ClaimLSN)
+		}
+		if mode == ModeClient && prev.Committed {
+			n := *prev
+			n.InFlight, n.ClaimLSN, n.ClaimSeq, n.ClaimFP, n.ClaimTime, n.LeaseUntil = false, 0, 0, nil, 0, 0
+			n.LSN = lsn
+			next = &n
+		} // else: the key is free again
+	default:
+		return nil, fmt.Errorf("index: cannot apply record kind %d", op.Type)
+	}
+	out = append(out, Transition{Key: k, Mode: mode, Prev: prev, Next: next})
+	return out, nil
+}
+
+// Entry value encoding: a msgpack array. Frozen; append fields only.
+//
+//	[flags, seq, commitTime, commitLSN, reply, fingerprint,
+//	 claimLSN, claimSeq, claimFP, claimTime, leaseUntil, lsn]
+//
+// flags: 1 committed, 2 replyKept, 4 inFlight, 8 fingerprint present,
+// 16 claim fingerprint present (nil and empty fingerprints differ).
+const (
+	flagCommitted = 1 << iota
+	flagReplyKept
+	flagInFlight
+	flagFP
+	flagClaimFP
+)
+
+const entryFields = 12
+
+var entryEncPool = sync.Pool{New: func() any {
+	b := &bytes.Buffer{}
+	return &entryEncoder{buf: b, enc: msgpack.NewEncoder(b)}
+}}
+
+type entryEncoder struct {
+	buf *bytes.Buffer
+	enc *msgpack.Encoder
+}
+
+// EncodeEntry appends the value encoding of e to dst.
+func EncodeEntry(dst []byte, e *Entry) []byte {
+	pe := entryEncPool.Get().(*entryEncoder)
+	defer entryEncPool.Put(pe)
+	pe.buf.Reset()
+	en := pe.enc
+	var flags uint64
+	if e.Committed {
+		flags |= flagCommitted
+	}
+	if e.ReplyKept {
+		flags |= flagReplyKept
+	}
+	if e.InFlight {
+		flags |= flagInFlight
+	}
+	if e.Fingerprint != nil {
+		flags |= flagFP
+	}
+	if e.ClaimFP != nil {
+		flags |= flagClaimFP
+	}
+	// Encoding into a bytes.Buffer cannot fail.
+	_ = en.EncodeArrayLen(entryFields)
+	_ = en.EncodeUint(flags)
+	_ = en.EncodeUint(e.Seq)
+	_ = en.EncodeInt(e.CommitTime)
+	_ = en.EncodeUint(uint64(e.CommitLSN))
+	_ = en.EncodeBytes(e.Reply)
+	_ = en.EncodeBytes(e.Fingerprint)
+	_ = en.EncodeUint(uint64(e.ClaimLSN))
+	_ = en.EncodeUint(e.ClaimSeq)
+	_ = en.EncodeBytes(e.ClaimFP)
+	_ = en.EncodeInt(e.ClaimTime)
+	_ = en.EncodeInt(e.LeaseUntil)
+	_ = en.EncodeUint(uint64(e.LSN))
+	return append(dst, pe.buf.Bytes()...)
+}
+
+// ErrBadEntry wraps every entry decoding error.
+var ErrBadEntry = errors.New("index: bad entry value")
+
+// DecodeEntry parses a value written by EncodeEntry. It copies what it keeps,
+// never panics, and never allocates more than len(b) for byte strings.
+func DecodeEntry(b []byte) (*Entry, error) {
+	d := msgpack.GetDecoder()
+	defer msgpack.PutDecoder(d)
+	d.Reset(bytes.NewReader(b))
+	var err error
+	keep := func(f error) {
+		if err == nil {
+			err = f
+		}
+	}
+	n, f := d.DecodeArrayLen()
+	keep(f)
+	if err == nil && (n < entryFields || n > len(b)) {
+		return nil, fmt.Errorf("%w: %d fields", ErrBadEntry, n)
+	}
+	u := func() uint64 {
+		if err != nil {
+			return 0
+		}
+		v, f := d.DecodeUint64()
+		keep(f)
+		return v
+	}
+	i := func() int64 {
+		if err != nil {
+			return 0
+		}
+		v, f := d.DecodeInt64()
+		keep(f)
+		return v
+	}
+	bs := func() []byte {
+		if err != nil {
+			return nil
+		}
+		v, f := d.DecodeBytes()
+		keep(f)
+		return v
+	}
+	e := &Entry{}
+	flags := u()
+	e.Seq = u()
+	e.CommitTime = i()
+	e.CommitLSN = wal.LSN(u())
+	e.Reply = bs()
+	e.Fingerprint = bs()
+	e.ClaimLSN = wal.LSN(u())
+	e.ClaimSeq = u()
+	e.ClaimFP = bs()
+	e.ClaimTime = i()
+	e.LeaseUntil = i()
+	e.LSN = wal.LSN(u())
+	for k := entryFields; k < n && err == nil; k++ {
+		keep(d.Skip())
+	}
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrBadEntry, err)
+	}
+	e.Committed = flags&flagCommitted != 0
+	e.ReplyKept = flags&flagReplyKept != 0
+	e.InFlight = flags&flagInFlight != 0
+	if flags&flagFP != 0 && e.Fingerprint == nil {
+		e.Fingerprint = []byte{}
+	} else if flags&flagFP == 0 {
+		e.Fingerprint = nil
+	}
+	if flags&flagClaimFP != 0 && e.ClaimFP == nil {
+		e.ClaimFP = []byte{}
+	} else if flags&flagClaimFP == 0 {
+		e.ClaimFP = nil
+	}
+	if e.Committed && e.Reply == nil && e.ReplyKept {
+		e.Reply = []byte{}
+	}
+	return e, nil
+}
+
+// Stamp writes lsn into the entries that Transitions built for a record
+// whose LSN was not known yet (the live engine computes transitions before
+// appending; the WAL assigns the LSN under its lock).
+func Stamp(ts []Transition, typ byte, lsn wal.LSN) {
+	for i := range ts {
+		n := ts[i].Next
+		if n == nil {
+			continue
+		}
+		n.LSN = lsn
+		switch typ {
+		case wal.OpClaim:
+			n.ClaimLSN = lsn
+		case wal.OpCommit:
+			n.CommitLSN = lsn
+		}
+	}
+}

@@ -1,0 +1,516 @@
+// Package index holds idem's live dedup set in a Pebble store.
+//
+// The store runs with Pebble's own WAL disabled: idem's WAL (package wal) is
+// the source of truth, and every batch this package commits also stores the
+// LSN of the last record it applied. After a crash Pebble comes back with
+// some prefix of the applied batches (whatever its memtable flushes made
+// durable), and the engine replays the WAL records after that LSN. Records
+// are applied only once they are fsynced in the WAL, so the index never holds
+// state that the WAL could lose.
+//
+// The key layout is described in keys.go and docs/design.md.
+package index
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+
+	"github.com/cockroachdb/pebble/v2"
+	"github.com/cockroachdb/pebble/v2/vfs"
+	"github.com/idemdb/idem/wal"
+)
+
+// Options configure an Index.
+type Options struct {
+	FS           vfs.FS
+	Dir          string
+	CacheSize    int64  // Pebble block cache; default 16 MiB
+	MemTableSize uint64 // default 16 MiB
+	ReadOnly     bool
+	Logger       *slog.Logger
+}
+
+// Index is the Pebble-backed dedup set. Apply must be called from one
+// goroutine at a time (the engine's applier, or replay before it starts);
+// reads are safe concurrently with it.
+type Index struct {
+	db    *pebble.DB
+	cache interface{ Unref() }
+
+	applied atomic.Uint64        // LSN of the last applied record
+	mark    atomic.Pointer[Mark] // newest forget mark
+	count   atomic.Int64         // entries stored
+	// forgotten counts replies removed by forget marks since Open.
+	forgotten atomic.Uint64
+
+	applyMu sync.Mutex // serializes Apply; guards nothing else
+}
+
+// ErrCorrupt wraps errors about index contents that cannot be parsed.
+var ErrCorrupt = errors.New("index: corrupt")
+
+// Open opens (creating if needed) the index in o.Dir.
+func Open(o Options) (*Index, error) {
+	if o.CacheSize == 0 {
+		o.CacheSize = 16 << 20
+	}
+	if o.MemTableSize == 0 {
+		o.MemTableSize = 16 << 20
+	}
+	if o.Logger == nil {
+		o.Logger = slog.New(slog.DiscardHandler)
+	}
+	cache := pebble.NewCache(o.CacheSize)
+	popts := &pebble.Options{
+		FS:           o.FS,
+		Cache:        cache,
+		DisableWAL:   true,
+		MemTableSize: o.MemTableSize,
+		ReadOnly:     o.ReadOnly,
+		Logger:       pebbleLogger{o.Logger},
+	}
+	db, err := pebble.Open(o.Dir, popts)
+	if err != nil {
+		cache.Unref()
+		return nil, fmt.Errorf("index: open %s: %w", o.Dir, err)
+	}
+	ix := &Index{db: db, cache: cache}
+	if err := ix.loadMeta(o.ReadOnly); err != nil {
+		db.Close()
+		cache.Unref()
+		return nil, err
+	}
+	return ix, nil
+}
+
+func (ix *Index) loadMeta(readOnly bool) error {
+	v, err := ix.getMeta(metaFormat)
+	if err != nil {
+		return err
+	}
+	if v == nil {
+		if readOnly {
+			return nil
+		}
+		b := binary.AppendUvarint(nil, formatVersion)
+		if err := ix.db.Set(metaFormat, b, pebble.NoSync); err != nil {
+			return fmt.Errorf("index: write format: %w", err)
+		}
+	} else if ver, n := binary.Uvarint(v); n <= 0 || ver != formatVersion {
+		return fmt.Errorf("%w: unsupported index format %x", ErrCorrupt, v)
+	}
+	if v, err = ix.getMeta(metaApplied); err != nil {
+		return err
+	} else if v != nil {
+		a, n := binary.Uvarint(v)
+		if n <= 0 {
+			return fmt.Errorf("%w: applied LSN %x", ErrCorrupt, v)
+		}
+		ix.applied.Store(a)
+	}
+	m := &Mark{}
+	if v, err = ix.getMeta(metaForget); err != nil {
+		return err
+	} else if v != nil {
+		b, n := binary.Varint(v)
+		l, n2 := uint64(0), 0
+		if n > 0 {
+			l, n2 = binary.Uvarint(v[n:])
+		}
+		if n <= 0 || n2 <= 0 {
+			return fmt.Errorf("%w: forget mark %x", ErrCorrupt, v)
+		}
+		m = &Mark{Before: b, LSN: wal.LSN(l)}
+	}
+	ix.mark.Store(m)
+	if v, err = ix.getMeta(metaCount); err != nil {
+		return err
+	} else if v != nil {
+		c, n := binary.Uvarint(v)
+		if n <= 0 {
+			return fmt.Errorf("%w: count %x", ErrCorrupt, v)
+		}
+		ix.count.Store(int64(c))
+	}
+	return nil
+}
+
+func (ix *Index) getMeta(k []byte) ([]byte, error) {
+	v, c, err := ix.db.Get(k)
+	if errors.Is(err, pebble.ErrNotFound) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("index: read meta %q: %w", k[1:], err)
+	}
+	defer c.Close()
+	return bytes.Clone(v), nil
+}
+
+// Applied returns the LSN of the last applied record.
+func (ix *Index) Applied() wal.LSN { return wal.LSN(ix.applied.Load()) }
+
+// Mark returns the newest forget mark.
+func (ix *Index) Mark() Mark { return *ix.mark.Load() }
+
+// Forgotten returns how many replies forget marks removed since Open.
+func (ix *Index) Forgotten() uint64 { return ix.forgotten.Load() }
+
+// Count returns the number of entries stored.
+func (ix *Index) Count() int64 { return ix.count.Load() }
+
+// Get returns the entry stored under key, or nil.
+func (ix *Index) Get(key []byte) (*Entry, error) {
+	v, c, err := ix.db.Get(key)
+	if errors.Is(err, pebble.ErrNotFound) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("index: get: %w", err)
+	}
+	defer c.Close()
+	e, err := DecodeEntry(v)
+	if err != nil {
+		return nil, fmt.Errorf("%w: key %x: %v", ErrCorrupt, key, err)
+	}
+	return e, nil
+}
+
+// Update is what one WAL record changes.
+type Update struct {
+	LSN         wal.LSN
+	Transitions []Transition
+	Forget      *Mark // set for forget records
+}
+
+// Apply writes updates, which must be in LSN order and follow Applied(),
+// and records the last LSN. Runs of key updates are coalesced per key and
+// written in one Pebble batch; forget marks are applied physically through
+// the time index.
+func (ix *Index) Apply(ups []Update) error {
+	ix.applyMu.Lock()
+	defer ix.applyMu.Unlock()
+	for len(ups) > 0 {
+		if ups[0].Forget != nil {
+			if err := ix.applyForget(ups[0].LSN, *ups[0].Forget); err != nil {
+				return err
+			}
+			ups = ups[1:]
+			continue
+		}
+		n := 1
+		for n < len(ups) && ups[n].Forget == nil {
+			n++
+		}
+		if err := ix.applyRun(ups[:n]); err != nil {
+			return err
+		}
+		ups = ups[n:]
+	}
+	return nil
+}
+
+func (ix *Index) applyRun(ups []Update) error {
+	// Coalesce per key: the first Prev and the last Next describe the run.
+	type agg struct {
+		key        []byte
+		prev, next *Entry
+	}
+	var aggs []agg
+	var pos map[string]int
+	total := 0
+	for i := range ups {
+		total += len(ups[i].Transitions)
+	}
+	if total > 1 {
+		pos = make(map[string]int, total)
+	}
+	for i := range ups {
+		for _, t := range ups[i].Transitions {
+			if pos != nil {
+				if j, ok := pos[string(t.Key)]; ok {
+					aggs[j].next = t.Next
+					continue
+				}
+				pos[string(t.Key)] = len(aggs)
+			}
+			aggs = append(aggs, agg{key: t.Key, prev: t.Prev, next: t.Next})
+		}
+	}
+	b := ix.db.NewBatch()
+	defer b.Close()
+	delta := int64(0)
+	var kb, vb []byte
+	for _, a := range aggs {
+		prev, next := a.prev, a.next
+		if next == nil {
+			if err := b.Delete(a.key, nil); err != nil {
+				return err
+			}
+		} else {
+			vb = EncodeEntry(vb[:0], next)
+			if err := b.Set(a.key, vb, nil); err != nil {
+				return err
+			}
+		}
+		pt, nt := prev.HasTimeKey(), next.HasTimeKey()
+		if pt && (!nt || prev.CommitTime != next.CommitTime) {
+			kb = timeKey(kb[:0], prev.CommitTime, a.key)
+			if err := b.Delete(kb, nil); err != nil {
+				return err
+			}
+		}
+		if nt && (!pt || prev.CommitTime != next.CommitTime) {
+			kb = timeKey(kb[:0], next.CommitTime, a.key)
+			if err := b.Set(kb, nil, nil); err != nil {
+				return err
+			}
+		}
+		pf, nf := prev != nil && prev.InFlight, next != nil && next.InFlight
+		if pf != nf {
+			kb = inDoubtKey(kb[:0], a.key)
+			var err error
+			if nf {
+				err = b.Set(kb, nil, nil)
+			} else {
+				err = b.Delete(kb, nil)
+			}
+			if err != nil {
+				return err
+			}
+		}
+		if prev == nil && next != nil {
+			delta++
+		} else if prev != nil && next == nil {
+			delta--
+		}
+	}
+	last := ups[len(ups)-1].LSN
+	count := ix.count.Load() + delta
+	if err := ix.putMeta(b, last, count, nil); err != nil {
+		return err
+	}
+	if err := b.Commit(pebble.NoSync); err != nil {
+		return fmt.Errorf("index: apply through LSN %d: %w", last, err)
+	}
+	ix.count.Store(count)
+	ix.applied.Store(uint64(last))
+	return nil
+}
+
+func (ix *Index) putMeta(b *pebble.Batch, applied wal.LSN, count int64, m *Mark) error {
+	var buf [2 * binary.MaxVarintLen64]byte
+	if err := b.Set(metaApplied, binary.AppendUvarint(buf[:0], uint64(applied)), nil); err != nil {
+		return err
+	}
+	if count < 0 {
+		count = 0 // never happens with a consistent log; do not wrap around
+	}
+	if err := b.Set(metaCount, binary.AppendUvarint(buf[:0], uint64(count)), nil); err != nil {
+		return err
+	}
+	if m != nil {
+		v := binary.AppendVarint(buf[:0], m.Before)
+		v = binary.AppendUvarint(v, uint64(m.LSN))
+		if err := b.Set(metaForget, v, nil); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// forgetChunk bounds the work of one batch when a forget removes many
+// entries.
+const forgetChunk = 4096
+
+// applyForget removes every reply committed before m.Before. At this point
+// every stored entry was written by a record before the mark's LSN, so all
+// time index rows below m.Before are forgotten: walk them in chunks, drop
+// each entry's reply (deleting id entries), and range-delete the rows.
+func (ix *Index) applyForget(lsn wal.LSN, m Mark) error {
+	if cur := ix.Mark(); m.Before < cur.Before {
+		m.Before = cur.Before // marks only grow; the engine already ensures this
+	}
+	lower := []byte{prefixTime}
+	upper := timeKey(nil, m.Before, nil)
+	for {
+		it, err := ix.db.NewIter(&pebble.IterOptions{LowerBound: lower, UpperBound: upper})
+		if err != nil {
+			return fmt.Errorf("index: forget: %w", err)
+		}
+		b := ix.db.NewBatch()
+		delta, n, forgotten := int64(0), 0, uint64(0)
+		var last []byte
+		for ok := it.First(); ok && n < forgetChunk; ok = it.Next() {
+			n++
+			last = append(last[:0], it.Key()...)
+			t, ek, valid := parseTimeKey(it.Key())
+			if !valid {
+				continue
+			}
+			_, mode, _, perr := ParseEntryKey(ek)
+			if perr != nil {
+				continue // stale row; the range delete removes it
+			}
+			e, gerr := ix.Get(ek)
+			if gerr != nil {
+				it.Close()
+				b.Close()
+				return gerr
+			}
+			if e == nil || !e.HasTimeKey() || e.CommitTime != t {
+				continue
+			}
+			next := dropReply(e, mode)
+			forgotten++
+			if next == nil {
+				err = b.Delete(ek, nil)
+				delta--
+			} else {
+				next.LSN = lsn
+				err = b.Set(ek, EncodeEntry(nil, next), nil)
+			}
+			if err != nil {
+				it.Close()
+				b.Close()
+				return err
+			}
+		}
+		more := it.Valid()
+		if err := it.Close(); err != nil {
+			b.Close()
+			return fmt.Errorf("index: forget: %w", err)
+		}
+		end := upper
+		if more {
+			end = append(append([]byte(nil), last...), 0) // just past last
+		}
+		if err := b.DeleteRange(lower, end, nil); err != nil {
+			b.Close()
+			return err
+		}
+		count := ix.count.Load() + delta
+		applied := wal.LSN(ix.applied.Load())
+		var mark *Mark
+		if !more {
+			applied, mark = lsn, &m
+		}
+		if err := ix.putMeta(b, applied, count, mark); err != nil {
+			b.Close()
+			return err
+		}
+		if err := b.Commit(pebble.NoSync); err != nil {
+			b.Close()
+			return fmt.Errorf("index: forget at LSN %d: %w", lsn, err)
+		}
+		b.Close()
+		ix.count.Store(count)
+		ix.forgotten.Add(forgotten)
+		if !more {
+			ix.mark.Store(&m)
+			ix.applied.Store(uint64(lsn))
+			return nil
+		}
+		lower = end
+	}
+}
+
+// InDoubt calls fn for every in-flight entry.
+func (ix *Index) InDoubt(fn func(key []byte, e *Entry) error) error {
+	it, err := ix.db.NewIter(&pebble.IterOptions{LowerBound: []byte{prefixInDoubt}, UpperBound: []byte{prefixInDoubt + 1}})
+	if err != nil {
+		return err
+	}
+	defer it.Close()
+	for ok := it.First(); ok; ok = it.Next() {
+		ek := it.Key()[1:]
+		e, err := ix.Get(ek)
+		if err != nil {
+			return err
+		}
+		if e == nil || !e.InFlight {
+			continue
+		}
+		if err := fn(bytes.Clone(ek), e); err != nil {
+			return err
+		}
+	}
+	return it.Error()
+}
+
+// Entries calls fn for every entry whose key starts with prefix (an entry
+// key prefix; nil for all), in key order.
+func (ix *Index) Entries(prefix []byte, fn func(key []byte, e *Entry) error) error {
+	lower := []byte{prefixEntry}
+	upper := []byte{prefixEntry + 1}
+	if len(prefix) > 0 {
+		lower = prefix
+		upper = prefixUpper(prefix)
+	}
+	it, err := ix.db.NewIter(&pebble.IterOptions{LowerBound: lower, UpperBound: upper})
+	if err != nil {
+		return err
+	}
+	defer it.Close()
+	for ok := it.First(); ok; ok = it.Next() {
+		e, err := DecodeEntry(it.Value())
+		if err != nil {
+			return fmt.Errorf("%w: key %x: %v", ErrCorrupt, it.Key(), err)
+		}
+		if err := fn(it.Key(), e); err != nil {
+			return err
+		}
+	}
+	return it.Error()
+}
+
+func prefixUpper(p []byte) []byte {
+	u := bytes.Clone(p)
+	for i := len(u) - 1; i >= 0; i-- {
+		if u[i] < 0xff {
+			u[i]++
+			return u[:i+1]
+		}
+	}
+	return nil
+}
+
+// Flush makes everything applied so far durable in Pebble's sstables.
+func (ix *Index) Flush() error { return ix.db.Flush() }
+
+// DB exposes the Pebble store to the packages that snapshot and compact it.
+func (ix *Index) DB() *pebble.DB { return ix.db }
+
+// DiskUsage returns the bytes Pebble uses on disk.
+func (ix *Index) DiskUsage() uint64 { return ix.db.Metrics().DiskSpaceUsage() }
+
+// Close flushes (unless read-only) and closes the store.
+func (ix *Index) Close(flush bool) error {
+	var err error
+	if flush {
+		err = ix.db.Flush()
+	}
+	if cerr := ix.db.Close(); err == nil {
+		err = cerr
+	}
+	ix.cache.Unref()
+	return err
+}
+
+type pebbleLogger struct{ l *slog.Logger }
+
+func (p pebbleLogger) Infof(format string, args ...any) {
+	p.l.Debug(fmt.Sprintf(format, args...), "component", "pebble")
+}
+func (p pebbleLogger) Errorf(format string, args ...any) {
+	p.l.Error(fmt.Sprintf(format, args...), "component", "pebble")
+}
+func (p pebbleLogger) Fatalf(format string, args ...any) {
+	p.l.Error(fmt.Sprintf(format, args...), "component", "pebble")
+	panic(fmt.Sprintf(format, args...))
+}

@@ -1,0 +1,139 @@
+package idem
+
+import (
+	"log/slog"
+	"time"
+
+	"github.com/cockroachdb/pebble/v2/vfs"
+	"github.com/idemdb/idem/wal"
+)
+
+// SyncMode says when a write counts as durable.
+type SyncMode int
+
+const (
+	// SyncAlways: Commit (and a Fresh Begin) return only after the record
+	// is fsynced. Concurrent callers share one fsync (group commit). Nothing
+	// acknowledged is lost in a machine crash. The default.
+	SyncAlways SyncMode = iota
+	// SyncInterval: records are written to the OS at once and fsynced every
+	// Options.SyncInterval. A process crash loses nothing; a machine crash
+	// may lose the last interval.
+	SyncInterval
+	// SyncNever: records are written to the OS at once; fsync happens only
+	// at segment rotation, index checkpoints and Close. A process crash
+	// loses nothing; a machine crash may lose everything since the last of
+	// those.
+	SyncNever
+)
+
+func (m SyncMode) String() string {
+	switch m {
+	case SyncAlways:
+		return "always"
+	case SyncInterval:
+		return "interval"
+	case SyncNever:
+		return "never"
+	}
+	return "unknown"
+}
+
+// Options configure an Engine. The zero value (or nil) is a safe default.
+type Options struct {
+	// FS is the filesystem; nil means the operating system's (vfs.Default).
+	FS vfs.FS
+	// Sync is the durability mode (default SyncAlways).
+	Sync SyncMode
+	// SyncInterval is the fsync period in SyncInterval mode (default 100ms).
+	SyncInterval time.Duration
+	// Clock returns the current time (default time.Now). Times are written
+	// into records, so replay never reads the clock.
+	Clock func() time.Time
+	// Lease is how long a claim owns its id (default 1 hour, as source 003
+	// keeps "processing" keys). After the lease another Begin may take the
+	// id over; the old claim's Commit then returns ErrLeaseLost. Choose it
+	// longer than your side effects take.
+	Lease time.Duration
+	// Logger receives warnings (torn tails cut, failures). Default: discard.
+	Logger *slog.Logger
+	// CacheSize bounds, in bytes, the entries kept in memory in front of
+	// the index (default 32 MiB). In-flight and not yet applied entries are
+	// always kept; the rest are evicted past the bound.
+	CacheSize int64
+	// IndexCacheSize is Pebble's block cache (default 16 MiB).
+	IndexCacheSize int64
+	// SegmentSize is the WAL segment size (default 64 MiB).
+	SegmentSize int64
+	// Retention, when positive, expires committed replies this long after
+	// their commit: an expired id runs again as new (source 003), and a
+	// forget record is appended every CleanupInterval so that the log and
+	// the index drop them too. Zero (the default) keeps replies until they
+	// are acked or forgotten: expiry trades exactly-once for bounded
+	// storage, so it is opt-in.
+	Retention time.Duration
+	// CleanupInterval is how often retention forget records are appended
+	// (default 10 minutes, as in source 003).
+	CleanupInterval time.Duration
+	// RelaxedClaims makes Begin return Fresh as soon as the claim is
+	// appended, without waiting for its fsync. Commit still waits. Faster
+	// (one fsync per request instead of two) but a machine crash after the
+	// side effect and before the next fsync can lose the claim, and the
+	// side effect may then run again. Off by default.
+	RelaxedClaims bool
+	// MaxIDLen bounds ids, scopes, client names and fingerprints (default 1024 bytes).
+	MaxIDLen int
+	// MaxReplySize bounds replies (default 16 MiB).
+	MaxReplySize int
+}
+
+func (o *Options) withDefaults() Options {
+	var r Options
+	if o != nil {
+		r = *o
+	}
+	if r.FS == nil {
+		r.FS = vfs.Default
+	}
+	if r.SyncInterval <= 0 {
+		r.SyncInterval = 100 * time.Millisecond
+	}
+	if r.Clock == nil {
+		r.Clock = time.Now
+	}
+	if r.Lease <= 0 {
+		r.Lease = time.Hour
+	}
+	if r.Logger == nil {
+		r.Logger = slog.New(slog.DiscardHandler)
+	}
+	if r.CacheSize <= 0 {
+		r.CacheSize = 32 << 20
+	}
+	if r.IndexCacheSize <= 0 {
+		r.IndexCacheSize = 16 << 20
+	}
+	if r.SegmentSize <= 0 {
+		r.SegmentSize = 64 << 20
+	}
+	if r.CleanupInterval <= 0 {
+		r.CleanupInterval = 10 * time.Minute
+	}
+	if r.MaxIDLen <= 0 {
+		r.MaxIDLen = 1024
+	}
+	if r.MaxReplySize <= 0 {
+		r.MaxReplySize = 16 << 20
+	}
+	return r
+}
+
+func (m SyncMode) wal() wal.SyncMode {
+	switch m {
+	case SyncInterval:
+		return wal.SyncInterval
+	case SyncNever:
+		return wal.SyncNever
+	}
+	return wal.SyncAlways
+}

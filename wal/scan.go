@@ -1,0 +1,469 @@
+package wal
+
+import (
+	"bytes"
+	"cmp"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"slices"
+
+	"github.com/cockroachdb/pebble/v2/vfs"
+)
+
+// Record is one record delivered by Scan or Open.
+type Record struct {
+	LSN  LSN
+	Type byte
+	// Payload aliases a read buffer: it is only valid during the callback.
+	Payload []byte
+	// Segment is the base name of the segment file holding the record.
+	Segment string
+	// Offset is the byte offset of the record's frame in the segment.
+	Offset int64
+}
+
+// TornTail describes bytes at the end of the last segment that do not form
+// valid frames and were (Open) or would be (Scan) cut off.
+type TornTail struct {
+	Segment string // segment base name
+	Offset  int64  // where the cut starts (end of the last valid frame; 0 for a torn header)
+	Bytes   int64  // number of bytes cut
+	// SavedAs is the base name of the file, in the WAL directory, holding the
+	// cut bytes; "" when nothing was saved (Scan is read-only).
+	SavedAs string
+}
+
+// SegmentInfo describes one segment.
+type SegmentInfo struct {
+	Name     string // base name, fmt.Sprintf("%020d.wal", FirstLSN)
+	FirstLSN LSN
+	LastLSN  LSN   // FirstLSN-1 when the segment holds no record
+	Size     int64 // bytes of valid data: header plus complete frames
+}
+
+// ScanResult summarises a scan.
+type ScanResult struct {
+	Segments []SegmentInfo // valid segments, oldest first
+	// LastLSN is the LSN of the last valid record (0 if the directory holds
+	// no segment; FirstLSN-1 of the first segment if it holds no record).
+	LastLSN LSN
+	// TornTail is non-nil when non-zero bytes follow the last valid frame of
+	// the last segment (or the last segment's header is torn). Trailing zero
+	// bytes alone are a clean end and are not reported.
+	TornTail *TornTail
+}
+
+// ErrCorrupt is wrapped by every *CorruptError.
+var ErrCorrupt = errors.New("wal: corrupt")
+
+// CorruptError reports bytes that cannot be a crash artifact: a bad frame in a
+// segment other than the last one, a bad frame followed by valid frames
+// without a crash hole in between, an LSN gap between segments, and so on.
+type CorruptError struct {
+	Segment string // segment base name ("" from DecodeFrame)
+	Offset  int64  // byte offset in the segment
+	Reason  string
+}
+
+func (e *CorruptError) Error() string {
+	if e.Segment == "" {
+		return fmt.Sprintf("%v: offset %d: %s", ErrCorrupt, e.Offset, e.Reason)
+	}
+	return fmt.Sprintf("%v: segment %s, offset %d: %s", ErrCorrupt, e.Segment, e.Offset, e.Reason)
+}
+
+// Unwrap returns ErrCorrupt.
+func (e *CorruptError) Unwrap() error { return ErrCorrupt }
+
+// Scan reads dir read-only (it never creates, truncates or removes
+// anything), validates every frame of every segment and calls fn for each
+// record with LSN > after, in LSN order. A torn tail in the last segment is
+// reported in ScanResult.TornTail and is not an error; any other invalid
+// byte yields a *CorruptError. An error returned by fn aborts the scan and
+// is returned as is. maxRecordSize <= 0 means the default (64 MiB); a frame
+// length above it is corruption.
+func Scan(fs vfs.FS, dir string, after LSN, maxRecordSize int, fn func(Record) error) (ScanResult, error) {
+	if fs == nil {
+		return ScanResult{}, errors.New("wal: Scan: nil vfs.FS")
+	}
+	o, err := scanDir(fs, fs.PathJoin(dir), after, normMaxRecordSize(maxRecordSize), fn)
+	return o.result(), err
+}
+
+// tailState classifies what follows the valid data of the last segment.
+type tailState uint8
+
+const (
+	tailClean      tailState = iota // the file ends right after the last valid frame
+	tailZeros                       // only zero bytes follow (a clean end too)
+	tailTorn                        // non-zero bytes that form no acknowledged frame follow
+	tailTornHeader                  // the header itself is torn; the segment holds nothing
+)
+
+// scanOutcome is what scanDir learned; Open uses it to repair.
+type scanOutcome struct {
+	segs    []SegmentInfo // valid segments, oldest first (a torn-header segment is not one)
+	lastLSN LSN
+	// The remaining fields describe the last segment file; they are only
+	// meaningful when tail != tailClean.
+	tail      tailState
+	tailSeg   string // its base name
+	tailFirst LSN    // the LSN its name encodes
+	cut       int64  // where its valid data ends (0 for a torn header)
+	fileSize  int64  // its size
+	nonZero   bool   // bytes [cut, fileSize) contain a non-zero byte
+}
+
+func (o *scanOutcome) result() ScanResult {
+	r := ScanResult{Segments: o.segs, LastLSN: o.lastLSN}
+	if (o.tail == tailTorn || o.tail == tailTornHeader) && o.nonZero {
+		r.TornTail = &TornTail{Segment: o.tailSeg, Offset: o.cut, Bytes: o.fileSize - o.cut}
+	}
+	return r
+}
+
+type segEntry struct {
+	name  string
+	first LSN
+}
+
+// listSegments returns the segment files of dir ordered by first LSN. Other
+// files (e.g. *.torn) are ignored.
+func listSegments(fs vfs.FS, dir string) ([]segEntry, error) {
+	names, err := fs.List(dir)
+	if err != nil {
+		return nil, err
+	}
+	var segs []segEntry
+	for _, n := range names {
+		if first, ok := parseSegmentName(n); ok {
+			segs = append(segs, segEntry{name: n, first: first})
+		}
+	}
+	slices.SortFunc(segs, func(a, b segEntry) int { return cmp.Compare(a.first, b.first) })
+	return segs, nil
+}
+
+type scanner struct {
+	fs      vfs.FS
+	dir     string
+	after   LSN
+	maxRec  int
+	fn      func(Record) error
+	r       segReader
+	lastSeg bool
+}
+
+func scanDir(fs vfs.FS, dir string, after LSN, maxRec int, fn func(Record) error) (scanOutcome, error) {
+	var o scanOutcome
+	segs, err := listSegments(fs, dir)
+	if err != nil {
+		return o, err
+	}
+	s := &scanner{fs: fs, dir: dir, after: after, maxRec: maxRec, fn: fn}
+	for i, seg := range segs {
+		if i > 0 && seg.first != o.lastLSN+1 {
+			return o, &CorruptError{Segment: seg.name, Reason: fmt.Sprintf(
+				"segment starts at LSN %d but the previous one ends at LSN %d (missing or extra segment)",
+				seg.first, o.lastLSN)}
+		}
+		s.lastSeg = i == len(segs)-1
+		if err := s.segment(&o, seg); err != nil {
+			return o, err
+		}
+	}
+	return o, nil
+}
+
+// segment validates one segment file, delivering its records.
+func (s *scanner) segment(o *scanOutcome, seg segEntry) error {
+	f, err := s.fs.Open(s.fs.PathJoin(s.dir, seg.name))
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return err
+	}
+	r := &s.r
+	r.reset(f, seg.name, st.Size())
+	defer r.reset(nil, "", 0)
+	corrupt := func(off int64, reason string) error {
+		return &CorruptError{Segment: seg.name, Offset: off, Reason: reason}
+	}
+
+	var first LSN
+	hdrReason := "truncated segment header"
+	if r.size >= segmentHeaderSize {
+		b, err := r.at(0, segmentHeaderSize)
+		if err != nil {
+			return err
+		}
+		first, hdrReason = decodeSegmentHeader(b)
+		if hdrReason == "" && first != seg.first {
+			hdrReason = fmt.Sprintf("header first LSN %d does not match the file name", first)
+		}
+	}
+	if hdrReason != "" {
+		if !s.lastSeg {
+			return corrupt(0, hdrReason)
+		}
+		// The header is fsynced before any frame is written into the
+		// segment, so a crash can tear the header only while the segment has
+		// no frame. A bad header followed by a valid frame is corruption.
+		y, err := s.findValidFrame(segmentHeaderSize, segmentHeaderSize, seg.first-1)
+		if err != nil {
+			return err
+		}
+		if y >= 0 {
+			return corrupt(0, fmt.Sprintf("%s, yet a valid frame follows at offset %d", hdrReason, y))
+		}
+		nz, err := r.anyNonZero(0, r.size)
+		if err != nil {
+			return err
+		}
+		o.lastLSN = seg.first - 1
+		o.tail, o.tailSeg, o.tailFirst, o.cut, o.fileSize, o.nonZero = tailTornHeader, seg.name, seg.first, 0, r.size, nz
+		return nil
+	}
+
+	info := SegmentInfo{Name: seg.name, FirstLSN: first, LastLSN: first - 1, Size: segmentHeaderSize}
+	for off := int64(segmentHeaderSize); off < r.size; {
+		fr, err := s.frameAt(off, info.LastLSN+1)
+		if err != nil {
+			return err
+		}
+		if fr.code != frameOK {
+			reason := fr.reason(info.LastLSN+1, r.size-off, s.maxRec)
+			if !s.lastSeg {
+				return corrupt(off, reason)
+			}
+			return s.tail(o, info, off, reason)
+		}
+		if fr.lsn > s.after && s.fn != nil {
+			if err := s.fn(Record{LSN: fr.lsn, Type: fr.typ, Payload: fr.payload, Segment: seg.name, Offset: off}); err != nil {
+				return err
+			}
+		}
+		info.LastLSN = fr.lsn
+		off += int64(fr.n)
+		info.Size = off
+	}
+	o.segs = append(o.segs, info)
+	o.lastLSN = info.LastLSN
+	return nil
+}
+
+// tail classifies the bytes from x (the first invalid frame of the last
+// segment) to the end of the file; see "Torn tail vs corruption" in doc.go.
+func (s *scanner) tail(o *scanOutcome, info SegmentInfo, x int64, reason string) error {
+	r := &s.r
+	nz, err := r.anyNonZero(x, r.size)
+	if err != nil {
+		return err
+	}
+	state := tailZeros
+	if nz {
+		state = tailTorn
+		y, err := s.findValidFrame(x+frameAlign, x, info.LastLSN)
+		if err != nil {
+			return err
+		}
+		if y >= 0 {
+			hole, err := r.hasHole(x, y)
+			if err != nil {
+				return err
+			}
+			if !hole {
+				return &CorruptError{Segment: info.Name, Offset: x, Reason: fmt.Sprintf(
+					"%s, yet a valid frame follows at offset %d with no crash hole in between", reason, y)}
+			}
+		}
+	}
+	o.segs = append(o.segs, info)
+	o.lastLSN = info.LastLSN
+	o.tail, o.tailSeg, o.tailFirst, o.cut, o.fileSize, o.nonZero = state, info.Name, info.FirstLSN, x, r.size, nz
+	return nil
+}
+
+// frame is a decoded frame or the reason it is not one.
+type frame struct {
+	code    frameCode
+	lsn     LSN
+	typ     byte
+	payload []byte
+	n       int    // frame size including padding
+	length  uint32 // raw length field (for error messages)
+}
+
+// frameLSNMismatch extends frameCode for scans: a valid frame whose LSN is not
+// the next one.
+const frameLSNMismatch frameCode = 255
+
+func (f *frame) reason(want LSN, avail int64, maxRec int) string {
+	switch f.code {
+	case frameLSNMismatch:
+		return fmt.Sprintf("frame LSN %d, want %d", f.lsn, want)
+	case frameTooLong:
+		return fmt.Sprintf("frame length %d exceeds the maximum record size %d", f.length, maxRec)
+	case framePastEOF:
+		return fmt.Sprintf("frame of %d payload bytes extends past the end of the file (%d bytes left)", f.length, avail)
+	case frameTruncatedHeader:
+		return fmt.Sprintf("truncated frame header (%d bytes left)", avail)
+	}
+	return f.code.String()
+}
+
+// frameAt decodes the frame at off, expecting LSN want. Errors are I/O
+// errors; invalid bytes are reported through frame.code.
+func (s *scanner) frameAt(off int64, want LSN) (frame, error) {
+	r := &s.r
+	avail := r.size - off
+	if avail < frameHeaderSize {
+		return frame{code: frameTruncatedHeader}, nil
+	}
+	hdr, err := r.at(off, frameHeaderSize)
+	if err != nil {
+		return frame{}, err
+	}
+	fr := frame{length: binary.LittleEndian.Uint32(hdr[4:])}
+	length, n, code := frameLength(hdr, avail, s.maxRec)
+	if code != frameOK {
+		fr.code = code
+		return fr, nil
+	}
+	b, err := r.at(off, n)
+	if err != nil {
+		return frame{}, err
+	}
+	fr.lsn, fr.typ, fr.payload, fr.code = verifyFrame(b, length)
+	fr.n = n
+	if fr.code == frameOK && fr.lsn != want {
+		fr.code = frameLSNMismatch
+	}
+	return fr, nil
+}
+
+// findValidFrame returns the first 8-aligned offset y >= from holding a valid
+// frame whose LSN is above lastGood, or -1. base is where the frames after
+// lastGood start: a frame we wrote at y can carry LSN lastGood+k only if the
+// k-1 frames before it fit in [base, y), which rules out almost every
+// garbage offset before the checksum is computed.
+func (s *scanner) findValidFrame(from, base int64, lastGood LSN) (int64, error) {
+	r := &s.r
+	for y := from; y+frameHeaderSize <= r.size; y += frameAlign {
+		hdr, err := r.at(y, frameHeaderSize)
+		if err != nil {
+			return -1, err
+		}
+		lsn := LSN(binary.LittleEndian.Uint64(hdr[8:]))
+		if lsn <= lastGood || uint64(lsn-lastGood-1) > uint64(y-base)/minFrameSize {
+			continue
+		}
+		length, n, code := frameLength(hdr, r.size-y, s.maxRec)
+		if code != frameOK {
+			continue
+		}
+		b, err := r.at(y, n)
+		if err != nil {
+			return -1, err
+		}
+		if _, _, _, code := verifyFrame(b, length); code == frameOK {
+			return y, nil
+		}
+	}
+	return -1, nil
+}
+
+// segReader reads a segment through a sliding window. Every request is
+// bounded by the file size before anything is allocated.
+type segReader struct {
+	f    vfs.File
+	name string
+	size int64  // file size when the scan started
+	buf  []byte // holds file bytes [off, off+len(buf))
+	off  int64
+}
+
+// readChunk is the minimum window size.
+const readChunk = 1 << 20
+
+func (r *segReader) reset(f vfs.File, name string, size int64) {
+	r.f, r.name, r.size, r.off = f, name, size, 0
+	r.buf = r.buf[:0]
+	if cap(r.buf) > 8*readChunk {
+		r.buf = nil // do not pin a huge window (from a huge record) across segments
+	}
+}
+
+// at returns file bytes [off, off+n); the caller guarantees off+n <= size.
+// The slice is valid until the next call.
+func (r *segReader) at(off int64, n int) ([]byte, error) {
+	if off >= r.off && off+int64(n) <= r.off+int64(len(r.buf)) {
+		return r.buf[off-r.off : off-r.off+int64(n)], nil
+	}
+	if off < 0 || n < 0 || off+int64(n) > r.size {
+		return nil, fmt.Errorf("wal: internal error: read [%d,+%d) outside segment %s of %d bytes", off, n, r.name, r.size)
+	}
+	want := int(min(max(int64(n), readChunk), r.size-off))
+	if cap(r.buf) < want {
+		r.buf = make([]byte, want)
+	}
+	r.buf = r.buf[:want]
+	m, err := r.f.ReadAt(r.buf, off)
+	if m < n {
+		if err == nil || err == io.EOF {
+			err = io.ErrUnexpectedEOF
+		}
+		r.buf = r.buf[:0]
+		return nil, fmt.Errorf("wal: reading segment %s at offset %d: %w", r.name, off, err)
+	}
+	r.buf, r.off = r.buf[:m], off
+	return r.buf[:n], nil
+}
+
+var zeroBlock [4096]byte
+
+// anyNonZero reports whether bytes [from, to) contain a non-zero byte.
+func (r *segReader) anyNonZero(from, to int64) (bool, error) {
+	for off := from; off < to; {
+		n := int(min(to-off, readChunk))
+		b, err := r.at(off, n)
+		if err != nil {
+			return false, err
+		}
+		for len(b) > 0 {
+			k := min(len(b), len(zeroBlock))
+			if !bytes.Equal(b[:k], zeroBlock[:k]) {
+				return true, nil
+			}
+			b = b[k:]
+		}
+		off += int64(n)
+	}
+	return false, nil
+}
+
+// hasHole reports whether [x, y) contains a crash hole: a zero-filled
+// 512-byte sector at a 512-aligned offset, or zeros from x up to the next
+// sector boundary (a crash drops whole blocks, and the first unsynced write
+// starts exactly at the frame boundary x, which need not be sector aligned).
+func (r *segReader) hasHole(x, y int64) (bool, error) {
+	for s := (x/sectorSize + 1) * sectorSize; s <= y; s += sectorSize {
+		from := s - sectorSize
+		if from < x {
+			from = x // the partial first sector: zeros from x to its end
+		}
+		nz, err := r.anyNonZero(from, s)
+		if err != nil {
+			return false, err
+		}
+		if !nz {
+			return true, nil
+		}
+	}
+	return false, nil
+}

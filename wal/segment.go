@@ -1,0 +1,461 @@
+package wal
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"io"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/cockroachdb/pebble/v2/vfs"
+)
+
+// Wire format constants. They are frozen: changing any of them changes the
+// on-disk format (see doc.go).
+const (
+	segmentMagic      = "IDEMWAL1"
+	segmentVersion    = 1
+	segmentHeaderSize = 32
+	// segmentHeaderCRCOffset is where the header checksum lives; it covers
+	// bytes [0, segmentHeaderCRCOffset).
+	segmentHeaderCRCOffset = 28
+
+	segmentSuffix  = ".wal"
+	segmentNameLen = 20 + len(segmentSuffix)
+	tornSuffix     = ".torn"
+
+	// frameHeaderSize is crc(4) + length(4) + lsn(8) + type(1).
+	frameHeaderSize = 17
+	// frameAlign is the alignment of every frame start (and so of frame sizes).
+	frameAlign = 8
+	// minFrameSize is the size of a frame with an empty payload.
+	minFrameSize = (frameHeaderSize + frameAlign - 1) &^ (frameAlign - 1)
+
+	// sectorSize is the granularity at which a crash hole is recognised (see
+	// the torn-tail rules in doc.go).
+	sectorSize = 512
+)
+
+// Defaults and limits for Options.
+const (
+	defaultSegmentSize   = 64 << 20
+	defaultMaxRecordSize = 64 << 20
+	defaultSyncInterval  = 100 * time.Millisecond
+	// maxRecordSizeLimit bounds MaxRecordSize so that frame sizes always fit
+	// the uint32 length field and int arithmetic on every platform.
+	maxRecordSizeLimit = 1 << 30
+)
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// normMaxRecordSize applies the default to n <= 0 and clamps it to the limit.
+func normMaxRecordSize(n int) int {
+	if n <= 0 {
+		return defaultMaxRecordSize
+	}
+	return min(n, maxRecordSizeLimit)
+}
+
+// segmentName returns the file name of the segment whose first record has
+// LSN first.
+func segmentName(first LSN) string { return fmt.Sprintf("%020d%s", uint64(first), segmentSuffix) }
+
+// parseSegmentName reports whether name is a segment file name and, if so,
+// the LSN it encodes. Only exactly 20 decimal digits followed by ".wal" are
+// accepted; LSN 0 is never used and so is not a segment.
+func parseSegmentName(name string) (LSN, bool) {
+	if len(name) != segmentNameLen || !strings.HasSuffix(name, segmentSuffix) {
+		return 0, false
+	}
+	digits := name[:20]
+	for i := 0; i < len(digits); i++ {
+		if digits[i] < '0' || digits[i] > '9' {
+			return 0, false
+		}
+	}
+	v, err := strconv.ParseUint(digits, 10, 64)
+	if err != nil || v == 0 {
+		return 0, false
+	}
+	return LSN(v), true
+}
+
+// frameSize returns the on-disk size of a frame carrying payloadLen bytes.
+func frameSize(payloadLen int) int {
+	return (frameHeaderSize + payloadLen + frameAlign - 1) &^ (frameAlign - 1)
+}
+
+// encodeSegmentHeader returns the 32-byte header of a segment starting at
+// first.
+func encodeSegmentHeader(first LSN) []byte {
+	b := make([]byte, segmentHeaderSize)
+	copy(b, segmentMagic)
+	binary.LittleEndian.PutUint16(b[8:], segmentVersion)
+	binary.LittleEndian.PutUint64(b[16:], uint64(first))
+	binary.LittleEndian.PutUint32(b[segmentHeaderCRCOffset:], crc32.Checksum(b[:segmentHeaderCRCOffset], castagnoli))
+	return b
+}
+
+// decodeSegmentHeader validates a segment header. It returns a non-empty
+// reason when the header is invalid.
+func decodeSegmentHeader(b []byte) (LSN, string) {
+	if len(b) < segmentHeaderSize {
+		return 0, "truncated segment header"
+	}
+	if string(b[:8]) != segmentMagic {
+		return 0, "bad segment magic"
+	}
+	if crc32.Checksum(b[:segmentHeaderCRCOffset], castagnoli) != binary.LittleEndian.Uint32(b[segmentHeaderCRCOffset:]) {
+		return 0, "bad segment header checksum"
+	}
+	if v := binary.LittleEndian.Uint16(b[8:]); v != segmentVersion {
+		return 0, fmt.Sprintf("unsupported segment version %d", v)
+	}
+	first := LSN(binary.LittleEndian.Uint64(b[16:]))
+	if first == 0 {
+		return 0, "segment header first LSN is 0"
+	}
+	return first, ""
+}
+
+// putFrame encodes one frame into dst, which must be exactly
+// frameSize(len(payload)) bytes long. It zeroes the padding because dst is
+// usually a recycled buffer.
+func putFrame(dst []byte, lsn LSN, typ byte, payload []byte) {
+	end := frameHeaderSize + len(payload)
+	binary.LittleEndian.PutUint32(dst[4:], uint32(len(payload)))
+	binary.LittleEndian.PutUint64(dst[8:], uint64(lsn))
+	dst[16] = typ
+	copy(dst[frameHeaderSize:], payload)
+	clear(dst[end:])
+	binary.LittleEndian.PutUint32(dst[0:], crc32.Update(0, castagnoli, dst[4:end]))
+}
+
+// frameCode classifies why bytes are not a valid frame. The hot paths work
+// with codes; human-readable reasons are only built for errors.
+type frameCode uint8
+
+const (
+	frameOK frameCode = iota
+	frameTruncatedHeader
+	frameTooLong
+	framePastEOF
+	frameBadCRC
+	frameZeroLSN
+	frameZeroType
+	frameBadPadding
+)
+
+func (c frameCode) String() string {
+	switch c {
+	case frameOK:
+		return "ok"
+	case frameTruncatedHeader:
+		return "truncated frame header"
+	case frameTooLong:
+		return "frame length exceeds the maximum record size"
+	case framePastEOF:
+		return "frame extends past the end of the file"
+	case frameBadCRC:
+		return "frame checksum mismatch"
+	case frameZeroLSN:
+		return "frame LSN is 0"
+	case frameZeroType:
+		return "frame type is 0"
+	case frameBadPadding:
+		return "non-zero frame padding"
+	default:
+		return "unknown frame error"
+	}
+}
+
+// frameLength reads the payload length of the frame header hdr (at least
+// frameHeaderSize bytes) and bounds it by maxRecordSize and by avail, the
+// number of bytes from the frame start to the end of the file. It returns the
+// payload length and the full frame size. Nothing is allocated: callers
+// allocate or read only after this check passed.
+func frameLength(hdr []byte, avail int64, maxRecordSize int) (int, int, frameCode) {
+	l := binary.LittleEndian.Uint32(hdr[4:])
+	if uint64(l) > uint64(maxRecordSize) {
+		return 0, 0, frameTooLong
+	}
+	n := frameSize(int(l))
+	if int64(n) > avail {
+		return 0, 0, framePastEOF
+	}
+	return int(l), n, frameOK
+}
+
+// verifyFrame checks a complete frame (exactly frameSize(length) bytes) whose
+// length was validated by frameLength.
+func verifyFrame(frame []byte, length int) (LSN, byte, []byte, frameCode) {
+	end := frameHeaderSize + length
+	if crc32.Update(0, castagnoli, frame[4:end]) != binary.LittleEndian.Uint32(frame) {
+		return 0, 0, nil, frameBadCRC
+	}
+	lsn := LSN(binary.LittleEndian.Uint64(frame[8:]))
+	if lsn == 0 {
+		return 0, 0, nil, frameZeroLSN
+	}
+	typ := frame[16]
+	if typ == 0 {
+		return 0, 0, nil, frameZeroType
+	}
+	for _, c := range frame[end:] {
+		if c != 0 {
+			return 0, 0, nil, frameBadPadding
+		}
+	}
+	return lsn, typ, frame[frameHeaderSize:end], frameOK
+}
+
+// DecodeFrame parses exactly one frame at the start of b. It returns the
+// record, the number of bytes the frame occupies (including padding) or an
+// error wrapping ErrCorrupt. payload aliases b. It never panics and never
+// allocates more than a small error value. A maxRecordSize <= 0 means the
+// default (64 MiB).
+func DecodeFrame(b []byte, maxRecordSize int) (lsn LSN, typ byte, payload []byte, n int, err error) {
+	maxRecordSize = normMaxRecordSize(maxRecordSize)
+	if len(b) < frameHeaderSize {
+		return 0, 0, nil, 0, &CorruptError{Reason: frameTruncatedHeader.String()}
+	}
+	length, n, code := frameLength(b, int64(len(b)), maxRecordSize)
+	if code != frameOK {
+		return 0, 0, nil, 0, &CorruptError{Reason: code.String()}
+	}
+	lsn, typ, payload, code = verifyFrame(b[:n], length)
+	if code != frameOK {
+		return 0, 0, nil, 0, &CorruptError{Reason: code.String()}
+	}
+	return lsn, typ, payload, n, nil
+}
+
+// segFile is the active segment, open for appending. After Open it is owned
+// by the flusher goroutine (and by Close once the flusher has exited).
+type segFile struct {
+	f     vfs.File
+	name  string // base name
+	first LSN
+	size  int64 // bytes in the file == offset of the next frame
+	// positional is set when the file was reopened rather than created: a
+	// vfs.File has no Seek, so appends use WriteAt(size) instead of Write.
+	positional bool
+}
+
+func (s *segFile) write(p []byte) error {
+	var n int
+	var err error
+	if s.positional {
+		n, err = s.f.WriteAt(p, s.size)
+	} else {
+		n, err = s.f.Write(p)
+	}
+	s.size += int64(n)
+	if err == nil && n != len(p) {
+		err = io.ErrShortWrite
+	}
+	return err
+}
+
+// createSegment creates the segment starting at first, writes and fsyncs its
+// header and fsyncs the directory, so that the new (empty) segment survives a
+// crash before any record is written into it.
+func createSegment(fs vfs.FS, dir string, first LSN) (*segFile, error) {
+	name := segmentName(first)
+	f, err := fs.Create(fs.PathJoin(dir, name), vfs.WriteCategoryUnspecified)
+	if err != nil {
+		return nil, err
+	}
+	s := &segFile{f: f, name: name, first: first}
+	if err := s.write(encodeSegmentHeader(first)); err != nil {
+		_ = f.Close()
+		return nil, err
+	}
+	if err := f.Sync(); err != nil {
+		_ = f.Close()
+		return nil, err
+	}
+	if err := syncDir(fs, dir); err != nil {
+		_ = f.Close()
+		return nil, err
+	}
+	return s, nil
+}
+
+// syncDir fsyncs a directory so that entries created, renamed or removed in it
+// are durable.
+func syncDir(fs vfs.FS, dir string) error {
+	d, err := fs.OpenDir(dir)
+	if err != nil {
+		return err
+	}
+	if err := d.Sync(); err != nil {
+		_ = d.Close()
+		return err
+	}
+	return d.Close()
+}
+
+// ensureDir creates dir if it is missing and fsyncs the parent of every
+// directory it created, so the new directory survives a crash.
+func ensureDir(fs vfs.FS, dir string) error {
+	if _, err := fs.Stat(dir); err == nil {
+		return nil
+	} else if !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	// Collect the missing directories, deepest first.
+	var missing []string
+	for d := dir; ; {
+		if _, err := fs.Stat(d); err == nil {
+			break
+		} else if !errors.Is(err, os.ErrNotExist) {
+			return err
+		}
+		missing = append(missing, d)
+		parent := fs.PathDir(d)
+		if parent == d || parent == "" {
+			break
+		}
+		d = parent
+	}
+	if err := fs.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	// Sync parents top-down: a child's entry is only useful once the
+	// parent's own entry is durable.
+	for i := len(missing) - 1; i >= 0; i-- {
+		parent := fs.PathDir(missing[i])
+		if parent == missing[i] || parent == "" {
+			continue
+		}
+		if err := syncDir(fs, parent); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// copyRange copies bytes [from, to) of src into dst (appending with Write).
+func copyRange(dst, src vfs.File, from, to int64) error {
+	buf := make([]byte, min(to-from, 1<<20))
+	for off := from; off < to; {
+		n := int(min(int64(len(buf)), to-off))
+		m, err := src.ReadAt(buf[:n], off)
+		if m < n {
+			if err == nil || err == io.EOF {
+				err = io.ErrUnexpectedEOF
+			}
+			return err
+		}
+		if _, err := dst.Write(buf[:n]); err != nil {
+			return err
+		}
+		off += int64(n)
+	}
+	return nil
+}
+
+// truncater is implemented by files that can be truncated in place (os files
+// behind vfs.Default). vfs.File itself has no Truncate.
+type truncater interface{ Truncate(size int64) error }
+
+// truncateSegment cuts the segment at path to size bytes, durably, and returns
+// it open for appending at size. When the file supports Truncate it is
+// truncated in place and fsynced; otherwise (MemFS, wrapped files) the valid
+// prefix is copied to a temporary file which is fsynced and renamed over the
+// segment, followed by a directory fsync. Either way a crash leaves either the
+// old file (whose tail the next Open cuts again) or the cut one.
+func truncateSegment(fs vfs.FS, dir, name string, first LSN, size int64) (*segFile, error) {
+	path := fs.PathJoin(dir, name)
+	f, err := fs.OpenReadWrite(path, vfs.WriteCategoryUnspecified)
+	if err != nil {
+		return nil, err
+	}
+	if t, ok := f.(truncater); ok {
+		if err := t.Truncate(size); err != nil {
+			_ = f.Close()
+			return nil, err
+		}
+		if err := f.Sync(); err != nil {
+			_ = f.Close()
+			return nil, err
+		}
+		return &segFile{f: f, name: name, first: first, size: size, positional: true}, nil
+	}
+	tmpPath := path + ".tmp"
+	tmp, err := fs.Create(tmpPath, vfs.WriteCategoryUnspecified)
+	if err != nil {
+		_ = f.Close()
+		return nil, err
+	}
+	err = copyRange(tmp, f, 0, size)
+	_ = f.Close()
+	if err == nil {
+		err = tmp.Sync()
+	}
+	if err == nil {
+		err = fs.Rename(tmpPath, path)
+	}
+	if err == nil {
+		err = syncDir(fs, dir)
+	}
+	if err != nil {
+		_ = tmp.Close()
+		_ = fs.Remove(tmpPath)
+		return nil, err
+	}
+	// tmp's write position is at size, so plain Writes append.
+	return &segFile{f: tmp, name: name, first: first, size: size}, nil
+}
+
+// openSegmentForAppend reopens a clean segment whose valid data ends at size.
+func openSegmentForAppend(fs vfs.FS, dir, name string, first LSN, size int64) (*segFile, error) {
+	f, err := fs.OpenReadWrite(fs.PathJoin(dir, name), vfs.WriteCategoryUnspecified)
+	if err != nil {
+		return nil, err
+	}
+	return &segFile{f: f, name: name, first: first, size: size, positional: true}, nil
+}
+
+// saveTorn copies bytes [from, to) of the segment into a new file next to it
+// ("<segment>.torn", or "<segment>.<n>.torn" if that exists already), fsyncs
+// it and the directory, and returns the new file's base name.
+func saveTorn(fs vfs.FS, dir, name string, from, to int64) (string, error) {
+	saved := name + tornSuffix
+	for i := 1; ; i++ {
+		if _, err := fs.Stat(fs.PathJoin(dir, saved)); errors.Is(err, os.ErrNotExist) {
+			break
+		} else if err != nil {
+			return "", err
+		}
+		saved = fmt.Sprintf("%s.%d%s", name, i, tornSuffix)
+	}
+	src, err := fs.Open(fs.PathJoin(dir, name))
+	if err != nil {
+		return "", err
+	}
+	defer src.Close()
+	dst, err := fs.Create(fs.PathJoin(dir, saved), vfs.WriteCategoryUnspecified)
+	if err != nil {
+		return "", err
+	}
+	err = copyRange(dst, src, from, to)
+	if err == nil {
+		err = dst.Sync()
+	}
+	if cerr := dst.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = syncDir(fs, dir)
+	}
+	if err != nil {
+		return "", err
+	}
+	return saved, nil
+}

@@ -1,0 +1,816 @@
+package wal
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"runtime"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/cockroachdb/pebble/v2/vfs"
+)
+
+// LSN is a log sequence number. LSNs are dense: every record gets the
+// previous record's LSN plus one. 0 is never a record's LSN.
+type LSN uint64
+
+// SyncMode selects when WaitDurable returns and when the log is fsynced.
+type SyncMode int
+
+const (
+	// SyncAlways: WaitDurable returns after fsync (the default). Every flush
+	// of the group-commit buffer is followed by an fsync.
+	SyncAlways SyncMode = iota
+	// SyncInterval: WaitDurable returns after write(2); the log is fsynced
+	// every Options.SyncInterval while there is unsynced data.
+	SyncInterval
+	// SyncNever: WaitDurable returns after write(2); the log is fsynced only
+	// on rotation, Close and explicit Sync().
+	SyncNever
+)
+
+func (m SyncMode) String() string {
+	switch m {
+	case SyncAlways:
+		return "always"
+	case SyncInterval:
+		return "interval"
+	case SyncNever:
+		return "never"
+	}
+	return fmt.Sprintf("SyncMode(%d)", int(m))
+}
+
+// Options configures Open.
+type Options struct {
+	FS vfs.FS // required
+	// Dir is the WAL directory; it is created (MkdirAll + parent directory
+	// fsync) if missing.
+	Dir string
+	// SegmentSize: the active segment is rotated, between flushes, once it
+	// exceeds this size. A segment may exceed it by up to one flush batch
+	// (frames are never split). Default 64 MiB.
+	SegmentSize int64
+	// MaxRecordSize is the largest payload accepted by Append and read by
+	// scans; a larger length on disk is corruption. Default 64 MiB, at most
+	// 1 GiB.
+	MaxRecordSize int
+	SyncMode      SyncMode
+	// SyncInterval is the fsync period in SyncInterval mode. Default 100ms.
+	SyncInterval time.Duration
+	// FirstLSN is the LSN of the first record when the directory holds no
+	// segment. Default 1.
+	FirstLSN LSN
+	// Logger receives warnings (torn tails cut) and errors (I/O failures).
+	// nil discards.
+	Logger *slog.Logger
+	// OnSynced, if non-nil, is called from the single flusher goroutine, in
+	// LSN order, after every fsync, with the records that the fsync made
+	// durable (never before they are fsynced, in every mode, and never for
+	// records whose write or fsync failed). The slice and its elements are
+	// only valid during the call; it must not block for long since it delays
+	// the next flush, and must not call WaitDurable, Sync or Close (they
+	// wait for the goroutine running it). Values are retained until their
+	// fsync, which in SyncNever mode may be a whole segment later.
+	OnSynced func(recs []Synced)
+}
+
+// Synced is a record made durable, as reported to Options.OnSynced.
+type Synced struct {
+	LSN   LSN
+	Type  byte
+	Value any // the value passed to Append
+}
+
+// Stats is a snapshot of counters.
+type Stats struct {
+	Segments     int
+	Bytes        int64 // total valid bytes in all segments
+	LastLSN      LSN   // last assigned
+	WrittenLSN   LSN   // last handed to write(2)
+	SyncedLSN    LSN   // last covered by an fsync
+	TornTailsCut int   // torn tails cut by Open
+	Syncs        uint64
+	Writes       uint64
+}
+
+var (
+	// ErrClosed is returned by operations on a closed WAL.
+	ErrClosed = errors.New("wal: closed")
+	// ErrFailed is wrapped, together with the original I/O error, by the
+	// sticky error returned after a failed write, fsync or rotation.
+	ErrFailed = errors.New("wal: failed")
+)
+
+// WAL is an append-only, segmented, group-committed write-ahead log.
+//
+// Appenders encode frames into a shared buffer under mu; a single flusher
+// goroutine swaps that buffer out, writes it with one Write, fsyncs per
+// SyncMode, publishes progress through atomics and wakes waiters by closing
+// a channel. All file I/O happens on the flusher goroutine, except for Open,
+// Close (after the flusher exited) and RemoveSegmentsThrough.
+type WAL struct {
+	opts   Options // normalised
+	logger *slog.Logger
+
+	workC chan struct{} // capacity 1: wakes the flusher
+	doneC chan struct{} // closed when the flusher exits
+
+	// Progress, published by the flusher; read without locks.
+	written atomic.Uint64 // last LSN successfully handed to write(2)
+	synced  atomic.Uint64 // last LSN covered by a successful fsync; <= written
+	failed  atomic.Bool   // mirrors mu.err != nil
+	syncs   atomic.Uint64
+	writes  atomic.Uint64
+
+	tornTailsCut int // set by Open, immutable afterwards
+
+	mu struct {
+		sync.Mutex
+		// buf holds encoded frames appended since the flusher last took the
+		// buffer; its first frame has LSN written+1 once the flusher caught up.
+		buf []byte
+		// recs holds (LSN, type, value) of the frames in buf, for OnSynced;
+		// empty when OnSynced is nil.
+		recs []Synced
+		// nextLSN is the LSN the next Append assigns.
+		nextLSN LSN
+		// syncTarget: a Sync() caller waits for synced >= syncTarget, so the
+		// flusher must fsync while synced < syncTarget.
+		syncTarget LSN
+		// signaled is set when a wake-up token was sent to workC and the
+		// flusher has not taken the buffer since; it spares appenders a
+		// channel operation per Append.
+		signaled bool
+		// notifyC is closed and replaced by the flusher whenever written,
+		// synced, err or closed change; waiters block on it.
+		notifyC chan struct{}
+		// waiters counts goroutines blocked on notifyC (reset by each notify);
+		// it lets the flusher batch the re-appends of the waiters it woke.
+		waiters int
+		// err is the sticky failure (wraps ErrFailed); nil while healthy.
+		err error
+		// closing is set by Close: Append and Sync refuse from then on.
+		closing bool
+		// closed is set once the flusher exited and the file is closed.
+		closed bool
+	}
+
+	// fl is owned by the flusher goroutine (and by Open before it starts and
+	// Close after it exits).
+	fl struct {
+		active    *segFile
+		spareBuf  []byte   // the buffer written last time, recycled for appenders
+		spareRecs []Synced // likewise for recs
+		unsynced  []Synced // written but not yet fsynced, for OnSynced
+		lastSync  time.Time
+		timer     *time.Timer // SyncInterval mode
+		woken     int         // waiters woken by the last notify
+	}
+
+	segMu sync.Mutex
+	// segs lists the segments, oldest first; the last one is the active
+	// segment (its LastLSN and Size are updated after every write). Guarded
+	// by segMu.
+	segs []SegmentInfo
+
+	// removeMu serialises RemoveSegmentsThrough calls, so that only one
+	// caller drops segments from the front of segs.
+	removeMu sync.Mutex
+}
+
+func (o *Options) normalize() error {
+	if o.FS == nil {
+		return errors.New("wal: Options.FS is required")
+	}
+	if o.Dir == "" {
+		return errors.New("wal: Options.Dir is required")
+	}
+	o.Dir = o.FS.PathJoin(o.Dir) // clean it ("./x" confuses MemFS)
+	if o.SegmentSize <= 0 {
+		o.SegmentSize = defaultSegmentSize
+	}
+	if o.MaxRecordSize <= 0 {
+		o.MaxRecordSize = defaultMaxRecordSize
+	}
+	if o.MaxRecordSize > maxRecordSizeLimit {
+		return fmt.Errorf("wal: Options.MaxRecordSize %d exceeds the limit %d", o.MaxRecordSize, maxRecordSizeLimit)
+	}
+	switch o.SyncMode {
+	case SyncAlways, SyncInterval, SyncNever:
+	default:
+		return fmt.Errorf("wal: invalid Options.SyncMode %d", int(o.SyncMode))
+	}
+	if o.SyncInterval <= 0 {
+		o.SyncInterval = defaultSyncInterval
+	}
+	if o.FirstLSN == 0 {
+		o.FirstLSN = 1
+	}
+	if o.Logger == nil {
+		o.Logger = slog.New(slog.DiscardHandler)
+	}
+	return nil
+}
+
+// Open scans the WAL directory like Scan (calling fn for every record with
+// LSN > after, during the scan: this is how the caller replays), repairs the
+// last segment and opens it for appending:
+//
+//   - a torn tail is cut: the cut bytes are first saved to "<segment>.torn"
+//     (fsynced, directory fsynced), then the segment is truncated and
+//     fsynced; a warning is logged and Stats.TornTailsCut counts it;
+//   - trailing zero bytes (a clean end) are truncated silently;
+//   - a last segment whose header is torn is removed (its non-zero bytes
+//     saved first);
+//   - with no segment left, the first segment is created (named
+//     Options.FirstLSN, or the LSN of a removed torn-header segment).
+//
+// The last segment is fsynced before Open returns, so everything replayed is
+// durable. The returned ScanResult describes the log after repair (Segments
+// includes a newly created segment; TornTail.SavedAs is set). Nothing is
+// repaired when fn or the scan fails.
+func Open(o Options, after LSN, fn func(Record) error) (*WAL, ScanResult, error) {
+	if err := o.normalize(); err != nil {
+		return nil, ScanResult{}, err
+	}
+	fs, dir := o.FS, o.Dir
+	if err := ensureDir(fs, dir); err != nil {
+		return nil, ScanResult{}, fmt.Errorf("wal: creating %s: %w", dir, err)
+	}
+	out, err := scanDir(fs, dir, after, o.MaxRecordSize, fn)
+	if err != nil {
+		return nil, out.result(), err
+	}
+	res := out.result()
+	w := &WAL{opts: o, logger: o.Logger}
+	if err := w.repair(&out, &res); err != nil {
+		return nil, res, err
+	}
+	res.Segments = slices.Clone(out.segs)
+	res.LastLSN = out.lastLSN
+
+	w.segs = out.segs
+	w.written.Store(uint64(out.lastLSN))
+	w.synced.Store(uint64(out.lastLSN))
+	w.mu.nextLSN = out.lastLSN + 1
+	w.mu.syncTarget = out.lastLSN
+	w.mu.notifyC = make(chan struct{})
+	w.workC = make(chan struct{}, 1)
+	w.doneC = make(chan struct{})
+	w.fl.lastSync = time.Now()
+	go w.run()
+	return w, res, nil
+}
+
+// repair applies the repairs described in Open's comment and leaves the
+// active segment open in w.fl.active. out.segs and out.lastLSN are updated to
+// the repaired state.
+func (w *WAL) repair(out *scanOutcome, res *ScanResult) error {
+	fs, dir := w.opts.FS, w.opts.Dir
+	if (out.tail == tailTorn || out.tail == tailTornHeader) && out.nonZero {
+		saved, err := saveTorn(fs, dir, out.tailSeg, out.cut, out.fileSize)
+		if err != nil {
+			return fmt.Errorf("wal: saving torn tail of %s: %w", out.tailSeg, err)
+		}
+		res.TornTail.SavedAs = saved
+		w.tornTailsCut++
+		w.logger.Warn("wal: cutting torn tail", "segment", out.tailSeg, "offset", out.cut,
+			"bytes", out.fileSize-out.cut, "saved_as", saved)
+	}
+	var active *segFile
+	var err error
+	switch out.tail {
+	case tailTornHeader:
+		// The header was never fsynced, so neither was anything else in the
+		// file: remove it, then continue the previous segment, or recreate
+		// it (with the LSN of its name, so LSNs never go backwards).
+		if err := fs.Remove(fs.PathJoin(dir, out.tailSeg)); err != nil {
+			return fmt.Errorf("wal: removing torn segment %s: %w", out.tailSeg, err)
+		}
+		if err := syncDir(fs, dir); err != nil {
+			return fmt.Errorf("wal: syncing %s: %w", dir, err)
+		}
+		w.logger.Info("wal: removed segment with a torn header", "segment", out.tailSeg)
+	case tailTorn, tailZeros:
+		last := out.segs[len(out.segs)-1]
+		if out.tail == tailZeros {
+			w.logger.Debug("wal: truncating trailing zeros", "segment", last.Name, "offset", out.cut,
+				"bytes", out.fileSize-out.cut)
+		}
+		active, err = truncateSegment(fs, dir, last.Name, last.FirstLSN, last.Size)
+	}
+	switch {
+	case err != nil || active != nil:
+	case len(out.segs) > 0:
+		last := out.segs[len(out.segs)-1]
+		active, err = openSegmentForAppend(fs, dir, last.Name, last.FirstLSN, last.Size)
+	default:
+		first := w.opts.FirstLSN
+		if out.tail == tailTornHeader {
+			first = out.tailFirst
+		}
+		if active, err = createSegment(fs, dir, first); err == nil {
+			out.segs = append(out.segs, SegmentInfo{Name: active.name, FirstLSN: first,
+				LastLSN: first - 1, Size: segmentHeaderSize})
+			out.lastLSN = first - 1
+		}
+	}
+	if err != nil {
+		return fmt.Errorf("wal: opening the active segment: %w", err)
+	}
+	// The replayed records may only be in the page cache (the previous
+	// process may have died before its fsync): make them durable before
+	// anyone treats them as such.
+	if err := active.f.Sync(); err != nil {
+		_ = active.f.Close()
+		return fmt.Errorf("wal: syncing %s: %w", active.name, err)
+	}
+	if err := syncDir(fs, dir); err != nil {
+		_ = active.f.Close()
+		return fmt.Errorf("wal: syncing %s: %w", dir, err)
+	}
+	w.fl.active = active
+	return nil
+}
+
+// Append frames payload (copying it) into the group-commit buffer, assigns
+// the next LSN and returns it. It does not wait for I/O; use WaitDurable.
+// typ must be non-zero and payload at most Options.MaxRecordSize bytes. v is
+// handed back through Options.OnSynced. Safe for concurrent use. After a
+// failed write or fsync it returns the sticky error (wrapping ErrFailed)
+// forever; after Close it returns ErrClosed.
+func (w *WAL) Append(typ byte, payload []byte, v any) (LSN, error) {
+	return w.append(typ, payload, v, nil)
+}
+
+// AppendWith is Append for callers that need the LSN to build the value
+// handed to OnSynced: fn is called with the record's LSN under the WAL's
+// lock (so before the flusher can see the record) and returns the value.
+// fn must be quick and must not call the WAL.
+func (w *WAL) AppendWith(typ byte, payload []byte, fn func(LSN) any) (LSN, error) {
+	return w.append(typ, payload, nil, fn)
+}
+
+func (w *WAL) append(typ byte, payload []byte, v any, fn func(LSN) any) (LSN, error) {
+	if typ == 0 {
+		return 0, errors.New("wal: record type 0 is reserved")
+	}
+	if len(payload) > w.opts.MaxRecordSize {
+		return 0, fmt.Errorf("wal: payload of %d bytes exceeds MaxRecordSize %d", len(payload), w.opts.MaxRecordSize)
+	}
+	n := frameSize(len(payload))
+	w.mu.Lock()
+	if err := w.mu.err; err != nil {
+		w.mu.Unlock()
+		return 0, err
+	}
+	if w.mu.closing {
+		w.mu.Unlock()
+		return 0, ErrClosed
+	}
+	lsn := w.mu.nextLSN
+	if lsn == math.MaxUint64 {
+		w.mu.Unlock()
+		return 0, errors.New("wal: LSN space exhausted")
+	}
+	w.mu.nextLSN++
+	off := len(w.mu.buf)
+	if cap(w.mu.buf)-off < n {
+		nb := make([]byte, off, max(2*cap(w.mu.buf), off+n, 64<<10))
+		copy(nb, w.mu.buf)
+		w.mu.buf = nb
+	}
+	w.mu.buf = w.mu.buf[:off+n]
+	putFrame(w.mu.buf[off:], lsn, typ, payload)
+	if fn != nil {
+		v = fn(lsn)
+	}
+	if w.opts.OnSynced != nil {
+		w.mu.recs = append(w.mu.recs, Synced{LSN: lsn, Type: typ, Value: v})
+	}
+	signal := !w.mu.signaled
+	w.mu.signaled = true
+	w.mu.Unlock()
+	if signal {
+		w.wake()
+	}
+	return lsn, nil
+}
+
+// wake makes sure the flusher runs soon.
+func (w *WAL) wake() {
+	select {
+	case w.workC <- struct{}{}:
+	default: // a token is already pending
+	}
+}
+
+// WaitDurable blocks until lsn is durable per the SyncMode (SyncAlways:
+// fsynced; otherwise written to the OS), or the WAL failed or closed. It
+// returns nil only if lsn is durable. It takes no context on purpose: a
+// durability wait must not be abandoned half way (callers can wrap it).
+func (w *WAL) WaitDurable(lsn LSN) error {
+	return w.wait(lsn, w.opts.SyncMode == SyncAlways)
+}
+
+// Sync writes and fsyncs everything appended so far and waits for it.
+func (w *WAL) Sync() error {
+	w.mu.Lock()
+	if err := w.mu.err; err != nil {
+		w.mu.Unlock()
+		return err
+	}
+	if w.mu.closing {
+		w.mu.Unlock()
+		return ErrClosed
+	}
+	target := w.mu.nextLSN - 1
+	if LSN(w.synced.Load()) >= target {
+		w.mu.Unlock()
+		return nil
+	}
+	w.mu.syncTarget = max(w.mu.syncTarget, target)
+	signal := !w.mu.signaled
+	w.mu.signaled = true
+	w.mu.Unlock()
+	if signal {
+		w.wake()
+	}
+	return w.wait(target, true)
+}
+
+// durable reports whether lsn is durable in the sense required by a waiter.
+func (w *WAL) durable(lsn LSN, needSync bool) bool {
+	if LSN(w.synced.Load()) >= lsn {
+		return true
+	}
+	// Written-but-unsynced data is only good enough while healthy: after a
+	// failed fsync the page cache may have dropped it.
+	return !needSync && LSN(w.written.Load()) >= lsn && !w.failed.Load()
+}
+
+func (w *WAL) wait(lsn LSN, needSync bool) error {
+	for {
+		if w.durable(lsn, needSync) {
+			return nil
+		}
+		w.mu.Lock()
+		if w.durable(lsn, needSync) {
+			w.mu.Unlock()
+			return nil
+		}
+		if err := w.mu.err; err != nil {
+			w.mu.Unlock()
+			return err
+		}
+		if w.mu.closed {
+			w.mu.Unlock()
+			return ErrClosed
+		}
+		if lsn >= w.mu.nextLSN {
+			last := w.mu.nextLSN - 1
+			w.mu.Unlock()
+			return fmt.Errorf("wal: waiting for LSN %d beyond the last assigned LSN %d", lsn, last)
+		}
+		ch := w.mu.notifyC
+		w.mu.waiters++
+		w.mu.Unlock()
+		<-ch
+	}
+}
+
+// SyncedLSN returns the last LSN covered by an fsync.
+func (w *WAL) SyncedLSN() LSN { return LSN(w.synced.Load()) }
+
+// LastLSN returns the last assigned LSN.
+func (w *WAL) LastLSN() LSN {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.mu.nextLSN - 1
+}
+
+// Stats returns a snapshot of counters.
+func (w *WAL) Stats() Stats {
+	s := Stats{
+		LastLSN:      w.LastLSN(),
+		WrittenLSN:   LSN(w.written.Load()),
+		SyncedLSN:    LSN(w.synced.Load()),
+		TornTailsCut: w.tornTailsCut,
+		Syncs:        w.syncs.Load(),
+		Writes:       w.writes.Load(),
+	}
+	w.segMu.Lock()
+	s.Segments = len(w.segs)
+	for _, seg := range w.segs {
+		s.Bytes += seg.Size
+	}
+	w.segMu.Unlock()
+	return s
+}
+
+// Segments returns the segments, oldest first; the last one is active.
+func (w *WAL) Segments() []SegmentInfo {
+	w.segMu.Lock()
+	defer w.segMu.Unlock()
+	return slices.Clone(w.segs)
+}
+
+// RemoveSegmentsThrough removes, oldest first, every non-active segment whose
+// LastLSN <= lsn, fsyncing the directory after each removal (so a crash can
+// only leave a suffix of the log, never a gap). It returns the number of
+// segments and bytes removed; on error, what was removed before it.
+func (w *WAL) RemoveSegmentsThrough(lsn LSN) (int, int64, error) {
+	w.removeMu.Lock()
+	defer w.removeMu.Unlock()
+	w.mu.Lock()
+	closing := w.mu.closing
+	w.mu.Unlock()
+	if closing {
+		return 0, 0, ErrClosed
+	}
+	w.segMu.Lock()
+	var victims []SegmentInfo
+	for _, s := range w.segs[:len(w.segs)-1] {
+		if s.LastLSN > lsn {
+			break
+		}
+		victims = append(victims, s)
+	}
+	w.segMu.Unlock()
+
+	fs, dir := w.opts.FS, w.opts.Dir
+	var count int
+	var bytes int64
+	for _, s := range victims {
+		if err := fs.Remove(fs.PathJoin(dir, s.Name)); err != nil {
+			return count, bytes, fmt.Errorf("wal: removing %s: %w", s.Name, err)
+		}
+		// Only removeMu holders drop from the front, so segs[0] is s.
+		w.segMu.Lock()
+		w.segs = slices.Delete(w.segs, 0, 1)
+		w.segMu.Unlock()
+		count++
+		bytes += s.Size
+		if err := syncDir(fs, dir); err != nil {
+			return count, bytes, fmt.Errorf("wal: syncing %s: %w", dir, err)
+		}
+	}
+	return count, bytes, nil
+}
+
+// Close flushes and fsyncs everything appended, stops the flusher and closes
+// the active segment. It returns the sticky failure if the WAL failed. A
+// second call returns ErrClosed.
+func (w *WAL) Close() error {
+	w.mu.Lock()
+	if w.mu.closing {
+		w.mu.Unlock()
+		return ErrClosed
+	}
+	w.mu.closing = true
+	w.mu.Unlock()
+	w.wake()
+	<-w.doneC
+
+	var cerr error
+	if w.fl.active != nil {
+		cerr = w.fl.active.f.Close()
+		w.fl.active = nil
+	}
+	if w.fl.timer != nil {
+		w.fl.timer.Stop()
+	}
+	w.mu.Lock()
+	w.mu.closed = true
+	err := w.mu.err
+	w.notifyLocked()
+	w.mu.Unlock()
+	if err != nil {
+		return err
+	}
+	if cerr != nil {
+		return fmt.Errorf("wal: closing %s: %w", w.opts.Dir, cerr)
+	}
+	return nil
+}
+
+// notifyLocked wakes every waiter. w.mu must be held. A waiter registers
+// (waiters++) when it takes notifyC, so with no registered waiter nobody
+// holds the channel and it need not be replaced (no allocation per flush).
+func (w *WAL) notifyLocked() {
+	if w.mu.waiters == 0 {
+		w.fl.woken = 0
+		return
+	}
+	close(w.mu.notifyC)
+	w.mu.notifyC = make(chan struct{})
+	w.fl.woken = w.mu.waiters
+	w.mu.waiters = 0
+}
+
+// fail records the sticky error and wakes everyone. Called by the flusher.
+func (w *WAL) fail(op string, err error) {
+	name := ""
+	if w.fl.active != nil {
+		name = w.fl.active.name
+	}
+	w.logger.Error("wal: I/O failure; the log refuses further appends", "op", op, "segment", name, "error", err)
+	w.mu.Lock()
+	if w.mu.err == nil {
+		w.mu.err = fmt.Errorf("%w: %s %s: %w", ErrFailed, op, name, err)
+		w.failed.Store(true)
+	}
+	w.notifyLocked()
+	w.mu.Unlock()
+	// Records that were written but not fsynced are never reported.
+	clear(w.fl.unsynced)
+	w.fl.unsynced = w.fl.unsynced[:0]
+}
+
+// run is the flusher goroutine.
+func (w *WAL) run() {
+	defer close(w.doneC)
+	for {
+		if w.flush() {
+			return
+		}
+		if w.hasWork() {
+			continue
+		}
+		var timerC <-chan time.Time
+		if w.fl.timer != nil {
+			timerC = w.fl.timer.C
+		}
+		select {
+		case <-w.workC:
+		case <-timerC:
+		}
+	}
+}
+
+// hasWork reports whether a flush should start right away.
+func (w *WAL) hasWork() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.mu.err == nil && (len(w.mu.buf) > 0 || w.mu.closing ||
+		w.mu.syncTarget > LSN(w.synced.Load()))
+}
+
+// pendingFrames returns how many records were appended and not yet taken.
+func (w *WAL) pendingFrames() int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return int(w.mu.nextLSN - 1 - LSN(w.written.Load()))
+}
+
+// gather gives the waiters woken by the last flush a chance to append their
+// next records before the next flush starts, so that they share one fsync
+// instead of being split across two. It yields the processor while the
+// number of pending records keeps growing and is below the number of woken
+// waiters; it stops at the first yield that brings nothing new, so a lone
+// appender pays one Gosched at most.
+func (w *WAL) gather() {
+	woken := w.fl.woken
+	w.fl.woken = 0
+	if woken <= 1 {
+		return
+	}
+	prev := -1
+	for i := 0; i < 64; i++ {
+		n := w.pendingFrames()
+		if n >= woken || n == prev {
+			return
+		}
+		prev = n
+		runtime.Gosched()
+	}
+}
+
+// flush runs one flush cycle: take the buffer, write it, fsync if the mode
+// or a caller requires, publish progress, wake waiters, report to OnSynced
+// and rotate if the segment is full. It returns true when the flusher must
+// exit (Close was called and everything has been flushed, or the WAL failed
+// and is closing).
+func (w *WAL) flush() (exit bool) {
+	w.gather()
+
+	w.mu.Lock()
+	buf, recs := w.mu.buf, w.mu.recs
+	w.mu.buf, w.mu.recs = w.fl.spareBuf[:0], w.fl.spareRecs[:0]
+	last := w.mu.nextLSN - 1
+	syncWanted := w.mu.syncTarget > LSN(w.synced.Load())
+	closing := w.mu.closing
+	failed := w.mu.err != nil
+	w.mu.signaled = false
+	w.mu.Unlock()
+
+	w.recycle(buf, recs)
+	defer clear(recs) // drop references to the values once reported or discarded
+	if failed {
+		return closing
+	}
+	wrote := false
+	if len(buf) > 0 {
+		if err := w.fl.active.write(buf); err != nil {
+			w.fail("write", err)
+			return closing
+		}
+		w.writes.Add(1)
+		w.written.Store(uint64(last))
+		wrote = true
+		if w.opts.OnSynced != nil {
+			w.fl.unsynced = append(w.fl.unsynced, recs...)
+		}
+		w.segMu.Lock()
+		s := &w.segs[len(w.segs)-1]
+		s.LastLSN, s.Size = last, w.fl.active.size
+		w.segMu.Unlock()
+	}
+
+	unsynced := w.synced.Load() < w.written.Load()
+	rotate := w.fl.active.size > w.opts.SegmentSize && !closing
+	doSync := unsynced && (w.opts.SyncMode == SyncAlways || syncWanted || closing || rotate ||
+		(w.opts.SyncMode == SyncInterval && time.Since(w.fl.lastSync) >= w.opts.SyncInterval))
+	if doSync {
+		if err := w.fl.active.f.Sync(); err != nil {
+			w.fail("sync", err)
+			return closing
+		}
+		w.syncs.Add(1)
+		w.synced.Store(w.written.Load())
+		w.fl.lastSync = time.Now()
+	}
+	if wrote || doSync {
+		w.mu.Lock()
+		w.notifyLocked()
+		w.mu.Unlock()
+	}
+	if doSync && len(w.fl.unsynced) > 0 {
+		w.opts.OnSynced(w.fl.unsynced)
+		clear(w.fl.unsynced)
+		w.fl.unsynced = w.fl.unsynced[:0]
+	}
+	if rotate {
+		if err := w.rotate(); err != nil {
+			w.fail("rotate", err)
+			return closing
+		}
+	}
+	if closing {
+		// closing was read together with the buffer swap, and Append refuses
+		// once closing is set: everything appended has been written and
+		// fsynced above.
+		return true
+	}
+	if w.opts.SyncMode == SyncInterval && w.synced.Load() < w.written.Load() {
+		d := w.opts.SyncInterval - time.Since(w.fl.lastSync)
+		if w.fl.timer == nil {
+			w.fl.timer = time.NewTimer(d)
+		} else {
+			w.fl.timer.Reset(d)
+		}
+	}
+	return false
+}
+
+// recycle keeps the buffers just taken for the next swap, unless a huge
+// record made them too big to keep around.
+func (w *WAL) recycle(buf []byte, recs []Synced) {
+	const maxKeep = 4 << 20
+	if cap(buf) <= maxKeep {
+		w.fl.spareBuf = buf[:0]
+	} else {
+		w.fl.spareBuf = nil
+	}
+	if cap(recs) <= maxKeep/16 {
+		w.fl.spareRecs = recs[:0]
+	} else {
+		w.fl.spareRecs = nil
+	}
+}
+
+// rotate closes the full (and fsynced) active segment and starts the next
+// one, named after the next LSN. createSegment fsyncs the new header and the
+// directory before any frame goes into the new segment.
+func (w *WAL) rotate() error {
+	next := LSN(w.written.Load()) + 1
+	seg, err := createSegment(w.opts.FS, w.opts.Dir, next)
+	if err != nil {
+		return err
+	}
+	old := w.fl.active
+	w.fl.active = seg
+	if err := old.f.Close(); err != nil {
+		// The old segment was fsynced; a close error cannot lose data.
+		w.logger.Warn("wal: closing a full segment", "segment", old.name, "error", err)
+	}
+	w.segMu.Lock()
+	w.segs = append(w.segs, SegmentInfo{Name: seg.name, FirstLSN: next, LastLSN: next - 1, Size: seg.size})
+	w.segMu.Unlock()
+	return nil
+}
