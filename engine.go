@@ -129,7 +129,11 @@ type Engine struct {
 	applyCh   chan []*index.Update
 	applyDone chan struct{}
 	stopBg    chan struct{}
+	evictC    chan struct{} // wakes the maintenance goroutine when over MaxEntries
 	bg        sync.WaitGroup
+
+	compactMu   sync.Mutex // one compaction (or retention/eviction pass) at a time
+	lastRemoved uint64     // guarded by compactMu: removals counted by the previous Compact
 
 	inDoubtMu sync.Mutex
 	inDoubt   []inDoubtRef // guarded by inDoubtMu
@@ -154,7 +158,7 @@ type slot struct {
 }
 
 type counters struct {
-	hits, misses, conflicts, collisions, gaps, alreadyCommitted, leaseLost, takeovers, expired atomic.Uint64
+	hits, misses, conflicts, collisions, gaps, alreadyCommitted, leaseLost, takeovers, expired, acked atomic.Uint64
 }
 
 var (
@@ -185,6 +189,21 @@ func Open(dir string, opts *Options) (*Engine, error) {
 		return nil, wrapCorrupt(err)
 	}
 	e.ix = ix
+	// An empty index in front of a WAL that no longer starts at LSN 1 (its
+	// head was truncated by compaction) must start from a snapshot.
+	if ix.Applied() == 0 && ix.Count() == 0 {
+		first, err := walFirstLSN(o.FS, filepath.Join(dir, "wal"))
+		if err != nil {
+			ix.Close(false)
+			return nil, err
+		}
+		if first > 1 {
+			if err := e.loadDiskSnapshot(ix, first); err != nil {
+				ix.Close(false)
+				return nil, wrapCorrupt(err)
+			}
+		}
+	}
 	rep := ix.NewReplayer()
 	applied := ix.Applied()
 	e.applyCh = make(chan []*index.Update, 256)
@@ -232,11 +251,10 @@ func Open(dir string, opts *Options) (*Engine, error) {
 	}
 	e.applyDone = make(chan struct{})
 	e.stopBg = make(chan struct{})
+	e.evictC = make(chan struct{}, 1)
 	go e.applier()
-	if o.Retention > 0 {
-		e.bg.Add(1)
-		go e.retentionLoop()
-	}
+	e.bg.Add(1)
+	go e.maintenance()
 	ok = true
 	return e, nil
 }
@@ -426,21 +444,10 @@ func (e *Engine) applier() {
 				sh.mu.Unlock()
 			}
 		}
-	}
-}
-
-func (e *Engine) retentionLoop() {
-	defer e.bg.Done()
-	t := time.NewTicker(e.o.CleanupInterval)
-	defer t.Stop()
-	for {
-		select {
-		case <-e.stopBg:
-			return
-		case <-t.C:
-			before := e.o.Clock().Add(-e.o.Retention)
-			if err := e.Forget(context.Background(), before); err != nil && !errors.Is(err, ErrClosed) {
-				e.o.Logger.Warn("idem: retention forget failed", "err", err)
+		if e.o.MaxEntries > 0 && e.ix.Replies() > e.o.MaxEntries {
+			select {
+			case e.evictC <- struct{}{}:
+			default:
 			}
 		}
 	}
@@ -648,6 +655,9 @@ func (e *Engine) appendOp(op *wal.Op, ts []index.Transition) (wal.LSN, error) {
 			return 0, err
 		}
 		e.setLocked(t.Key, sl, t.Next, lsn)
+		if t.Next == nil && t.Prev != nil && t.Prev.Committed {
+			e.st.acked.Add(1)
+		}
 	}
 	return lsn, nil
 }
@@ -1157,10 +1167,15 @@ func (e *Engine) Ack(ctx context.Context, scope string, ids ...[]byte) error {
 // Forget appends the administrator's tombstone "forget every reply
 // committed before before" (source 000). Ids forgotten run again as new;
 // sequence-mode clients keep their last sequence number (a retry at or
-// below it is ErrAlreadyCommitted). A forget never moves backwards: a
-// before earlier than a previous one changes nothing. Durable when it
-// returns (SyncAlways).
+// below it is ErrAlreadyCommitted). In-flight claims whose lease ended
+// before before are dropped too (abandoned claims). A forget never moves
+// backwards: a before earlier than a previous one changes nothing. Durable
+// when it returns (SyncAlways).
 func (e *Engine) Forget(ctx context.Context, before time.Time) error {
+	return e.forget(ctx, before.UnixNano(), wal.ForgetAdmin)
+}
+
+func (e *Engine) forget(ctx context.Context, before int64, reason byte) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -1170,15 +1185,15 @@ func (e *Engine) Forget(ctx context.Context, before time.Time) error {
 	defer e.leave()
 	unlock := e.lockAll()
 	cur := *e.mark.Load()
-	b := max(before.UnixNano(), cur.Before)
-	op := &wal.Op{Type: wal.OpForget, Before: b, Time: e.o.Clock().UnixNano()}
+	b := max(before, cur.Before)
+	op := &wal.Op{Type: wal.OpForget, Before: b, Time: e.o.Clock().UnixNano(), Reason: reason}
 	payload, err := wal.EncodeOp(nil, op)
 	if err != nil {
 		unlock()
 		return err
 	}
 	lsn, err := e.w.AppendWith(wal.OpForget, payload, func(lsn wal.LSN) any {
-		return &index.Update{LSN: lsn, Forget: &index.Mark{Before: b, LSN: lsn}}
+		return &index.Update{LSN: lsn, Forget: &index.Mark{Before: b, LSN: lsn}, Reason: reason}
 	})
 	if err != nil {
 		unlock()
@@ -1258,14 +1273,17 @@ type Stats struct {
 	Misses             uint64 // Begin returned Fresh (idempotency.miss)
 	Conflicts          uint64 // ErrConflict (idempotency.conflict)
 	InFlightCollisions uint64 // Begin returned InFlight (idempotency.processing_collision)
-	Cleanups           uint64 // replies removed by forget records (idempotency.cleanup.count)
+	Cleanups           uint64 // replies and abandoned claims removed by forget records, since Open (idempotency.cleanup.count)
+	Evictions          uint64 // replies removed because of MaxEntries, since Open
+	Acked              uint64 // replies removed by acks, since Open
 	Expired            uint64 // ids found expired by retention at Begin and run again
 	SequenceGaps       uint64
 	AlreadyCommitted   uint64
 	LeaseLost          uint64
 	Takeovers          uint64 // claims taken over after their lease ran out
 
-	LiveEntries int64 // entries in the index (as of AppliedLSN)
+	LiveEntries int64 // entries in the index (as of AppliedLSN): ids and sequence-mode clients
+	Replies     int64 // entries keeping a reply (what MaxEntries bounds)
 	InDoubt     int   // claims found in flight at Open, still unresolved
 	CacheBytes  int64 // accounted size of the in-memory table
 
@@ -1292,6 +1310,9 @@ func (e *Engine) Stats() Stats {
 		Takeovers:          e.st.takeovers.Load(),
 		LiveEntries:        e.ix.Count(),
 		Cleanups:           e.ix.Forgotten(),
+		Evictions:          e.ix.Evicted(),
+		Acked:              e.st.acked.Load(),
+		Replies:            e.ix.Replies(),
 		AppliedLSN:         uint64(e.ix.Applied()),
 	}
 	ws := e.w.Stats()

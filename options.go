@@ -81,6 +81,18 @@ type Options struct {
 	// side effect and before the next fsync can lose the claim, and the
 	// side effect may then run again. Off by default.
 	RelaxedClaims bool
+	// MaxEntries, when positive, bounds the number of kept replies (source
+	// 001's bounded capacity): beyond it the oldest committed replies are
+	// evicted by a logged forget record (within milliseconds of crossing
+	// it, and at every compaction), counted in Stats.Evictions. An evicted
+	// id runs again if retried; a sequence-mode client keeps its number.
+	MaxEntries int64
+	// CompactInterval is how often Compact runs in the background
+	// (default 10 minutes).
+	CompactInterval time.Duration
+	// KeepSnapshots is how many on-disk snapshots (<dir>/snapshot/) Compact
+	// keeps (default 2). Negative: Compact writes none.
+	KeepSnapshots int
 	// MaxIDLen bounds ids, scopes, client names and fingerprints (default 1024 bytes).
 	MaxIDLen int
 	// MaxReplySize bounds replies (default 16 MiB).
@@ -118,6 +130,12 @@ func (o *Options) withDefaults() Options {
 	}
 	if r.CleanupInterval <= 0 {
 		r.CleanupInterval = 10 * time.Minute
+	}
+	if r.CompactInterval <= 0 {
+		r.CompactInterval = 10 * time.Minute
+	}
+	if r.KeepSnapshots == 0 {
+		r.KeepSnapshots = 2
 	}
 	if r.MaxIDLen <= 0 {
 		r.MaxIDLen = 1024

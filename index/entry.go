@@ -45,9 +45,11 @@ type Entry struct {
 // while it holds a committed reply, which is what forget and expiry remove.
 func (e *Entry) HasTimeKey() bool { return e != nil && e.Committed && e.ReplyKept }
 
-// Mark is the newest forget tombstone: every reply committed before Before by
-// a record with LSN below LSN is gone. Before only grows (the engine writes
-// max(previous, requested)), so the newest mark subsumes all older ones.
+// Mark is the newest forget tombstone: every reply committed before Before
+// by a record with LSN below LSN is gone, and so is every claim made before
+// LSN whose lease ended before Before (abandoned in-flight claims). Before
+// only grows (the engine writes max(previous, requested)), so the newest mark
+// subsumes all older ones.
 type Mark struct {
 	Before int64
 	LSN    wal.LSN
@@ -58,15 +60,32 @@ func (m Mark) Forgotten(e *Entry) bool {
 	return e.HasTimeKey() && e.CommitTime < m.Before && e.CommitLSN < m.LSN
 }
 
+// ClaimForgotten says whether m removed e's in-flight claim.
+func (m Mark) ClaimForgotten(e *Entry) bool {
+	return e != nil && e.InFlight && e.LeaseUntil < m.Before && e.ClaimLSN < m.LSN
+}
+
 // Normalize returns e as the forget mark m leaves it: for an id key a
 // forgotten entry is gone (nil); a client key keeps its sequence number and
-// loses the reply. The index applies marks physically, so this only matters
-// for copies of entries held in memory.
+// loses the reply (or the abandoned claim). The index applies marks
+// physically, so this only matters for copies of entries held in memory.
 func Normalize(e *Entry, mode byte, m Mark) *Entry {
+	if m.ClaimForgotten(e) {
+		e = dropClaim(e, mode)
+	}
 	if !m.Forgotten(e) {
 		return e
 	}
 	return dropReply(e, mode)
+}
+
+func dropClaim(e *Entry, mode byte) *Entry {
+	if mode == ModeID && !e.Committed {
+		return nil
+	}
+	n := *e
+	n.InFlight, n.ClaimLSN, n.ClaimSeq, n.ClaimFP, n.ClaimTime, n.LeaseUntil = false, 0, 0, nil, 0, 0
+	return &n
 }
 
 func dropReply(e *Entry, mode byte) *Entry {

@@ -46,8 +46,10 @@ type Index struct {
 	applied atomic.Uint64        // LSN of the last applied record
 	mark    atomic.Pointer[Mark] // newest forget mark
 	count   atomic.Int64         // entries stored
-	// forgotten counts replies removed by forget marks since Open.
-	forgotten atomic.Uint64
+	replies atomic.Int64         // entries keeping a reply (rows of the time index)
+	// forgotten and evicted count replies removed by forget marks since
+	// Open (evicted: marks written for Options.MaxEntries).
+	forgotten, evicted atomic.Uint64
 
 	applyMu sync.Mutex // serializes Apply; guards nothing else
 }
@@ -143,6 +145,15 @@ func (ix *Index) loadMeta(readOnly bool) error {
 		}
 		ix.count.Store(int64(c))
 	}
+	if v, err = ix.getMeta(metaReplies); err != nil {
+		return err
+	} else if v != nil {
+		c, n := binary.Uvarint(v)
+		if n <= 0 {
+			return fmt.Errorf("%w: replies %x", ErrCorrupt, v)
+		}
+		ix.replies.Store(int64(c))
+	}
 	return nil
 }
 
@@ -164,8 +175,15 @@ func (ix *Index) Applied() wal.LSN { return wal.LSN(ix.applied.Load()) }
 // Mark returns the newest forget mark.
 func (ix *Index) Mark() Mark { return *ix.mark.Load() }
 
-// Forgotten returns how many replies forget marks removed since Open.
+// Forgotten returns how many replies and abandoned claims forget marks
+// removed since Open (evictions included).
 func (ix *Index) Forgotten() uint64 { return ix.forgotten.Load() }
+
+// Evicted returns how many replies capacity marks removed since Open.
+func (ix *Index) Evicted() uint64 { return ix.evicted.Load() }
+
+// Replies returns the number of entries that keep a reply.
+func (ix *Index) Replies() int64 { return ix.replies.Load() }
 
 // Count returns the number of entries stored.
 func (ix *Index) Count() int64 { return ix.count.Load() }
@@ -204,6 +222,7 @@ type Update struct {
 	LSN         wal.LSN
 	Transitions []Transition
 	Forget      *Mark // set for forget records
+	Reason      byte  // forget records: wal.Forget*
 }
 
 // Apply writes updates, which must be in LSN order and follow Applied(),
@@ -215,7 +234,7 @@ func (ix *Index) Apply(ups []Update) error {
 	defer ix.applyMu.Unlock()
 	for len(ups) > 0 {
 		if ups[0].Forget != nil {
-			if err := ix.applyForget(ups[0].LSN, *ups[0].Forget); err != nil {
+			if err := ix.applyForget(ups[0].LSN, *ups[0].Forget, ups[0].Reason); err != nil {
 				return err
 			}
 			ups = ups[1:]
@@ -262,7 +281,7 @@ func (ix *Index) applyRun(ups []Update) error {
 	}
 	b := ix.db.NewBatch()
 	defer b.Close()
-	delta := int64(0)
+	delta, rdelta := int64(0), int64(0)
 	var kb, vb []byte
 	for _, a := range aggs {
 		prev, next := a.prev, a.next
@@ -277,6 +296,11 @@ func (ix *Index) applyRun(ups []Update) error {
 			}
 		}
 		pt, nt := prev.HasTimeKey(), next.HasTimeKey()
+		if pt && !nt {
+			rdelta--
+		} else if nt && !pt {
+			rdelta++
+		}
 		if pt && (!nt || prev.CommitTime != next.CommitTime) {
 			kb = timeKey(kb[:0], prev.CommitTime, a.key)
 			if err := b.Delete(kb, nil); err != nil {
@@ -309,27 +333,29 @@ func (ix *Index) applyRun(ups []Update) error {
 		}
 	}
 	last := ups[len(ups)-1].LSN
-	count := ix.count.Load() + delta
-	if err := ix.putMeta(b, last, count, nil); err != nil {
+	count, replies := ix.count.Load()+delta, ix.replies.Load()+rdelta
+	if err := ix.putMeta(b, last, count, replies, nil); err != nil {
 		return err
 	}
 	if err := b.Commit(pebble.NoSync); err != nil {
 		return fmt.Errorf("index: apply through LSN %d: %w", last, err)
 	}
 	ix.count.Store(count)
+	ix.replies.Store(replies)
 	ix.applied.Store(uint64(last))
 	return nil
 }
 
-func (ix *Index) putMeta(b *pebble.Batch, applied wal.LSN, count int64, m *Mark) error {
+func (ix *Index) putMeta(b *pebble.Batch, applied wal.LSN, count, replies int64, m *Mark) error {
 	var buf [2 * binary.MaxVarintLen64]byte
 	if err := b.Set(metaApplied, binary.AppendUvarint(buf[:0], uint64(applied)), nil); err != nil {
 		return err
 	}
-	if count < 0 {
-		count = 0 // never happens with a consistent log; do not wrap around
+	// Counts never go negative with a consistent log; do not wrap around.
+	if err := b.Set(metaCount, binary.AppendUvarint(buf[:0], uint64(max(count, 0))), nil); err != nil {
+		return err
 	}
-	if err := b.Set(metaCount, binary.AppendUvarint(buf[:0], uint64(count)), nil); err != nil {
+	if err := b.Set(metaReplies, binary.AppendUvarint(buf[:0], uint64(max(replies, 0))), nil); err != nil {
 		return err
 	}
 	if m != nil {
@@ -346,96 +372,143 @@ func (ix *Index) putMeta(b *pebble.Batch, applied wal.LSN, count int64, m *Mark)
 // entries.
 const forgetChunk = 4096
 
-// applyForget removes every reply committed before m.Before. At this point
-// every stored entry was written by a record before the mark's LSN, so all
-// time index rows below m.Before are forgotten: walk them in chunks, drop
-// each entry's reply (deleting id entries), and range-delete the rows.
-func (ix *Index) applyForget(lsn wal.LSN, m Mark) error {
+// applyForget applies the mark m written at lsn. At this point every stored
+// entry was written by a record before lsn, so every time index row below
+// m.Before is forgotten: walk those rows in chunks, drop each entry's reply
+// (deleting id entries), and range-delete the rows. Then drop abandoned
+// claims (lease ended before m.Before) found through the in-doubt index.
+// A crash between chunks is harmless: replay applies the mark again and
+// finds less to do.
+func (ix *Index) applyForget(lsn wal.LSN, m Mark, reason byte) error {
 	if cur := ix.Mark(); m.Before < cur.Before {
 		m.Before = cur.Before // marks only grow; the engine already ensures this
 	}
 	lower := []byte{prefixTime}
 	upper := timeKey(nil, m.Before, nil)
 	for {
-		it, err := ix.db.NewIter(&pebble.IterOptions{LowerBound: lower, UpperBound: upper})
+		done, next, err := ix.forgetChunk(lower, upper, lsn, m, reason)
 		if err != nil {
-			return fmt.Errorf("index: forget: %w", err)
-		}
-		b := ix.db.NewBatch()
-		delta, n, forgotten := int64(0), 0, uint64(0)
-		var last []byte
-		for ok := it.First(); ok && n < forgetChunk; ok = it.Next() {
-			n++
-			last = append(last[:0], it.Key()...)
-			t, ek, valid := parseTimeKey(it.Key())
-			if !valid {
-				continue
-			}
-			_, mode, _, perr := ParseEntryKey(ek)
-			if perr != nil {
-				continue // stale row; the range delete removes it
-			}
-			e, gerr := ix.Get(ek)
-			if gerr != nil {
-				it.Close()
-				b.Close()
-				return gerr
-			}
-			if e == nil || !e.HasTimeKey() || e.CommitTime != t {
-				continue
-			}
-			next := dropReply(e, mode)
-			forgotten++
-			if next == nil {
-				err = b.Delete(ek, nil)
-				delta--
-			} else {
-				next.LSN = lsn
-				err = b.Set(ek, EncodeEntry(nil, next), nil)
-			}
-			if err != nil {
-				it.Close()
-				b.Close()
-				return err
-			}
-		}
-		more := it.Valid()
-		if err := it.Close(); err != nil {
-			b.Close()
-			return fmt.Errorf("index: forget: %w", err)
-		}
-		end := upper
-		if more {
-			end = append(append([]byte(nil), last...), 0) // just past last
-		}
-		if err := b.DeleteRange(lower, end, nil); err != nil {
-			b.Close()
 			return err
 		}
-		count := ix.count.Load() + delta
-		applied := wal.LSN(ix.applied.Load())
-		var mark *Mark
-		if !more {
-			applied, mark = lsn, &m
+		if done {
+			break
 		}
-		if err := ix.putMeta(b, applied, count, mark); err != nil {
-			b.Close()
-			return err
+		lower = next
+	}
+	return ix.forgetClaims(lsn, m)
+}
+
+// forgetChunk handles up to forgetChunk time index rows from lower.
+func (ix *Index) forgetChunk(lower, upper []byte, lsn wal.LSN, m Mark, reason byte) (done bool, next []byte, err error) {
+	it, err := ix.db.NewIter(&pebble.IterOptions{LowerBound: lower, UpperBound: upper})
+	if err != nil {
+		return false, nil, fmt.Errorf("index: forget: %w", err)
+	}
+	b := ix.db.NewBatch()
+	defer b.Close()
+	delta, n, removed := int64(0), 0, int64(0)
+	var last []byte
+	for ok := it.First(); ok && n < forgetChunk; ok = it.Next() {
+		n++
+		last = append(last[:0], it.Key()...)
+		t, ek, valid := parseTimeKey(it.Key())
+		if !valid {
+			continue
 		}
-		if err := b.Commit(pebble.NoSync); err != nil {
-			b.Close()
-			return fmt.Errorf("index: forget at LSN %d: %w", lsn, err)
+		_, mode, _, perr := ParseEntryKey(ek)
+		if perr != nil {
+			continue // stale row; the range delete removes it
 		}
-		b.Close()
-		ix.count.Store(count)
-		ix.forgotten.Add(forgotten)
-		if !more {
-			ix.mark.Store(&m)
-			ix.applied.Store(uint64(lsn))
+		e, gerr := ix.Get(ek)
+		if gerr != nil {
+			it.Close()
+			return false, nil, gerr
+		}
+		if e == nil || !e.HasTimeKey() || e.CommitTime != t {
+			continue
+		}
+		removed++
+		if nx := dropReply(e, mode); nx == nil {
+			err = b.Delete(ek, nil)
+			delta--
+		} else {
+			nx.LSN = lsn
+			err = b.Set(ek, EncodeEntry(nil, nx), nil)
+		}
+		if err != nil {
+			it.Close()
+			return false, nil, err
+		}
+	}
+	more := it.Valid()
+	if err := it.Close(); err != nil {
+		return false, nil, fmt.Errorf("index: forget: %w", err)
+	}
+	end := upper
+	if more {
+		end = append(append([]byte(nil), last...), 0) // just past last
+	}
+	if err := b.DeleteRange(lower, end, nil); err != nil {
+		return false, nil, err
+	}
+	count, replies := ix.count.Load()+delta, ix.replies.Load()-removed
+	if err := ix.putMeta(b, ix.Applied(), count, replies, nil); err != nil {
+		return false, nil, err
+	}
+	if err := b.Commit(pebble.NoSync); err != nil {
+		return false, nil, fmt.Errorf("index: forget at LSN %d: %w", lsn, err)
+	}
+	ix.count.Store(count)
+	ix.replies.Store(replies)
+	ix.forgotten.Add(uint64(removed))
+	if reason == wal.ForgetCapacity {
+		ix.evicted.Add(uint64(removed))
+	}
+	return !more, end, nil
+}
+
+// forgetClaims drops the claims m abandons and records the mark and lsn as
+// applied. In-flight claims are few (bounded by concurrency plus what
+// crashes left in doubt), so walking the in-doubt index is cheap.
+func (ix *Index) forgetClaims(lsn wal.LSN, m Mark) error {
+	b := ix.db.NewBatch()
+	defer b.Close()
+	delta, removed := int64(0), uint64(0)
+	err := ix.InDoubt(func(key []byte, e *Entry) error {
+		if !m.ClaimForgotten(e) {
 			return nil
 		}
-		lower = end
+		_, mode, _, err := ParseEntryKey(key)
+		if err != nil {
+			return nil
+		}
+		removed++
+		if err := b.Delete(inDoubtKey(nil, key), nil); err != nil {
+			return err
+		}
+		if nx := dropClaim(e, mode); nx == nil {
+			delta--
+			return b.Delete(key, nil)
+		} else {
+			nx.LSN = lsn
+			return b.Set(key, EncodeEntry(nil, nx), nil)
+		}
+	})
+	if err != nil {
+		return err
 	}
+	count := ix.count.Load() + delta
+	if err := ix.putMeta(b, lsn, count, ix.replies.Load(), &m); err != nil {
+		return err
+	}
+	if err := b.Commit(pebble.NoSync); err != nil {
+		return fmt.Errorf("index: forget at LSN %d: %w", lsn, err)
+	}
+	ix.count.Store(count)
+	ix.forgotten.Add(removed)
+	ix.mark.Store(&m)
+	ix.applied.Store(uint64(lsn))
+	return nil
 }
 
 // InDoubt calls fn for every in-flight entry.

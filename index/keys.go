@@ -37,6 +37,7 @@ var (
 	metaApplied = []byte{prefixMeta, 'a'} // uvarint applied LSN
 	metaForget  = []byte{prefixMeta, 'f'} // varint before, uvarint LSN
 	metaCount   = []byte{prefixMeta, 'n'} // uvarint number of entries
+	metaReplies = []byte{prefixMeta, 'r'} // uvarint number of kept replies
 	metaFormat  = []byte{prefixMeta, 'v'} // uvarint format version
 )
 

@@ -51,7 +51,7 @@ func (r *Replayer) ApplyOp(lsn wal.LSN, op *wal.Op) error {
 		if err := r.Flush(); err != nil {
 			return err
 		}
-		return r.ix.Apply([]Update{{LSN: lsn, Forget: &Mark{Before: op.Before, LSN: lsn}}})
+		return r.ix.Apply([]Update{{LSN: lsn, Forget: &Mark{Before: op.Before, LSN: lsn}, Reason: op.Reason}})
 	}
 	ts, err := Transitions(op, lsn, r.get)
 	if err != nil {

@@ -11,7 +11,7 @@ package wal
 //	OpCommit (2): [scope, id, client, seq, claimLSN, time, replyCodec, reply]
 //	OpAbort  (3): [scope, id, client, seq, claimLSN, time]
 //	OpAck    (4): [scope, ids[], time]
-//	OpForget (5): [before, time]
+//	OpForget (5): [before, time, reason]
 //
 // Times are Unix nanoseconds taken from the engine's clock when the record was
 // appended, so that replay never consults the clock. An id-mode request has a
@@ -40,6 +40,13 @@ const (
 	OpAbort  byte = 3
 	OpAck    byte = 4
 	OpForget byte = 5
+)
+
+// Forget reasons. Frozen.
+const (
+	ForgetAdmin     byte = 0 // Engine.Forget
+	ForgetRetention byte = 1 // Options.Retention expiry
+	ForgetCapacity  byte = 2 // Options.MaxEntries eviction
 )
 
 // Claim flags. Frozen.
@@ -86,6 +93,7 @@ type Op struct {
 	ClaimLSN    LSN      // commit, abort: the claim being finished
 	Reply       []byte   // commit
 	Before      int64    // forget: entries committed before this time go
+	Reason      byte     // forget: ForgetAdmin, ForgetRetention or ForgetCapacity
 }
 
 // OpName is the readable name of an operation kind.
@@ -156,9 +164,10 @@ func EncodeOp(dst []byte, op *Op) ([]byte, error) {
 		putIDs(e, op.Acked, put)
 		put(e.EncodeInt(op.Time))
 	case OpForget:
-		put(e.EncodeArrayLen(2))
+		put(e.EncodeArrayLen(3))
 		put(e.EncodeInt(op.Before))
 		put(e.EncodeInt(op.Time))
+		put(e.EncodeUint(uint64(op.Reason)))
 	default:
 		return dst, fmt.Errorf("%w: cannot encode kind %d", ErrBadRecord, op.Type)
 	}
@@ -215,7 +224,7 @@ func DecodeOp(typ byte, payload []byte) (op *Op, err error) {
 	case OpAck:
 		want = 3
 	case OpForget:
-		want = 2
+		want = 3
 	default:
 		return nil, fmt.Errorf("%w: unknown kind %d", ErrBadRecord, typ)
 	}
@@ -251,6 +260,7 @@ func DecodeOp(typ byte, payload []byte) (op *Op, err error) {
 	case OpForget:
 		op.Before = r.int()
 		op.Time = r.int()
+		op.Reason = byte(r.uint())
 	}
 	// Fields appended by later versions are skipped.
 	for i := want; i < n && r.err == nil; i++ {

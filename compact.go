@@ -1,0 +1,150 @@
+package idem
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/idemdb/idem/compaction"
+	"github.com/idemdb/idem/wal"
+)
+
+// CompactStats describe one compaction.
+type CompactStats struct {
+	// EntriesRemoved counts replies and abandoned claims removed from the
+	// index (acks, forget, retention, eviction) since the previous
+	// compaction.
+	EntriesRemoved  uint64
+	SegmentsRemoved int
+	// BytesReclaimed is the WAL bytes removed plus the shrinkage of the
+	// index's sstables (measured after the flush, so memtables written out
+	// do not count against it).
+	BytesReclaimed int64
+	DurableLSN     uint64 // the index is durable through this LSN
+	Snapshot       string // on-disk snapshot written, if any
+	Duration       time.Duration
+}
+
+// Compact bounds the disk now: it appends the retention and capacity
+// forget records that are due (so expired and evicted entries leave the
+// index), makes the index durable, writes an on-disk snapshot (unless
+// Options.KeepSnapshots < 0), removes WAL segments the index no longer
+// needs and compacts Pebble where removals left tombstones. It also runs in
+// the background every Options.CompactInterval. Safe to call concurrently
+// with everything; compactions run one at a time.
+func (e *Engine) Compact(ctx context.Context) (CompactStats, error) {
+	e.compactMu.Lock()
+	defer e.compactMu.Unlock()
+	if err := e.retire(ctx); err != nil {
+		return CompactStats{}, err
+	}
+	if err := e.enter(); err != nil {
+		return CompactStats{}, err
+	}
+	defer e.leave()
+	cfg := compaction.Config{
+		Index:        e.ix,
+		WAL:          e.w,
+		WaitApplied:  e.waitApplied,
+		CompactIndex: true,
+	}
+	if e.o.KeepSnapshots > 0 {
+		cfg.WriteSnapshot = e.writeDiskSnapshot
+	}
+	st, err := compaction.Run(ctx, cfg)
+	removed := e.ix.Forgotten() + e.st.acked.Load()
+	out := CompactStats{
+		EntriesRemoved:  removed - e.lastRemoved,
+		SegmentsRemoved: st.SegmentsRemoved,
+		BytesReclaimed:  st.WALBytesRemoved + max(0, int64(st.IndexBytesBefore)-int64(st.IndexBytesAfter)),
+		DurableLSN:      uint64(st.DurableLSN),
+		Snapshot:        st.Snapshot,
+		Duration:        st.Duration,
+	}
+	if err != nil {
+		return out, e.failure(err)
+	}
+	e.lastRemoved = removed
+	e.o.Logger.Debug("idem: compaction", "entries_removed", out.EntriesRemoved, "segments_removed", out.SegmentsRemoved,
+		"bytes_reclaimed", out.BytesReclaimed, "durable_lsn", out.DurableLSN, "duration", out.Duration)
+	return out, nil
+}
+
+// retire appends the forget records that retention and capacity call for.
+func (e *Engine) retire(ctx context.Context) error {
+	if e.o.Retention > 0 {
+		before := e.o.Clock().Add(-e.o.Retention).UnixNano()
+		if before > e.mark.Load().Before {
+			if err := e.forget(ctx, before, wal.ForgetRetention); err != nil {
+				return err
+			}
+		}
+	}
+	return e.evict(ctx)
+}
+
+// evict appends a capacity forget record when more than MaxEntries replies
+// are kept: it removes the oldest ones, down to MaxEntries (entries
+// committed in the same nanosecond as the cut go together).
+func (e *Engine) evict(ctx context.Context) error {
+	if e.o.MaxEntries <= 0 {
+		return nil
+	}
+	if err := e.waitApplied(ctx, e.w.SyncedLSN()); err != nil {
+		return err
+	}
+	over := e.ix.Replies() - e.o.MaxEntries
+	if over <= 0 {
+		return nil
+	}
+	t, ok, err := e.ix.NthOldest(over)
+	if err != nil || !ok {
+		return err
+	}
+	return e.forget(ctx, t+1, wal.ForgetCapacity)
+}
+
+// waitApplied blocks until the index has applied lsn (or ctx ends, or the
+// engine fails).
+func (e *Engine) waitApplied(ctx context.Context, lsn wal.LSN) error {
+	for e.ix.Applied() < lsn {
+		if f := e.failed.Load(); f != nil {
+			return *f
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(time.Millisecond):
+		}
+	}
+	return nil
+}
+
+// maintenance runs retention, eviction and compaction in the background.
+func (e *Engine) maintenance() {
+	defer e.bg.Done()
+	cleanup := time.NewTicker(e.o.CleanupInterval)
+	defer cleanup.Stop()
+	compact := time.NewTicker(e.o.CompactInterval)
+	defer compact.Stop()
+	for {
+		var err error
+		select {
+		case <-e.stopBg:
+			return
+		case <-cleanup.C:
+			e.compactMu.Lock()
+			err = e.retire(context.Background())
+			e.compactMu.Unlock()
+		case <-e.evictC:
+			e.compactMu.Lock()
+			err = e.evict(context.Background())
+			e.compactMu.Unlock()
+		case <-compact.C:
+			_, err = e.Compact(context.Background())
+		}
+		if err != nil && !errors.Is(err, ErrClosed) {
+			e.o.Logger.Warn("idem: background maintenance failed", "err", err)
+		}
+	}
+}

@@ -1,0 +1,390 @@
+package idem
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/cockroachdb/pebble/v2/vfs"
+	"github.com/idemdb/idem/snapshot"
+)
+
+// workload runs a mixed id/sequence workload and returns the scopes, ids
+// and clients it touched.
+type workload struct {
+	scopes  []string
+	ids     [][]byte
+	clients []string
+}
+
+func runWorkload(t testing.TB, e *Engine, clk *fakeClock, seed uint64, ops int) workload {
+	t.Helper()
+	rng := rand.New(rand.NewPCG(seed, 99))
+	w := workload{scopes: []string{"a", "b"}, clients: []string{"c1", "c2", "c3"}}
+	for i := 0; i < 200; i++ {
+		w.ids = append(w.ids, []byte(fmt.Sprint("id", i)))
+	}
+	seqs := map[string]uint64{}
+	for i := 0; i < ops; i++ {
+		clk.Advance(time.Second)
+		s := w.scopes[rng.IntN(len(w.scopes))]
+		switch k := rng.IntN(20); {
+		case k == 0:
+			_ = e.Ack(bg, s, w.ids[rng.IntN(len(w.ids))])
+		case k < 4:
+			c := w.clients[rng.IntN(len(w.clients))]
+			if _, ok := seqs[s+c]; !ok {
+				seqs[s+c], _ = e.ClientState(s, c)
+			}
+			n := seqs[s+c] + 1
+			res, err := e.Begin(bg, Request{Scope: s, Client: c, Seq: n})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.Status == Fresh {
+				if rng.IntN(5) == 0 {
+					_ = res.Claim.Abort(bg)
+					continue
+				}
+				if err := res.Claim.Commit(bg, []byte(fmt.Sprint("seq-reply", i))); err != nil {
+					t.Fatal(err)
+				}
+				seqs[s+c] = n
+			}
+		default:
+			x := w.ids[rng.IntN(len(w.ids))]
+			res, err := e.Begin(bg, Request{Scope: s, ID: x, Fingerprint: []byte{byte(len(x))}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.Status == Fresh {
+				if rng.IntN(10) == 0 {
+					continue // left in flight
+				}
+				if err := res.Claim.Commit(bg, bytes.Repeat([]byte{byte(i)}, rng.IntN(2000))); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+	}
+	return w
+}
+
+// state is every Lookup and ClientState answer for a workload.
+func (w workload) state(t testing.TB, e *Engine) map[string]string {
+	t.Helper()
+	out := snapshotState(t, e, w.scopes, w.ids)
+	for _, s := range w.scopes {
+		for _, c := range w.clients {
+			n, err := e.ClientState(s, c)
+			if err != nil {
+				t.Fatal(err)
+			}
+			l, err := e.LookupSeq(s, c, max(n, 1))
+			if err != nil {
+				t.Fatal(err)
+			}
+			out["client/"+s+"/"+c] = fmt.Sprintf("%d %v %x", n, l.Status, l.Reply)
+		}
+	}
+	return out
+}
+
+func diffStates(a, b map[string]string) string {
+	var d []string
+	for k, v := range a {
+		if b[k] != v {
+			d = append(d, fmt.Sprintf("%s: %q vs %q", k, v, b[k]))
+		}
+	}
+	for k := range b {
+		if _, ok := a[k]; !ok {
+			d = append(d, k+": missing")
+		}
+	}
+	if len(d) > 5 {
+		d = append(d[:5], fmt.Sprintf("... %d more", len(d)-5))
+	}
+	return strings.Join(d, "\n")
+}
+
+func TestSnapshotRestoreEqualsSource(t *testing.T) {
+	clk := newClock()
+	src := openMem(t, vfs.NewMem(), &Options{Clock: clk.Now})
+	defer src.Close()
+	w := runWorkload(t, src, clk, 1, 3000)
+	if err := src.Forget(bg, clk.Now().Add(-40*time.Minute)); err != nil {
+		t.Fatal(err)
+	}
+	waitApplied(t, src)
+	var buf bytes.Buffer
+	info, err := src.Snapshot(bg, &buf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.LSN != src.Stats().AppliedLSN || info.Entries != uint64(src.Stats().LiveEntries) {
+		t.Fatalf("info %+v stats %+v", info, src.Stats())
+	}
+	want := w.state(t, src)
+	dst, err := Restore("restored", bytes.NewReader(buf.Bytes()), &Options{FS: vfs.NewMem(), Clock: clk.Now})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dst.Close()
+	if d := diffStates(want, w.state(t, dst)); d != "" {
+		t.Fatalf("restored state differs:\n%s", d)
+	}
+	if got := dst.Stats(); got.LastLSN != info.LSN || got.InDoubt == 0 {
+		t.Fatalf("restored stats %+v (in-flight claims come back in doubt)", got)
+	}
+	// The restored engine goes on from the snapshot's LSN.
+	commitID(t, dst, Request{Scope: "new", ID: id("x")}, "r")
+	if got := dst.Stats().LastLSN; got != info.LSN+2 {
+		t.Fatalf("restored WAL continues at %d, want %d", got, info.LSN+2)
+	}
+}
+
+func TestRestoreRefusesBadSnapshots(t *testing.T) {
+	clk := newClock()
+	src := openMem(t, vfs.NewMem(), &Options{Clock: clk.Now})
+	runWorkload(t, src, clk, 2, 500)
+	waitApplied(t, src)
+	var buf bytes.Buffer
+	if _, err := src.Snapshot(bg, &buf); err != nil {
+		t.Fatal(err)
+	}
+	src.Close()
+	good := buf.Bytes()
+	fs := vfs.NewMem()
+	for name, b := range map[string][]byte{
+		"truncated": good[:len(good)-7],
+		"half":      good[:len(good)/2],
+		"flipped":   flip(good, len(good)/2),
+		"empty":     nil,
+	} {
+		_, err := Restore("r", bytes.NewReader(b), &Options{FS: fs})
+		if !errors.Is(err, ErrCorrupt) {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if !strings.Contains(err.Error(), "offset") {
+			t.Fatalf("%s: error does not say where: %v", name, err)
+		}
+	}
+	// Nothing was left behind: the directory takes a good snapshot.
+	e, err := Restore("r", bytes.NewReader(good), &Options{FS: fs})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	// And Restore never overwrites an idem directory.
+	if _, err := Restore("r", bytes.NewReader(good), &Options{FS: fs}); err == nil {
+		t.Fatal("restore over an open directory")
+	}
+}
+
+func flip(b []byte, i int) []byte {
+	c := bytes.Clone(b)
+	c[i] ^= 0x10
+	return c
+}
+
+func TestCompactTruncatesWALAndRecoversFromSnapshot(t *testing.T) {
+	clk := newClock()
+	fs := vfs.NewMem()
+	opts := &Options{Clock: clk.Now, SegmentSize: 32 << 10}
+	e := openMem(t, fs, opts)
+	w := runWorkload(t, e, clk, 3, 2000)
+	before := e.Stats()
+	st, err := e.Compact(bg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The first compaction keeps the WAL back to its snapshot only.
+	w2 := runWorkload(t, e, clk, 4, 2000)
+	st2, err := e.Compact(bg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	after := e.Stats()
+	if st.SegmentsRemoved+st2.SegmentsRemoved == 0 || after.WALSegments >= before.WALSegments+10 {
+		t.Fatalf("no segments removed: %+v %+v; before %d segments, after %d", st, st2, before.WALSegments, after.WALSegments)
+	}
+	if st2.Snapshot == "" || st.BytesReclaimed <= 0 {
+		t.Fatalf("compact stats %+v", st2)
+	}
+	t.Logf("compactions: %+v / %+v; WAL segments %d -> %d", st, st2, before.WALSegments, after.WALSegments)
+	want := w.state(t, e)
+	want2 := w2.state(t, e)
+	e.Close()
+	check := func(label string) {
+		t.Helper()
+		e := openMem(t, fs, opts)
+		defer e.Close()
+		if d := diffStates(want, w.state(t, e)); d != "" {
+			t.Fatalf("%s: state differs:\n%s", label, d)
+		}
+		if d := diffStates(want2, w2.state(t, e)); d != "" {
+			t.Fatalf("%s: state differs:\n%s", label, d)
+		}
+	}
+	check("reopen")
+	// Lose the index: Open rebuilds it from the newest snapshot + the WAL.
+	if err := fs.RemoveAll("db/index"); err != nil {
+		t.Fatal(err)
+	}
+	check("index rebuilt from snapshot")
+	// Corrupt the newest snapshot and lose the index again: the older
+	// snapshot and the longer WAL tail rebuild the same state.
+	infos, err := snapshot.List(fs, "db/snapshot")
+	if err != nil || len(infos) != 2 {
+		t.Fatalf("snapshots %v %v", infos, err)
+	}
+	b := readFile(t, fs, infos[0].Path)
+	writeFile(t, fs, infos[0].Path, flip(b, len(b)/2))
+	if err := fs.RemoveAll("db/index"); err != nil {
+		t.Fatal(err)
+	}
+	check("index rebuilt from the older snapshot")
+}
+
+func TestMaxEntriesEvictsOldest(t *testing.T) {
+	clk := newClock()
+	fs := vfs.NewMem()
+	opts := &Options{Clock: clk.Now, MaxEntries: 100}
+	e := openMem(t, fs, opts)
+	for i := 0; i < 300; i++ {
+		clk.Advance(time.Second)
+		commitID(t, e, Request{ID: []byte(fmt.Sprint("k", i))}, "r")
+	}
+	if _, err := e.Compact(bg); err != nil {
+		t.Fatal(err)
+	}
+	st := e.Stats()
+	if st.Replies > 100 || st.Evictions < 200 {
+		t.Fatalf("replies %d evictions %d", st.Replies, st.Evictions)
+	}
+	check := func(e *Engine) {
+		for i := 0; i < 300; i++ {
+			l, _ := e.Lookup("", []byte(fmt.Sprint("k", i)))
+			if want := i >= 200; (l.Status == Done) != want {
+				t.Fatalf("k%d: %v", i, l.Status)
+			}
+		}
+	}
+	check(e)
+	e.Close()
+	e = openMem(t, fs, opts)
+	defer e.Close()
+	check(e)
+}
+
+func TestRetentionCleanupAndAbandonedClaims(t *testing.T) {
+	clk := newClock()
+	fs := vfs.NewMem()
+	opts := &Options{Clock: clk.Now, Retention: time.Hour, Lease: time.Minute}
+	e := openMem(t, fs, opts)
+	for i := 0; i < 50; i++ {
+		commitID(t, e, Request{ID: []byte(fmt.Sprint("old", i))}, "r")
+	}
+	commitID(t, e, Request{Client: "c", Seq: 1}, "s")
+	abandoned := mustBegin(t, e, Request{ID: id("abandoned")}, Fresh)
+	clk.Advance(2 * time.Hour)
+	for i := 0; i < 10; i++ {
+		commitID(t, e, Request{ID: []byte(fmt.Sprint("new", i))}, "r")
+	}
+	if _, err := e.Compact(bg); err != nil {
+		t.Fatal(err)
+	}
+	// Retention left the 10 new ids and the client's sequence number.
+	if st := e.Stats(); st.LiveEntries != 11 || st.Replies != 10 {
+		t.Fatalf("after retention: %+v", st)
+	}
+	// An admin forget drops the abandoned claim (lease long over).
+	if err := e.Forget(bg, clk.Now()); err != nil {
+		t.Fatal(err)
+	}
+	if err := abandoned.Claim.Commit(bg, id("late")); !errors.Is(err, ErrLeaseLost) {
+		t.Fatalf("abandoned claim commit: %v", err)
+	}
+	e.Close()
+	e = openMem(t, fs, opts)
+	defer e.Close()
+	mustBegin(t, e, Request{ID: id("abandoned")}, Fresh)
+	if n, _ := e.ClientState("", "c"); n != 1 {
+		t.Fatalf("client state %d", n)
+	}
+	if _, err := e.Begin(bg, Request{Client: "c", Seq: 1}); !errors.Is(err, ErrAlreadyCommitted) {
+		t.Fatalf("expired seq reply: %v", err)
+	}
+}
+
+// TestCrashDuringCompaction takes a crash image at every sync point of a
+// compaction (snapshot write, index flush, WAL truncation, Pebble
+// compaction) and checks that each image opens to the same state, with the
+// index present and with the index lost.
+func TestCrashDuringCompaction(t *testing.T) {
+	mem := vfs.NewCrashableMem()
+	var (
+		mu     sync.Mutex
+		armed  bool
+		images []*vfs.MemFS
+	)
+	hfs := &syncHookFS{FS: mem}
+	hfs.hook = func() {
+		mu.Lock()
+		defer mu.Unlock()
+		if armed {
+			images = append(images, mem.CrashClone(vfs.CrashCloneCfg{}))
+		}
+	}
+	clk := newClock()
+	opts := &Options{Clock: clk.Now, SegmentSize: 16 << 10, Retention: 30 * time.Minute}
+	e := openMem(t, hfs, opts)
+	w := runWorkload(t, e, clk, 5, 1500)
+	if _, err := e.Compact(bg); err != nil {
+		t.Fatal(err)
+	}
+	w2 := runWorkload(t, e, clk, 6, 1500)
+	clk.Advance(10 * time.Minute)
+	mu.Lock()
+	armed = true
+	mu.Unlock()
+	if _, err := e.Compact(bg); err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	armed = false
+	mu.Unlock()
+	want, want2 := w.state(t, e), w2.state(t, e)
+	e.Close()
+	if len(images) < 5 {
+		t.Fatalf("only %d sync points", len(images))
+	}
+	for i, img := range images {
+		for _, lose := range []bool{false, true} {
+			if lose {
+				if err := img.RemoveAll("db/index"); err != nil {
+					t.Fatal(err)
+				}
+			}
+			e, err := Open("db", &Options{FS: img, Clock: clk.Now, Retention: 30 * time.Minute})
+			if err != nil {
+				t.Fatalf("image %d (index lost %v): %v", i, lose, err)
+			}
+			if d := diffStates(want, w.state(t, e)); d != "" {
+				t.Fatalf("image %d (index lost %v):\n%s", i, lose, d)
+			}
+			if d := diffStates(want2, w2.state(t, e)); d != "" {
+				t.Fatalf("image %d (index lost %v):\n%s", i, lose, d)
+			}
+			e.Close()
+		}
+	}
+	t.Logf("checked %d crash images of a compaction, each with and without its index", len(images))
+}
+

@@ -1,0 +1,154 @@
+package index
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/cockroachdb/pebble/v2"
+	"github.com/idemdb/idem/wal"
+)
+
+// Image is a consistent point-in-time view of the index: every record up to
+// LSN applied, nothing after.
+type Image struct {
+	snap *pebble.Snapshot
+	LSN  wal.LSN
+	Mark Mark
+}
+
+// Image takes a point-in-time view. Writes go on meanwhile; Close it soon,
+// since it pins the Pebble state it sees.
+func (ix *Index) Image() *Image {
+	ix.applyMu.Lock()
+	defer ix.applyMu.Unlock()
+	return &Image{snap: ix.db.NewSnapshot(), LSN: ix.Applied(), Mark: ix.Mark()}
+}
+
+// Entries calls fn for every entry of the image in key order. The key and
+// value are only valid during the call.
+func (im *Image) Entries(fn func(key, value []byte) error) error {
+	it, err := im.snap.NewIter(&pebble.IterOptions{LowerBound: []byte{prefixEntry}, UpperBound: []byte{prefixEntry + 1}})
+	if err != nil {
+		return err
+	}
+	defer it.Close()
+	for ok := it.First(); ok; ok = it.Next() {
+		v, err := it.ValueAndErr()
+		if err != nil {
+			return err
+		}
+		if err := fn(it.Key(), v); err != nil {
+			return err
+		}
+	}
+	return it.Error()
+}
+
+// Close releases the image.
+func (im *Image) Close() error { return im.snap.Close() }
+
+// ErrNotEmpty is returned by Load into an index that holds entries.
+var ErrNotEmpty = errors.New("index: not empty")
+
+// Load fills an empty index with entries read from next (until it returns
+// ok=false), records lsn as applied and m as the forget mark. It builds the
+// time and in-doubt indexes and the counts. Used to restore a snapshot.
+func (ix *Index) Load(lsn wal.LSN, m Mark, next func() (key, value []byte, ok bool, err error)) error {
+	ix.applyMu.Lock()
+	defer ix.applyMu.Unlock()
+	if ix.Applied() != 0 || ix.Count() != 0 {
+		return fmt.Errorf("%w: applied LSN %d, %d entries", ErrNotEmpty, ix.Applied(), ix.Count())
+	}
+	var count, replies int64
+	b := ix.db.NewBatch()
+	defer func() { b.Close() }()
+	var kb []byte
+	for {
+		k, v, ok, err := next()
+		if err != nil {
+			return err
+		}
+		if !ok {
+			break
+		}
+		if _, _, _, err := ParseEntryKey(k); err != nil {
+			return fmt.Errorf("%w: %v", ErrCorrupt, err)
+		}
+		e, err := DecodeEntry(v)
+		if err != nil {
+			return fmt.Errorf("%w: key %x: %v", ErrCorrupt, k, err)
+		}
+		if err := b.Set(k, v, nil); err != nil {
+			return err
+		}
+		count++
+		if e.HasTimeKey() {
+			replies++
+			kb = timeKey(kb[:0], e.CommitTime, k)
+			if err := b.Set(kb, nil, nil); err != nil {
+				return err
+			}
+		}
+		if e.InFlight {
+			kb = inDoubtKey(kb[:0], k)
+			if err := b.Set(kb, nil, nil); err != nil {
+				return err
+			}
+		}
+		if b.Len() > 4<<20 {
+			if err := b.Commit(pebble.NoSync); err != nil {
+				return err
+			}
+			b.Close()
+			b = ix.db.NewBatch()
+		}
+	}
+	if err := ix.putMeta(b, lsn, count, replies, &m); err != nil {
+		return err
+	}
+	if err := b.Commit(pebble.NoSync); err != nil {
+		return err
+	}
+	ix.count.Store(count)
+	ix.replies.Store(replies)
+	ix.mark.Store(&m)
+	ix.applied.Store(uint64(lsn))
+	return ix.db.Flush()
+}
+
+// NthOldest returns the commit time of the k-th oldest kept reply (k >= 1),
+// walking k rows of the time index: the cost is what eviction removes.
+func (ix *Index) NthOldest(k int64) (int64, bool, error) {
+	if k < 1 {
+		return 0, false, nil
+	}
+	it, err := ix.db.NewIter(&pebble.IterOptions{LowerBound: []byte{prefixTime}, UpperBound: []byte{prefixTime + 1}})
+	if err != nil {
+		return 0, false, err
+	}
+	defer it.Close()
+	var n int64
+	for ok := it.First(); ok; ok = it.Next() {
+		if n++; n == k {
+			t, _, valid := parseTimeKey(it.Key())
+			return t, valid, nil
+		}
+	}
+	return 0, false, it.Error()
+}
+
+// CompactRemoved compacts the key ranges where removals leave tombstones:
+// the entries and the time index below the forget mark (where its range
+// deletes are), so that Pebble reclaims their space now rather than when
+// its own compactions get there.
+func (ix *Index) CompactRemoved(ctx context.Context) error {
+	if err := ix.db.Compact(ctx, []byte{prefixEntry}, []byte{prefixEntry + 1}, false); err != nil {
+		return fmt.Errorf("index: compact entries: %w", err)
+	}
+	upper := timeKey(nil, ix.Mark().Before, nil)
+	if err := ix.db.Compact(ctx, []byte{prefixTime}, upper, false); err != nil {
+		return fmt.Errorf("index: compact time index: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,241 @@
+package idem
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/cockroachdb/pebble/v2/vfs"
+	"github.com/idemdb/idem/index"
+	"github.com/idemdb/idem/snapshot"
+	"github.com/idemdb/idem/wal"
+)
+
+// SnapshotInfo describes a snapshot written by Snapshot.
+type SnapshotInfo struct {
+	LSN     uint64 // every record up to LSN is in the snapshot, none after
+	Entries uint64
+	Bytes   int64
+	Created time.Time
+}
+
+// Snapshot streams a point-in-time image of the dedup set to w (for
+// backups and for replicated state machines) while writes go on. It holds
+// every record up to SnapshotInfo.LSN: a replica restores it and applies the
+// log after that LSN. Acked and forgotten entries are never in it, and
+// neither are replies expired by Retention (a client keeps its sequence
+// number). The format is described in snapshot/doc.go.
+func (e *Engine) Snapshot(ctx context.Context, w io.Writer) (SnapshotInfo, error) {
+	if err := e.enter(); err != nil {
+		return SnapshotInfo{}, err
+	}
+	defer e.leave()
+	img := e.ix.Image()
+	defer img.Close()
+	return e.writeImage(ctx, w, img)
+}
+
+// countingWriter counts the bytes written through it.
+type countingWriter struct {
+	w io.Writer
+	n int64
+}
+
+func (c *countingWriter) Write(b []byte) (int, error) {
+	n, err := c.w.Write(b)
+	c.n += int64(n)
+	return n, err
+}
+
+func (e *Engine) writeImage(ctx context.Context, w io.Writer, img *index.Image) (SnapshotInfo, error) {
+	now := e.o.Clock()
+	cw := &countingWriter{w: w}
+	sw, err := snapshot.NewWriter(cw, snapshot.Header{
+		LSN: uint64(img.LSN), Created: now, ForgetBefore: img.Mark.Before, ForgetLSN: uint64(img.Mark.LSN),
+	})
+	if err != nil {
+		return SnapshotInfo{}, err
+	}
+	var n uint64
+	var vb []byte
+	err = img.Entries(func(key, value []byte) error {
+		if n%4096 == 0 {
+			if err := ctx.Err(); err != nil {
+				return err
+			}
+		}
+		if e.o.Retention > 0 {
+			en, err := index.DecodeEntry(value)
+			if err != nil {
+				return fmt.Errorf("%w: key %x: %v", ErrCorrupt, key, err)
+			}
+			if e.expired(en, now) {
+				_, mode, _, err := index.ParseEntryKey(key)
+				if err != nil {
+					return fmt.Errorf("%w: %v", ErrCorrupt, err)
+				}
+				// As a forget at now-Retention would leave it.
+				en = index.Normalize(en, mode, index.Mark{Before: now.Add(-e.o.Retention).UnixNano(), LSN: img.LSN + 1})
+				if en == nil {
+					return nil
+				}
+				vb = index.EncodeEntry(vb[:0], en)
+				value = vb
+			}
+		}
+		n++
+		return sw.Add(key, value)
+	})
+	if err != nil {
+		return SnapshotInfo{}, err
+	}
+	tr, err := sw.Close()
+	if err != nil {
+		return SnapshotInfo{}, err
+	}
+	return SnapshotInfo{LSN: uint64(img.LSN), Entries: tr.Count, Bytes: cw.n, Created: now}, nil
+}
+
+// Restore builds a new engine directory dir from a snapshot read from r and
+// opens it. dir must not hold an idem directory already. The new WAL starts
+// after the snapshot's LSN, so a replica can go on applying the log. A
+// truncated or corrupt snapshot is refused (ErrCorrupt, saying where) and
+// what Restore created is removed.
+func Restore(dir string, r io.Reader, opts *Options) (*Engine, error) {
+	o := opts.withDefaults()
+	fs := o.FS
+	for _, sub := range []string{"wal", "index"} {
+		if names, err := fs.List(filepath.Join(dir, sub)); err == nil && len(names) > 0 {
+			return nil, fmt.Errorf("idem: restore into %s: it already holds an idem directory (%s/ is not empty)", dir, sub)
+		}
+	}
+	e := &Engine{o: o, dir: dir, fs: fs}
+	if err := e.lockDir(); err != nil {
+		return nil, err
+	}
+	ixDir := filepath.Join(dir, "index")
+	err := func() error {
+		sr, err := snapshot.NewReader(r)
+		if err != nil {
+			return wrapSnapshotErr(err)
+		}
+		h := sr.Header()
+		ix, err := index.Open(index.Options{FS: fs, Dir: ixDir, CacheSize: o.IndexCacheSize, Logger: o.Logger})
+		if err != nil {
+			return err
+		}
+		err = ix.Load(wal.LSN(h.LSN), index.Mark{Before: h.ForgetBefore, LSN: wal.LSN(h.ForgetLSN)},
+			func() ([]byte, []byte, bool, error) {
+				k, v, err := sr.Next()
+				if errors.Is(err, io.EOF) {
+					return nil, nil, false, nil
+				}
+				if err != nil {
+					return nil, nil, false, wrapSnapshotErr(err)
+				}
+				return k, v, true, nil
+			})
+		if cerr := ix.Close(err == nil); err == nil {
+			err = cerr
+		}
+		return err
+	}()
+	e.unlockDir()
+	if err != nil {
+		_ = fs.RemoveAll(ixDir)
+		return nil, fmt.Errorf("idem: restore into %s: %w", dir, wrapCorrupt(err))
+	}
+	return Open(dir, opts)
+}
+
+func wrapSnapshotErr(err error) error {
+	if errors.Is(err, snapshot.ErrCorrupt) && !errors.Is(err, ErrCorrupt) {
+		return fmt.Errorf("%w: %w", ErrCorrupt, err)
+	}
+	return err
+}
+
+// snapshotDir is where on-disk snapshots live.
+func (e *Engine) snapshotDir() string { return filepath.Join(e.dir, "snapshot") }
+
+// writeDiskSnapshot writes img under <dir>/snapshot/ atomically, keeps the
+// newest Options.KeepSnapshots and returns the oldest kept one's LSN.
+func (e *Engine) writeDiskSnapshot(ctx context.Context, img *index.Image) (string, int, wal.LSN, error) {
+	path, err := snapshot.WriteFile(e.fs, e.snapshotDir(), uint64(img.LSN), func(w io.Writer) error {
+		_, err := e.writeImage(ctx, w, img)
+		return err
+	})
+	if err != nil {
+		return "", 0, 0, err
+	}
+	removed, err := snapshot.Prune(e.fs, e.snapshotDir(), e.o.KeepSnapshots)
+	if err != nil {
+		return path, len(removed), 0, err
+	}
+	infos, err := snapshot.List(e.fs, e.snapshotDir())
+	if err != nil || len(infos) == 0 {
+		return path, len(removed), 0, err
+	}
+	return path, len(removed), wal.LSN(infos[len(infos)-1].LSN), nil
+}
+
+// walFirstLSN returns the first LSN of the oldest WAL segment in dir, or 0
+// when there is none. Segment names are their first LSN (wal/doc.go).
+func walFirstLSN(fs vfs.FS, dir string) (wal.LSN, error) {
+	names, err := fs.List(dir)
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			return 0, nil
+		}
+		return 0, err
+	}
+	var first wal.LSN
+	for _, n := range names {
+		base, ok := strings.CutSuffix(n, ".wal")
+		if !ok || len(base) != 20 {
+			continue
+		}
+		v, err := strconv.ParseUint(base, 10, 64)
+		if err != nil {
+			continue
+		}
+		if first == 0 || wal.LSN(v) < first {
+			first = wal.LSN(v)
+		}
+	}
+	return first, nil
+}
+
+// loadDiskSnapshot fills an empty index from the newest valid on-disk
+// snapshot that reaches back to the WAL's start (first-1). A corrupt newest
+// snapshot is logged and the next older one used, as Kafka does with its
+// producer-state snapshots.
+func (e *Engine) loadDiskSnapshot(ix *index.Index, first wal.LSN) error {
+	sr, info, closer, err := snapshot.OpenNewestValid(e.fs, e.snapshotDir(), e.o.Logger)
+	if err != nil {
+		return fmt.Errorf("%w: the index is empty and the WAL starts at LSN %d, but no valid snapshot is available: %v", ErrCorrupt, first, err)
+	}
+	defer closer.Close()
+	if wal.LSN(info.LSN)+1 < first {
+		return fmt.Errorf("%w: the newest valid snapshot %s (LSN %d) does not reach the WAL's first LSN %d", ErrCorrupt, info.Path, info.LSN, first)
+	}
+	h := sr.Header()
+	e.o.Logger.Warn("idem: rebuilding the index from a snapshot", "snapshot", info.Path, "lsn", info.LSN)
+	return ix.Load(wal.LSN(h.LSN), index.Mark{Before: h.ForgetBefore, LSN: wal.LSN(h.ForgetLSN)},
+		func() ([]byte, []byte, bool, error) {
+			k, v, err := sr.Next()
+			if errors.Is(err, io.EOF) {
+				return nil, nil, false, nil
+			}
+			if err != nil {
+				return nil, nil, false, wrapSnapshotErr(err)
+			}
+			return k, v, true, nil
+		})
+}
