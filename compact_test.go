@@ -387,4 +387,3 @@ func TestCrashDuringCompaction(t *testing.T) {
 	}
 	t.Logf("checked %d crash images of a compaction, each with and without its index", len(images))
 }
-
