@@ -10,7 +10,7 @@ package idem
 import (
 	"context"
 	"crypto/rand"
-		"errors"
+	"errors"
 	"fmt"
 
 	"runtime"

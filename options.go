@@ -95,7 +95,8 @@ type Options struct {
 	KeepSnapshots int
 	// MaxIDLen bounds ids, scopes, client names and fingerprints (default 1024 bytes).
 	MaxIDLen int
-	// MaxReplySize bounds replies (default 16 MiB).
+	// MaxReplySize bounds replies (default and maximum 12 MiB: an entry must
+	// fit in one snapshot chunk, see snapshot.MaxEntrySize).
 	MaxReplySize int
 }
 
@@ -140,11 +141,15 @@ func (o *Options) withDefaults() Options {
 	if r.MaxIDLen <= 0 {
 		r.MaxIDLen = 1024
 	}
-	if r.MaxReplySize <= 0 {
-		r.MaxReplySize = 16 << 20
+	if r.MaxReplySize <= 0 || r.MaxReplySize > maxReplySize {
+		r.MaxReplySize = maxReplySize
 	}
 	return r
 }
+
+// maxReplySize leaves room under snapshot.MaxEntrySize for the key and the
+// rest of the entry (ids, scope and fingerprints are bounded by MaxIDLen).
+const maxReplySize = 12 << 20
 
 func (m SyncMode) wal() wal.SyncMode {
 	switch m {

@@ -10,6 +10,8 @@ import (
 // BenchmarkCodec compares the candidate chunk codecs on realistic ~64 KiB
 // chunks (see realisticEntries). It reports the compression ratio
 // (raw/compressed) and throughput in raw MB/s; doc.go records the outcome.
+// (s2 "best" and zstd "better" were measured too: s2best compresses at 23
+// MB/s for a ratio of 1.94, zstd better is no better than zstd default here.)
 func BenchmarkCodec(b *testing.B) {
 	for _, random := range []bool{false, true} {
 		entries := realisticEntries(1, 20000, random)
@@ -50,10 +52,8 @@ func BenchmarkCodec(b *testing.B) {
 		codecs := []codec{
 			{"s2", s2.Encode, s2.Decode},
 			{"s2better", s2.EncodeBetter, s2.Decode},
-			{"s2best", s2.EncodeBest, s2.Decode},
 			{"zstd-fastest", zenc(zstd.SpeedFastest), zdec},
 			{"zstd-default", zenc(zstd.SpeedDefault), zdec},
-			{"zstd-better", zenc(zstd.SpeedBetterCompression), zdec},
 		}
 		for _, c := range codecs {
 			var comp [][]byte

@@ -152,7 +152,8 @@ func encodeHeader(h Header) ([]byte, error) {
 
 // decodeHeaderBody parses the msgpack header body (already checksummed).
 func decodeHeaderBody(body []byte) (Header, error) {
-	d := msgpack.NewDecoder(bytes.NewReader(body))
+	br := bytes.NewReader(body)
+	d := msgpack.NewDecoder(br)
 	n, err := d.DecodeArrayLen()
 	if err != nil {
 		return Header{}, err
@@ -183,7 +184,7 @@ func decodeHeaderBody(body []byte) (Header, error) {
 			return Header{}, err
 		}
 	}
-	if d.Buffered().(*bytes.Reader).Len() != 0 {
+	if br.Len() != 0 {
 		return Header{}, errors.New("bytes after the header fields")
 	}
 	return h, nil

@@ -31,15 +31,15 @@ type Reader struct {
 	off int64  // bytes consumed so far
 	crc uint32 // CRC-32C of the bytes consumed so far
 
-	chunk      int   // index of the current chunk; -1 while in the header
-	chunkStart int64 // offset of the current chunk's header
-	started    bool  // a chunk header has been read
-	comp  []byte // compressed bytes of the current chunk, reused
-	raw   []byte // raw bytes of the current chunk, reused
-	rest  []byte // unparsed pairs of the current chunk
-	left  int    // pairs left in rest
-	pairs uint64 // entries returned so far
-	hdr   [chunkHeaderSize]byte
+	chunk      int    // index of the current chunk; -1 while in the header
+	chunkStart int64  // offset of the current chunk's header
+	started    bool   // a chunk header has been read
+	comp       []byte // compressed bytes of the current chunk, reused
+	raw        []byte // raw bytes of the current chunk, reused
+	rest       []byte // unparsed pairs of the current chunk
+	left       int    // pairs left in rest
+	pairs      uint64 // entries returned so far
+	hdr        [chunkHeaderSize]byte
 
 	prev    []byte // last key returned; aliases raw or prevBuf
 	prevBuf []byte // owned copy of prev across chunk boundaries

@@ -482,3 +482,23 @@ func TestReaderIOError(t *testing.T) {
 		}
 	}
 }
+
+// TestHeaderAppendedFields: a header body with fields appended by a later
+// writer of the same version is read, the extra fields skipped.
+func TestHeaderAppendedFields(t *testing.T) {
+	body := []byte{0x96, 7, 0, 0, 0, 0x92, 1, 2, 0xa3, 'n', 'e', 'w'} // [7, 0, 0, 0, [1, 2], "new"]
+	b := append([]byte(headerMagic), 1, 0)
+	b = binary.LittleEndian.AppendUint32(b, uint32(len(body)))
+	b = append(b, body...)
+	b = binary.LittleEndian.AppendUint32(b, crc32.Checksum(b, castagnoli))
+	h, got, _, err := readSnapshot(bytes.NewReader(appendTrailer(b, 0)))
+	if err != nil || h.LSN != 7 || len(got) != 0 {
+		t.Fatalf("got %+v, %v", h, err)
+	}
+	// Fewer fields than version 1 has is corruption.
+	b = append([]byte(headerMagic), 1, 0, 4, 0, 0, 0, 0x93, 7, 0, 0)
+	b = binary.LittleEndian.AppendUint32(b, crc32.Checksum(b, castagnoli))
+	if _, _, _, err := readSnapshot(bytes.NewReader(appendTrailer(b, 0))); !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("3 header fields: %v", err)
+	}
+}
