@@ -565,9 +565,10 @@ func (e *Engine) slotLocked(key []byte) (*slot, error) {
 	}
 	sl := &slot{e: en}
 	sl.size = slotSize(key, en)
-	sh.m[string(key)] = sl
+	k := string(key)
+	sh.m[k] = sl
 	sh.bytes += sl.size
-	e.evictLocked(sh)
+	e.evictLocked(sh, k)
 	return sl, nil
 }
 
@@ -580,9 +581,10 @@ func slotSize(key []byte, en *index.Entry) int64 {
 }
 
 // evictLocked drops clean, unpinned slots while the shard is over its share
-// of CacheSize. Go's map iteration order is random, which makes this a
-// random eviction: cheap, and good enough in front of Pebble's own cache.
-func (e *Engine) evictLocked(sh *shard) {
+// of CacheSize, never the slot keep (just loaded: its caller is about to use
+// it). Go's map iteration order is random, which makes this a random
+// eviction: cheap, and good enough in front of Pebble's own cache.
+func (e *Engine) evictLocked(sh *shard, keep string) {
 	limit := e.o.CacheSize / numShards
 	if sh.bytes <= limit {
 		return
@@ -592,7 +594,7 @@ func (e *Engine) evictLocked(sh *shard) {
 		if sh.bytes <= target {
 			return
 		}
-		if sl.dirty != 0 || sl.waiters != nil || (sl.e != nil && sl.e.InFlight) {
+		if k == keep || sl.dirty != 0 || sl.waiters != nil || (sl.e != nil && sl.e.InFlight) {
 			continue
 		}
 		delete(sh.m, k)
@@ -601,8 +603,13 @@ func (e *Engine) evictLocked(sh *shard) {
 }
 
 // setLocked publishes a new entry for a slot after its record was appended.
+// The slot must be key's slot in the map: a dirty entry that is not in the
+// map would be invisible to the next caller, who would read the index.
 func (e *Engine) setLocked(key []byte, sl *slot, en *index.Entry, lsn wal.LSN) {
 	sh := e.shardOf(key)
+	if sh.m[string(key)] != sl {
+		panic(fmt.Sprintf("idem: slot of key %x is not in its shard", key)) // invariant
+	}
 	sh.bytes -= sl.size
 	sl.e = en
 	sl.dirty = lsn

@@ -1063,3 +1063,18 @@ func TestDiskDirectory(t *testing.T) {
 	defer e.Close()
 	mustBegin(t, e, Request{ID: id("a")}, Done)
 }
+
+// TestSmallCacheNeverLosesAClaim: with a cache so small that every load
+// evicts, a claim must stay visible (a slot just loaded is never the one
+// evicted, and a pinned slot is never evicted).
+func TestSmallCacheNeverLosesAClaim(t *testing.T) {
+	for _, mode := range []SyncMode{SyncAlways, SyncNever} {
+		e := openMem(t, vfs.NewMem(), &Options{CacheSize: 256 * 300, Sync: mode})
+		for i := 0; i < 3000; i++ {
+			r := Request{ID: []byte(fmt.Sprint("id", i))}
+			mustBegin(t, e, r, Fresh)
+			mustBegin(t, e, r, InFlight)
+		}
+		e.Close()
+	}
+}

@@ -103,6 +103,7 @@ func (ix *Index) loadMeta(readOnly bool) error {
 	}
 	if v == nil {
 		if readOnly {
+			ix.mark.Store(&Mark{})
 			return nil
 		}
 		b := binary.AppendUvarint(nil, formatVersion)

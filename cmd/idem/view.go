@@ -1,0 +1,471 @@
+package main
+
+// Reading an idem directory without disturbing its writer.
+//
+// The WAL is read with wal.Scan, which opens segments read-only and validates
+// every frame. The index is a Pebble store: opening it, even read-only,
+// takes Pebble's LOCK, which a running engine holds, and its files change
+// while the engine flushes and compacts. So the read-only commands work on a
+// private copy: the metadata files (CURRENT, marker.*, MANIFEST-*, OPTIONS-*)
+// are copied first, then the sstables and blob files are hard-linked (they
+// are immutable once written; copied when a link is impossible). A table
+// deleted by a compaction between the two steps makes the copy fail to open,
+// and the copy is retried. The engine keeps Pebble's WAL disabled and flushes
+// its memtable only from time to time, so the copy is a prefix of what the
+// engine applied: the commands replay the WAL records after the copy's
+// applied LSN onto it, exactly as Open would, unless asked for the stored
+// state (--stored).
+
+import (
+	"cmp"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/cockroachdb/pebble/v2/vfs"
+	"github.com/idemdb/idem/index"
+	"github.com/idemdb/idem/snapshot"
+	"github.com/idemdb/idem/wal"
+)
+
+// checkIdemDir fails with a one-line error unless dir is an idem directory.
+func checkIdemDir(dir string) error {
+	st, err := os.Stat(dir)
+	if errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("%s: no such directory", dir)
+	}
+	if err != nil {
+		return err
+	}
+	if !st.IsDir() {
+		return fmt.Errorf("%s is not a directory", dir)
+	}
+	st, err = os.Stat(filepath.Join(dir, "wal"))
+	if err != nil || !st.IsDir() {
+		return fmt.Errorf("%s is not an idem directory (it has no wal/ subdirectory)", dir)
+	}
+	return nil
+}
+
+// oneDir checks that exactly one positional argument, an idem directory,
+// was given.
+func oneDir(pos []string) (string, error) {
+	if len(pos) == 0 {
+		return "", usagef("missing the idem directory argument")
+	}
+	if len(pos) > 1 {
+		return "", usagef("unexpected arguments after %s: %s", pos[0], strings.Join(pos[1:], " "))
+	}
+	return pos[0], checkIdemDir(pos[0])
+}
+
+// writerActive reports whether an engine holds dir's lock. It takes the
+// lock the way the engine does (vfs.Default.Lock on <dir>/LOCK) and releases
+// it at once. It never creates the LOCK file: without one no engine has the
+// directory open.
+//
+// POSIX record locks belong to a process, so this probe only means something
+// from another process than the writer's, which is how idem runs. In the same
+// process Pebble's registry of locked names answers instead (as long as the
+// directory is spelled the same way).
+func writerActive(dir string) bool {
+	p := filepath.Join(dir, "LOCK")
+	if _, err := os.Stat(p); err != nil {
+		return false
+	}
+	l, err := vfs.Default.Lock(p)
+	if err != nil {
+		return true
+	}
+	_ = l.Close()
+	return false
+}
+
+// noteWriter prints, when an engine has dir open, that what is shown may be
+// behind it.
+func noteWriter(c *cli, dir string) bool {
+	if !writerActive(dir) {
+		return false
+	}
+	fmt.Fprintf(c.stderr, "idem: note: %s is open by a running engine (its LOCK is held); what is shown is read from the files and may be behind the writer\n", dir)
+	return true
+}
+
+// storedMeta is what the index files themselves say.
+type storedMeta struct {
+	applied wal.LSN
+	count   int64
+	mark    index.Mark
+	missing bool // there was no index directory: an empty index was used
+	bytes   int64
+}
+
+// indexCopy is a private copy of a directory's index, opened.
+type indexCopy struct {
+	tmp    string
+	ix     *index.Index
+	stored storedMeta
+}
+
+func (ic *indexCopy) close() {
+	if ic == nil {
+		return
+	}
+	if ic.ix != nil {
+		_ = ic.ix.Close(false)
+	}
+	_ = os.RemoveAll(ic.tmp)
+}
+
+const copyAttempts = 5
+
+// openIndexCopy copies dir's index (see the top of this file) and opens the
+// copy.
+func openIndexCopy(dir string) (*indexCopy, error) {
+	src := filepath.Join(dir, "index")
+	st, err := os.Stat(src)
+	missing := errors.Is(err, fs.ErrNotExist)
+	if err != nil && !missing {
+		return nil, err
+	}
+	if !missing && !st.IsDir() {
+		return nil, fmt.Errorf("%s is not a directory", src)
+	}
+	var lastErr error
+	for attempt := 0; attempt < copyAttempts; attempt++ {
+		tmp, err := os.MkdirTemp("", "idem-index-")
+		if err != nil {
+			return nil, err
+		}
+		ic := &indexCopy{tmp: tmp}
+		ic.stored.missing = missing
+		if !missing {
+			ic.stored.bytes, err = copyPebbleDir(src, tmp)
+		}
+		if err == nil {
+			// The copy is private, so it is opened writable even when only
+			// read: a read-only open of a store that never flushed its
+			// metadata (an engine killed before its first flush) leaves
+			// index.Index without a forget mark.
+			err = guard(func() (err error) {
+				ic.ix, err = index.Open(index.Options{FS: vfs.Default, Dir: tmp, CacheSize: 8 << 20, MemTableSize: 8 << 20})
+				return err
+			})
+		}
+		if err == nil {
+			ic.stored.applied, ic.stored.count, ic.stored.mark = ic.ix.Applied(), ic.ix.Count(), ic.ix.Mark()
+			return ic, nil
+		}
+		ic.close()
+		// Name the directory the user gave, not the private copy.
+		lastErr = errors.New(strings.ReplaceAll(err.Error(), tmp, src))
+		if errors.Is(err, index.ErrCorrupt) || errors.Is(err, errCorruptIndex) {
+			break // a copy again would not help
+		}
+	}
+	return nil, fmt.Errorf("cannot read the index in %s: %w", src, lastErr)
+}
+
+// copyPebbleDir copies a Pebble directory that may be in use: metadata
+// first, then the immutable tables (hard links when possible). It returns
+// the bytes of the source files.
+func copyPebbleDir(src, dst string) (int64, error) {
+	isTable := func(n string) bool { return strings.HasSuffix(n, ".sst") || strings.HasSuffix(n, ".blob") }
+	var total int64
+	ents, err := os.ReadDir(src)
+	if err != nil {
+		return 0, err
+	}
+	for _, e := range ents {
+		n := e.Name()
+		if e.IsDir() || n == "LOCK" || isTable(n) {
+			continue
+		}
+		sz, err := copyFile(filepath.Join(src, n), filepath.Join(dst, n))
+		if err != nil {
+			return 0, err // a MANIFEST replaced meanwhile: the caller retries
+		}
+		total += sz
+	}
+	// List again: tables written since the first listing may be named by
+	// the MANIFEST just copied.
+	if ents, err = os.ReadDir(src); err != nil {
+		return 0, err
+	}
+	for _, e := range ents {
+		n := e.Name()
+		if e.IsDir() || !isTable(n) {
+			continue
+		}
+		s, d := filepath.Join(src, n), filepath.Join(dst, n)
+		if err := os.Link(s, d); err == nil {
+			if st, err := os.Stat(d); err == nil {
+				total += st.Size()
+			}
+			continue
+		}
+		sz, err := copyFile(s, d)
+		if errors.Is(err, fs.ErrNotExist) {
+			continue // compacted away; if the copy needs it, opening fails and we retry
+		}
+		if err != nil {
+			return 0, err
+		}
+		total += sz
+	}
+	return total, nil
+}
+
+func copyFile(src, dst string) (int64, error) {
+	in, err := os.Open(src)
+	if err != nil {
+		return 0, err
+	}
+	defer in.Close()
+	out, err := os.OpenFile(dst, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
+	if err != nil {
+		return 0, err
+	}
+	n, err := io.Copy(out, in)
+	if cerr := out.Close(); err == nil {
+		err = cerr
+	}
+	return n, err
+}
+
+var errCorruptIndex = errors.New("corrupt index")
+
+// guard runs fn, turning a panic into an error. Pebble reports some
+// corruption of its files by a fatal log message, which the index package
+// turns into a panic; a reading tool reports it instead (on one line).
+func guard(fn func() error) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("%w: %s", errCorruptIndex, oneLine(fmt.Sprint(r)))
+		}
+	}()
+	return fn()
+}
+
+// walFile is one file of the WAL directory.
+type walFile struct {
+	name    string
+	size    int64
+	segment bool // a %020d.wal segment (else *.torn or other)
+	base    int64
+}
+
+// listWAL returns the files of dir's WAL, segments in LSN order with their
+// cumulative byte offsets (for progress), and the total segment bytes.
+func listWAL(dir string) ([]walFile, int64, error) {
+	ents, err := os.ReadDir(filepath.Join(dir, "wal"))
+	if err != nil {
+		return nil, 0, err
+	}
+	var files []walFile
+	for _, e := range ents {
+		if e.IsDir() {
+			continue
+		}
+		info, err := e.Info()
+		if err != nil {
+			continue // removed meanwhile
+		}
+		n := e.Name()
+		seg := len(n) == 24 && strings.HasSuffix(n, ".wal") && strings.Trim(n[:20], "0123456789") == ""
+		files = append(files, walFile{name: n, size: info.Size(), segment: seg})
+	}
+	slices.SortFunc(files, func(a, b walFile) int { return cmp.Compare(a.name, b.name) })
+	var total int64
+	for i := range files {
+		if files[i].segment {
+			files[i].base = total
+			total += files[i].size
+		}
+	}
+	return files, total, nil
+}
+
+// scanWAL runs wal.Scan over dir's WAL, drawing a progress bar labelled
+// label when c may.
+func scanWAL(c *cli, dir string, after wal.LSN, label string, fn func(wal.Record) error) (wal.ScanResult, error) {
+	files, total, err := listWAL(dir)
+	if err != nil {
+		return wal.ScanResult{}, err
+	}
+	bases := make(map[string]int64, len(files))
+	for _, f := range files {
+		bases[f.name] = f.base
+	}
+	var p *progress
+	if label != "" {
+		p = startProgress(c, label, total, true)
+	}
+	defer p.finish()
+	n := 0
+	return wal.Scan(vfs.Default, filepath.Join(dir, "wal"), after, 0, func(r wal.Record) error {
+		if n++; p != nil && n%256 == 0 {
+			p.set(bases[r.Segment] + r.Offset)
+		}
+		if fn == nil {
+			return nil
+		}
+		return fn(r)
+	})
+}
+
+// walError makes a scan error readable: where, and what the user can do.
+func walError(err error) error {
+	var ce *wal.CorruptError
+	if errors.As(err, &ce) {
+		return fmt.Errorf("corrupt WAL: segment %s offset %d: %s (run 'idem verify' for a full report)", ce.Segment, ce.Offset, ce.Reason)
+	}
+	return err
+}
+
+// walFirstLSN returns the first LSN of the oldest segment in files (0 when
+// there is none): segments are named by their first LSN.
+func walFirstLSN(files []walFile) wal.LSN {
+	for _, f := range files {
+		if f.segment {
+			n, err := strconv.ParseUint(f.name[:20], 10, 64)
+			if err == nil {
+				return wal.LSN(n)
+			}
+		}
+	}
+	return 0
+}
+
+// seedFromSnapshot does what Open does for an empty index in front of a WAL
+// whose head was removed by compaction: it loads the newest valid on-disk
+// snapshot (read-only) into ix. It returns the snapshot's path and LSN.
+func seedFromSnapshot(dir string, ix *index.Index, first wal.LSN) (string, wal.LSN, error) {
+	sr, info, closer, err := snapshot.OpenNewestValid(vfs.Default, filepath.Join(dir, "snapshot"), nil)
+	if err != nil {
+		return "", 0, fmt.Errorf("the WAL starts at LSN %d and no valid snapshot is available: %w", first, err)
+	}
+	defer closer.Close()
+	if wal.LSN(info.LSN)+1 < first {
+		return "", 0, fmt.Errorf("the newest valid snapshot %s (LSN %d) does not reach the WAL's first LSN %d", info.Path, info.LSN, first)
+	}
+	h := sr.Header()
+	err = ix.Load(wal.LSN(h.LSN), index.Mark{Before: h.ForgetBefore, LSN: wal.LSN(h.ForgetLSN)},
+		func() ([]byte, []byte, bool, error) {
+			k, v, err := sr.Next()
+			if errors.Is(err, io.EOF) {
+				return nil, nil, false, nil
+			}
+			return k, v, err == nil, err
+		})
+	if err != nil {
+		return "", 0, fmt.Errorf("loading snapshot %s: %w", info.Path, err)
+	}
+	return info.Path, wal.LSN(h.LSN), nil
+}
+
+// replayedIndex is an index copy brought up to the end of the WAL, as Open
+// would (or left as stored).
+type replayedIndex struct {
+	*indexCopy
+	scan     wal.ScanResult
+	replayed int    // records replayed onto the copy
+	asStored bool   // the copy was left as stored (no replay)
+	seeded   string // the snapshot the empty copy was loaded from, as Open would
+	base     wal.LSN
+}
+
+// loadIndex copies dir's index and, unless stored, replays the WAL tail
+// onto it (after loading the newest snapshot into it first if the index is
+// empty and the WAL no longer starts at LSN 1, as Open does).
+func loadIndex(c *cli, dir string, stored bool, label string) (*replayedIndex, error) {
+	ic, err := openIndexCopy(dir)
+	if err != nil {
+		return nil, err
+	}
+	ri := &replayedIndex{indexCopy: ic, asStored: stored, base: ic.stored.applied}
+	files, _, err := listWAL(dir)
+	if err != nil {
+		ic.close()
+		return nil, err
+	}
+	if first := walFirstLSN(files); !stored && first > 1 && ic.ix.Applied() == 0 && ic.ix.Count() == 0 {
+		if ri.seeded, ri.base, err = seedFromSnapshot(dir, ic.ix, first); err != nil {
+			ic.close()
+			return nil, err
+		}
+	}
+	var rep *index.Replayer
+	if !stored {
+		rep = ic.ix.NewReplayer()
+	}
+	ri.scan, err = scanWAL(c, dir, ri.base, label, func(r wal.Record) error {
+		if rep == nil {
+			return nil
+		}
+		ri.replayed++
+		if err := rep.Apply(r.LSN, r.Type, r.Payload); err != nil {
+			return fmt.Errorf("replaying the WAL onto the index: segment %s offset %d: %w", r.Segment, r.Offset, err)
+		}
+		return nil
+	})
+	if err == nil && rep != nil {
+		err = rep.Flush()
+	}
+	if err != nil {
+		ic.close()
+		return nil, walError(err)
+	}
+	if ri.scan.LastLSN < ri.base {
+		ic.close()
+		return nil, fmt.Errorf("corrupt directory: the index has applied LSN %d but the WAL ends at LSN %d (WAL segments lost?)", ri.base, ri.scan.LastLSN)
+	}
+	return ri, nil
+}
+
+// note describes which state loadIndex produced when the index files are
+// behind the WAL ("" when they are not).
+func (ri *replayedIndex) note() string {
+	a := ri.stored.applied
+	switch {
+	case ri.asStored && ri.scan.LastLSN > a:
+		return fmt.Sprintf("index as stored: applied through LSN %d; the WAL holds %d later records (through LSN %d) that Open would replay", a, ri.scan.LastLSN-a, ri.scan.LastLSN)
+	case ri.seeded != "":
+		return fmt.Sprintf("the index files are empty and the WAL starts after LSN 1: loaded snapshot %s (LSN %d) and replayed %d WAL records (through LSN %d) onto a private copy, as Open would", ri.seeded, ri.base, ri.replayed, ri.scan.LastLSN)
+	case ri.replayed > 0:
+		return fmt.Sprintf("index files applied through LSN %d; the %d later WAL records (through LSN %d) were replayed onto a private copy, as Open would", a, ri.replayed, ri.scan.LastLSN)
+	}
+	return "" // the index files are up to date with the WAL
+}
+
+// dirBytes returns the bytes of the files in dir (0 if unreadable).
+func dirBytes(dir string) int64 {
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return 0
+	}
+	var n int64
+	for _, e := range ents {
+		if info, err := e.Info(); err == nil && !e.IsDir() {
+			n += info.Size()
+		}
+	}
+	return n
+}
+
+// lsnRange renders the LSNs a WAL holds.
+func lsnRange(first, last uint64) string {
+	switch {
+	case first == 0:
+		return "no segment"
+	case last < first:
+		return fmt.Sprintf("no record yet (the next is LSN %d)", first)
+	}
+	return fmt.Sprintf("LSN %d..%d", first, last)
+}
