@@ -211,6 +211,7 @@ func Open(dir string, opts *Options) (*Engine, error) {
 		FS:           o.FS,
 		Dir:          filepath.Join(dir, "wal"),
 		SegmentSize:  o.SegmentSize,
+		Preallocate:  o.FS == vfs.Default && !o.NoPreallocate,
 		SyncMode:     o.Sync.wal(),
 		SyncInterval: o.SyncInterval,
 		FirstLSN:     applied + 1,

@@ -1015,7 +1015,7 @@ func TestFailStopOnSyncError(t *testing.T) {
 	mem := vfs.NewMem()
 	var fail atomic.Bool
 	inj := errorfs.InjectorFunc(func(op errorfs.Op) error {
-		if fail.Load() && op.Kind == errorfs.OpFileSync && strings.Contains(op.Path, "wal") {
+		if fail.Load() && (op.Kind == errorfs.OpFileSync || op.Kind == errorfs.OpFileSyncData) && strings.Contains(op.Path, "wal") {
 			return errorfs.ErrInjected
 		}
 		return nil

@@ -65,6 +65,10 @@ type Options struct {
 	IndexCacheSize int64
 	// SegmentSize is the WAL segment size (default 64 MiB).
 	SegmentSize int64
+	// NoPreallocate turns off the zero-filling of WAL segments before use.
+	// Preallocation (on the OS filesystem only) lets each group-commit
+	// fdatasync skip persisting a new file size, about 2x cheaper on ext4.
+	NoPreallocate bool
 	// Retention, when positive, expires committed replies this long after
 	// their commit: an expired id runs again as new (source 003), and a
 	// forget record is appended every CleanupInterval so that the log and

@@ -14,7 +14,7 @@ import (
 // SyncAlways mode (every acknowledgement follows an fsync).
 func BenchmarkAppendSyncAlways(b *testing.B) {
 	const goroutines = 64
-	o := Options{FS: vfs.Default, Dir: vfs.Default.PathJoin(b.TempDir(), "wal")}
+	o := Options{FS: vfs.Default, Dir: vfs.Default.PathJoin(b.TempDir(), "wal"), Preallocate: true}
 	w, _, err := Open(o, 0, nil)
 	if err != nil {
 		b.Fatal(err)

@@ -15,7 +15,8 @@ import (
 // refLog is a log written by the WAL, captured as raw segment bytes.
 type refLog struct {
 	names  []string           // segment names, oldest first
-	data   map[string][]byte  // segment bytes
+	data   map[string][]byte  // segment bytes (the whole file: frames, then the preallocated zeros)
+	ends   map[string]int64   // logical end (valid data) per segment
 	frames map[string][]int64 // frame offsets per segment
 	lsns   map[string][]LSN   // LSN per frame
 	last   LSN
@@ -33,19 +34,46 @@ func buildRefLog(t *testing.T, n int, segmentSize int64) *refLog {
 	if err := w.Close(); err != nil {
 		t.Fatal(err)
 	}
-	l := &refLog{data: map[string][]byte{}, frames: map[string][]int64{}, lsns: map[string][]LSN{}, last: LSN(n)}
-	if _, err := Scan(fs, testDir, 0, 0, func(r Record) error {
+	l := &refLog{data: map[string][]byte{}, ends: map[string]int64{}, frames: map[string][]int64{}, lsns: map[string][]LSN{}, last: LSN(n)}
+	res, err := Scan(fs, testDir, 0, 0, func(r Record) error {
 		l.frames[r.Segment] = append(l.frames[r.Segment], r.Offset)
 		l.lsns[r.Segment] = append(l.lsns[r.Segment], r.LSN)
 		return nil
-	}); err != nil {
+	})
+	if err != nil {
 		t.Fatal(err)
 	}
+	for _, seg := range res.Segments {
+		l.ends[seg.Name] = seg.Size
+	}
 	for _, name := range listDir(t, fs, testDir) {
+		if _, ok := parseSegmentName(name); !ok {
+			continue // the spare next.prealloc
+		}
 		l.names = append(l.names, name)
 		l.data[name] = readFile(t, fs, fs.PathJoin(testDir, name))
 	}
 	return l
+}
+
+// allZero reports whether b holds only zero bytes.
+func allZero(b []byte) bool {
+	for _, c := range b {
+		if c != 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// nonZeroEnd returns the index just past the last non-zero byte of b, or 0.
+func nonZeroEnd(b []byte) int {
+	for i := len(b) - 1; i >= 0; i-- {
+		if b[i] != 0 {
+			return i + 1
+		}
+	}
+	return 0
 }
 
 // install writes the log into a fresh MemFS, passing segment seg through
@@ -168,17 +196,28 @@ func runCorruptCase(t *testing.T, l *refLog, tc corruptCase) {
 		if tt == nil || tt.SavedAs == "" || w.Stats().TornTailsCut != 1 {
 			t.Fatalf("Open TornTail %+v, cut %d", tt, w.Stats().TornTailsCut)
 		}
+		// The cut bytes run from Offset to the last non-zero byte; only
+		// zeros follow them.
 		saved := readFile(t, fs, fs.PathJoin(testDir, tt.SavedAs))
 		orig := before[tt.Segment]
-		if !bytes.Equal(saved, orig[tt.Offset:]) || int64(len(saved)) != tt.Bytes {
-			t.Fatalf("saved %d bytes, want the %d bytes cut at %d", len(saved), len(orig)-int(tt.Offset), tt.Offset)
+		wantEnd := int64(nonZeroEnd(orig))
+		if !bytes.Equal(saved, orig[tt.Offset:wantEnd]) || int64(len(saved)) != tt.Bytes {
+			t.Fatalf("saved %d bytes (Bytes %d), want the %d bytes [%d, %d)", len(saved), tt.Bytes, wantEnd-tt.Offset, tt.Offset, wantEnd)
 		}
 	}
-	// The repaired active segment ends exactly after its last frame.
+	// The repaired active segment keeps its file size (unless it was
+	// recreated after a torn header); only zeros follow its valid data.
 	segs := w.Segments()
 	act := segs[len(segs)-1]
-	if got := int64(len(readFile(t, fs, fs.PathJoin(testDir, act.Name)))); got != act.Size {
-		t.Fatalf("active segment %s is %d bytes, valid data %d", act.Name, got, act.Size)
+	got := readFile(t, fs, fs.PathJoin(testDir, act.Name))
+	if int64(len(got)) != act.Allocated || act.Allocated < act.Size || !allZero(got[act.Size:]) {
+		t.Fatalf("active segment %s: %d bytes, Allocated %d, valid data %d, zeros after it: %v",
+			act.Name, len(got), act.Allocated, act.Size, allZero(got[min(int64(len(got)), act.Size):]))
+	}
+	if orig, ok := before[act.Name]; ok && len(orig) >= segmentHeaderSize {
+		if _, bad := decodeSegmentHeader(orig); bad == "" && len(got) != len(orig) {
+			t.Fatalf("active segment %s: %d bytes after Open, %d before", act.Name, len(got), len(orig))
+		}
 	}
 	appendN(t, w, 3)
 	if err := w.Close(); err != nil {
@@ -198,7 +237,11 @@ func TestCorruptionSingleSegment(t *testing.T) {
 	}
 	seg := l.names[0]
 	offs := l.frames[seg]
-	end := int64(len(l.data[seg]))
+	end := int64(len(l.data[seg])) // file size (preallocated)
+	lend := l.ends[seg]            // logical end
+	if end != 1<<20 || lend >= end {
+		t.Fatalf("segment of %d bytes, logical end %d: not preallocated", end, lend)
+	}
 	n := LSN(len(offs))
 	mid := l.frameWith(t, seg, 10, 16, false)
 	padded := l.frameWith(t, seg, 10, 0, true)
@@ -279,11 +322,22 @@ func TestCorruptionSingleSegment(t *testing.T) {
 		{name: "last frame header cut short", corrupt: func(b []byte) []byte {
 			return b[:offs[n-1]+3]
 		}, wantTorn: true, wantOff: offs[n-1], wantLast: n - 1},
-		{name: "trailing garbage", corrupt: func(b []byte) []byte {
+		{name: "garbage right after the valid data", corrupt: func(b []byte) []byte {
+			copy(b[lend:], []byte{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13})
+			return b
+		}, wantTorn: true, wantOff: lend, wantLast: n},
+		{name: "garbage at the end of the preallocated space", corrupt: func(b []byte) []byte {
+			copy(b[end-20:], []byte{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13})
+			return b
+		}, wantTorn: true, wantOff: lend, wantLast: n},
+		{name: "trailing garbage past the preallocated space", corrupt: func(b []byte) []byte {
 			return append(b, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13)
-		}, wantTorn: true, wantOff: end, wantLast: n},
+		}, wantTorn: true, wantOff: lend, wantLast: n},
 		{name: "trailing zeros are a clean end", corrupt: func(b []byte) []byte {
 			return append(b, make([]byte, 5000)...)
+		}, wantLast: n},
+		{name: "no preallocated zeros (old format) is a clean end", corrupt: func(b []byte) []byte {
+			return b[:lend]
 		}, wantLast: n},
 		{name: "zero tail from a middle frame is a clean end", corrupt: func(b []byte) []byte {
 			clear(b[offs[mid]:])
@@ -339,6 +393,11 @@ func TestCorruptionMultiSegment(t *testing.T) {
 	first, second, lastSeg := l.names[0], l.names[1], l.names[len(l.names)-1]
 	firstOffs := l.frames[first]
 	firstEnd := int64(len(l.data[first]))
+	if firstEnd != l.ends[first] {
+		// A rotated segment was extended by its last batch: no zero tail.
+		t.Fatalf("first segment: %d bytes, logical end %d", firstEnd, l.ends[first])
+	}
+	lastEnd := l.ends[lastSeg]
 	lastFirstLSN, _ := parseSegmentName(lastSeg)
 	cases := []corruptCase{
 		{name: "flip byte in the last frame of a non-last segment", seg: first, corrupt: func(b []byte) []byte {
@@ -348,8 +407,25 @@ func TestCorruptionMultiSegment(t *testing.T) {
 		{name: "non-last segment cut mid-frame", seg: first, corrupt: func(b []byte) []byte {
 			return b[:len(b)-5]
 		}, wantCorrupt: true, wantSeg: first, wantOff: firstOffs[len(firstOffs)-1]},
-		{name: "trailing zeros in a non-last segment", seg: first, corrupt: func(b []byte) []byte {
-			return append(b, make([]byte, 64)...)
+		{name: "zero tail in a non-last segment, next segment continues", seg: first, corrupt: func(b []byte) []byte {
+			return append(b, make([]byte, 5000)...)
+		}, wantLast: l.last},
+		{name: "zero tail hiding lost frames in a non-last segment", seg: first, corrupt: func(b []byte) []byte {
+			clear(b[firstOffs[len(firstOffs)-2]:])
+			return append(b, make([]byte, 1000)...)
+		}, wantCorrupt: true, wantSeg: first, wantOff: firstOffs[len(firstOffs)-2]},
+		{name: "zero tail hiding the last frame of a non-last segment (no preallocated space)", seg: first, corrupt: func(b []byte) []byte {
+			clear(b[firstOffs[len(firstOffs)-1]:])
+			return b
+		}, wantCorrupt: true, wantSeg: first, wantOff: firstOffs[len(firstOffs)-1]},
+		{name: "zeroed frame in a non-last segment, valid frames after", seg: first, corrupt: func(b []byte) []byte {
+			clear(b[firstOffs[2]:firstOffs[3]])
+			return b
+		}, wantCorrupt: true, wantSeg: first, wantOff: firstOffs[2]},
+		{name: "zero tail then garbage in a non-last segment", seg: first, corrupt: func(b []byte) []byte {
+			b = append(b, make([]byte, 3000)...)
+			b[len(b)-1] = 1
+			return b
 		}, wantCorrupt: true, wantSeg: first, wantOff: firstEnd},
 		{name: "trailing garbage in a non-last segment", seg: first, corrupt: func(b []byte) []byte {
 			return append(b, 0xde, 0xad)
@@ -369,7 +445,15 @@ func TestCorruptionMultiSegment(t *testing.T) {
 			return b[:0]
 		}, wantLast: lastFirstLSN - 1},
 		{name: "torn tail in the last segment", seg: lastSeg, corrupt: func(b []byte) []byte {
-			return b[:len(b)-3]
+			return b[:lastEnd-3]
+		}, wantTorn: true, wantSeg: lastSeg, wantOff: l.frames[lastSeg][len(l.frames[lastSeg])-1], wantLast: l.last - 1},
+		{name: "torn tail in the preallocated last segment", seg: lastSeg, corrupt: func(b []byte) []byte {
+			if int64(len(b)) < lastEnd+200 {
+				b = append(b, make([]byte, lastEnd+200-int64(len(b)))...)
+			}
+			b[l.frames[lastSeg][len(l.frames[lastSeg])-1]+1] ^= 1 // the last frame's CRC
+			b[lastEnd+100] = 7
+			return b
 		}, wantTorn: true, wantSeg: lastSeg, wantOff: l.frames[lastSeg][len(l.frames[lastSeg])-1], wantLast: l.last - 1},
 	}
 	for _, tc := range cases {
@@ -388,6 +472,28 @@ func TestCorruptionMultiSegment(t *testing.T) {
 			runCorruptCase(t, l, tc)
 		})
 	}
+	t.Run("zero tail, then a missing segment", func(t *testing.T) {
+		// The first segment ends with zeros and the second is gone: the
+		// zeros may hide the lost records, so the error names the first
+		// segment where its zeros start.
+		fs := l.install(t, second, func([]byte) []byte { return nil })
+		f, err := fs.OpenReadWrite(fs.PathJoin(testDir, first), vfs.WriteCategoryUnspecified)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := f.WriteAt(make([]byte, 4096), firstEnd); err != nil {
+			t.Fatal(err)
+		}
+		f.Close()
+		var ce *CorruptError
+		_, err = Scan(fs, testDir, 0, 0, nil)
+		if !errors.As(err, &ce) || ce.Segment != first || ce.Offset != firstEnd {
+			t.Fatalf("Scan: %v; want a CorruptError at %s:%d", err, first, firstEnd)
+		}
+		if _, _, err := Open(testOptions(fs), 0, nil); !errors.As(err, &ce) || ce.Segment != first {
+			t.Fatalf("Open: %v", err)
+		}
+	})
 }
 
 // TestTornTailEveryLength cuts a small log at every length: Scan and Open
@@ -396,13 +502,15 @@ func TestCorruptionMultiSegment(t *testing.T) {
 func TestTornTailEveryLength(t *testing.T) {
 	l := buildRefLog(t, 12, 1<<20)
 	seg := l.names[0]
-	full := l.data[seg]
+	lend := l.ends[seg]
+	full := l.data[seg][:lend+100] // the frames and some preallocated zeros
+	l.data[seg] = full             // (install copies it for every cut)
 	offs := l.frames[seg]
 	for cut := 0; cut <= len(full); cut++ {
 		complete := 0 // frames entirely within [0, cut)
 		validEnd := int64(segmentHeaderSize)
 		for i := range offs {
-			end := int64(len(full))
+			end := lend
 			if i+1 < len(offs) {
 				end = offs[i+1]
 			}
@@ -420,10 +528,16 @@ func TestTornTailEveryLength(t *testing.T) {
 			t.Fatalf("cut %d: Scan: %v", cut, err)
 		}
 		checkRecs(t, recs, 1, LSN(complete))
-		wantTorn := int64(cut) > validEnd
+		// What follows the valid data is torn if it holds a non-zero byte;
+		// the cut extends to the last one.
+		nzEnd := validEnd
+		if int64(cut) > validEnd {
+			nzEnd = validEnd + int64(nonZeroEnd(full[validEnd:cut]))
+		}
+		wantTorn := nzEnd > validEnd
 		if (res.TornTail != nil) != wantTorn ||
-			(wantTorn && (res.TornTail.Offset != validEnd || res.TornTail.Bytes != int64(cut)-validEnd)) {
-			t.Fatalf("cut %d: TornTail %+v, want torn=%v at %d", cut, res.TornTail, wantTorn, validEnd)
+			(wantTorn && (res.TornTail.Offset != validEnd || res.TornTail.Bytes != nzEnd-validEnd)) {
+			t.Fatalf("cut %d: TornTail %+v, want torn=%v at %d, %d bytes", cut, res.TornTail, wantTorn, validEnd, nzEnd-validEnd)
 		}
 
 		recs = recs[:0]
@@ -434,7 +548,7 @@ func TestTornTailEveryLength(t *testing.T) {
 		checkRecs(t, recs, 1, LSN(complete))
 		if wantTorn {
 			saved := readFile(t, fs, fs.PathJoin(testDir, ores.TornTail.SavedAs))
-			if !bytes.Equal(saved, full[validEnd:cut]) {
+			if !bytes.Equal(saved, full[validEnd:nzEnd]) {
 				t.Fatalf("cut %d: saved bytes differ", cut)
 			}
 		}
@@ -453,7 +567,8 @@ func TestTornTailEveryLength(t *testing.T) {
 func TestTornFileNamesDoNotCollide(t *testing.T) {
 	l := buildRefLog(t, 5, 1<<20)
 	seg := l.names[0]
-	fs := l.install(t, seg, func(b []byte) []byte { return append(b, 1, 2, 3) })
+	lend := l.ends[seg]
+	fs := l.install(t, seg, func(b []byte) []byte { copy(b[lend:], []byte{1, 2, 3}); return b })
 	o := testOptions(fs)
 	w, res := mustOpen(t, o, 0, nil)
 	if res.TornTail == nil || res.TornTail.SavedAs != seg+tornSuffix {
@@ -467,8 +582,7 @@ func TestTornFileNamesDoNotCollide(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	st, _ := f.Stat()
-	if _, err := f.WriteAt([]byte{9, 9}, st.Size()); err != nil {
+	if _, err := f.WriteAt([]byte{9, 9}, lend); err != nil {
 		t.Fatal(err)
 	}
 	f.Close()
@@ -479,6 +593,9 @@ func TestTornFileNamesDoNotCollide(t *testing.T) {
 	}
 	if got := readFile(t, fs, fs.PathJoin(testDir, seg+tornSuffix)); !bytes.Equal(got, []byte{1, 2, 3}) {
 		t.Fatalf("first .torn file overwritten: %v", got)
+	}
+	if got := readFile(t, fs, fs.PathJoin(testDir, seg+".1"+tornSuffix)); !bytes.Equal(got, []byte{9, 9}) {
+		t.Fatalf("second .torn file: %v", got)
 	}
 }
 
@@ -565,11 +682,17 @@ func FuzzScanSegment(f *testing.F) {
 	if err := w.Close(); err != nil {
 		f.Fatal(err)
 	}
-	valid := readFile(f, fs, fs.PathJoin(testDir, segmentName(1)))
+	segs := w.Segments()
+	file := readFile(f, fs, fs.PathJoin(testDir, segmentName(1)))
+	valid := file[:segs[0].Size] // without the preallocated zeros
 	f.Add(valid)
 	f.Add(valid[:len(valid)-3])
 	f.Add(append(slices.Clone(valid), 0, 0, 0, 1))
 	f.Add(valid[:20])
+	f.Add(append(slices.Clone(valid), make([]byte, 600)...)) // preallocated
+	withTorn := append(slices.Clone(valid), make([]byte, 600)...)
+	withTorn[len(valid)+513] = 1
+	f.Add(withTorn)
 	f.Fuzz(func(t *testing.T, seg []byte) {
 		fs := vfs.NewMem()
 		if err := fs.MkdirAll(testDir, 0o755); err != nil {

@@ -1,6 +1,7 @@
 package wal
 
 import (
+	"cmp"
 	"encoding/binary"
 	"errors"
 	"math/rand/v2"
@@ -250,24 +251,30 @@ func TestCrashUnsyncedDeterministic(t *testing.T) {
 }
 
 func TestErrorInjection(t *testing.T) {
+	// Frames are always written with WriteAt (at the logical end of a
+	// preallocated segment) and made durable with SyncData; a segment is
+	// started by renaming the spare file and fsyncing its header.
 	cases := []struct {
 		name     string
 		kind     errorfs.OpKind
-		reopened bool // fail on a segment reopened by Open (appended with WriteAt)
-		rotate   bool // the failure happens while rotating
+		suffix   string // of the path the failure applies to; default segmentSuffix
+		reopened bool   // fail on a segment reopened by Open
+		rotate   bool   // the failure happens while rotating
 	}{
-		{name: "write", kind: errorfs.OpFileWrite},
-		{name: "writeAt", kind: errorfs.OpFileWriteAt, reopened: true},
-		{name: "sync", kind: errorfs.OpFileSync},
-		{name: "sync-reopened", kind: errorfs.OpFileSync, reopened: true},
-		{name: "create", kind: errorfs.OpCreate, rotate: true},
+		{name: "writeAt", kind: errorfs.OpFileWriteAt},
+		{name: "writeAt-reopened", kind: errorfs.OpFileWriteAt, reopened: true},
+		{name: "syncData", kind: errorfs.OpFileSyncData},
+		{name: "syncData-reopened", kind: errorfs.OpFileSyncData, reopened: true},
+		{name: "rename", kind: errorfs.OpRename, suffix: preallocSuffix, rotate: true},
+		{name: "header-sync", kind: errorfs.OpFileSync, rotate: true},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			mem := vfs.NewCrashableMem()
 			var armed atomic.Bool
+			suffix := cmp.Or(tc.suffix, segmentSuffix)
 			fs := errorfs.Wrap(mem, errorfs.InjectorFunc(func(op errorfs.Op) error {
-				if armed.Load() && op.Kind == tc.kind && strings.HasSuffix(op.Path, segmentSuffix) {
+				if armed.Load() && op.Kind == tc.kind && strings.HasSuffix(op.Path, suffix) {
 					return errorfs.ErrInjected
 				}
 				return nil
@@ -380,7 +387,7 @@ func TestSegmentsAfterCrashDuringRotation(t *testing.T) {
 	if err := w.Close(); err != nil {
 		t.Fatal(err)
 	}
-	names := listDir(t, crashed, testDir)
+	names := segmentNames(t, crashed, testDir)
 	if !slices.Equal(names, []string{segmentName(1), segmentName(2)}) {
 		t.Fatalf("%v", names)
 	}

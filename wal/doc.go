@@ -7,12 +7,20 @@
 //
 // A segment is named fmt.Sprintf("%020d.wal", firstLSN), where firstLSN is
 // the LSN of its first record. Only names of exactly that form are segments;
-// other files in the directory (such as "<segment>.torn", holding bytes cut
-// off by Open) are ignored. The segments of a log form one LSN sequence: the
-// first frame of a segment carries the firstLSN of the segment header (which
-// matches the file name), every next frame the previous LSN plus one, and the
-// next segment starts at the previous segment's last LSN plus one. The first segment may start anywhere (older
-// segments are removed by RemoveSegmentsThrough).
+// other files in the directory are ignored by Scan: "<segment>.torn" (bytes
+// cut off by Open) and "next.prealloc" (the spare file that becomes the next
+// segment, see Preallocation). The segments of a log form one LSN sequence:
+// the first frame of a segment carries the firstLSN of the segment header
+// (which matches the file name), every next frame the previous LSN plus one,
+// and the next segment starts at the previous segment's last LSN plus one.
+// The first segment may start anywhere (older segments are removed by
+// RemoveSegmentsThrough).
+//
+// A segment file is: the header, the frames, then zero bytes up to the end
+// of the file (the preallocated space not used yet). The offset where the
+// frames end is the segment's logical end (SegmentInfo.Size); the file size
+// is SegmentInfo.Allocated. Segments written before preallocation existed
+// simply have no zero tail.
 //
 // # Segment header (32 bytes, little-endian)
 //
@@ -38,21 +46,56 @@
 // never a valid frame (and its CRC would not match either). The padding must
 // be zero. The frame size is (17+len) rounded up to a multiple of 8.
 //
+// # Preallocation
+//
+// Like Pebble's LogWriter (which writes into recycled WAL files), the WAL
+// writes into files that are already full-size, so that a group-commit fsync has no file-size change (metadata,
+// a journal commit) to persist and can be an fdatasync
+// (vfs.File.SyncData). Every segment file is created by zero-filling a spare
+// file, "next.prealloc", up to Options.SegmentSize with real writes of zero
+// blocks (1 MiB at a time; not fallocate, whose unwritten extents would need
+// a metadata update on their first write) and fsyncing it. A segment is
+// started by renaming the spare file to the segment's name (the first LSN is
+// only known then), writing the header over its first 32 bytes, fsyncing it
+// and fsyncing the directory, all before any frame is written into it.
+//
+// The spare file is prepared in the background, off the commit path: the
+// flusher starts a goroutine right after every rotation (and, after Open,
+// once the active segment is half full, so that a log opened and written
+// little never allocates a spare), and waits for it (normally long
+// finished) at the next rotation; a failed preparation is retried there
+// once, in the flusher, before the rotation fails, and one never started (a
+// single batch filled the segment) is done there too. Only the very first
+// segment (Open on an empty directory) is zero-filled synchronously. A
+// "next.prealloc" left over by Close or a crash is reused by the next
+// preparation if it has the right size and its bytes after the first 32 are
+// all zero (a crash between the rename and the directory fsync can leave the
+// header in it), after fsyncing it; otherwise it is replaced.
+//
+// A flush batch that does not fit in the preallocated space extends the file
+// (frames are never split, and the batch is not held back for a rotation);
+// fdatasync then commits the new size as well, since it is needed to read
+// the data back. The segment is rotated after that flush, since its logical
+// end exceeds SegmentSize. An old segment without preallocation (or any
+// segment when SegmentSize grew) is extended the same way until it is full.
+//
 // # Durability
 //
 // Appenders encode frames into an in-memory buffer under a mutex. The
-// flusher goroutine swaps that buffer out, writes it with one Write, and
-// fsyncs according to the SyncMode; then it publishes the written and
-// synced LSNs, wakes waiters (by closing a per-generation channel) and
-// reports the fsynced records to Options.OnSynced. Each fsync covers a
-// prefix of the log: everything written before it.
+// flusher goroutine swaps that buffer out, writes it with one WriteAt at the
+// logical end of the active segment, and fdatasyncs according to the
+// SyncMode; then it publishes the written and synced LSNs, wakes waiters (by
+// closing a per-generation channel) and reports the fsynced records to
+// Options.OnSynced. Each fdatasync covers a prefix of the log: everything
+// written before it. (Below, "fsync" and "fsynced" include fdatasync.)
 //
-// When the active segment exceeds SegmentSize (checked between flushes, so
-// frames are never split), it is fsynced, the next segment is created, its
-// header is written and fsynced and the directory is fsynced before any
-// frame goes into it. Hence every segment but the last one was completely
-// fsynced, and a segment header is durable before its first frame is
-// written.
+// When the logical end of the active segment exceeds SegmentSize (checked
+// between flushes, so frames are never split), it is fsynced, the next
+// segment is started from the spare file (renamed, header written and
+// fsynced, directory fsynced) before any frame goes into it. Hence every
+// segment but the last one was completely fsynced, its zero tail included
+// (zero-filled and fsynced before it became a segment), and a segment header
+// is durable before its first frame is written.
 //
 // A failed write, fsync or segment creation makes the WAL fail for good:
 // every later Append, WaitDurable (for a record not yet fsynced) and Sync
@@ -63,27 +106,36 @@
 //
 // A crash can leave the unsynced end of the last segment in any state the
 // storage allows: cut short, zero-filled holes (a block that never reached
-// the disk, in 512-byte sectors or 4 KiB pages), kept blocks after a hole,
+// the disk, in 512-byte sectors or 4 KiB pages, reads as zeros whether it
+// was preallocated or past the end of the file), kept blocks after a hole,
 // frames cut in the middle. A crash cannot damage fsynced bytes, and fsyncs
 // cover prefixes, so everything after a hole was never fsynced. Scanning
 // applies these rules:
 //
-//   - In a segment other than the last, any invalid byte (bad header, bad
-//     frame, LSN discontinuity, truncated frame, trailing bytes, zeros
-//     included) is a *CorruptError: that segment was fsynced completely
-//     before the next one was created. An LSN gap between segments (a
-//     missing segment) is a *CorruptError too.
+//   - In a segment other than the last, let X be the offset of the first
+//     invalid frame. If X is the end of the file, the segment is clean. If
+//     the bytes [X, EOF) are all zero (preallocated space left when the
+//     segment was rotated), the segment ends cleanly at X, but only if the
+//     next segment's first LSN is this segment's last valid LSN plus one:
+//     zeros that replaced fsynced frames would break that continuity, and
+//     are then a *CorruptError naming this segment and X. Any non-zero byte
+//     in [X, EOF) (a bad frame, a truncated frame, garbage, valid frames
+//     after a zero run) is a *CorruptError at X, and so is a bad header:
+//     that segment was fsynced completely before the next one was started.
+//     An LSN gap between two segments that end cleanly (a missing segment)
+//     is a *CorruptError naming the later segment.
 //
 //   - In the last segment, let X be the offset of the first invalid frame
 //     (bad CRC, impossible length, length past EOF, truncated header, zero
 //     LSN or type, non-zero padding, LSN not the expected one):
 //
 //     1. if the bytes [X, EOF) are all zero, the log ends cleanly at X (not
-//     a torn tail; Open truncates the zeros so appends continue at X);
+//     a torn tail; the zeros are the preallocated space, which Open keeps:
+//     appends continue at X);
 //
 //     2. otherwise, if no 8-aligned offset Y > X holds a valid frame (CRC
 //     ok, LSN above the last good one), the bytes are a torn tail: cut at
-//     X;
+//     X (see below for what cutting means);
 //
 //     3. otherwise, if [X, Y) contains a crash hole, it is a torn tail too:
 //     cut at X. A crash hole is a zero-filled 512-byte sector at a
@@ -100,13 +152,19 @@
 //     records after it.
 //
 //   - A last segment whose header is invalid and which contains no valid
-//     frame was torn while being created: Open removes it (saving its bytes
-//     if any is non-zero). A bad header followed by a valid frame is a
-//     *CorruptError.
+//     frame was torn while being started (renamed from the spare file, its
+//     header not yet fsynced): Open removes it (saving its bytes up to the
+//     last non-zero one, if any). A bad header followed by a valid frame is
+//     a *CorruptError.
 //
 // A damaged last frame of the log is indistinguishable from a torn write
 // and is cut as a torn tail; it was never fsynced if the damage comes from
-// a crash. Open saves non-zero cut bytes to "<segment>.torn" (fsynced)
-// before truncating, logs a warning and counts the cut in
-// Stats.TornTailsCut; Scan only reports it.
+// a crash. Let E be the offset just past the last non-zero byte of the file;
+// the cut bytes are [X, E) (TornTail.Offset and Bytes). Open saves them to
+// "<segment>.torn" (fsynced, directory fsynced), then cuts them by
+// overwriting them with zeros in place (WriteAt + fsync), keeping the file
+// size and so the preallocation: the zeros become the clean end of rule 1
+// and appends continue at X. It logs a warning and counts the cut in
+// Stats.TornTailsCut; Scan only reports it. A crash during the cut leaves
+// some of the bytes non-zero, which the next Open cuts (and saves) again.
 package wal

@@ -29,7 +29,10 @@ type Record struct {
 type TornTail struct {
 	Segment string // segment base name
 	Offset  int64  // where the cut starts (end of the last valid frame; 0 for a torn header)
-	Bytes   int64  // number of bytes cut
+	// Bytes is the number of bytes cut: from Offset to the end of the last
+	// non-zero byte of the file (the zeros after it are the preallocated
+	// space, kept as they are).
+	Bytes int64
 	// SavedAs is the base name of the file, in the WAL directory, holding the
 	// cut bytes; "" when nothing was saved (Scan is read-only).
 	SavedAs string
@@ -40,7 +43,11 @@ type SegmentInfo struct {
 	Name     string // base name, fmt.Sprintf("%020d.wal", FirstLSN)
 	FirstLSN LSN
 	LastLSN  LSN   // FirstLSN-1 when the segment holds no record
-	Size     int64 // bytes of valid data: header plus complete frames
+	Size     int64 // bytes of valid data: header plus complete frames (the logical end)
+	// Allocated is the file size: Size plus the zero-filled space
+	// preallocated after the valid data (plus, in the last segment, a torn
+	// tail that Scan reports and Open cuts by zeroing it).
+	Allocated int64
 }
 
 // ScanResult summarises a scan.
@@ -51,7 +58,8 @@ type ScanResult struct {
 	LastLSN LSN
 	// TornTail is non-nil when non-zero bytes follow the last valid frame of
 	// the last segment (or the last segment's header is torn). Trailing zero
-	// bytes alone are a clean end and are not reported.
+	// bytes alone (the preallocated space) are a clean end and are not
+	// reported.
 	TornTail *TornTail
 }
 
@@ -59,7 +67,8 @@ type ScanResult struct {
 var ErrCorrupt = errors.New("wal: corrupt")
 
 // CorruptError reports bytes that cannot be a crash artifact: a bad frame in a
-// segment other than the last one, a bad frame followed by valid frames
+// segment other than the last one (other than the zero tail of a segment
+// followed by its LSN successor), a bad frame followed by valid frames
 // without a crash hole in between, an LSN gap between segments, and so on.
 type CorruptError struct {
 	Segment string // segment base name ("" from DecodeFrame)
@@ -77,7 +86,7 @@ func (e *CorruptError) Error() string {
 // Unwrap returns ErrCorrupt.
 func (e *CorruptError) Unwrap() error { return ErrCorrupt }
 
-// Scan reads dir read-only (it never creates, truncates or removes
+// Scan reads dir read-only (it never creates, modifies or removes
 // anything), validates every frame of every segment and calls fn for each
 // record with LSN > after, in LSN order. A torn tail in the last segment is
 // reported in ScanResult.TornTail and is not an error; any other invalid
@@ -97,7 +106,7 @@ type tailState uint8
 
 const (
 	tailClean      tailState = iota // the file ends right after the last valid frame
-	tailZeros                       // only zero bytes follow (a clean end too)
+	tailZeros                       // only zero bytes follow (a clean end too: the preallocated space)
 	tailTorn                        // non-zero bytes that form no acknowledged frame follow
 	tailTornHeader                  // the header itself is torn; the segment holds nothing
 )
@@ -113,13 +122,19 @@ type scanOutcome struct {
 	tailFirst LSN    // the LSN its name encodes
 	cut       int64  // where its valid data ends (0 for a torn header)
 	fileSize  int64  // its size
-	nonZero   bool   // bytes [cut, fileSize) contain a non-zero byte
+	// nzEnd is the offset just past the last non-zero byte of [cut,
+	// fileSize), or cut when those bytes are all zero.
+	nzEnd int64
 }
+
+// nonZero reports whether non-zero bytes follow the valid data of the last
+// segment.
+func (o *scanOutcome) nonZero() bool { return o.nzEnd > o.cut }
 
 func (o *scanOutcome) result() ScanResult {
 	r := ScanResult{Segments: o.segs, LastLSN: o.lastLSN}
-	if (o.tail == tailTorn || o.tail == tailTornHeader) && o.nonZero {
-		r.TornTail = &TornTail{Segment: o.tailSeg, Offset: o.cut, Bytes: o.fileSize - o.cut}
+	if (o.tail == tailTorn || o.tail == tailTornHeader) && o.nonZero() {
+		r.TornTail = &TornTail{Segment: o.tailSeg, Offset: o.cut, Bytes: o.nzEnd - o.cut}
 	}
 	return r
 }
@@ -130,7 +145,7 @@ type segEntry struct {
 }
 
 // listSegments returns the segment files of dir ordered by first LSN. Other
-// files (e.g. *.torn) are ignored.
+// files (e.g. *.torn, the spare *.prealloc) are ignored.
 func listSegments(fs vfs.FS, dir string) ([]segEntry, error) {
 	names, err := fs.List(dir)
 	if err != nil {
@@ -154,6 +169,12 @@ type scanner struct {
 	fn      func(Record) error
 	r       segReader
 	lastSeg bool
+	// zeroTail is set when the previous segment (not the last) ends with
+	// zeros after its last valid frame, at zeroTailOff: acceptable only if
+	// the next segment continues the LSN sequence.
+	zeroTail    bool
+	zeroTailSeg string
+	zeroTailOff int64
 }
 
 func scanDir(fs vfs.FS, dir string, after LSN, maxRec int, fn func(Record) error) (scanOutcome, error) {
@@ -165,10 +186,17 @@ func scanDir(fs vfs.FS, dir string, after LSN, maxRec int, fn func(Record) error
 	s := &scanner{fs: fs, dir: dir, after: after, maxRec: maxRec, fn: fn}
 	for i, seg := range segs {
 		if i > 0 && seg.first != o.lastLSN+1 {
+			if s.zeroTail {
+				// Frames may have been lost to zeros: name the place.
+				return o, &CorruptError{Segment: s.zeroTailSeg, Offset: s.zeroTailOff, Reason: fmt.Sprintf(
+					"only zero bytes follow the last valid frame (LSN %d), but the next segment %s starts at LSN %d, not %d (records lost to zeros, or a missing segment)",
+					o.lastLSN, seg.name, seg.first, o.lastLSN+1)}
+			}
 			return o, &CorruptError{Segment: seg.name, Reason: fmt.Sprintf(
 				"segment starts at LSN %d but the previous one ends at LSN %d (missing or extra segment)",
 				seg.first, o.lastLSN)}
 		}
+		s.zeroTail = false
 		s.lastSeg = i == len(segs)-1
 		if err := s.segment(&o, seg); err != nil {
 			return o, err
@@ -214,23 +242,23 @@ func (s *scanner) segment(o *scanOutcome, seg segEntry) error {
 		// The header is fsynced before any frame is written into the
 		// segment, so a crash can tear the header only while the segment has
 		// no frame. A bad header followed by a valid frame is corruption.
-		y, err := s.findValidFrame(segmentHeaderSize, segmentHeaderSize, seg.first-1)
+		nzEnd, err := r.nonZeroEnd(0, r.size)
+		if err != nil {
+			return err
+		}
+		y, err := s.findValidFrame(segmentHeaderSize, segmentHeaderSize, nzEnd, seg.first-1)
 		if err != nil {
 			return err
 		}
 		if y >= 0 {
 			return corrupt(0, fmt.Sprintf("%s, yet a valid frame follows at offset %d", hdrReason, y))
 		}
-		nz, err := r.anyNonZero(0, r.size)
-		if err != nil {
-			return err
-		}
 		o.lastLSN = seg.first - 1
-		o.tail, o.tailSeg, o.tailFirst, o.cut, o.fileSize, o.nonZero = tailTornHeader, seg.name, seg.first, 0, r.size, nz
+		o.tail, o.tailSeg, o.tailFirst, o.cut, o.fileSize, o.nzEnd = tailTornHeader, seg.name, seg.first, 0, r.size, nzEnd
 		return nil
 	}
 
-	info := SegmentInfo{Name: seg.name, FirstLSN: first, LastLSN: first - 1, Size: segmentHeaderSize}
+	info := SegmentInfo{Name: seg.name, FirstLSN: first, LastLSN: first - 1, Size: segmentHeaderSize, Allocated: r.size}
 	for off := int64(segmentHeaderSize); off < r.size; {
 		fr, err := s.frameAt(off, info.LastLSN+1)
 		if err != nil {
@@ -239,7 +267,19 @@ func (s *scanner) segment(o *scanOutcome, seg segEntry) error {
 		if fr.code != frameOK {
 			reason := fr.reason(info.LastLSN+1, r.size-off, s.maxRec)
 			if !s.lastSeg {
-				return corrupt(off, reason)
+				// Only zeros may follow the frames of a segment that is not
+				// the last (preallocated space left when it was rotated),
+				// and only if the next segment continues the LSN sequence
+				// (checked by scanDir): zeros cannot hide lost frames then.
+				nz, err := r.anyNonZero(off, r.size)
+				if err != nil {
+					return err
+				}
+				if nz {
+					return corrupt(off, reason)
+				}
+				s.zeroTail, s.zeroTailSeg, s.zeroTailOff = true, seg.name, off
+				break
 			}
 			return s.tail(o, info, off, reason)
 		}
@@ -261,14 +301,14 @@ func (s *scanner) segment(o *scanOutcome, seg segEntry) error {
 // segment) to the end of the file; see "Torn tail vs corruption" in doc.go.
 func (s *scanner) tail(o *scanOutcome, info SegmentInfo, x int64, reason string) error {
 	r := &s.r
-	nz, err := r.anyNonZero(x, r.size)
+	nzEnd, err := r.nonZeroEnd(x, r.size)
 	if err != nil {
 		return err
 	}
 	state := tailZeros
-	if nz {
+	if nzEnd > x {
 		state = tailTorn
-		y, err := s.findValidFrame(x+frameAlign, x, info.LastLSN)
+		y, err := s.findValidFrame(x+frameAlign, x, nzEnd, info.LastLSN)
 		if err != nil {
 			return err
 		}
@@ -285,7 +325,7 @@ func (s *scanner) tail(o *scanOutcome, info SegmentInfo, x int64, reason string)
 	}
 	o.segs = append(o.segs, info)
 	o.lastLSN = info.LastLSN
-	o.tail, o.tailSeg, o.tailFirst, o.cut, o.fileSize, o.nonZero = state, info.Name, info.FirstLSN, x, r.size, nz
+	o.tail, o.tailSeg, o.tailFirst, o.cut, o.fileSize, o.nzEnd = state, info.Name, info.FirstLSN, x, r.size, nzEnd
 	return nil
 }
 
@@ -351,10 +391,12 @@ func (s *scanner) frameAt(off int64, want LSN) (frame, error) {
 // frame whose LSN is above lastGood, or -1. base is where the frames after
 // lastGood start: a frame we wrote at y can carry LSN lastGood+k only if the
 // k-1 frames before it fit in [base, y), which rules out almost every
-// garbage offset before the checksum is computed.
-func (s *scanner) findValidFrame(from, base int64, lastGood LSN) (int64, error) {
+// garbage offset before the checksum is computed. Only offsets below nzEnd
+// (the end of the non-zero bytes) are tried: a frame header is never all
+// zero, so no frame starts in the zeros after them.
+func (s *scanner) findValidFrame(from, base, nzEnd int64, lastGood LSN) (int64, error) {
 	r := &s.r
-	for y := from; y+frameHeaderSize <= r.size; y += frameAlign {
+	for y := from; y < nzEnd && y+frameHeaderSize <= r.size; y += frameAlign {
 		hdr, err := r.at(y, frameHeaderSize)
 		if err != nil {
 			return -1, err
@@ -445,6 +487,32 @@ func (r *segReader) anyNonZero(from, to int64) (bool, error) {
 		off += int64(n)
 	}
 	return false, nil
+}
+
+// nonZeroEnd returns the offset just past the last non-zero byte in [from,
+// to), or from if those bytes are all zero. It reads the whole range once.
+func (r *segReader) nonZeroEnd(from, to int64) (int64, error) {
+	end := from
+	for off := from; off < to; {
+		n := int(min(to-off, readChunk))
+		b, err := r.at(off, n)
+		if err != nil {
+			return 0, err
+		}
+		for i := 0; i < len(b); {
+			k := min(len(b)-i, len(zeroBlock))
+			if blk := b[i : i+k]; !bytes.Equal(blk, zeroBlock[:k]) {
+				j := k - 1
+				for blk[j] == 0 {
+					j--
+				}
+				end = off + int64(i+j+1)
+			}
+			i += k
+		}
+		off += int64(n)
+	}
+	return end, nil
 }
 
 // hasHole reports whether [x, y) contains a crash hole: a zero-filled

@@ -27,6 +27,7 @@ const (
 	segmentSuffix  = ".wal"
 	segmentNameLen = 20 + len(segmentSuffix)
 	tornSuffix     = ".torn"
+	preallocSuffix = ".prealloc"
 
 	// frameHeaderSize is crc(4) + length(4) + lsn(8) + type(1).
 	frameHeaderSize = 17
@@ -236,41 +237,113 @@ func DecodeFrame(b []byte, maxRecordSize int) (lsn LSN, typ byte, payload []byte
 
 // segFile is the active segment, open for appending. After Open it is owned
 // by the flusher goroutine (and by Close once the flusher has exited).
+//
+// The file is normally preallocated: zero-filled and fsynced up to about
+// SegmentSize before any frame goes into it, so frames overwrite zeros at the
+// logical end and a flush is made durable with fdatasync (SyncData), which
+// then has no file-size change to commit. A write past the allocated size
+// just extends the file (see doc.go).
 type segFile struct {
 	f     vfs.File
 	name  string // base name
 	first LSN
-	size  int64 // bytes in the file == offset of the next frame
-	// positional is set when the file was reopened rather than created: a
-	// vfs.File has no Seek, so appends use WriteAt(size) instead of Write.
-	positional bool
+	end   int64 // logical end: offset of the next frame (header plus frames written)
+	alloc int64 // file size; >= end
 }
 
+// write writes p at the logical end.
 func (s *segFile) write(p []byte) error {
-	var n int
-	var err error
-	if s.positional {
-		n, err = s.f.WriteAt(p, s.size)
-	} else {
-		n, err = s.f.Write(p)
-	}
-	s.size += int64(n)
+	n, err := s.f.WriteAt(p, s.end)
+	s.end += int64(n)
+	s.alloc = max(s.alloc, s.end)
 	if err == nil && n != len(p) {
 		err = io.ErrShortWrite
 	}
 	return err
 }
 
-// createSegment creates the segment starting at first, writes and fsyncs its
-// header and fsyncs the directory, so that the new (empty) segment survives a
-// crash before any record is written into it.
-func createSegment(fs vfs.FS, dir string, first LSN) (*segFile, error) {
+// preallocName is the base name of the spare segment file: zero-filled and
+// fsynced ahead of time (by a background goroutine), it becomes the next
+// segment at rotation by being renamed. It is not a segment name, so Scan
+// ignores it.
+const preallocName = "next" + preallocSuffix
+
+// preparePrealloc makes sure that the spare file preallocName exists, is
+// size bytes long, is all zero (a segment header in its first 32 bytes is
+// tolerated: activateSegment overwrites it) and is fsynced. A leftover of the
+// right size (from a clean Close or a crash) is checked and reused; anything
+// else is replaced by a new file, zero-filled with real writes in
+// zeroChunkSize chunks and fsynced. The directory is not fsynced: the spare
+// file only matters once activateSegment renamed it, which fsyncs the
+// directory.
+func preparePrealloc(fs vfs.FS, dir string, size int64) error {
+	path := fs.PathJoin(dir, preallocName)
+	switch st, err := fs.Stat(path); {
+	case err == nil:
+		if st.Size() == size {
+			ok, err := reusePrealloc(fs, path, size)
+			if err != nil || ok {
+				return err
+			}
+		}
+		if err := fs.Remove(path); err != nil {
+			return err
+		}
+	case !errors.Is(err, os.ErrNotExist):
+		return err
+	}
+	f, err := fs.Create(path, vfs.WriteCategoryUnspecified)
+	if err != nil {
+		return err
+	}
+	err = writeZeros(f, size)
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}
+
+// reusePrealloc checks a leftover spare file: it is reusable when bytes
+// [segmentHeaderSize, size) are all zero. It is fsynced before being reused
+// (a crash may have interrupted its creation before the fsync).
+func reusePrealloc(fs vfs.FS, path string, size int64) (bool, error) {
+	f, err := fs.OpenReadWrite(path, vfs.WriteCategoryUnspecified)
+	if err != nil {
+		return false, err
+	}
+	defer f.Close()
+	r := segReader{f: f, name: preallocName, size: size}
+	nz, err := r.anyNonZero(min(segmentHeaderSize, size), size)
+	if err != nil || nz {
+		return false, err
+	}
+	return true, f.Sync()
+}
+
+// activateSegment turns the spare file into the segment starting at first:
+// it renames it, writes the segment header over its first bytes, fsyncs it
+// and fsyncs the directory, so that the new (empty) segment survives a crash
+// before any record is written into it. The file is reopened under its new
+// name.
+func activateSegment(fs vfs.FS, dir string, first LSN) (*segFile, error) {
 	name := segmentName(first)
-	f, err := fs.Create(fs.PathJoin(dir, name), vfs.WriteCategoryUnspecified)
+	path := fs.PathJoin(dir, name)
+	if err := fs.Rename(fs.PathJoin(dir, preallocName), path); err != nil {
+		return nil, err
+	}
+	f, err := fs.OpenReadWrite(path, vfs.WriteCategoryUnspecified)
 	if err != nil {
 		return nil, err
 	}
-	s := &segFile{f: f, name: name, first: first}
+	st, err := f.Stat()
+	if err != nil {
+		_ = f.Close()
+		return nil, err
+	}
+	s := &segFile{f: f, name: name, first: first, alloc: st.Size()}
 	if err := s.write(encodeSegmentHeader(first)); err != nil {
 		_ = f.Close()
 		return nil, err
@@ -360,66 +433,14 @@ func copyRange(dst, src vfs.File, from, to int64) error {
 	return nil
 }
 
-// truncater is implemented by files that can be truncated in place (os files
-// behind vfs.Default). vfs.File itself has no Truncate.
-type truncater interface{ Truncate(size int64) error }
-
-// truncateSegment cuts the segment at path to size bytes, durably, and returns
-// it open for appending at size. When the file supports Truncate it is
-// truncated in place and fsynced; otherwise (MemFS, wrapped files) the valid
-// prefix is copied to a temporary file which is fsynced and renamed over the
-// segment, followed by a directory fsync. Either way a crash leaves either the
-// old file (whose tail the next Open cuts again) or the cut one.
-func truncateSegment(fs vfs.FS, dir, name string, first LSN, size int64) (*segFile, error) {
-	path := fs.PathJoin(dir, name)
-	f, err := fs.OpenReadWrite(path, vfs.WriteCategoryUnspecified)
-	if err != nil {
-		return nil, err
-	}
-	if t, ok := f.(truncater); ok {
-		if err := t.Truncate(size); err != nil {
-			_ = f.Close()
-			return nil, err
-		}
-		if err := f.Sync(); err != nil {
-			_ = f.Close()
-			return nil, err
-		}
-		return &segFile{f: f, name: name, first: first, size: size, positional: true}, nil
-	}
-	tmpPath := path + ".tmp"
-	tmp, err := fs.Create(tmpPath, vfs.WriteCategoryUnspecified)
-	if err != nil {
-		_ = f.Close()
-		return nil, err
-	}
-	err = copyRange(tmp, f, 0, size)
-	_ = f.Close()
-	if err == nil {
-		err = tmp.Sync()
-	}
-	if err == nil {
-		err = fs.Rename(tmpPath, path)
-	}
-	if err == nil {
-		err = syncDir(fs, dir)
-	}
-	if err != nil {
-		_ = tmp.Close()
-		_ = fs.Remove(tmpPath)
-		return nil, err
-	}
-	// tmp's write position is at size, so plain Writes append.
-	return &segFile{f: tmp, name: name, first: first, size: size}, nil
-}
-
-// openSegmentForAppend reopens a clean segment whose valid data ends at size.
-func openSegmentForAppend(fs vfs.FS, dir, name string, first LSN, size int64) (*segFile, error) {
+// openSegmentForAppend reopens the last segment, whose valid data ends at
+// end; the file is alloc bytes long and bytes [end, alloc) are zero.
+func openSegmentForAppend(fs vfs.FS, dir, name string, first LSN, end, alloc int64) (*segFile, error) {
 	f, err := fs.OpenReadWrite(fs.PathJoin(dir, name), vfs.WriteCategoryUnspecified)
 	if err != nil {
 		return nil, err
 	}
-	return &segFile{f: f, name: name, first: first, size: size, positional: true}, nil
+	return &segFile{f: f, name: name, first: first, end: end, alloc: alloc}, nil
 }
 
 // saveTorn copies bytes [from, to) of the segment into a new file next to it
@@ -458,4 +479,38 @@ func saveTorn(fs vfs.FS, dir, name string, from, to int64) (string, error) {
 		return "", err
 	}
 	return saved, nil
+}
+
+// zeroChunkSize is the size of the writes that zero-fill files.
+const zeroChunkSize = 1 << 20
+
+// writeZeros writes n zero bytes with Write (at the file position: the start
+// of a newly created file), in zeroChunkSize chunks. Real zero blocks are
+// written, not fallocate'd: an unwritten extent would still need a metadata
+// update (and so a journal commit in fdatasync) on its first write.
+func writeZeros(f vfs.File, n int64) error {
+	buf := make([]byte, min(n, zeroChunkSize))
+	for n > 0 {
+		k := int(min(int64(len(buf)), n))
+		clear(buf[:k]) // vfs.File.Write may modify its input
+		if _, err := f.Write(buf[:k]); err != nil {
+			return err
+		}
+		n -= int64(k)
+	}
+	return nil
+}
+
+// zeroRange overwrites bytes [from, to) of f with zeros, with WriteAt.
+func zeroRange(f vfs.File, from, to int64) error {
+	buf := make([]byte, min(max(to-from, 0), zeroChunkSize))
+	for off := from; off < to; {
+		k := int(min(int64(len(buf)), to-off))
+		clear(buf[:k])
+		if _, err := f.WriteAt(buf[:k], off); err != nil {
+			return err
+		}
+		off += int64(k)
+	}
+	return nil
 }

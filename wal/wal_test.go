@@ -54,7 +54,7 @@ func checkSelfPayload(p []byte) error {
 }
 
 func testOptions(fs vfs.FS) Options {
-	return Options{FS: fs, Dir: testDir, SegmentSize: 4096}
+	return Options{FS: fs, Dir: testDir, SegmentSize: 4096, Preallocate: true}
 }
 
 func mustOpen(t testing.TB, o Options, after LSN, fn func(Record) error) (*WAL, ScanResult) {
@@ -190,6 +190,19 @@ func listDir(t testing.TB, fs vfs.FS, dir string) []string {
 	}
 	slices.Sort(names)
 	return names
+}
+
+// segmentNames lists the segment files of dir, in order (not the spare
+// next.prealloc, nor *.torn files).
+func segmentNames(t testing.TB, fs vfs.FS, dir string) []string {
+	t.Helper()
+	var segs []string
+	for _, n := range listDir(t, fs, dir) {
+		if _, ok := parseSegmentName(n); ok {
+			segs = append(segs, n)
+		}
+	}
+	return segs
 }
 
 func TestAppendReopenReplay(t *testing.T) {
@@ -600,9 +613,12 @@ func TestRemoveSegmentsThrough(t *testing.T) {
 	if err != nil || n != 5 {
 		t.Fatalf("removed %d (%d bytes): %v", n, b, err)
 	}
-	var wantBytes int64
+	var wantBytes int64 // file sizes
 	for _, s := range segs[:5] {
-		wantBytes += s.Size
+		wantBytes += s.Allocated
+		if s.Allocated < s.Size {
+			t.Fatalf("%+v", s)
+		}
 	}
 	if b != wantBytes {
 		t.Fatalf("removed %d bytes, want %d", b, wantBytes)
@@ -621,7 +637,7 @@ func TestRemoveSegmentsThrough(t *testing.T) {
 	}
 	// Removed files are gone after a crash.
 	crashed := fs.CrashClone(vfs.CrashCloneCfg{})
-	if names := listDir(t, crashed, testDir); !slices.Equal(names, []string{active[0].Name}) {
+	if names := segmentNames(t, crashed, testDir); !slices.Equal(names, []string{active[0].Name}) {
 		t.Fatalf("after crash: %v", names)
 	}
 	appendN(t, w, 10)
@@ -672,7 +688,7 @@ func TestAppendDoesNotAllocate(t *testing.T) {
 	}
 	fs := vfs.NewMem()
 	o := testOptions(fs)
-	o.SegmentSize = 1 << 30
+	o.SegmentSize = 16 << 20 // no rotation during the test (segments are preallocated in memory)
 	o.SyncMode = SyncNever
 	o.OnSynced = func([]Synced) {}
 	w, _ := mustOpen(t, o, 0, nil)
@@ -697,12 +713,12 @@ func TestAppendDoesNotAllocate(t *testing.T) {
 	}
 }
 
-// TestRealFS runs reopen and torn-tail repair on the OS file system, where
-// segments are truncated in place (os.File.Truncate) and reopened segments
-// are appended with WriteAt.
+// TestRealFS runs reopen and torn-tail repair on the OS file system: segments
+// are preallocated, frames overwrite the zeros, and a torn tail is cut by
+// zeroing it in place.
 func TestRealFS(t *testing.T) {
 	fs := vfs.Default
-	o := Options{FS: fs, Dir: fs.PathJoin(t.TempDir(), "sub", "wal"), SegmentSize: 8192}
+	o := Options{FS: fs, Dir: fs.PathJoin(t.TempDir(), "sub", "wal"), SegmentSize: 8192, Preallocate: true}
 	w, _ := mustOpen(t, o, 0, nil)
 	appendWait(t, w, 300, 3)
 	if err := w.Close(); err != nil {
@@ -724,6 +740,9 @@ func TestRealFS(t *testing.T) {
 		t.Fatal(err)
 	}
 	f.Close()
+	if last.Allocated < o.SegmentSize {
+		t.Fatalf("last segment not preallocated: %+v", last)
+	}
 
 	var recs []gotRecord
 	w, res := mustOpen(t, o, 0, collect(&recs))
@@ -731,8 +750,9 @@ func TestRealFS(t *testing.T) {
 	if res.TornTail == nil || res.TornTail.Offset != last.Size || res.TornTail.Bytes != 8 {
 		t.Fatalf("TornTail %+v", res.TornTail)
 	}
-	if st, err := fs.Stat(path); err != nil || st.Size() != last.Size {
-		t.Fatalf("segment not truncated in place: %v %v", st, err)
+	if b := readFile(t, fs, path); int64(len(b)) != last.Allocated || !allZero(b[last.Size:]) {
+		t.Fatalf("segment not cut by zeroing in place: %d bytes (was %d), zeros after %d: %v",
+			len(b), last.Allocated, last.Size, allZero(b[last.Size:]))
 	}
 	appendWait(t, w, 20, 3)
 	if err := w.Close(); err != nil {
