@@ -1292,7 +1292,7 @@ type Stats struct {
 
 	LiveEntries int64 // entries in the index (as of AppliedLSN): ids and sequence-mode clients
 	Replies     int64 // entries keeping a reply (what MaxEntries bounds)
-	InDoubt     int   // claims found in flight at Open, still unresolved
+	InDoubt     int   // claims found in flight at Open and still unresolved
 	CacheBytes  int64 // accounted size of the in-memory table
 
 	WALBytes     int64
@@ -1332,9 +1332,9 @@ func (e *Engine) Stats() Stats {
 		s.CacheBytes += sh.bytes
 		sh.mu.Unlock()
 	}
-	e.inDoubtMu.Lock()
-	s.InDoubt = len(e.inDoubt)
-	e.inDoubtMu.Unlock()
+	if ds, err := e.InDoubt(); err == nil {
+		s.InDoubt = len(ds)
+	}
 	if !e.closed.Load() {
 		s.IndexBytes = e.ix.DiskUsage()
 	}

@@ -80,9 +80,8 @@ func (e *Engine) writeImage(ctx context.Context, w io.Writer, img *index.Image) 
 				if err != nil {
 					return fmt.Errorf("%w: %v", ErrCorrupt, err)
 				}
-				// As a forget at now-Retention would leave it.
-				en = index.Normalize(en, mode, index.Mark{Before: now.Add(-e.o.Retention).UnixNano(), LSN: img.LSN + 1})
-				if en == nil {
+				// As the next retention forget will leave it.
+				if en = index.DropReply(en, mode); en == nil {
 					return nil
 				}
 				vb = index.EncodeEntry(vb[:0], en)

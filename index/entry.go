@@ -88,6 +88,10 @@ func dropClaim(e *Entry, mode byte) *Entry {
 	return &n
 }
 
+// DropReply returns e without its committed reply, as a forget leaves it:
+// nil for an id key, the sequence number alone for a client key.
+func DropReply(e *Entry, mode byte) *Entry { return dropReply(e, mode) }
+
 func dropReply(e *Entry, mode byte) *Entry {
 	if mode == ModeID {
 		if e.InFlight { // cannot happen for id keys; keep the claim to be safe
