@@ -1245,22 +1245,22 @@ func (e *Engine) InDoubt() ([]InDoubtClaim, error) {
 	var out []InDoubtClaim
 	keep := e.inDoubt[:0]
 	for _, r := range e.inDoubt {
+		scope, mode, ident, err := index.ParseEntryKey(r.key)
+		if err != nil {
+			return nil, wrapCorrupt(err)
+		}
 		unlock := e.lockKeys(r.key)
 		sl, err := e.slotLocked(r.key)
 		if err != nil {
 			unlock()
 			return nil, err
 		}
-		cur := sl.e
+		cur := e.current(sl, mode) // a forget may have dropped the claim
 		unlock()
 		if cur == nil || !cur.InFlight || cur.ClaimLSN != r.claimLSN {
-			continue // resolved, or taken over by a new claim
+			continue // resolved, forgotten, or taken over by a new claim
 		}
 		keep = append(keep, r)
-		scope, mode, ident, err := index.ParseEntryKey(r.key)
-		if err != nil {
-			return nil, wrapCorrupt(err)
-		}
 		k := reqKey{scope: scope, mode: mode, ident: append([]byte(nil), ident...), key: r.key}
 		d := InDoubtClaim{Scope: scope, Fingerprint: cur.ClaimFP, ClaimedAt: time.Unix(0, cur.ClaimTime), LeaseUntil: time.Unix(0, cur.LeaseUntil)}
 		if mode == index.ModeID {
