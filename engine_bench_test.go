@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/cockroachdb/pebble/v2"
+	"github.com/cockroachdb/pebble/v2/bloom"
 	"github.com/cockroachdb/pebble/v2/vfs"
 )
 
@@ -221,8 +222,18 @@ func (p *pebbleDedup) do(id []byte, fn func() []byte, syncClaim bool) ([]byte, e
 	return reply, nil
 }
 
+// baselineOptions configure the Pebble baseline as well as idem's index:
+// same block cache, bloom filters on every level, same memtable size.
+func baselineOptions() *pebble.Options {
+	o := &pebble.Options{Logger: quietPebble{}, Cache: pebble.NewCache(64 << 20), MemTableSize: 32 << 20}
+	for i := range o.Levels {
+		o.Levels[i].FilterPolicy = bloom.FilterPolicy(10)
+	}
+	return o
+}
+
 func benchPebble(b *testing.B, syncClaim bool) {
-	db, err := pebble.Open(b.TempDir(), &pebble.Options{Logger: quietPebble{}})
+	db, err := pebble.Open(b.TempDir(), baselineOptions())
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -253,7 +264,7 @@ func BenchmarkPebbleDirect(b *testing.B) { benchPebble(b, true) }
 func BenchmarkPebbleDirectOneSync(b *testing.B) { benchPebble(b, false) }
 
 func BenchmarkPebbleDuplicateGet(b *testing.B) {
-	db, err := pebble.Open(b.TempDir(), &pebble.Options{Logger: quietPebble{}})
+	db, err := pebble.Open(b.TempDir(), baselineOptions())
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -61,7 +61,7 @@ type Options struct {
 	// the index (default 32 MiB). In-flight and not yet applied entries are
 	// always kept; the rest are evicted past the bound.
 	CacheSize int64
-	// IndexCacheSize is Pebble's block cache (default 16 MiB).
+	// IndexCacheSize is Pebble's block cache (default 64 MiB).
 	IndexCacheSize int64
 	// SegmentSize is the WAL segment size (default 64 MiB).
 	SegmentSize int64
@@ -128,7 +128,7 @@ func (o *Options) withDefaults() Options {
 		r.CacheSize = 32 << 20
 	}
 	if r.IndexCacheSize <= 0 {
-		r.IndexCacheSize = 16 << 20
+		r.IndexCacheSize = 64 << 20
 	}
 	if r.SegmentSize <= 0 {
 		r.SegmentSize = 64 << 20
