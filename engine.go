@@ -212,7 +212,7 @@ func Open(dir string, opts *Options) (*Engine, error) {
 		Dir:          filepath.Join(dir, "wal"),
 		SegmentSize:  o.SegmentSize,
 		Preallocate:  o.FS == vfs.Default && !o.NoPreallocate,
-		SyncMode:     o.Sync.wal(),
+		SyncMode:     o.Sync,
 		SyncInterval: o.SyncInterval,
 		FirstLSN:     applied + 1,
 		Logger:       o.Logger,

@@ -8,36 +8,23 @@ import (
 	"github.com/idemdb/idem/wal"
 )
 
-// SyncMode says when a write counts as durable.
-type SyncMode int
+// SyncMode says when a write counts as durable. It is the WAL's mode.
+type SyncMode = wal.SyncMode
 
 const (
 	// SyncAlways: Commit (and a Fresh Begin) return only after the record
 	// is fsynced. Concurrent callers share one fsync (group commit). Nothing
 	// acknowledged is lost in a machine crash. The default.
-	SyncAlways SyncMode = iota
+	SyncAlways = wal.SyncAlways
 	// SyncInterval: records are written to the OS at once and fsynced every
 	// Options.SyncInterval. A process crash loses nothing; a machine crash
 	// may lose the last interval.
-	SyncInterval
+	SyncInterval = wal.SyncInterval
 	// SyncNever: records are written to the OS at once; fsync happens only
-	// at segment rotation, index checkpoints and Close. A process crash
-	// loses nothing; a machine crash may lose everything since the last of
-	// those.
-	SyncNever
+	// at segment rotation, compaction and Close. A process crash loses
+	// nothing; a machine crash may lose everything since the last of those.
+	SyncNever = wal.SyncNever
 )
-
-func (m SyncMode) String() string {
-	switch m {
-	case SyncAlways:
-		return "always"
-	case SyncInterval:
-		return "interval"
-	case SyncNever:
-		return "never"
-	}
-	return "unknown"
-}
 
 // Options configure an Engine. The zero value (or nil) is a safe default.
 type Options struct {
@@ -154,13 +141,3 @@ func (o *Options) withDefaults() Options {
 // maxReplySize leaves room under snapshot.MaxEntrySize for the key and the
 // rest of the entry (ids, scope and fingerprints are bounded by MaxIDLen).
 const maxReplySize = 12 << 20
-
-func (m SyncMode) wal() wal.SyncMode {
-	switch m {
-	case SyncInterval:
-		return wal.SyncInterval
-	case SyncNever:
-		return wal.SyncNever
-	}
-	return wal.SyncAlways
-}

@@ -124,22 +124,11 @@ func Restore(dir string, r io.Reader, opts *Options) (*Engine, error) {
 		if err != nil {
 			return wrapSnapshotErr(err)
 		}
-		h := sr.Header()
 		ix, err := index.Open(index.Options{FS: fs, Dir: ixDir, CacheSize: o.IndexCacheSize, Logger: o.Logger})
 		if err != nil {
 			return err
 		}
-		err = ix.Load(wal.LSN(h.LSN), index.Mark{Before: h.ForgetBefore, LSN: wal.LSN(h.ForgetLSN)},
-			func() ([]byte, []byte, bool, error) {
-				k, v, err := sr.Next()
-				if errors.Is(err, io.EOF) {
-					return nil, nil, false, nil
-				}
-				if err != nil {
-					return nil, nil, false, wrapSnapshotErr(err)
-				}
-				return k, v, true, nil
-			})
+		err = loadSnapshot(ix, sr)
 		if cerr := ix.Close(err == nil); err == nil {
 			err = cerr
 		}
@@ -224,8 +213,13 @@ func (e *Engine) loadDiskSnapshot(ix *index.Index, first wal.LSN) error {
 	if wal.LSN(info.LSN)+1 < first {
 		return fmt.Errorf("%w: the newest valid snapshot %s (LSN %d) does not reach the WAL's first LSN %d", ErrCorrupt, info.Path, info.LSN, first)
 	}
-	h := sr.Header()
 	e.o.Logger.Warn("idem: rebuilding the index from a snapshot", "snapshot", info.Path, "lsn", info.LSN)
+	return loadSnapshot(ix, sr)
+}
+
+// loadSnapshot fills the empty index ix with the snapshot sr.
+func loadSnapshot(ix *index.Index, sr *snapshot.Reader) error {
+	h := sr.Header()
 	return ix.Load(wal.LSN(h.LSN), index.Mark{Before: h.ForgetBefore, LSN: wal.LSN(h.ForgetLSN)},
 		func() ([]byte, []byte, bool, error) {
 			k, v, err := sr.Next()
