@@ -65,6 +65,7 @@ func (e *Engine) Compact(ctx context.Context) (CompactStats, error) {
 		return out, e.failure(err)
 	}
 	e.lastRemoved = removed
+	e.walAfterCompact.Store(e.w.Stats().Bytes)
 	e.o.Logger.Debug("idem: compaction", "entries_removed", out.EntriesRemoved, "segments_removed", out.SegmentsRemoved,
 		"bytes_reclaimed", out.BytesReclaimed, "durable_lsn", out.DurableLSN, "duration", out.Duration)
 	return out, nil
@@ -127,6 +128,8 @@ func (e *Engine) maintenance() {
 	defer cleanup.Stop()
 	compact := time.NewTicker(e.o.CompactInterval)
 	defer compact.Stop()
+	grown := time.NewTicker(time.Second)
+	defer grown.Stop()
 	for {
 		var err error
 		select {
@@ -142,6 +145,10 @@ func (e *Engine) maintenance() {
 			e.compactMu.Unlock()
 		case <-compact.C:
 			_, err = e.Compact(context.Background())
+		case <-grown.C:
+			if e.o.CompactWALBytes > 0 && e.w.Stats().Bytes-e.walAfterCompact.Load() > e.o.CompactWALBytes {
+				_, err = e.Compact(context.Background())
+			}
 		}
 		if err != nil && !errors.Is(err, ErrClosed) {
 			e.o.Logger.Warn("idem: background maintenance failed", "err", err)

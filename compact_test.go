@@ -387,3 +387,21 @@ func TestCrashDuringCompaction(t *testing.T) {
 	}
 	t.Logf("checked %d crash images of a compaction, each with and without its index", len(images))
 }
+
+// TestCompactionTriggeredByWALGrowth: without any Compact call or interval,
+// the WAL's growth alone starts a background compaction.
+func TestCompactionTriggeredByWALGrowth(t *testing.T) {
+	e := openMem(t, vfs.NewMem(), &Options{SegmentSize: 16 << 10, CompactWALBytes: 64 << 10})
+	defer e.Close()
+	for i := 0; i < 3000; i++ {
+		commitID(t, e, Request{ID: []byte(fmt.Sprint("k", i))}, "reply")
+	}
+	peak := e.Stats().WALSegments
+	deadline := time.Now().Add(10 * time.Second)
+	for e.Stats().WALSegments >= peak/2 {
+		if time.Now().After(deadline) {
+			t.Fatalf("WAL still has %d segments (peak %d): no size-triggered compaction", e.Stats().WALSegments, peak)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}

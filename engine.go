@@ -134,6 +134,9 @@ type Engine struct {
 
 	compactMu   sync.Mutex // one compaction (or retention/eviction pass) at a time
 	lastRemoved uint64     // guarded by compactMu: removals counted by the previous Compact
+	// walAfterCompact is the WAL's size after the previous Compact (the
+	// size trigger compares with it).
+	walAfterCompact atomic.Int64
 
 	inDoubtMu sync.Mutex
 	inDoubt   []inDoubtRef // guarded by inDoubtMu

@@ -81,6 +81,12 @@ type Options struct {
 	// CompactInterval is how often Compact runs in the background
 	// (default 10 minutes).
 	CompactInterval time.Duration
+	// CompactWALBytes also triggers a background Compact whenever the WAL
+	// has grown by this much since the previous one (default 128 MiB), so
+	// that a busy engine keeps its disk bounded between CompactIntervals.
+	// The WAL is kept back to the oldest kept snapshot, so it holds about
+	// KeepSnapshots times this much at most. Negative: no size trigger.
+	CompactWALBytes int64
 	// KeepSnapshots is how many on-disk snapshots (<dir>/snapshot/) Compact
 	// keeps (default 2). Negative: Compact writes none.
 	KeepSnapshots int
@@ -125,6 +131,9 @@ func (o *Options) withDefaults() Options {
 	}
 	if r.CompactInterval <= 0 {
 		r.CompactInterval = 10 * time.Minute
+	}
+	if r.CompactWALBytes == 0 {
+		r.CompactWALBytes = 128 << 20
 	}
 	if r.KeepSnapshots == 0 {
 		r.KeepSnapshots = 2

@@ -33,7 +33,7 @@ func BenchmarkSoak(b *testing.B) {
 	e, err := Open(dir, &Options{
 		Retention:       time.Minute,
 		CleanupInterval: 10 * time.Second,
-		CompactInterval: 15 * time.Second,
+		CompactInterval: 5 * time.Second,
 		SegmentSize:     16 << 20,
 	})
 	if err != nil {
