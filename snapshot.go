@@ -27,8 +27,8 @@ type SnapshotInfo struct {
 
 // Snapshot streams a point-in-time image of the dedup set to w (for
 // backups and for replicated state machines) while writes go on. It holds
-// every record up to SnapshotInfo.LSN: a replica restores it and applies the
-// log after that LSN. Acked and forgotten entries are never in it, and
+// every record up to SnapshotInfo.LSN, which covers everything acknowledged
+// before the call: a replica restores it and applies the log after that LSN. Acked and forgotten entries are never in it, and
 // neither are replies expired by Retention (a client keeps its sequence
 // number). The format is described in snapshot/doc.go.
 func (e *Engine) Snapshot(ctx context.Context, w io.Writer) (SnapshotInfo, error) {
@@ -36,6 +36,14 @@ func (e *Engine) Snapshot(ctx context.Context, w io.Writer) (SnapshotInfo, error
 		return SnapshotInfo{}, err
 	}
 	defer e.leave()
+	// Include everything acknowledged so far: in SyncInterval/SyncNever
+	// modes records reach the index only once fsynced.
+	if err := e.w.Sync(); err != nil {
+		return SnapshotInfo{}, e.failure(err)
+	}
+	if err := e.waitApplied(ctx, e.w.SyncedLSN()); err != nil {
+		return SnapshotInfo{}, err
+	}
 	img := e.ix.Image()
 	defer img.Close()
 	return e.writeImage(ctx, w, img)
