@@ -594,17 +594,26 @@ func (e *Engine) evictLocked(sh *shard, keep string) {
 		return
 	}
 	target := limit - limit/8
+	// Look at a bounded number of slots: when most are pinned (a burst of
+	// claims, or SyncNever before its next fsync) a full scan on every
+	// insert would be quadratic. The shard may then stay over its share
+	// until slots are unpinned; pinned slots are needed anyway.
+	seen := 0
 	for k, sl := range sh.m {
-		if sh.bytes <= target {
+		if sh.bytes <= target || seen >= evictScan {
 			return
 		}
-		if k == keep || sl.dirty != 0 || sl.waiters != nil || (sl.e != nil && sl.e.InFlight) {
+		seen++
+		if sl.dirty != 0 || sl.waiters != nil || (sl.e != nil && sl.e.InFlight) || k == keep {
 			continue
 		}
 		delete(sh.m, k)
 		sh.bytes -= sl.size
 	}
 }
+
+// evictScan bounds the slots one eviction pass looks at.
+const evictScan = 64
 
 // setLocked publishes a new entry for a slot after its record was appended.
 // The slot must be key's slot in the map: a dirty entry that is not in the

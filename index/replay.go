@@ -18,7 +18,7 @@ type Replayer struct {
 }
 
 // replayFlushEvery bounds the overlay (and so replay's memory).
-const replayFlushEvery = 1 << 15
+const replayFlushEvery = 1 << 17
 
 // NewReplayer returns a replayer writing into ix.
 func (ix *Index) NewReplayer() *Replayer {
