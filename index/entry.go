@@ -281,7 +281,8 @@ var ErrBadEntry = errors.New("index: bad entry value")
 func DecodeEntry(b []byte) (*Entry, error) {
 	d := msgpack.GetDecoder()
 	defer msgpack.PutDecoder(d)
-	d.Reset(bytes.NewReader(b))
+	br := bytes.NewReader(b)
+	d.Reset(br)
 	var err error
 	keep := func(f error) {
 		if err == nil {
@@ -313,7 +314,7 @@ func DecodeEntry(b []byte) (*Entry, error) {
 		if err != nil {
 			return nil
 		}
-		v, f := d.DecodeBytes()
+		v, f := wal.DecodeBin(d, br)
 		keep(f)
 		return v
 	}
@@ -331,7 +332,7 @@ func DecodeEntry(b []byte) (*Entry, error) {
 	e.LeaseUntil = i()
 	e.LSN = wal.LSN(u())
 	for k := entryFields; k < n && err == nil; k++ {
-		keep(d.Skip())
+		keep(wal.SkipBounded(d, br, 0))
 	}
 	if err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrBadEntry, err)

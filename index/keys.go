@@ -63,7 +63,7 @@ func ParseEntryKey(k []byte) (scope string, mode byte, ident []byte, err error) 
 	}
 	rest := k[1:]
 	n, w := binary.Uvarint(rest)
-	if w <= 0 || n > uint64(len(rest)-w) {
+	if w <= 0 || w != uvarintLen(n) || n > uint64(len(rest)-w) {
 		return "", 0, nil, fmt.Errorf("%w: scope length in %x", ErrBadKey, k)
 	}
 	rest = rest[w:]
@@ -73,10 +73,17 @@ func ParseEntryKey(k []byte) (scope string, mode byte, ident []byte, err error) 
 	}
 	mode, rest = rest[0], rest[1:]
 	n, w = binary.Uvarint(rest)
-	if w <= 0 || n != uint64(len(rest)-w) {
+	if w <= 0 || w != uvarintLen(n) || n != uint64(len(rest)-w) {
 		return "", 0, nil, fmt.Errorf("%w: ident length in %x", ErrBadKey, k)
 	}
 	return scope, mode, rest[w:], nil
+}
+
+// uvarintLen is the length of n's canonical uvarint encoding: a key with an
+// overlong length prefix would be a second encoding of the same identity.
+func uvarintLen(n uint64) int {
+	var b [binary.MaxVarintLen64]byte
+	return len(binary.AppendUvarint(b[:0], n))
 }
 
 func timeKey(dst []byte, t int64, entryKey []byte) []byte {

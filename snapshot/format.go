@@ -8,6 +8,7 @@ import (
 	"hash/crc32"
 	"time"
 
+	"github.com/idemdb/idem/wal"
 	"github.com/klauspost/compress/s2"
 	"github.com/vmihailenco/msgpack/v5"
 )
@@ -180,7 +181,7 @@ func decodeHeaderBody(body []byte) (Header, error) {
 	}
 	// Fields appended by later writers of the same version.
 	for i := headerFields; i < n; i++ {
-		if err := d.Skip(); err != nil {
+		if err := wal.SkipBounded(d, br, 0); err != nil {
 			return Header{}, err
 		}
 	}

@@ -31,6 +31,7 @@ import (
 
 	"github.com/klauspost/compress/s2"
 	"github.com/vmihailenco/msgpack/v5"
+	"github.com/vmihailenco/msgpack/v5/msgpcode"
 )
 
 // Operation kinds, stored as the frame type byte. Frozen.
@@ -210,9 +211,10 @@ func compressReply(r []byte) ([]byte, int) {
 func DecodeOp(typ byte, payload []byte) (op *Op, err error) {
 	d := msgpack.GetDecoder()
 	defer msgpack.PutDecoder(d)
-	d.Reset(bytes.NewReader(payload))
+	br := bytes.NewReader(payload)
+	d.Reset(br)
 	op = &Op{Type: typ}
-	r := &reader{d: d, left: len(payload)}
+	r := &reader{d: d, br: br, left: len(payload)}
 	var want int
 	switch typ {
 	case OpClaim:
@@ -264,7 +266,7 @@ func DecodeOp(typ byte, payload []byte) (op *Op, err error) {
 	}
 	// Fields appended by later versions are skipped.
 	for i := want; i < n && r.err == nil; i++ {
-		r.err = d.Skip()
+		r.err = SkipBounded(d, br, 0)
 	}
 	if r.err != nil {
 		return nil, fmt.Errorf("%w: %s: %v", ErrBadRecord, OpName(typ), r.err)
@@ -293,6 +295,7 @@ func decompressReply(b []byte, codec uint64) ([]byte, error) {
 // length by the bytes left in the payload before anything is allocated.
 type reader struct {
 	d    *msgpack.Decoder
+	br   *bytes.Reader // what d reads from
 	left int
 	err  error
 }
@@ -317,9 +320,7 @@ func (r *reader) bytes() []byte {
 	if r.err != nil {
 		return nil
 	}
-	// DecodeBytes itself caps each allocation step at 1 MiB and reads from
-	// the payload, so a lying length fails with EOF before growing further.
-	b, err := r.d.DecodeBytes()
+	b, err := DecodeBin(r.d, r.br)
 	if err != nil {
 		r.err = err
 		return nil
@@ -332,14 +333,72 @@ func (r *reader) bytes() []byte {
 }
 
 func (r *reader) string() string {
-	if r.err != nil {
-		return ""
-	}
-	s, err := r.d.DecodeString()
+	return string(r.bytes())
+}
+
+// SkipBounded skips one msgpack value of d (reading from br) without
+// allocating what its headers claim: strings and bins are bounded by the
+// bytes left, arrays and maps are walked (at most 8 levels deep), ext
+// values are refused.
+func SkipBounded(d *msgpack.Decoder, br *bytes.Reader, depth int) error {
+	c, err := d.PeekCode()
 	if err != nil {
-		r.err = err
+		return err
 	}
-	return s
+	switch {
+	case msgpcode.IsString(c) || msgpcode.IsBin(c):
+		_, err := DecodeBin(d, br)
+		return err
+	case msgpcode.IsFixedArray(c) || c == msgpcode.Array16 || c == msgpcode.Array32,
+		msgpcode.IsFixedMap(c) || c == msgpcode.Map16 || c == msgpcode.Map32:
+		if depth >= 8 {
+			return fmt.Errorf("values nested deeper than 8")
+		}
+		var n int
+		if msgpcode.IsFixedMap(c) || c == msgpcode.Map16 || c == msgpcode.Map32 {
+			n, err = d.DecodeMapLen()
+			n *= 2
+		} else {
+			n, err = d.DecodeArrayLen()
+		}
+		if err != nil {
+			return err
+		}
+		if n < 0 || n > br.Len() {
+			return fmt.Errorf("%d elements exceed the %d bytes left", n, br.Len())
+		}
+		for i := 0; i < n; i++ {
+			if err := SkipBounded(d, br, depth+1); err != nil {
+				return err
+			}
+		}
+		return nil
+	case msgpcode.IsExt(c):
+		return fmt.Errorf("unexpected ext value")
+	}
+	return d.Skip() // fixed-size values
+}
+
+// DecodeBin reads a msgpack bin or str (or nil) from d, which must read
+// from br, and returns its bytes. Unlike msgpack's own DecodeBytes, it
+// checks the length the header claims against the bytes left in br before
+// allocating, so a 5-byte header cannot make it allocate gigabytes.
+func DecodeBin(d *msgpack.Decoder, br *bytes.Reader) ([]byte, error) {
+	n, err := d.DecodeBytesLen()
+	if err != nil {
+		return nil, err
+	}
+	if n == -1 {
+		return nil, nil
+	}
+	if n < 0 || n > br.Len() {
+		return nil, fmt.Errorf("length %d exceeds the %d bytes left", n, br.Len())
+	}
+	b := make([]byte, n)
+	if err := d.ReadFull(b); err != nil {
+		return nil, err
+	}
+	return b, nil
 }
 
 func (r *reader) uint() uint64 {
