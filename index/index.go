@@ -83,7 +83,7 @@ func Open(o Options) (*Index, error) {
 	for i := range popts.Levels {
 		popts.Levels[i].FilterPolicy = bloom.FilterPolicy(10)
 	}
-	db, err := pebble.Open(o.Dir, popts)
+	db, err := openPebble(o.Dir, popts)
 	if err != nil {
 		cache.Unref()
 		return nil, fmt.Errorf("index: open %s: %w", o.Dir, err)
@@ -95,6 +95,18 @@ func Open(o Options) (*Index, error) {
 		return nil, err
 	}
 	return ix, nil
+}
+
+// openPebble opens the store, turning a panic (pebble's Fatalf on a failed
+// MANIFEST write during open goes through pebbleLogger.Fatalf) into an
+// error, so that Open fails instead of crashing the application.
+func openPebble(dir string, o *pebble.Options) (db *pebble.DB, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			db, err = nil, fmt.Errorf("index: pebble failed while opening: %v", r)
+		}
+	}()
+	return pebble.Open(dir, o)
 }
 
 func (ix *Index) loadMeta(readOnly bool) error {
