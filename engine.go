@@ -227,6 +227,7 @@ func Open(dir string, opts *Options) (*Engine, error) {
 		return nil
 	})
 	if err != nil {
+		rep.Discard()
 		ix.Close(false)
 		return nil, wrapCorrupt(err)
 	}

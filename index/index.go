@@ -296,7 +296,7 @@ func (ix *Index) applyRun(ups []Update) error {
 	// Write in key order: Pebble's memtable inserter reuses its splice for
 	// ascending keys, which makes a large batch (replay) much cheaper.
 	slices.SortFunc(aggs, func(x, y agg) int { return bytes.Compare(x.key, y.key) })
-	b := ix.db.NewBatch()
+	b := ix.db.NewBatchWithSize(len(aggs) * 256) // entry + time row, typically
 	defer b.Close()
 	delta, rdelta := int64(0), int64(0)
 	var kb, vb []byte

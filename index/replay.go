@@ -10,32 +10,44 @@ import (
 // the records after the index's applied LSN. Entries touched since the last
 // flush are kept in a write-back overlay so that a claim and its commit cost
 // one Pebble write, not two, and so that keys are read from Pebble once.
+//
+// Flushes are double-buffered: while one batch is written to Pebble in the
+// background, the next is decoded and computed. The batch being written
+// keeps its overlay readable until it is in Pebble, so every lookup sees the
+// state as of the record being replayed.
 type Replayer struct {
 	ix      *Index
+	start   wal.LSN           // records at or below were applied before
 	overlay map[string]*Entry // nil value = known absent
 	pending []Update
 	n       int
+
+	flushing map[string]*Entry // overlay of the batch being written; read-only
+	done     chan error        // result of that write; nil when none
 }
 
 // replayFlushEvery bounds the overlay (and so replay's memory).
-const replayFlushEvery = 1 << 17
+const replayFlushEvery = 1 << 16
 
 // NewReplayer returns a replayer writing into ix.
 func (ix *Index) NewReplayer() *Replayer {
-	return &Replayer{ix: ix, overlay: make(map[string]*Entry)}
+	return &Replayer{ix: ix, start: ix.Applied(), overlay: make(map[string]*Entry)}
 }
 
 func (r *Replayer) get(key []byte, _ byte) (*Entry, error) {
 	if e, ok := r.overlay[string(key)]; ok {
 		return e, nil
 	}
+	if e, ok := r.flushing[string(key)]; ok {
+		return e, nil
+	}
 	return r.ix.Get(key)
 }
 
 // Apply applies the record at lsn. Records at or below the index's applied
-// LSN are ignored.
+// LSN (when the replayer was made) are ignored.
 func (r *Replayer) Apply(lsn wal.LSN, typ byte, payload []byte) error {
-	if lsn <= r.ix.Applied() && len(r.pending) == 0 {
+	if lsn <= r.start {
 		return nil
 	}
 	op, err := wal.DecodeOp(typ, payload)
@@ -63,21 +75,50 @@ func (r *Replayer) ApplyOp(lsn wal.LSN, op *wal.Op) error {
 	r.pending = append(r.pending, Update{LSN: lsn, Transitions: ts})
 	r.n += len(ts)
 	if r.n >= replayFlushEvery {
-		return r.Flush()
+		return r.flushAsync()
 	}
 	return nil
 }
 
-// Flush writes what the replayer holds to the index.
-func (r *Replayer) Flush() error {
+// flushAsync waits for the previous background write and starts writing
+// what the replayer holds.
+func (r *Replayer) flushAsync() error {
+	if err := r.wait(); err != nil {
+		return err
+	}
 	if len(r.pending) == 0 {
 		return nil
 	}
-	if err := r.ix.Apply(r.pending); err != nil {
+	ups := r.pending
+	r.flushing, r.overlay = r.overlay, make(map[string]*Entry, len(r.overlay))
+	r.pending, r.n = nil, 0
+	done := make(chan error, 1)
+	r.done = done
+	go func() { done <- r.ix.Apply(ups) }()
+	return nil
+}
+
+func (r *Replayer) wait() error {
+	if r.done == nil {
+		return nil
+	}
+	err := <-r.done
+	r.done, r.flushing = nil, nil
+	return err
+}
+
+// Flush writes everything the replayer holds to the index and waits for it.
+func (r *Replayer) Flush() error {
+	if err := r.flushAsync(); err != nil {
 		return err
 	}
-	r.pending = r.pending[:0]
+	return r.wait()
+}
+
+// Discard waits for a background write in progress and drops what the
+// replayer holds (used when replay fails half way).
+func (r *Replayer) Discard() {
+	_ = r.wait()
+	r.pending, r.n = nil, 0
 	clear(r.overlay)
-	r.n = 0
-	return nil
 }
