@@ -94,23 +94,7 @@ func BenchmarkDuplicateHit(b *testing.B) {
 	}
 	defer e.Close()
 	const n = 100_000
-	ids := make([][]byte, n)
-	g := newIDGen()
-	var wg sync.WaitGroup
-	for w := 0; w < benchCallers; w++ {
-		wg.Add(1)
-		go func(w int) {
-			defer wg.Done()
-			for i := w; i < n; i += benchCallers {
-				ids[i] = g.next()
-				if _, err := e.Do(bg, Request{ID: ids[i]}, func(context.Context) ([]byte, error) { return benchReply, nil }); err != nil {
-					b.Error(err)
-					return
-				}
-			}
-		}(w)
-	}
-	wg.Wait()
+	ids := fill(b, e, n)
 	var ctr atomic.Uint64
 	b.SetParallelism(parallelism())
 	b.ResetTimer()
@@ -138,21 +122,7 @@ func BenchmarkReplay(b *testing.B) {
 		b.Fatal(err)
 	}
 	const reqs = 200_000 // 400k records: claim + commit each
-	g := newIDGen()
-	var wg sync.WaitGroup
-	for w := 0; w < benchCallers; w++ {
-		wg.Add(1)
-		go func(w int) {
-			defer wg.Done()
-			for i := w; i < reqs; i += benchCallers {
-				if _, err := e.Do(bg, Request{ID: g.next()}, func(context.Context) ([]byte, error) { return benchReply, nil }); err != nil {
-					b.Error(err)
-					return
-				}
-			}
-		}(w)
-	}
-	wg.Wait()
+	fill(b, e, reqs)
 	records := e.Stats().LastLSN
 	if err := e.Close(); err != nil {
 		b.Fatal(err)
@@ -312,6 +282,14 @@ func snapshotSource(b *testing.B, n int) *Engine {
 	if err != nil {
 		b.Fatal(err)
 	}
+	fill(b, e, n)
+	return e
+}
+
+// fill commits n new ids with Do from benchCallers goroutines and returns
+// the ids.
+func fill(b *testing.B, e *Engine, n int) [][]byte {
+	ids := make([][]byte, n)
 	g := newIDGen()
 	var wg sync.WaitGroup
 	for w := 0; w < benchCallers; w++ {
@@ -319,7 +297,8 @@ func snapshotSource(b *testing.B, n int) *Engine {
 		go func(w int) {
 			defer wg.Done()
 			for i := w; i < n; i += benchCallers {
-				if _, err := e.Do(bg, Request{ID: g.next()}, func(context.Context) ([]byte, error) { return benchReply, nil }); err != nil {
+				ids[i] = g.next()
+				if _, err := e.Do(bg, Request{ID: ids[i]}, func(context.Context) ([]byte, error) { return benchReply, nil }); err != nil {
 					b.Error(err)
 					return
 				}
@@ -327,7 +306,7 @@ func snapshotSource(b *testing.B, n int) *Engine {
 		}(w)
 	}
 	wg.Wait()
-	return e
+	return ids
 }
 
 // BenchmarkSnapshotWrite: Engine.Snapshot of 200k entries, entries/s.
