@@ -292,13 +292,9 @@ func (e *Engine) lockDir() error {
 		openDirs[abs] = true
 		openDirsMu.Unlock()
 	}
-	if err := e.fs.MkdirAll(e.dir, 0o755); err != nil {
+	if err := wal.EnsureDir(e.fs, e.dir); err != nil {
 		e.releaseReg(regKey)
 		return fmt.Errorf("idem: create %s: %w", e.dir, err)
-	}
-	if err := syncDir(e.fs, filepath.Dir(e.dir)); err != nil {
-		e.releaseReg(regKey)
-		return err
 	}
 	l, err := e.fs.Lock(filepath.Join(e.dir, "LOCK"))
 	if err != nil {
@@ -327,18 +323,6 @@ func (e *Engine) unlockDir() {
 		_ = l.Close()
 	}
 	e.locks = nil
-}
-
-func syncDir(fs vfs.FS, dir string) error {
-	d, err := fs.OpenDir(dir)
-	if err != nil {
-		return fmt.Errorf("idem: open dir %s: %w", dir, err)
-	}
-	defer d.Close()
-	if err := d.Sync(); err != nil {
-		return fmt.Errorf("idem: sync dir %s: %w", dir, err)
-	}
-	return nil
 }
 
 // Close flushes the WAL and the index and releases the directory. Claims

@@ -12,6 +12,7 @@ import (
 	"strings"
 
 	"github.com/cockroachdb/pebble/v2/vfs"
+	"github.com/idemdb/idem/wal"
 )
 
 // File names (frozen): a snapshot at LSN n is fmt.Sprintf("%020d.snap", n);
@@ -67,7 +68,7 @@ type Info struct {
 // says so.
 func WriteFile(fs vfs.FS, dir string, lsn uint64, write func(io.Writer) error) (path string, err error) {
 	dir = fs.PathJoin(dir) // clean it ("./x" confuses MemFS)
-	if err := ensureDir(fs, dir); err != nil {
+	if err := wal.EnsureDir(fs, dir); err != nil {
 		return "", fmt.Errorf("snapshot: create directory %s: %w", dir, err)
 	}
 	path = fs.PathJoin(dir, FileName(lsn))
@@ -105,7 +106,7 @@ func WriteFile(fs vfs.FS, dir string, lsn uint64, write func(io.Writer) error) (
 	if err := fs.Rename(tmp, path); err != nil {
 		return "", fmt.Errorf("snapshot: rename %s to %s: %w", tmp, path, err)
 	}
-	if err := syncDir(fs, dir); err != nil {
+	if err := wal.SyncDir(fs, dir); err != nil {
 		// The rename happened: there is no temp file left to remove, and
 		// the file under path is complete.
 		return path, fmt.Errorf("snapshot: %s is complete but fsync of directory %s failed (it may not survive a crash): %w", path, dir, err)
@@ -192,7 +193,7 @@ func Prune(fs vfs.FS, dir string, keep int) (removed []string, err error) {
 		if err := fs.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
 			err = fmt.Errorf("snapshot: remove %s: %w", p, err)
 			if len(removed) > 0 {
-				if serr := syncDir(fs, dir); serr != nil {
+				if serr := wal.SyncDir(fs, dir); serr != nil {
 					err = errors.Join(err, fmt.Errorf("snapshot: fsync directory %s: %w", dir, serr))
 				}
 			}
@@ -201,7 +202,7 @@ func Prune(fs vfs.FS, dir string, keep int) (removed []string, err error) {
 		removed = append(removed, p)
 	}
 	if len(removed) > 0 {
-		if err := syncDir(fs, dir); err != nil {
+		if err := wal.SyncDir(fs, dir); err != nil {
 			return removed, fmt.Errorf("snapshot: fsync directory %s: %w", dir, err)
 		}
 	}
@@ -301,55 +302,4 @@ func openVerified(fs vfs.FS, path string) (*Reader, io.Closer, error) {
 func sameHeader(a, b Header) bool {
 	return a.Version == b.Version && a.LSN == b.LSN && a.Created.Equal(b.Created) &&
 		a.ForgetBefore == b.ForgetBefore && a.ForgetLSN == b.ForgetLSN
-}
-
-// syncDir fsyncs a directory so that entries created, renamed or removed in
-// it are durable.
-func syncDir(fs vfs.FS, dir string) error {
-	d, err := fs.OpenDir(dir)
-	if err != nil {
-		return err
-	}
-	if err := d.Sync(); err != nil {
-		_ = d.Close()
-		return err
-	}
-	return d.Close()
-}
-
-// ensureDir creates dir if it is missing and fsyncs the parent of every
-// directory it created, so the new directory survives a crash.
-func ensureDir(fs vfs.FS, dir string) error {
-	var missing []string // deepest first
-	for d := dir; ; {
-		if _, err := fs.Stat(d); err == nil {
-			break
-		} else if !errors.Is(err, os.ErrNotExist) {
-			return err
-		}
-		missing = append(missing, d)
-		parent := fs.PathDir(d)
-		if parent == d || parent == "" || parent == "." {
-			break
-		}
-		d = parent
-	}
-	if len(missing) == 0 {
-		return nil
-	}
-	if err := fs.MkdirAll(dir, 0o755); err != nil {
-		return err
-	}
-	// Sync parents top-down: a child's entry is only useful once the
-	// parent's own entry is durable.
-	for i := len(missing) - 1; i >= 0; i-- {
-		parent := fs.PathDir(missing[i])
-		if parent == missing[i] || parent == "" {
-			continue
-		}
-		if err := syncDir(fs, parent); err != nil {
-			return err
-		}
-	}
-	return nil
 }

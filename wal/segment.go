@@ -352,16 +352,16 @@ func activateSegment(fs vfs.FS, dir string, first LSN) (*segFile, error) {
 		_ = f.Close()
 		return nil, err
 	}
-	if err := syncDir(fs, dir); err != nil {
+	if err := SyncDir(fs, dir); err != nil {
 		_ = f.Close()
 		return nil, err
 	}
 	return s, nil
 }
 
-// syncDir fsyncs a directory so that entries created, renamed or removed in it
+// SyncDir fsyncs a directory so that entries created, renamed or removed in it
 // are durable.
-func syncDir(fs vfs.FS, dir string) error {
+func SyncDir(fs vfs.FS, dir string) error {
 	d, err := fs.OpenDir(dir)
 	if err != nil {
 		return err
@@ -373,9 +373,9 @@ func syncDir(fs vfs.FS, dir string) error {
 	return d.Close()
 }
 
-// ensureDir creates dir if it is missing and fsyncs the parent of every
+// EnsureDir creates dir if it is missing and fsyncs the parent of every
 // directory it created, so the new directory survives a crash.
-func ensureDir(fs vfs.FS, dir string) error {
+func EnsureDir(fs vfs.FS, dir string) error {
 	if _, err := fs.Stat(dir); err == nil {
 		return nil
 	} else if !errors.Is(err, os.ErrNotExist) {
@@ -406,7 +406,7 @@ func ensureDir(fs vfs.FS, dir string) error {
 		if parent == missing[i] || parent == "" {
 			continue
 		}
-		if err := syncDir(fs, parent); err != nil {
+		if err := SyncDir(fs, parent); err != nil {
 			return err
 		}
 	}
@@ -473,7 +473,7 @@ func saveTorn(fs vfs.FS, dir, name string, from, to int64) (string, error) {
 		err = cerr
 	}
 	if err == nil {
-		err = syncDir(fs, dir)
+		err = SyncDir(fs, dir)
 	}
 	if err != nil {
 		return "", err

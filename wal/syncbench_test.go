@@ -44,7 +44,7 @@ func BenchmarkSyncCost(b *testing.B) {
 				b.Fatal(err)
 			}
 		}
-		if err := syncDir(fs, dir); err != nil {
+		if err := SyncDir(fs, dir); err != nil {
 			b.Fatal(err)
 		}
 		b.SetBytes(writeSize)

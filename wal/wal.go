@@ -263,7 +263,7 @@ func Open(o Options, after LSN, fn func(Record) error) (*WAL, ScanResult, error)
 		return nil, ScanResult{}, err
 	}
 	fs, dir := o.FS, o.Dir
-	if err := ensureDir(fs, dir); err != nil {
+	if err := EnsureDir(fs, dir); err != nil {
 		return nil, ScanResult{}, fmt.Errorf("wal: creating %s: %w", dir, err)
 	}
 	out, err := scanDir(fs, dir, after, o.MaxRecordSize, fn)
@@ -316,7 +316,7 @@ func (w *WAL) repair(out *scanOutcome, res *ScanResult) error {
 		if err := fs.Remove(fs.PathJoin(dir, out.tailSeg)); err != nil {
 			return fmt.Errorf("wal: removing torn segment %s: %w", out.tailSeg, err)
 		}
-		if err := syncDir(fs, dir); err != nil {
+		if err := SyncDir(fs, dir); err != nil {
 			return fmt.Errorf("wal: syncing %s: %w", dir, err)
 		}
 		w.logger.Info("wal: removed segment with a torn header", "segment", out.tailSeg)
@@ -363,7 +363,7 @@ func (w *WAL) repair(out *scanOutcome, res *ScanResult) error {
 		_ = active.f.Close()
 		return fmt.Errorf("wal: syncing %s: %w", active.name, err)
 	}
-	if err := syncDir(fs, dir); err != nil {
+	if err := SyncDir(fs, dir); err != nil {
 		_ = active.f.Close()
 		return fmt.Errorf("wal: syncing %s: %w", dir, err)
 	}
@@ -591,7 +591,7 @@ func (w *WAL) RemoveSegmentsThrough(lsn LSN) (int, int64, error) {
 		w.segMu.Unlock()
 		count++
 		bytes += s.Allocated
-		if err := syncDir(fs, dir); err != nil {
+		if err := SyncDir(fs, dir); err != nil {
 			return count, bytes, fmt.Errorf("wal: syncing %s: %w", dir, err)
 		}
 	}
