@@ -385,17 +385,9 @@ func (e *Engine) onSynced(recs []wal.Synced) {
 // unpins the slots they changed.
 func (e *Engine) applier() {
 	defer close(e.applyDone)
-	var batch []index.Update
-	var ptrs []*index.Update
+	var batch []*index.Update
 	for ups := range e.applyCh {
-		batch, ptrs = batch[:0], ptrs[:0]
-		add := func(us []*index.Update) {
-			for _, u := range us {
-				batch = append(batch, *u)
-				ptrs = append(ptrs, u)
-			}
-		}
-		add(ups)
+		batch = append(batch[:0], ups...)
 		// Gather for a little while: a claim and its commit usually arrive
 		// within a few fsyncs of each other, and applying them in one batch
 		// writes the entry once instead of twice (and never writes its
@@ -408,7 +400,7 @@ func (e *Engine) applier() {
 				if !ok {
 					break drain
 				}
-				add(more)
+				batch = append(batch, more...)
 			case <-deadline.C:
 				break drain
 			}
@@ -423,7 +415,7 @@ func (e *Engine) applier() {
 			e.o.Logger.Error("idem: index apply failed; the engine stops accepting writes", "err", err)
 			continue
 		}
-		for _, u := range ptrs {
+		for _, u := range batch {
 			for _, t := range u.Transitions {
 				sh := e.shardOf(t.Key)
 				sh.mu.Lock()

@@ -7,8 +7,6 @@ import (
 	"io"
 	"os"
 	"path/filepath"
-	"strconv"
-	"strings"
 	"time"
 
 	"github.com/cockroachdb/pebble/v2/vfs"
@@ -49,64 +47,43 @@ func (e *Engine) Snapshot(ctx context.Context, w io.Writer) (SnapshotInfo, error
 	return e.writeImage(ctx, w, img)
 }
 
-// countingWriter counts the bytes written through it.
-type countingWriter struct {
-	w io.Writer
-	n int64
-}
-
-func (c *countingWriter) Write(b []byte) (int, error) {
-	n, err := c.w.Write(b)
-	c.n += int64(n)
-	return n, err
-}
-
 func (e *Engine) writeImage(ctx context.Context, w io.Writer, img *index.Image) (SnapshotInfo, error) {
 	now := e.o.Clock()
-	cw := &countingWriter{w: w}
-	sw, err := snapshot.NewWriter(cw, snapshot.Header{
-		LSN: uint64(img.LSN), Created: now, ForgetBefore: img.Mark.Before, ForgetLSN: uint64(img.Mark.LSN),
-	})
-	if err != nil {
-		return SnapshotInfo{}, err
-	}
+	h := snapshot.Header{LSN: uint64(img.LSN), Created: now, ForgetBefore: img.Mark.Before, ForgetLSN: uint64(img.Mark.LSN)}
 	var n uint64
 	var vb []byte
-	err = img.Entries(func(key, value []byte) error {
-		if n%4096 == 0 {
-			if err := ctx.Err(); err != nil {
-				return err
+	tr, size, err := snapshot.WriteStream(w, h, func(add func(key, value []byte) error) error {
+		return img.Entries(func(key, value []byte) error {
+			if n++; n%4096 == 0 {
+				if err := ctx.Err(); err != nil {
+					return err
+				}
 			}
-		}
-		if e.o.Retention > 0 {
-			en, err := index.DecodeEntry(value)
-			if err != nil {
-				return fmt.Errorf("%w: key %x: %v", ErrCorrupt, key, err)
-			}
-			if e.expired(en, now) {
-				_, mode, _, err := index.ParseEntryKey(key)
+			if e.o.Retention > 0 {
+				en, err := index.DecodeEntry(value)
 				if err != nil {
-					return fmt.Errorf("%w: %v", ErrCorrupt, err)
+					return fmt.Errorf("%w: key %x: %v", ErrCorrupt, key, err)
 				}
-				// As the next retention forget will leave it.
-				if en = index.DropReply(en, mode); en == nil {
-					return nil
+				if e.expired(en, now) {
+					_, mode, _, err := index.ParseEntryKey(key)
+					if err != nil {
+						return fmt.Errorf("%w: %v", ErrCorrupt, err)
+					}
+					// As the next retention forget will leave it.
+					if en = index.DropReply(en, mode); en == nil {
+						return nil
+					}
+					vb = index.EncodeEntry(vb[:0], en)
+					value = vb
 				}
-				vb = index.EncodeEntry(vb[:0], en)
-				value = vb
 			}
-		}
-		n++
-		return sw.Add(key, value)
+			return add(key, value)
+		})
 	})
 	if err != nil {
 		return SnapshotInfo{}, err
 	}
-	tr, err := sw.Close()
-	if err != nil {
-		return SnapshotInfo{}, err
-	}
-	return SnapshotInfo{LSN: uint64(img.LSN), Entries: tr.Count, Bytes: cw.n, Created: now}, nil
+	return SnapshotInfo{LSN: uint64(img.LSN), Entries: tr.Count, Bytes: size, Created: now}, nil
 }
 
 // Restore builds a new engine directory dir from a snapshot read from r and
@@ -182,7 +159,7 @@ func (e *Engine) writeDiskSnapshot(ctx context.Context, img *index.Image) (strin
 }
 
 // walFirstLSN returns the first LSN of the oldest WAL segment in dir, or 0
-// when there is none. Segment names are their first LSN (wal/doc.go).
+// when there is none (segment names are their first LSN).
 func walFirstLSN(fs vfs.FS, dir string) (wal.LSN, error) {
 	names, err := fs.List(dir)
 	if err != nil {
@@ -193,16 +170,8 @@ func walFirstLSN(fs vfs.FS, dir string) (wal.LSN, error) {
 	}
 	var first wal.LSN
 	for _, n := range names {
-		base, ok := strings.CutSuffix(n, ".wal")
-		if !ok || len(base) != 20 {
-			continue
-		}
-		v, err := strconv.ParseUint(base, 10, 64)
-		if err != nil {
-			continue
-		}
-		if first == 0 || wal.LSN(v) < first {
-			first = wal.LSN(v)
+		if v, ok := wal.ParseSegmentName(n); ok && (first == 0 || v < first) {
+			first = v
 		}
 	}
 	return first, nil

@@ -76,7 +76,7 @@ func Normalize(e *Entry, mode byte, m Mark) *Entry {
 	if !m.Forgotten(e) {
 		return e
 	}
-	return dropReply(e, mode)
+	return DropReply(e, mode)
 }
 
 func dropClaim(e *Entry, mode byte) *Entry {
@@ -90,9 +90,7 @@ func dropClaim(e *Entry, mode byte) *Entry {
 
 // DropReply returns e without its committed reply, as a forget leaves it:
 // nil for an id key, the sequence number alone for a client key.
-func DropReply(e *Entry, mode byte) *Entry { return dropReply(e, mode) }
-
-func dropReply(e *Entry, mode byte) *Entry {
+func DropReply(e *Entry, mode byte) *Entry {
 	if mode == ModeID {
 		if e.InFlight { // cannot happen for id keys; keep the claim to be safe
 			n := *e

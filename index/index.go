@@ -243,7 +243,7 @@ type Update struct {
 // and records the last LSN. Runs of key updates are coalesced per key and
 // written in one Pebble batch; forget marks are applied physically through
 // the time index.
-func (ix *Index) Apply(ups []Update) error {
+func (ix *Index) Apply(ups []*Update) error {
 	ix.applyMu.Lock()
 	defer ix.applyMu.Unlock()
 	for len(ups) > 0 {
@@ -266,7 +266,7 @@ func (ix *Index) Apply(ups []Update) error {
 	return nil
 }
 
-func (ix *Index) applyRun(ups []Update) error {
+func (ix *Index) applyRun(ups []*Update) error {
 	// Coalesce per key: the first Prev and the last Next describe the run.
 	type agg struct {
 		key        []byte
@@ -445,7 +445,7 @@ func (ix *Index) forgetChunk(lower, upper []byte, lsn wal.LSN, m Mark, reason by
 			continue
 		}
 		removed++
-		if nx := dropReply(e, mode); nx == nil {
+		if nx := DropReply(e, mode); nx == nil {
 			err = b.Delete(ek, nil)
 			delta--
 		} else {

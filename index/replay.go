@@ -19,7 +19,7 @@ type Replayer struct {
 	ix      *Index
 	start   wal.LSN           // records at or below were applied before
 	overlay map[string]*Entry // nil value = known absent
-	pending []Update
+	pending []*Update
 	n       int
 
 	flushing map[string]*Entry // overlay of the batch being written; read-only
@@ -63,7 +63,7 @@ func (r *Replayer) ApplyOp(lsn wal.LSN, op *wal.Op) error {
 		if err := r.Flush(); err != nil {
 			return err
 		}
-		return r.ix.Apply([]Update{{LSN: lsn, Forget: &Mark{Before: op.Before, LSN: lsn}, Reason: op.Reason}})
+		return r.ix.Apply([]*Update{{LSN: lsn, Forget: &Mark{Before: op.Before, LSN: lsn}, Reason: op.Reason}})
 	}
 	ts, err := Transitions(op, lsn, r.get)
 	if err != nil {
@@ -72,7 +72,7 @@ func (r *Replayer) ApplyOp(lsn wal.LSN, op *wal.Op) error {
 	for _, t := range ts {
 		r.overlay[string(t.Key)] = t.Next
 	}
-	r.pending = append(r.pending, Update{LSN: lsn, Transitions: ts})
+	r.pending = append(r.pending, &Update{LSN: lsn, Transitions: ts})
 	r.n += len(ts)
 	if r.n >= replayFlushEvery {
 		return r.flushAsync()

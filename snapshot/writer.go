@@ -155,3 +155,31 @@ func (w *Writer) write(b []byte) error {
 	w.off += int64(n)
 	return nil
 }
+
+// WriteStream writes a whole snapshot to w: the header h, every entry each
+// passes to add (in strictly increasing key order), and the trailer. It
+// returns the trailer and the bytes written.
+func WriteStream(w io.Writer, h Header, each func(add func(key, value []byte) error) error) (Trailer, int64, error) {
+	cw := &countingWriter{w: w}
+	sw, err := NewWriter(cw, h)
+	if err != nil {
+		return Trailer{}, cw.n, err
+	}
+	if err := each(sw.Add); err != nil {
+		return Trailer{}, cw.n, err
+	}
+	tr, err := sw.Close()
+	return tr, cw.n, err
+}
+
+// countingWriter counts the bytes written through it.
+type countingWriter struct {
+	w io.Writer
+	n int64
+}
+
+func (c *countingWriter) Write(b []byte) (int, error) {
+	n, err := c.w.Write(b)
+	c.n += int64(n)
+	return n, err
+}

@@ -47,7 +47,7 @@ func buildRefLog(t *testing.T, n int, segmentSize int64) *refLog {
 		l.ends[seg.Name] = seg.Size
 	}
 	for _, name := range listDir(t, fs, testDir) {
-		if _, ok := parseSegmentName(name); !ok {
+		if _, ok := ParseSegmentName(name); !ok {
 			continue // the spare next.prealloc
 		}
 		l.names = append(l.names, name)
@@ -398,7 +398,7 @@ func TestCorruptionMultiSegment(t *testing.T) {
 		t.Fatalf("first segment: %d bytes, logical end %d", firstEnd, l.ends[first])
 	}
 	lastEnd := l.ends[lastSeg]
-	lastFirstLSN, _ := parseSegmentName(lastSeg)
+	lastFirstLSN, _ := ParseSegmentName(lastSeg)
 	cases := []corruptCase{
 		{name: "flip byte in the last frame of a non-last segment", seg: first, corrupt: func(b []byte) []byte {
 			b[len(b)-9] ^= 0x20
@@ -462,7 +462,7 @@ func TestCorruptionMultiSegment(t *testing.T) {
 				// Records start after the first segment: check by hand.
 				fs := l.install(t, tc.seg, tc.corrupt)
 				recs, res := scanAll(t, fs, testDir)
-				startLSN, _ := parseSegmentName(second)
+				startLSN, _ := ParseSegmentName(second)
 				checkRecs(t, recs, startLSN, l.last)
 				if res.Segments[0].Name != second || res.TornTail != nil {
 					t.Fatalf("%+v", res)

@@ -153,7 +153,7 @@ func listSegments(fs vfs.FS, dir string) ([]segEntry, error) {
 	}
 	var segs []segEntry
 	for _, n := range names {
-		if first, ok := parseSegmentName(n); ok {
+		if first, ok := ParseSegmentName(n); ok {
 			segs = append(segs, segEntry{name: n, first: first})
 		}
 	}

@@ -65,10 +65,10 @@ func normMaxRecordSize(n int) int {
 // LSN first.
 func segmentName(first LSN) string { return fmt.Sprintf("%020d%s", uint64(first), segmentSuffix) }
 
-// parseSegmentName reports whether name is a segment file name and, if so,
+// ParseSegmentName reports whether name is a segment file name and, if so,
 // the LSN it encodes. Only exactly 20 decimal digits followed by ".wal" are
 // accepted; LSN 0 is never used and so is not a segment.
-func parseSegmentName(name string) (LSN, bool) {
+func ParseSegmentName(name string) (LSN, bool) {
 	if len(name) != segmentNameLen || !strings.HasSuffix(name, segmentSuffix) {
 		return 0, false
 	}

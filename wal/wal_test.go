@@ -198,7 +198,7 @@ func segmentNames(t testing.TB, fs vfs.FS, dir string) []string {
 	t.Helper()
 	var segs []string
 	for _, n := range listDir(t, fs, dir) {
-		if _, ok := parseSegmentName(n); ok {
+		if _, ok := ParseSegmentName(n); ok {
 			segs = append(segs, n)
 		}
 	}

@@ -96,8 +96,7 @@ func (o *snapshotOpts) run(c *cli, pos []string) error {
 	report := c.stdout
 	if o.out == "-" {
 		report = c.stderr // standard output carries the snapshot
-		cw := &countingWriter{w: c.stdout}
-		if err := write(cw); err != nil {
+		if err := write(c.stdout); err != nil {
 			return err
 		}
 	} else if err := writeFileAtomic(o.out, write); err != nil {
@@ -109,17 +108,6 @@ func (o *snapshotOpts) run(c *cli, pos []string) error {
 	}
 	fmt.Fprintf(report, "snapshot  %s: %d entries as of LSN %d, %s, written to %s\n", dir, out.Entries, out.LSN, humanBytes(out.Bytes), o.out)
 	return nil
-}
-
-type countingWriter struct {
-	w io.Writer
-	n int64
-}
-
-func (c *countingWriter) Write(b []byte) (int, error) {
-	n, err := c.w.Write(b)
-	c.n += int64(n)
-	return n, err
 }
 
 // snapshotFromFiles writes a snapshot of dir without the engine: the index
@@ -134,19 +122,12 @@ func snapshotFromFiles(c *cli, dir string, w io.Writer) (idem.SnapshotInfo, erro
 	img := ri.ix.Image()
 	defer img.Close()
 	now := c.now()
-	cw := &countingWriter{w: w}
-	sw, err := snapshot.NewWriter(cw, snapshot.Header{LSN: uint64(img.LSN), Created: now, ForgetBefore: img.Mark.Before, ForgetLSN: uint64(img.Mark.LSN)})
+	h := snapshot.Header{LSN: uint64(img.LSN), Created: now, ForgetBefore: img.Mark.Before, ForgetLSN: uint64(img.Mark.LSN)}
+	tr, size, err := snapshot.WriteStream(w, h, img.Entries)
 	if err != nil {
 		return idem.SnapshotInfo{}, err
 	}
-	if err := img.Entries(sw.Add); err != nil {
-		return idem.SnapshotInfo{}, err
-	}
-	tr, err := sw.Close()
-	if err != nil {
-		return idem.SnapshotInfo{}, err
-	}
-	return idem.SnapshotInfo{LSN: uint64(img.LSN), Entries: tr.Count, Bytes: cw.n, Created: now}, nil
+	return idem.SnapshotInfo{LSN: uint64(img.LSN), Entries: tr.Count, Bytes: size, Created: now}, nil
 }
 
 // writeFileAtomic writes path through write: into a temporary file in the

@@ -278,7 +278,7 @@ func listWAL(dir string) ([]walFile, int64, error) {
 			continue // removed meanwhile
 		}
 		n := e.Name()
-		seg := len(n) == 24 && strings.HasSuffix(n, ".wal") && strings.Trim(n[:20], "0123456789") == ""
+		_, seg := wal.ParseSegmentName(n)
 		files = append(files, walFile{name: n, size: info.Size(), segment: seg})
 	}
 	slices.SortFunc(files, func(a, b walFile) int { return cmp.Compare(a.name, b.name) })
