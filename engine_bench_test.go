@@ -194,9 +194,11 @@ func (p *pebbleDedup) do(id []byte, fn func() []byte, syncClaim bool) ([]byte, e
 }
 
 // baselineOptions configure the Pebble baseline as well as idem's index:
-// same block cache, bloom filters on every level, same memtable size.
+// same block cache, bloom filters on every level, same memtable size. The
+// cache has room for the memtables Pebble charges to it (see index.Open)
+// on top of the 64 MiB for blocks.
 func baselineOptions() *pebble.Options {
-	o := &pebble.Options{Logger: quietPebble{}, Cache: pebble.NewCache(64 << 20), MemTableSize: 32 << 20}
+	o := &pebble.Options{Logger: quietPebble{}, Cache: pebble.NewCache(64<<20 + 3*32<<20), MemTableSize: 32 << 20}
 	for i := range o.Levels {
 		o.Levels[i].FilterPolicy = bloom.FilterPolicy(10)
 	}

@@ -31,8 +31,8 @@ import (
 type Options struct {
 	FS           vfs.FS
 	Dir          string
-	CacheSize    int64  // Pebble block cache; default 16 MiB
-	MemTableSize uint64 // default 16 MiB
+	CacheSize    int64  // Pebble block cache for blocks, on top of the memtables it also holds; default 16 MiB
+	MemTableSize uint64 // default 32 MiB
 	ReadOnly     bool
 	Logger       *slog.Logger
 }
@@ -69,7 +69,13 @@ func Open(o Options) (*Index, error) {
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
 	}
-	cache := pebble.NewCache(o.CacheSize)
+	// Pebble charges its memtables to the block cache (db.go reserves
+	// each memtable's size from it until the memtable is flushed), so a
+	// cache no larger than the memtables holds no blocks at all: every
+	// filter and index block is read and checksummed again on each lookup.
+	// Size the cache for the blocks plus the memtables that can be alive at
+	// once (the mutable one, one being flushed, and one queued).
+	cache := pebble.NewCache(o.CacheSize + 3*int64(o.MemTableSize))
 	popts := &pebble.Options{
 		FS:           o.FS,
 		Cache:        cache,
