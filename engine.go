@@ -187,7 +187,7 @@ func Open(dir string, opts *Options) (*Engine, error) {
 			e.unlockDir()
 		}
 	}()
-	ix, err := index.Open(index.Options{FS: o.FS, Dir: filepath.Join(dir, "index"), CacheSize: o.IndexCacheSize, Logger: o.Logger})
+	ix, err := index.Open(index.Options{FS: o.FS, Dir: filepath.Join(dir, "index"), CacheSize: o.IndexCacheSize, IngestBytes: o.IndexIngestBytes, Logger: o.Logger})
 	if err != nil {
 		return nil, wrapCorrupt(err)
 	}

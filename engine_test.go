@@ -381,9 +381,26 @@ func snapshotState(t testing.TB, e *Engine, scopes []string, ids [][]byte) map[s
 }
 
 func TestReopenReplayEqualsState(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		o    Options
+	}{
+		{"default", Options{}},
+		// Every applied batch, or every few KiB of them, is ingested into
+		// Pebble as an sstable while the program runs, and a tiny slot
+		// cache sends lookups to the pending sets and the ingested tables.
+		{"ingest-every-batch", Options{IndexIngestBytes: 1, CacheSize: 4 << 10}},
+		{"ingest-4KiB", Options{IndexIngestBytes: 4 << 10, CacheSize: 4 << 10}},
+	} {
+		t.Run(c.name, func(t *testing.T) { testReopenReplayEqualsState(t, c.o) })
+	}
+}
+
+func testReopenReplayEqualsState(t *testing.T, o Options) {
 	fs := vfs.NewMem()
 	clk := newClock()
-	opts := &Options{Clock: clk.Now, SegmentSize: 16 << 10}
+	opts := &o
+	opts.Clock, opts.SegmentSize = clk.Now, 16<<10
 	e := openMem(t, fs, opts)
 	rng := rand.New(rand.NewPCG(1, 2))
 	scopes := []string{"a", "b"}
@@ -417,6 +434,9 @@ func TestReopenReplayEqualsState(t *testing.T) {
 			}
 		}
 		clk.Advance(time.Second)
+		if o.IndexIngestBytes > 0 && i%50 == 49 {
+			waitApplied(t, e) // many applier batches, so many ingests
+		}
 		if i == 1500 {
 			if err := e.Forget(bg, clk.Now().Add(-10*time.Minute)); err != nil {
 				t.Fatal(err)
@@ -424,9 +444,18 @@ func TestReopenReplayEqualsState(t *testing.T) {
 		}
 	}
 	before := snapshotState(t, e, scopes, ids)
-	live := e.Stats().LiveEntries
 	waitApplied(t, e)
-	live = e.Stats().LiveEntries
+	live := e.Stats().LiveEntries
+	if o.IndexIngestBytes > 0 {
+		var ingested uint64
+		for _, l := range e.ix.DB().Metrics().Levels {
+			ingested += l.TablesIngested
+		}
+		if ingested < 10 {
+			t.Fatalf("%d sstables ingested while running; the ingest path was not exercised", ingested)
+		}
+		t.Logf("%d sstables ingested", ingested)
+	}
 	e.Close()
 	// Reopen: the index was flushed; then again from scratch by deleting
 	// the index, which replays the whole WAL.

@@ -50,6 +50,14 @@ type Options struct {
 	CacheSize int64
 	// IndexCacheSize is Pebble's block cache (default 64 MiB).
 	IndexCacheSize int64
+	// IndexIngestBytes bounds the memory of applied updates waiting to
+	// enter the index (default 16 MiB). Updates are gathered in memory and
+	// written to Pebble as one sorted sstable when this much has
+	// accumulated (see docs/design.md, "Index writes"); up to twice this
+	// is held while one set is being ingested. Smaller values mean more,
+	// smaller sstables; it does not affect durability (the WAL has every
+	// record before it is applied).
+	IndexIngestBytes int64
 	// SegmentSize is the WAL segment size (default 64 MiB).
 	SegmentSize int64
 	// NoPreallocate turns off the zero-filling of WAL segments before use.
@@ -122,6 +130,9 @@ func (o *Options) withDefaults() Options {
 	}
 	if r.IndexCacheSize <= 0 {
 		r.IndexCacheSize = 64 << 20
+	}
+	if r.IndexIngestBytes <= 0 {
+		r.IndexIngestBytes = 16 << 20
 	}
 	if r.SegmentSize <= 0 {
 		r.SegmentSize = 64 << 20

@@ -42,7 +42,10 @@ func (e *Engine) Snapshot(ctx context.Context, w io.Writer) (SnapshotInfo, error
 	if err := e.waitApplied(ctx, e.w.SyncedLSN()); err != nil {
 		return SnapshotInfo{}, err
 	}
-	img := e.ix.Image()
+	img, err := e.ix.Image()
+	if err != nil {
+		return SnapshotInfo{}, fmt.Errorf("idem: snapshot: %w", err)
+	}
 	defer img.Close()
 	return e.writeImage(ctx, w, img)
 }
@@ -109,7 +112,7 @@ func Restore(dir string, r io.Reader, opts *Options) (*Engine, error) {
 		if err != nil {
 			return wrapSnapshotErr(err)
 		}
-		ix, err := index.Open(index.Options{FS: fs, Dir: ixDir, CacheSize: o.IndexCacheSize, Logger: o.Logger})
+		ix, err := index.Open(index.Options{FS: fs, Dir: ixDir, CacheSize: o.IndexCacheSize, IngestBytes: o.IndexIngestBytes, Logger: o.Logger})
 		if err != nil {
 			return err
 		}

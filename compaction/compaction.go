@@ -73,7 +73,10 @@ func Run(ctx context.Context, c Config) (Stats, error) {
 	st.IndexBytesBefore = c.Index.DiskUsage()
 	through := durable
 	if c.WriteSnapshot != nil {
-		img := c.Index.Image()
+		img, err := c.Index.Image()
+		if err != nil {
+			return st, fmt.Errorf("compaction: snapshot: %w", err)
+		}
 		path, pruned, oldest, err := c.WriteSnapshot(ctx, img)
 		img.Close()
 		if err != nil {

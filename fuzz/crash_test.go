@@ -48,6 +48,9 @@ func configFrom(b byte) config {
 	if b&2 != 0 {
 		c.cacheSize = 4 << 10 // slots are evicted and reloaded from the index all the time
 	}
+	if b&0x20 != 0 {
+		c.ingestBytes = 1 // every applied batch is ingested into Pebble at once
+	}
 	return c
 }
 
@@ -326,8 +329,10 @@ func TestCrashAtEverySyncPoint(t *testing.T) {
 	// Config bytes (see configFrom): plain; retention with a tiny cache and
 	// 16 KiB segments; no snapshots and 2 KiB segments; SyncNever (process
 	// crashes only); retention with 256 KiB segments; a tiny cache with
-	// 2 KiB segments. Odd seeds keep half of the unsynced blocks.
-	configs := []byte{0x00, 0x0b, 0x1c, 0xc0, 0x11, 0x1a}
+	// 2 KiB segments; then the first two again with every applied batch
+	// ingested into the index as an sstable. Odd seeds keep half of the
+	// unsynced blocks.
+	configs := []byte{0x00, 0x0b, 0x1c, 0xc0, 0x11, 0x1a, 0x20, 0x2b}
 	for seed := uint64(1); seed <= 2*uint64(len(configs)); seed++ {
 		type image struct {
 			fs    *vfs.MemFS

@@ -46,6 +46,9 @@ type syncHookFS struct {
 	hook func()
 }
 
+// Unwrap returns the wrapped FS (vfs.Root uses it).
+func (fs *syncHookFS) Unwrap() vfs.FS { return fs.FS }
+
 func (fs *syncHookFS) wrap(f vfs.File, err error) (vfs.File, error) {
 	if err != nil {
 		return nil, err
@@ -106,11 +109,13 @@ type config struct {
 	keepSnapshots int
 	syncNever     bool  // SyncNever: only process crashes are survivable
 	cacheSize     int64 // 0: the default
+	ingestBytes   int64 // 0: the default
 }
 
 func (c config) String() string {
 	return fmt.Sprintf("retention=%v lease=%v segment=%d keepSnapshots=%d syncNever=%v cache=%d",
-		c.retention, c.lease, c.segmentSize, c.keepSnapshots, c.syncNever, c.cacheSize)
+		c.retention, c.lease, c.segmentSize, c.keepSnapshots, c.syncNever, c.cacheSize) +
+		fmt.Sprintf(" ingest=%d", c.ingestBytes)
 }
 
 func (c config) options(fs vfs.FS, clk *fakeClock) *idem.Options {
@@ -124,6 +129,9 @@ func (c config) options(fs vfs.FS, clk *fakeClock) *idem.Options {
 		CleanupInterval: 1000 * time.Hour, // only Compact retires, when the program says
 		CompactInterval: 1000 * time.Hour,
 		CacheSize:       c.cacheSize,
+		// Tiny: every applied batch becomes an sstable ingested into
+		// Pebble, so crashes land in the middle of ingests.
+		IndexIngestBytes: c.ingestBytes,
 	}
 	if c.syncNever {
 		o.Sync = idem.SyncNever

@@ -19,10 +19,13 @@ type Image struct {
 
 // Image takes a point-in-time view. Writes go on meanwhile; Close it soon,
 // since it pins the Pebble state it sees.
-func (ix *Index) Image() *Image {
+func (ix *Index) Image() (*Image, error) {
 	ix.applyMu.Lock()
 	defer ix.applyMu.Unlock()
-	return &Image{snap: ix.db.NewSnapshot(), LSN: ix.Applied(), Mark: ix.Mark()}
+	if err := ix.persistLocked(); err != nil {
+		return nil, err
+	}
+	return &Image{snap: ix.db.NewSnapshot(), LSN: ix.Applied(), Mark: ix.Mark()}, nil
 }
 
 // Entries calls fn for every entry of the image in key order. The key and
@@ -114,7 +117,11 @@ func (ix *Index) Load(lsn wal.LSN, m Mark, next func() (key, value []byte, ok bo
 	ix.replies.Store(replies)
 	ix.mark.Store(&m)
 	ix.applied.Store(uint64(lsn))
-	return ix.db.Flush()
+	if err := ix.db.Flush(); err != nil {
+		return err
+	}
+	ix.memDirty = false
+	return nil
 }
 
 // NthOldest returns the commit time of the k-th oldest kept reply (k >= 1),
@@ -122,6 +129,9 @@ func (ix *Index) Load(lsn wal.LSN, m Mark, next func() (key, value []byte, ok bo
 func (ix *Index) NthOldest(k int64) (int64, bool, error) {
 	if k < 1 {
 		return 0, false, nil
+	}
+	if err := ix.persist(); err != nil {
+		return 0, false, err
 	}
 	it, err := ix.db.NewIter(&pebble.IterOptions{LowerBound: []byte{prefixTime}, UpperBound: []byte{prefixTime + 1}})
 	if err != nil {

@@ -17,12 +17,12 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"slices"
 	"sync"
 	"sync/atomic"
 
 	"github.com/cockroachdb/pebble/v2"
 	"github.com/cockroachdb/pebble/v2/bloom"
+	"github.com/cockroachdb/pebble/v2/sstable"
 	"github.com/cockroachdb/pebble/v2/vfs"
 	"github.com/idemdb/idem/wal"
 )
@@ -32,9 +32,13 @@ type Options struct {
 	FS           vfs.FS
 	Dir          string
 	CacheSize    int64  // Pebble block cache for blocks, on top of the memtables it also holds; default 16 MiB
-	MemTableSize uint64 // default 32 MiB
-	ReadOnly     bool
-	Logger       *slog.Logger
+	MemTableSize uint64 // default 8 MiB (only forget marks and Load write batches; see pending.go)
+	// IngestBytes is the size at which the pending set of applied updates
+	// is written as an sstable and ingested (see pending.go); default 16 MiB.
+	// Up to two sets (one filling, one being ingested) are held in memory.
+	IngestBytes int64
+	ReadOnly    bool
+	Logger      *slog.Logger
 }
 
 // Index is the Pebble-backed dedup set. Apply must be called from one
@@ -52,7 +56,21 @@ type Index struct {
 	// Open (evicted: marks written for Options.MaxEntries).
 	forgotten, evicted atomic.Uint64
 
-	applyMu sync.Mutex // serializes Apply; guards nothing else
+	applyMu sync.Mutex // serializes Apply, ingests and the fields below
+
+	// The pending sets (pending.go). pmu guards the mut and frozen
+	// pointers and the contents of mut; a frozen set is read-only.
+	pmu         sync.RWMutex
+	mut, frozen *pendingSet
+	ingestC     chan error // result of the ingest in progress; nil if none
+	ingestErr   error      // sticky ingest failure
+	memDirty    bool       // a batch was committed since the last memtable flush
+	ingestSeq   int
+	ingestBytes int64
+	writerOpts  sstable.WriterOptions
+	fs          vfs.FS
+	dir         string
+	logger      *slog.Logger
 }
 
 // ErrCorrupt wraps errors about index contents that cannot be parsed.
@@ -64,7 +82,10 @@ func Open(o Options) (*Index, error) {
 		o.CacheSize = 16 << 20
 	}
 	if o.MemTableSize == 0 {
-		o.MemTableSize = 32 << 20
+		o.MemTableSize = 8 << 20
+	}
+	if o.IngestBytes <= 0 {
+		o.IngestBytes = 16 << 20
 	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
@@ -75,9 +96,13 @@ func Open(o Options) (*Index, error) {
 	// filter and index block is read and checksummed again on each lookup.
 	// Size the cache for the blocks plus the memtables that can be alive at
 	// once (the mutable one, one being flushed, and one queued).
+	pfs := o.FS
+	if _, ok := vfs.Root(o.FS).(*vfs.MemFS); ok {
+		pfs = copyNotLinkFS{o.FS}
+	}
 	cache := pebble.NewCache(o.CacheSize + 3*int64(o.MemTableSize))
 	popts := &pebble.Options{
-		FS:           o.FS,
+		FS:           pfs,
 		Cache:        cache,
 		DisableWAL:   true,
 		MemTableSize: o.MemTableSize,
@@ -89,12 +114,22 @@ func Open(o Options) (*Index, error) {
 	for i := range popts.Levels {
 		popts.Levels[i].FilterPolicy = bloom.FilterPolicy(10)
 	}
+	popts.EnsureDefaults() // MakeWriterOptions below needs the defaults filled in
 	db, err := openPebble(o.Dir, popts)
 	if err != nil {
 		cache.Unref()
 		return nil, fmt.Errorf("index: open %s: %w", o.Dir, err)
 	}
-	ix := &Index{db: db, cache: cache}
+	ix := &Index{db: db, cache: cache, mut: newPendingSet(), ingestBytes: o.IngestBytes,
+		fs: o.FS, dir: o.Dir, logger: o.Logger}
+	ix.writerOpts = popts.MakeWriterOptions(0, db.TableFormat())
+	if !o.ReadOnly {
+		if err := ix.removeIngestLeftovers(); err != nil {
+			db.Close()
+			cache.Unref()
+			return nil, err
+		}
+	}
 	if err := ix.loadMeta(o.ReadOnly); err != nil {
 		db.Close()
 		cache.Unref()
@@ -129,6 +164,7 @@ func (ix *Index) loadMeta(readOnly bool) error {
 		if err := ix.db.Set(metaFormat, b, pebble.NoSync); err != nil {
 			return fmt.Errorf("index: write format: %w", err)
 		}
+		ix.memDirty = true
 	} else if ver, n := binary.Uvarint(v); n <= 0 || ver != formatVersion {
 		return fmt.Errorf("%w: unsupported index format %x", ErrCorrupt, v)
 	}
@@ -213,8 +249,12 @@ func (ix *Index) Count() int64 { return ix.count.Load() }
 // ids that are nowhere, and the filter saves reading index and data blocks.
 var getOpts = pebble.IterOptions{UseL6Filters: true}
 
-// Get returns the entry stored under key, or nil.
+// Get returns the entry stored under key, or nil. An entry still pending
+// (not yet in Pebble) is shared: callers must not modify what Get returns.
 func (ix *Index) Get(key []byte) (*Entry, error) {
+	if e, ok := ix.lookupPending(key); ok {
+		return e, nil
+	}
 	it, err := ix.db.NewIter(&getOpts)
 	if err != nil {
 		return nil, fmt.Errorf("index: get: %w", err)
@@ -252,8 +292,16 @@ type Update struct {
 func (ix *Index) Apply(ups []*Update) error {
 	ix.applyMu.Lock()
 	defer ix.applyMu.Unlock()
+	if ix.ingestErr != nil {
+		return ix.ingestErr
+	}
 	for len(ups) > 0 {
 		if ups[0].Forget != nil {
+			// A forget walks Pebble's time index: everything before it
+			// must be there.
+			if err := ix.persistLocked(); err != nil {
+				return err
+			}
 			if err := ix.applyForget(ups[0].LSN, *ups[0].Forget, ups[0].Reason); err != nil {
 				return err
 			}
@@ -264,108 +312,11 @@ func (ix *Index) Apply(ups []*Update) error {
 		for n < len(ups) && ups[n].Forget == nil {
 			n++
 		}
-		if err := ix.applyRun(ups[:n]); err != nil {
+		if err := ix.addPending(ups[:n]); err != nil {
 			return err
 		}
 		ups = ups[n:]
 	}
-	return nil
-}
-
-func (ix *Index) applyRun(ups []*Update) error {
-	// Coalesce per key: the first Prev and the last Next describe the run.
-	type agg struct {
-		key        []byte
-		prev, next *Entry
-	}
-	var aggs []agg
-	var pos map[string]int
-	total := 0
-	for i := range ups {
-		total += len(ups[i].Transitions)
-	}
-	if total > 1 {
-		pos = make(map[string]int, total)
-	}
-	for i := range ups {
-		for _, t := range ups[i].Transitions {
-			if pos != nil {
-				if j, ok := pos[string(t.Key)]; ok {
-					aggs[j].next = t.Next
-					continue
-				}
-				pos[string(t.Key)] = len(aggs)
-			}
-			aggs = append(aggs, agg{key: t.Key, prev: t.Prev, next: t.Next})
-		}
-	}
-	// Write in key order: Pebble's memtable inserter reuses its splice for
-	// ascending keys, which makes a large batch (replay) much cheaper.
-	slices.SortFunc(aggs, func(x, y agg) int { return bytes.Compare(x.key, y.key) })
-	b := ix.db.NewBatchWithSize(len(aggs) * 256) // entry + time row, typically
-	defer b.Close()
-	delta, rdelta := int64(0), int64(0)
-	var kb, vb []byte
-	for _, a := range aggs {
-		prev, next := a.prev, a.next
-		if next == nil {
-			if err := b.Delete(a.key, nil); err != nil {
-				return err
-			}
-		} else {
-			vb = EncodeEntry(vb[:0], next)
-			if err := b.Set(a.key, vb, nil); err != nil {
-				return err
-			}
-		}
-		pt, nt := prev.HasTimeKey(), next.HasTimeKey()
-		if pt && !nt {
-			rdelta--
-		} else if nt && !pt {
-			rdelta++
-		}
-		if pt && (!nt || prev.CommitTime != next.CommitTime) {
-			kb = timeKey(kb[:0], prev.CommitTime, a.key)
-			if err := b.Delete(kb, nil); err != nil {
-				return err
-			}
-		}
-		if nt && (!pt || prev.CommitTime != next.CommitTime) {
-			kb = timeKey(kb[:0], next.CommitTime, a.key)
-			if err := b.Set(kb, nil, nil); err != nil {
-				return err
-			}
-		}
-		pf, nf := prev != nil && prev.InFlight, next != nil && next.InFlight
-		if pf != nf {
-			kb = inDoubtKey(kb[:0], a.key)
-			var err error
-			if nf {
-				err = b.Set(kb, nil, nil)
-			} else {
-				err = b.Delete(kb, nil)
-			}
-			if err != nil {
-				return err
-			}
-		}
-		if prev == nil && next != nil {
-			delta++
-		} else if prev != nil && next == nil {
-			delta--
-		}
-	}
-	last := ups[len(ups)-1].LSN
-	count, replies := ix.count.Load()+delta, ix.replies.Load()+rdelta
-	if err := ix.putMeta(b, last, count, replies, nil); err != nil {
-		return err
-	}
-	if err := b.Commit(pebble.NoSync); err != nil {
-		return fmt.Errorf("index: apply through LSN %d: %w", last, err)
-	}
-	ix.count.Store(count)
-	ix.replies.Store(replies)
-	ix.applied.Store(uint64(last))
 	return nil
 }
 
@@ -481,6 +432,7 @@ func (ix *Index) forgetChunk(lower, upper []byte, lsn wal.LSN, m Mark, reason by
 	if err := b.Commit(pebble.NoSync); err != nil {
 		return false, nil, fmt.Errorf("index: forget at LSN %d: %w", lsn, err)
 	}
+	ix.memDirty = true
 	ix.count.Store(count)
 	ix.replies.Store(replies)
 	ix.forgotten.Add(uint64(removed))
@@ -497,7 +449,7 @@ func (ix *Index) forgetClaims(lsn wal.LSN, m Mark) error {
 	b := ix.db.NewBatch()
 	defer b.Close()
 	delta, removed := int64(0), uint64(0)
-	err := ix.InDoubt(func(key []byte, e *Entry) error {
+	err := ix.inDoubt(func(key []byte, e *Entry) error {
 		if !m.ClaimForgotten(e) {
 			return nil
 		}
@@ -527,6 +479,7 @@ func (ix *Index) forgetClaims(lsn wal.LSN, m Mark) error {
 	if err := b.Commit(pebble.NoSync); err != nil {
 		return fmt.Errorf("index: forget at LSN %d: %w", lsn, err)
 	}
+	ix.memDirty = true
 	ix.count.Store(count)
 	ix.forgotten.Add(removed)
 	ix.mark.Store(&m)
@@ -536,6 +489,15 @@ func (ix *Index) forgetClaims(lsn wal.LSN, m Mark) error {
 
 // InDoubt calls fn for every in-flight entry.
 func (ix *Index) InDoubt(fn func(key []byte, e *Entry) error) error {
+	if err := ix.persist(); err != nil {
+		return err
+	}
+	return ix.inDoubt(fn)
+}
+
+// inDoubt is InDoubt over what Pebble holds (within Apply, after
+// persistLocked).
+func (ix *Index) inDoubt(fn func(key []byte, e *Entry) error) error {
 	it, err := ix.db.NewIter(&pebble.IterOptions{LowerBound: []byte{prefixInDoubt}, UpperBound: []byte{prefixInDoubt + 1}})
 	if err != nil {
 		return err
@@ -566,6 +528,9 @@ func (ix *Index) Entries(prefix []byte, fn func(key []byte, e *Entry) error) err
 		lower = prefix
 		upper = prefixUpper(prefix)
 	}
+	if err := ix.persist(); err != nil {
+		return err
+	}
 	it, err := ix.db.NewIter(&pebble.IterOptions{LowerBound: lower, UpperBound: upper})
 	if err != nil {
 		return err
@@ -595,7 +560,18 @@ func prefixUpper(p []byte) []byte {
 }
 
 // Flush makes everything applied so far durable in Pebble's sstables.
-func (ix *Index) Flush() error { return ix.db.Flush() }
+func (ix *Index) Flush() error {
+	ix.applyMu.Lock()
+	defer ix.applyMu.Unlock()
+	if err := ix.persistLocked(); err != nil {
+		return err
+	}
+	if err := ix.db.Flush(); err != nil {
+		return err
+	}
+	ix.memDirty = false
+	return nil
+}
 
 // DB exposes the Pebble store to the packages that snapshot and compact it.
 func (ix *Index) DB() *pebble.DB { return ix.db }
@@ -603,11 +579,17 @@ func (ix *Index) DB() *pebble.DB { return ix.db }
 // DiskUsage returns the bytes Pebble uses on disk.
 func (ix *Index) DiskUsage() uint64 { return ix.db.Metrics().DiskSpaceUsage() }
 
-// Close flushes (unless read-only) and closes the store.
+// Close flushes (if flush is set: everything applied is then in the
+// sstables) and closes the store. Without flush, pending updates are
+// dropped; replay redoes them.
 func (ix *Index) Close(flush bool) error {
 	var err error
 	if flush {
-		err = ix.db.Flush()
+		err = ix.Flush()
+	} else {
+		ix.applyMu.Lock()
+		_ = ix.waitIngestLocked() // never close Pebble under an ingest
+		ix.applyMu.Unlock()
 	}
 	if cerr := ix.db.Close(); err == nil {
 		err = cerr
@@ -628,3 +610,17 @@ func (p pebbleLogger) Fatalf(format string, args ...any) {
 	p.l.Error(fmt.Sprintf(format, args...), "component", "pebble")
 	panic(fmt.Sprintf(format, args...))
 }
+
+// copyNotLinkFS makes Pebble copy the sstables it ingests instead of
+// hard-linking them. It is used on vfs.MemFS only: MemFS.Link on a crashable
+// MemFS takes cloneMu.RLock twice (pebble v2.1.7, vfs/mem_fs.go), which
+// deadlocks when a CrashClone queues for the write lock in between (found
+// by fuzz.TestCrashAtEverySyncPoint). A copy in memory is cheap.
+type copyNotLinkFS struct{ vfs.FS }
+
+var errNoLink = errors.New("index: hard links disabled on MemFS (see copyNotLinkFS)")
+
+func (copyNotLinkFS) Link(oldname, newname string) error { return errNoLink }
+
+// Unwrap returns the wrapped FS.
+func (f copyNotLinkFS) Unwrap() vfs.FS { return f.FS }

@@ -161,12 +161,21 @@ type WAL struct {
 		// flusher has not taken the buffer since; it spares appenders a
 		// channel operation per Append.
 		signaled bool
-		// notifyC is closed and replaced by the flusher whenever written,
-		// synced, err or closed change; waiters block on it.
-		notifyC chan struct{}
-		// waiters counts goroutines blocked on notifyC (reset by each notify);
-		// it lets the flusher batch the re-appends of the waiters it woke.
-		waiters int
+		// Waiters block on one of two channels, so that a flush wakes only
+		// the goroutines it can satisfy (waking everybody would also wake
+		// the next group-commit cohort, whose records are still in the
+		// buffer, and have each of them re-check and re-block):
+		//   - curC: records taken by the flush in progress (inFlush and
+		//     lsn <= taken); closed when that flush ends.
+		//   - nextC: everybody else; at the next buffer swap nextC becomes
+		//     curC, since the swap takes every record appended so far.
+		// Both are closed on failure and Close. curWaiters and nextWaiters
+		// count the goroutines registered on each; the flusher uses the
+		// number it woke to batch their next appends (gather).
+		curC, nextC             chan struct{}
+		curWaiters, nextWaiters int
+		inFlush                 bool
+		taken                   LSN // last LSN taken by the flush in progress
 		// err is the sticky failure (wraps ErrFailed); nil while healthy.
 		err error
 		// closing is set by Close: Append and Sync refuse from then on.
@@ -283,7 +292,8 @@ func Open(o Options, after LSN, fn func(Record) error) (*WAL, ScanResult, error)
 	w.synced.Store(uint64(out.lastLSN))
 	w.mu.nextLSN = out.lastLSN + 1
 	w.mu.syncTarget = out.lastLSN
-	w.mu.notifyC = make(chan struct{})
+	w.mu.curC = make(chan struct{})
+	w.mu.nextC = make(chan struct{})
 	w.workC = make(chan struct{}, 1)
 	w.doneC = make(chan struct{})
 	w.fl.lastSync = time.Now()
@@ -510,8 +520,14 @@ func (w *WAL) wait(lsn LSN, needSync bool) error {
 			w.mu.Unlock()
 			return fmt.Errorf("wal: waiting for LSN %d beyond the last assigned LSN %d", lsn, last)
 		}
-		ch := w.mu.notifyC
-		w.mu.waiters++
+		var ch chan struct{}
+		if w.mu.inFlush && lsn <= w.mu.taken {
+			ch = w.mu.curC
+			w.mu.curWaiters++
+		} else {
+			ch = w.mu.nextC
+			w.mu.nextWaiters++
+		}
 		w.mu.Unlock()
 		<-ch
 	}
@@ -629,7 +645,7 @@ func (w *WAL) Close() error {
 	w.mu.Lock()
 	w.mu.closed = true
 	err := w.mu.err
-	w.notifyLocked()
+	w.notifyAllLocked()
 	w.mu.Unlock()
 	if err != nil {
 		return err
@@ -640,18 +656,30 @@ func (w *WAL) Close() error {
 	return nil
 }
 
-// notifyLocked wakes every waiter. w.mu must be held. A waiter registers
-// (waiters++) when it takes notifyC, so with no registered waiter nobody
-// holds the channel and it need not be replaced (no allocation per flush).
-func (w *WAL) notifyLocked() {
-	if w.mu.waiters == 0 {
-		w.fl.woken = 0
-		return
+// endFlushLocked ends the flush in progress: it wakes the waiters whose
+// records the flush took (they re-check durability: a flush that did not
+// fsync leaves needSync waiters to block again, on nextC) and remembers how
+// many it woke for gather. w.mu must be held; calling it twice is harmless.
+// A channel is only replaced once closed, so a flush that nobody waits for
+// allocates nothing.
+func (w *WAL) endFlushLocked() {
+	w.mu.inFlush = false
+	w.fl.woken = w.mu.curWaiters
+	if w.mu.curWaiters > 0 {
+		close(w.mu.curC)
+		w.mu.curC = make(chan struct{})
+		w.mu.curWaiters = 0
 	}
-	close(w.mu.notifyC)
-	w.mu.notifyC = make(chan struct{})
-	w.fl.woken = w.mu.waiters
-	w.mu.waiters = 0
+}
+
+// notifyAllLocked wakes every waiter (failure, Close). w.mu must be held.
+func (w *WAL) notifyAllLocked() {
+	w.endFlushLocked()
+	if w.mu.nextWaiters > 0 {
+		close(w.mu.nextC)
+		w.mu.nextC = make(chan struct{})
+		w.mu.nextWaiters = 0
+	}
 }
 
 // fail records the sticky error and wakes everyone. Called by the flusher.
@@ -666,7 +694,7 @@ func (w *WAL) fail(op string, err error) {
 		w.mu.err = fmt.Errorf("%w: %s %s: %w", ErrFailed, op, name, err)
 		w.failed.Store(true)
 	}
-	w.notifyLocked()
+	w.notifyAllLocked()
 	w.mu.Unlock()
 	// Records that were written but not fsynced are never reported.
 	clear(w.fl.unsynced)
@@ -748,7 +776,22 @@ func (w *WAL) flush() (exit bool) {
 	closing := w.mu.closing
 	failed := w.mu.err != nil
 	w.mu.signaled = false
+	// Every waiter on nextC waits for an LSN below nextLSN: this flush
+	// takes all of them. curC is idle (the last flush ended), so the two
+	// channels swap.
+	w.mu.inFlush, w.mu.taken = true, last
+	w.mu.curC, w.mu.nextC = w.mu.nextC, w.mu.curC
+	w.mu.curWaiters, w.mu.nextWaiters = w.mu.nextWaiters, 0
 	w.mu.Unlock()
+	// Whatever path this flush leaves by, its waiters are woken (most
+	// paths do it earlier, right after the write or fsync).
+	defer func() {
+		w.mu.Lock()
+		if w.mu.inFlush {
+			w.endFlushLocked()
+		}
+		w.mu.Unlock()
+	}()
 
 	w.recycle(buf, recs)
 	defer clear(recs) // drop references to the values once reported or discarded
@@ -797,7 +840,7 @@ func (w *WAL) flush() (exit bool) {
 	}
 	if wrote || doSync {
 		w.mu.Lock()
-		w.notifyLocked()
+		w.endFlushLocked()
 		w.mu.Unlock()
 	}
 	if doSync && len(w.fl.unsynced) > 0 {

@@ -119,7 +119,10 @@ func snapshotFromFiles(c *cli, dir string, w io.Writer) (idem.SnapshotInfo, erro
 		return idem.SnapshotInfo{}, err
 	}
 	defer ri.close()
-	img := ri.ix.Image()
+	img, err := ri.ix.Image()
+	if err != nil {
+		return idem.SnapshotInfo{}, err
+	}
 	defer img.Close()
 	now := c.now()
 	h := snapshot.Header{LSN: uint64(img.LSN), Created: now, ForgetBefore: img.Mark.Before, ForgetLSN: uint64(img.Mark.LSN)}

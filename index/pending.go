@@ -1,0 +1,305 @@
+package index
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"fmt"
+	"slices"
+	"strings"
+
+	"github.com/cockroachdb/pebble/v2/objstorage/objstorageprovider"
+	"github.com/cockroachdb/pebble/v2/sstable"
+	"github.com/cockroachdb/pebble/v2/vfs"
+	"github.com/idemdb/idem/wal"
+)
+
+// Applied updates are not written into Pebble's memtable one batch at a
+// time. They are merged into an in-memory pending set (a hash map: a lookup
+// costs one map probe, where a seek in a 32 MiB memtable skiplist costs tens
+// of cache misses, and nearly every lookup is of a fresh id that must be
+// looked for everywhere). When the set reaches IngestBytes it is frozen, and
+// a background goroutine writes it as one sorted sstable and ingests it
+// into Pebble (DB.Ingest: the file is fsynced, linked in, and recorded in
+// the MANIFEST atomically). A new set takes the writes meanwhile; lookups
+// read the mutable set, then the frozen one, then Pebble.
+//
+// Crash safety is unchanged: the sstable carries the applied LSN, the
+// counts and every row of its updates, so Pebble holds some prefix of the
+// applied records (whole sets, in order) and replay redoes the rest. The
+// few writes that still go through Pebble batches (forget marks, Load, the
+// format version) are flushed before the next ingest, so that an ingested
+// set never becomes durable before a batch applied earlier.
+
+// pendingSet is a set of coalesced updates not yet in Pebble.
+type pendingSet struct {
+	m     map[string]*pendEntry
+	bytes int64 // approximate memory held
+	last  wal.LSN
+	// count and replies as of last, for the meta rows.
+	count, replies int64
+}
+
+// pendEntry is one key's change: prev is what Pebble holds (once the sets
+// before this one are ingested), next what it must hold.
+type pendEntry struct{ prev, next *Entry }
+
+func newPendingSet() *pendingSet { return &pendingSet{m: make(map[string]*pendEntry)} }
+
+// pendingOverhead approximates the memory of one map slot and pendEntry.
+const pendingOverhead = 96
+
+func entryMem(e *Entry) int64 {
+	if e == nil {
+		return 0
+	}
+	return 160 + int64(len(e.Reply)+len(e.Fingerprint)+len(e.ClaimFP))
+}
+
+// lookupPending returns the pending state of key: ok is false when no
+// pending set has it (Pebble must be asked).
+func (ix *Index) lookupPending(key []byte) (e *Entry, ok bool) {
+	ix.pmu.RLock()
+	defer ix.pmu.RUnlock()
+	if p, ok := ix.mut.m[string(key)]; ok {
+		return p.next, true
+	}
+	if ix.frozen != nil {
+		if p, ok := ix.frozen.m[string(key)]; ok {
+			return p.next, true
+		}
+	}
+	return nil, false
+}
+
+// addPending merges a run of key updates into the mutable set and starts an
+// ingest when it is full. ix.applyMu is held.
+func (ix *Index) addPending(ups []*Update) error {
+	ix.pmu.Lock()
+	s := ix.mut
+	delta, rdelta := int64(0), int64(0)
+	for _, u := range ups {
+		for _, t := range u.Transitions {
+			p := s.m[string(t.Key)]
+			if p == nil {
+				p = &pendEntry{prev: t.Prev, next: t.Prev}
+				s.m[string(t.Key)] = p
+				s.bytes += int64(len(t.Key)) + pendingOverhead
+			}
+			// Counts follow the key's first prev and last next, as if the
+			// updates were applied one by one.
+			d, r := contribution(p.prev, t.Next)
+			od, or := contribution(p.prev, p.next)
+			delta += d - od
+			rdelta += r - or
+			s.bytes += entryMem(t.Next) - entryMem(p.next)
+			p.next = t.Next
+		}
+	}
+	count, replies := ix.count.Load()+delta, ix.replies.Load()+rdelta
+	last := ups[len(ups)-1].LSN
+	s.last, s.count, s.replies = last, count, replies
+	ix.pmu.Unlock()
+	ix.count.Store(count)
+	ix.replies.Store(replies)
+	ix.applied.Store(uint64(last))
+	if s.bytes >= ix.ingestBytes {
+		return ix.freezeLocked()
+	}
+	return nil
+}
+
+// contribution is what a change from prev to next adds to the entry count
+// and to the reply count.
+func contribution(prev, next *Entry) (count, replies int64) {
+	if next != nil {
+		count++
+	}
+	if prev != nil {
+		count--
+	}
+	if next.HasTimeKey() {
+		replies++
+	}
+	if prev.HasTimeKey() {
+		replies--
+	}
+	return count, replies
+}
+
+// freezeLocked waits for the ingest in progress, freezes the mutable set
+// and starts ingesting it in the background. ix.applyMu is held.
+func (ix *Index) freezeLocked() error {
+	if err := ix.waitIngestLocked(); err != nil {
+		return err
+	}
+	if len(ix.mut.m) == 0 {
+		return nil
+	}
+	if ix.memDirty {
+		// A batch written before this set must reach the sstables first.
+		if err := ix.db.Flush(); err != nil {
+			return ix.setIngestErr(fmt.Errorf("index: flush before ingest: %w", err))
+		}
+		ix.memDirty = false
+	}
+	ix.pmu.Lock()
+	f := ix.mut
+	ix.frozen, ix.mut = f, newPendingSet()
+	ix.pmu.Unlock()
+	done := make(chan error, 1)
+	ix.ingestC = done
+	go func() {
+		err := ix.ingest(f)
+		if err == nil {
+			ix.pmu.Lock()
+			ix.frozen = nil
+			ix.pmu.Unlock()
+		}
+		done <- err
+	}()
+	return nil
+}
+
+// waitIngestLocked waits for the ingest in progress, if any. A failed ingest
+// is sticky: the frozen set stays readable, and every later Apply fails.
+func (ix *Index) waitIngestLocked() error {
+	if ix.ingestC != nil {
+		err := <-ix.ingestC
+		ix.ingestC = nil
+		if err != nil {
+			return ix.setIngestErr(err)
+		}
+	}
+	return ix.ingestErr
+}
+
+func (ix *Index) setIngestErr(err error) error {
+	if ix.ingestErr == nil {
+		ix.ingestErr = err
+	}
+	return ix.ingestErr
+}
+
+// persistLocked puts every pending update into Pebble and waits for it.
+// ix.applyMu is held.
+func (ix *Index) persistLocked() error {
+	if err := ix.freezeLocked(); err != nil {
+		return err
+	}
+	return ix.waitIngestLocked()
+}
+
+// persist is persistLocked for callers that need Pebble to hold every
+// applied record (scans of the secondary indexes, images, flushes).
+func (ix *Index) persist() error {
+	ix.applyMu.Lock()
+	defer ix.applyMu.Unlock()
+	return ix.persistLocked()
+}
+
+// ingestDir holds the sstables being built, inside the index directory
+// (Pebble ignores names it did not make). Leftovers of a crash are removed
+// at Open.
+const ingestDir = "ingest"
+
+// ingest writes s as one sstable and ingests it.
+func (ix *Index) ingest(s *pendingSet) error {
+	fs := ix.fs
+	dir := fs.PathJoin(ix.dir, ingestDir)
+	ix.ingestSeq++
+	path := fs.PathJoin(dir, fmt.Sprintf("%06d.sst", ix.ingestSeq))
+	if err := ix.writeSST(path, s); err != nil {
+		_ = fs.Remove(path)
+		return fmt.Errorf("index: writing the sstable of LSNs through %d: %w", s.last, err)
+	}
+	if err := ix.db.Ingest(context.Background(), []string{path}); err != nil {
+		_ = fs.Remove(path)
+		return fmt.Errorf("index: ingesting LSNs through %d: %w", s.last, err)
+	}
+	// Pebble linked the file under its own name; ours can go.
+	if err := fs.Remove(path); err != nil {
+		ix.logger.Warn("index: removing an ingested sstable's temporary name", "path", path, "error", err)
+	}
+	return nil
+}
+
+type sstRow struct {
+	key, value []byte
+	del        bool
+}
+
+// writeSST writes the rows of s, sorted, to a new file at path and fsyncs
+// it.
+func (ix *Index) writeSST(path string, s *pendingSet) error {
+	rows := make([]sstRow, 0, 2*len(s.m)+3)
+	var meta [3][2 * binary.MaxVarintLen64]byte
+	rows = append(rows,
+		sstRow{key: metaApplied, value: binary.AppendUvarint(meta[0][:0], uint64(s.last))},
+		sstRow{key: metaCount, value: binary.AppendUvarint(meta[1][:0], uint64(max(s.count, 0)))},
+		sstRow{key: metaReplies, value: binary.AppendUvarint(meta[2][:0], uint64(max(s.replies, 0)))},
+	)
+	for k, p := range s.m {
+		prev, next := p.prev, p.next
+		if prev == nil && next == nil {
+			continue // created and removed while pending: Pebble never saw it
+		}
+		key := []byte(k)
+		if next == nil {
+			rows = append(rows, sstRow{key: key, del: true})
+		} else {
+			rows = append(rows, sstRow{key: key, value: EncodeEntry(nil, next)})
+		}
+		pt, nt := prev.HasTimeKey(), next.HasTimeKey()
+		if pt && (!nt || prev.CommitTime != next.CommitTime) {
+			rows = append(rows, sstRow{key: timeKey(nil, prev.CommitTime, key), del: true})
+		}
+		if nt && (!pt || prev.CommitTime != next.CommitTime) {
+			rows = append(rows, sstRow{key: timeKey(nil, next.CommitTime, key)})
+		}
+		pf, nf := prev != nil && prev.InFlight, next != nil && next.InFlight
+		if pf != nf {
+			rows = append(rows, sstRow{key: inDoubtKey(nil, key), del: !nf})
+		}
+	}
+	slices.SortFunc(rows, func(a, b sstRow) int { return bytes.Compare(a.key, b.key) })
+
+	if err := ix.fs.MkdirAll(ix.fs.PathDir(path), 0o755); err != nil {
+		return err
+	}
+	f, err := ix.fs.Create(path, vfs.WriteCategoryUnspecified)
+	if err != nil {
+		return err
+	}
+	w := sstable.NewWriter(objstorageprovider.NewFileWritable(f), ix.writerOpts)
+	for _, r := range rows {
+		if r.del {
+			err = w.Delete(r.key)
+		} else {
+			err = w.Set(r.key, r.value)
+		}
+		if err != nil {
+			_ = w.Close()
+			return err
+		}
+	}
+	// Close finishes the table, fsyncs and closes the file.
+	return w.Close()
+}
+
+// removeIngestLeftovers deletes sstables a crash left half built.
+func (ix *Index) removeIngestLeftovers() error {
+	dir := ix.fs.PathJoin(ix.dir, ingestDir)
+	names, err := ix.fs.List(dir)
+	if err != nil {
+		return nil // no directory yet
+	}
+	for _, n := range names {
+		if strings.HasSuffix(n, ".sst") {
+			if err := ix.fs.Remove(ix.fs.PathJoin(dir, n)); err != nil {
+				return fmt.Errorf("index: removing leftover %s: %w", n, err)
+			}
+		}
+	}
+	return nil
+}
