@@ -1,7 +1,6 @@
 package index
 
 import (
-	"bytes"
 	"context"
 	"encoding/binary"
 	"fmt"
@@ -224,45 +223,55 @@ func (ix *Index) ingest(s *pendingSet) error {
 	return nil
 }
 
-type sstRow struct {
-	key, value []byte
-	del        bool
+// timeRow is a time-index row to set or delete.
+type timeRow struct {
+	t   int64
+	key string
+	del bool
 }
 
-// writeSST writes the rows of s, sorted, to a new file at path and fsyncs
-// it.
+// inDoubtRow is an in-doubt row to set or delete.
+type inDoubtRow struct {
+	key string
+	del bool
+}
+
+// writeSST writes the rows of s, in key order, to a new file at path and
+// fsyncs it. The prefixes order the groups (meta < entries < time index <
+// in-doubt index), so each group is sorted on its own: entry keys as
+// strings, time rows by (time, key), which is their byte order.
 func (ix *Index) writeSST(path string, s *pendingSet) error {
-	rows := make([]sstRow, 0, 2*len(s.m)+3)
-	var meta [3][2 * binary.MaxVarintLen64]byte
-	rows = append(rows,
-		sstRow{key: metaApplied, value: binary.AppendUvarint(meta[0][:0], uint64(s.last))},
-		sstRow{key: metaCount, value: binary.AppendUvarint(meta[1][:0], uint64(max(s.count, 0)))},
-		sstRow{key: metaReplies, value: binary.AppendUvarint(meta[2][:0], uint64(max(s.replies, 0)))},
-	)
+	keys := make([]string, 0, len(s.m))
+	var times []timeRow
+	var doubts []inDoubtRow
 	for k, p := range s.m {
 		prev, next := p.prev, p.next
 		if prev == nil && next == nil {
 			continue // created and removed while pending: Pebble never saw it
 		}
-		key := []byte(k)
-		if next == nil {
-			rows = append(rows, sstRow{key: key, del: true})
-		} else {
-			rows = append(rows, sstRow{key: key, value: EncodeEntry(nil, next)})
-		}
+		keys = append(keys, k)
 		pt, nt := prev.HasTimeKey(), next.HasTimeKey()
 		if pt && (!nt || prev.CommitTime != next.CommitTime) {
-			rows = append(rows, sstRow{key: timeKey(nil, prev.CommitTime, key), del: true})
+			times = append(times, timeRow{t: prev.CommitTime, key: k, del: true})
 		}
 		if nt && (!pt || prev.CommitTime != next.CommitTime) {
-			rows = append(rows, sstRow{key: timeKey(nil, next.CommitTime, key)})
+			times = append(times, timeRow{t: next.CommitTime, key: k})
 		}
-		pf, nf := prev != nil && prev.InFlight, next != nil && next.InFlight
-		if pf != nf {
-			rows = append(rows, sstRow{key: inDoubtKey(nil, key), del: !nf})
+		if pf, nf := prev != nil && prev.InFlight, next != nil && next.InFlight; pf != nf {
+			doubts = append(doubts, inDoubtRow{key: k, del: !nf})
 		}
 	}
-	slices.SortFunc(rows, func(a, b sstRow) int { return bytes.Compare(a.key, b.key) })
+	slices.Sort(keys)
+	slices.SortFunc(times, func(a, b timeRow) int {
+		if a.t != b.t {
+			if a.t < b.t {
+				return -1
+			}
+			return 1
+		}
+		return strings.Compare(a.key, b.key)
+	})
+	slices.SortFunc(doubts, func(a, b inDoubtRow) int { return strings.Compare(a.key, b.key) })
 
 	if err := ix.fs.MkdirAll(ix.fs.PathDir(path), 0o755); err != nil {
 		return err
@@ -272,16 +281,45 @@ func (ix *Index) writeSST(path string, s *pendingSet) error {
 		return err
 	}
 	w := sstable.NewWriter(objstorageprovider.NewFileWritable(f), ix.writerOpts)
-	for _, r := range rows {
-		if r.del {
-			err = w.Delete(r.key)
+	// The writer copies keys and values, so one buffer serves every row.
+	var kb, vb []byte
+	put := func(key, value []byte, del bool) error {
+		if del {
+			return w.Delete(key)
+		}
+		return w.Set(key, value)
+	}
+	// Meta rows, in key order: applied ('a'), count ('n'), replies ('r').
+	err = put(metaApplied, binary.AppendUvarint(vb[:0], uint64(s.last)), false)
+	if err == nil {
+		err = put(metaCount, binary.AppendUvarint(vb[:0], uint64(max(s.count, 0))), false)
+	}
+	if err == nil {
+		err = put(metaReplies, binary.AppendUvarint(vb[:0], uint64(max(s.replies, 0))), false)
+	}
+	for i := 0; err == nil && i < len(keys); i++ {
+		next := s.m[keys[i]].next
+		kb = append(kb[:0], keys[i]...)
+		if next == nil {
+			err = put(kb, nil, true)
 		} else {
-			err = w.Set(r.key, r.value)
+			vb = EncodeEntry(vb[:0], next)
+			err = put(kb, vb, false)
 		}
-		if err != nil {
-			_ = w.Close()
-			return err
-		}
+	}
+	for i := 0; err == nil && i < len(times); i++ {
+		kb = append(kb[:0], times[i].key...)
+		vb = timeKey(vb[:0], times[i].t, kb)
+		err = put(vb, nil, times[i].del)
+	}
+	for i := 0; err == nil && i < len(doubts); i++ {
+		kb = append(kb[:0], doubts[i].key...)
+		vb = inDoubtKey(vb[:0], kb)
+		err = put(vb, nil, doubts[i].del)
+	}
+	if err != nil {
+		_ = w.Close()
+		return err
 	}
 	// Close finishes the table, fsyncs and closes the file.
 	return w.Close()
