@@ -488,11 +488,52 @@ func (ix *Index) forgetClaims(lsn wal.LSN, m Mark) error {
 }
 
 // InDoubt calls fn for every in-flight entry.
+// The pending sets are read too (Open calls this right after replay, which
+// leaves them full; persisting them first would make Open wait for an
+// ingest).
 func (ix *Index) InDoubt(fn func(key []byte, e *Entry) error) error {
-	if err := ix.persist(); err != nil {
-		return err
+	// applyMu: no Apply meanwhile, so the mutable set does not change and
+	// no set is frozen or started; an ingest in progress may finish, which
+	// changes nothing for keys the captured sets cover.
+	ix.applyMu.Lock()
+	defer ix.applyMu.Unlock()
+	ix.pmu.RLock()
+	mut, frozen := ix.mut, ix.frozen
+	ix.pmu.RUnlock()
+	covered := func(k string) bool {
+		if _, ok := mut.m[k]; ok {
+			return true
+		}
+		if frozen != nil {
+			_, ok := frozen.m[k]
+			return ok
+		}
+		return false
 	}
-	return ix.inDoubt(fn)
+	// The sets hold the newest state of the keys they cover.
+	for k, p := range mut.m {
+		if p.next != nil && p.next.InFlight {
+			if err := fn([]byte(k), p.next); err != nil {
+				return err
+			}
+		}
+	}
+	if frozen != nil {
+		for k, p := range frozen.m {
+			if _, newer := mut.m[k]; !newer && p.next != nil && p.next.InFlight {
+				if err := fn([]byte(k), p.next); err != nil {
+					return err
+				}
+			}
+		}
+	}
+	// Pebble's rows, for the other keys.
+	return ix.inDoubt(func(key []byte, e *Entry) error {
+		if covered(string(key)) {
+			return nil
+		}
+		return fn(key, e)
+	})
 }
 
 // inDoubt is InDoubt over what Pebble holds (within Apply, after
