@@ -239,9 +239,14 @@ type inDoubtRow struct {
 // writeSST writes the rows of s, in key order, to a new file at path and
 // fsyncs it. The prefixes order the groups (meta < entries < time index <
 // in-doubt index), so each group is sorted on its own: entry keys as
-// strings, time rows by (time, key), which is their byte order.
+// strings (with their pending state, so the map is not probed again),
+// time rows by (time, key), which is their byte order.
 func (ix *Index) writeSST(path string, s *pendingSet) error {
-	keys := make([]string, 0, len(s.m))
+	type keyRef struct {
+		k string
+		p *pendEntry
+	}
+	keys := make([]keyRef, 0, len(s.m))
 	var times []timeRow
 	var doubts []inDoubtRow
 	for k, p := range s.m {
@@ -249,7 +254,7 @@ func (ix *Index) writeSST(path string, s *pendingSet) error {
 		if prev == nil && next == nil {
 			continue // created and removed while pending: Pebble never saw it
 		}
-		keys = append(keys, k)
+		keys = append(keys, keyRef{k, p})
 		pt, nt := prev.HasTimeKey(), next.HasTimeKey()
 		if pt && (!nt || prev.CommitTime != next.CommitTime) {
 			times = append(times, timeRow{t: prev.CommitTime, key: k, del: true})
@@ -261,7 +266,7 @@ func (ix *Index) writeSST(path string, s *pendingSet) error {
 			doubts = append(doubts, inDoubtRow{key: k, del: !nf})
 		}
 	}
-	slices.Sort(keys)
+	slices.SortFunc(keys, func(a, b keyRef) int { return strings.Compare(a.k, b.k) })
 	slices.SortFunc(times, func(a, b timeRow) int {
 		if a.t != b.t {
 			if a.t < b.t {
@@ -298,8 +303,8 @@ func (ix *Index) writeSST(path string, s *pendingSet) error {
 		err = put(metaReplies, binary.AppendUvarint(vb[:0], uint64(max(s.replies, 0))), false)
 	}
 	for i := 0; err == nil && i < len(keys); i++ {
-		next := s.m[keys[i]].next
-		kb = append(kb[:0], keys[i]...)
+		next := keys[i].p.next
+		kb = append(kb[:0], keys[i].k...)
 		if next == nil {
 			err = put(kb, nil, true)
 		} else {
