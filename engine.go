@@ -149,6 +149,9 @@ type shard struct {
 	mu    sync.Mutex
 	m     map[string]*slot // guarded by mu
 	bytes int64            // guarded by mu: accounted size of the slots
+	// unlock is mu.Unlock bound once, so that lockKeys of one key does not
+	// allocate a method value per call.
+	unlock func()
 }
 
 // slot caches one key's entry. It is pinned (never evicted) while the entry
@@ -177,6 +180,7 @@ func Open(dir string, opts *Options) (*Engine, error) {
 	e := &Engine{o: o, dir: dir, fs: o.FS, seed: maphash.MakeSeed()}
 	for i := range e.shards {
 		e.shards[i].m = make(map[string]*slot)
+		e.shards[i].unlock = e.shards[i].mu.Unlock
 	}
 	if err := e.lockDir(); err != nil {
 		return nil, err
@@ -434,6 +438,9 @@ func (e *Engine) applier() {
 	}
 }
 
+// payloadPool holds record encoding buffers (see appendOp).
+var payloadPool = sync.Pool{New: func() any { b := make([]byte, 0, 512); return &b }}
+
 // ---- keys and the in-memory table ----
 
 // reqKey is a validated request identity.
@@ -504,7 +511,7 @@ func (e *Engine) lockKeys(keys ...[]byte) func() {
 	if len(keys) == 1 {
 		sh := e.shardOf(keys[0])
 		sh.mu.Lock()
-		return sh.mu.Unlock
+		return sh.unlock
 	}
 	idx := make([]int, 0, len(keys))
 	for _, k := range keys {
@@ -633,7 +640,16 @@ func (e *Engine) getLocked(key []byte, mode byte) (*index.Entry, error) {
 // publishes them to the slots. It returns the LSN; the caller still holds
 // the locks and waits for durability after releasing them.
 func (e *Engine) appendOp(op *wal.Op, ts []index.Transition) (wal.LSN, error) {
-	payload, err := wal.EncodeOp(nil, op)
+	// The payload is copied into the WAL's buffer by AppendWith: encode it
+	// into a pooled buffer.
+	pb := payloadPool.Get().(*[]byte)
+	defer func() {
+		if cap(*pb) <= 64<<10 {
+			payloadPool.Put(pb)
+		}
+	}()
+	payload, err := wal.EncodeOp((*pb)[:0], op)
+	*pb = payload
 	if err != nil {
 		return 0, err
 	}

@@ -45,6 +45,9 @@ const formatVersion = 1
 
 // EntryKey appends the entry key of (scope, mode, ident) to dst.
 func EntryKey(dst []byte, scope string, mode byte, ident []byte) []byte {
+	if dst == nil { // one allocation of the right size, not a growing one
+		dst = make([]byte, 0, 2+2*binary.MaxVarintLen64+len(scope)+len(ident))
+	}
 	dst = append(dst, prefixEntry)
 	dst = binary.AppendUvarint(dst, uint64(len(scope)))
 	dst = append(dst, scope...)
