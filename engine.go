@@ -213,7 +213,11 @@ func Open(dir string, opts *Options) (*Engine, error) {
 	}
 	rep := ix.NewReplayer()
 	applied := ix.Applied()
-	e.applyCh = make(chan []*index.Update, 256)
+	// One element per group-commit fsync. The buffer lets the WAL go on
+	// while the applier waits for an ingest (a forget record persists the
+	// pending sets first: ~0.1-0.2 s for a full 16 MiB set); at ~5,000
+	// fsyncs/s it covers about 0.8 s.
+	e.applyCh = make(chan []*index.Update, 4096)
 	w, scan, err := wal.Open(wal.Options{
 		FS:           o.FS,
 		Dir:          filepath.Join(dir, "wal"),

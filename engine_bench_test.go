@@ -13,6 +13,7 @@ import (
 	"crypto/rand"
 	"errors"
 	"fmt"
+	"slices"
 
 	"runtime"
 	"sync"
@@ -361,4 +362,34 @@ func BenchmarkRestore(b *testing.B) {
 		r.Close()
 	}
 	b.ReportMetric(float64(n)*float64(b.N)/time.Since(start).Seconds(), "entries/s")
+}
+
+// BenchmarkWakeIdleP measures the machine, not idem: how long a goroutine
+// made runnable by a channel send waits before it runs while the sender
+// keeps its processor busy, so that another, idle processor (its thread
+// parked) must wake up to run it. Every group-commit cycle pays this once
+// when the flusher wakes the callers. Reports the median in µs: ~90 µs on
+// the 2-vCPU development VM (a halted vCPU), a few µs on bare metal.
+func BenchmarkWakeIdleP(b *testing.B) {
+	ch := make(chan time.Time, 1)
+	lat := make(chan time.Duration, b.N)
+	go func() {
+		for t := range ch {
+			lat <- time.Since(t)
+		}
+		close(lat)
+	}()
+	for i := 0; i < b.N; i++ {
+		s := time.Now() // stay busy: the receiver must run elsewhere
+		for time.Since(s) < 200*time.Microsecond {
+		}
+		ch <- time.Now()
+	}
+	close(ch)
+	ds := make([]time.Duration, 0, b.N)
+	for d := range lat {
+		ds = append(ds, d)
+	}
+	slices.Sort(ds)
+	b.ReportMetric(float64(ds[len(ds)/2].Microseconds()), "p50-µs")
 }
