@@ -138,6 +138,9 @@ type tornWriteFS struct {
 	in *injector
 }
 
+// Unwrap returns the wrapped FS (vfs.Root uses it).
+func (fs *tornWriteFS) Unwrap() vfs.FS { return fs.FS }
+
 func (fs *tornWriteFS) wrap(name string, f vfs.File, err error) (vfs.File, error) {
 	if err != nil {
 		return nil, err
@@ -226,7 +229,7 @@ func faultScenario(r *runner) error {
 	return nil
 }
 
-var faultCfg = config{lease: time.Minute, segmentSize: 1 << 10, keepSnapshots: 1}
+var faultCfg = config{lease: time.Minute, segmentSize: 1 << 10, keepSnapshots: 1, ingestBytes: 1}
 
 // runFault runs the scenario with one fault and checks the aftermath. It
 // returns whether the fault was reached.
