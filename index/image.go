@@ -64,6 +64,7 @@ func (ix *Index) Load(lsn wal.LSN, m Mark, next func() (key, value []byte, ok bo
 		return fmt.Errorf("%w: applied LSN %d, %d entries", ErrNotEmpty, ix.Applied(), ix.Count())
 	}
 	var count, replies int64
+	ix.memDirty = true // batches follow: they must be flushed before any ingest
 	b := ix.db.NewBatch()
 	defer func() { b.Close() }()
 	var kb []byte

@@ -8,13 +8,14 @@ import (
 
 // Replayer applies WAL records to the index in LSN order, as Open does with
 // the records after the index's applied LSN. Entries touched since the last
-// flush are kept in a write-back overlay so that a claim and its commit cost
-// one Pebble write, not two, and so that keys are read from Pebble once.
+// flush are kept in a write-back overlay, so that replay's lookups need no
+// lock and a claim and its commit reach the index as one update.
 //
-// Flushes are double-buffered: while one batch is written to Pebble in the
-// background, the next is decoded and computed. The batch being written
-// keeps its overlay readable until it is in Pebble, so every lookup sees the
-// state as of the record being replayed.
+// Flushes are double-buffered: while one batch is handed to Index.Apply in
+// the background (which merges it into the pending sets and, when a set is
+// full, ingests it: see pending.go), the next is decoded and computed. The
+// batch being handed over keeps its overlay readable until Apply returned,
+// so every lookup sees the state as of the record being replayed.
 type Replayer struct {
 	ix      *Index
 	start   wal.LSN           // records at or below were applied before
