@@ -84,6 +84,10 @@ func BenchmarkDoFresh(b *testing.B) { benchDoFresh(b, Options{}) }
 
 func BenchmarkDoFreshBigCache(b *testing.B) { benchDoFresh(b, Options{IndexCacheSize: 128 << 20}) }
 
+// BenchmarkDoFreshIngest64: Do of new ids with 64 MiB pending sets (fewer,
+// larger ingested tables; up to 128 MiB of pending updates in memory).
+func BenchmarkDoFreshIngest64(b *testing.B) { benchDoFresh(b, Options{IndexIngestBytes: 64 << 20}) }
+
 // BenchmarkDoFreshRelaxed: Do with RelaxedClaims (one fsync wait per request).
 func BenchmarkDoFreshRelaxed(b *testing.B) { benchDoFresh(b, Options{RelaxedClaims: true}) }
 
