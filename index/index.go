@@ -62,7 +62,7 @@ type Index struct {
 	// pointers and the contents of mut; a frozen set is read-only.
 	pmu         sync.RWMutex
 	mut, frozen *pendingSet
-	ingestC     chan error // result of the ingest in progress; nil if none
+	job         *ingestJob // the ingest in progress; nil if none
 	ingestErr   error      // sticky ingest failure
 	memDirty    bool       // a batch was committed since the last memtable flush
 	ingestSeq   int
@@ -600,13 +600,26 @@ func prefixUpper(p []byte) []byte {
 	return nil
 }
 
-// Flush makes everything applied so far durable in Pebble's sstables.
+// Flush makes everything applied so far durable in Pebble's sstables. The
+// ingest of the pending sets is waited for without holding applyMu, so that
+// the applier goes on meanwhile (compaction calls this with up to a full
+// set pending).
 func (ix *Index) Flush() error {
 	ix.applyMu.Lock()
-	defer ix.applyMu.Unlock()
-	if err := ix.persistLocked(); err != nil {
+	if err := ix.freezeLocked(); err != nil {
+		ix.applyMu.Unlock()
 		return err
 	}
+	job := ix.job // ingests everything applied so far (nil: nothing pending)
+	ix.applyMu.Unlock()
+	if job != nil {
+		<-job.done
+		if job.err != nil {
+			return job.err // sticky: the next Apply reports it too
+		}
+	}
+	ix.applyMu.Lock()
+	defer ix.applyMu.Unlock()
 	if err := ix.db.Flush(); err != nil {
 		return err
 	}

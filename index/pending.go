@@ -146,8 +146,8 @@ func (ix *Index) freezeLocked() error {
 	f := ix.mut
 	ix.frozen, ix.mut = f, newPendingSet()
 	ix.pmu.Unlock()
-	done := make(chan error, 1)
-	ix.ingestC = done
+	job := &ingestJob{done: make(chan struct{})}
+	ix.job = job
 	go func() {
 		err := ix.ingest(f)
 		if err == nil {
@@ -155,19 +155,27 @@ func (ix *Index) freezeLocked() error {
 			ix.frozen = nil
 			ix.pmu.Unlock()
 		}
-		done <- err
+		job.err = err
+		close(job.done)
 	}()
 	return nil
+}
+
+// ingestJob is one background ingest; done is closed when it ended, with
+// err set. Any number of goroutines may wait for it.
+type ingestJob struct {
+	done chan struct{}
+	err  error
 }
 
 // waitIngestLocked waits for the ingest in progress, if any. A failed ingest
 // is sticky: the frozen set stays readable, and every later Apply fails.
 func (ix *Index) waitIngestLocked() error {
-	if ix.ingestC != nil {
-		err := <-ix.ingestC
-		ix.ingestC = nil
-		if err != nil {
-			return ix.setIngestErr(err)
+	if job := ix.job; job != nil {
+		<-job.done
+		ix.job = nil
+		if job.err != nil {
+			return ix.setIngestErr(job.err)
 		}
 	}
 	return ix.ingestErr
