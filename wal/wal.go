@@ -822,7 +822,10 @@ func (w *WAL) flush() (exit bool) {
 	}
 
 	unsynced := w.synced.Load() < w.written.Load()
-	rotate := w.fl.active.end > w.opts.SegmentSize && !closing
+	// Only a flush that wrote rotates: a segment reopened past a smaller
+	// SegmentSize takes the next batch first, so the layout does not depend
+	// on whether Open's first (empty) flush ran before it.
+	rotate := wrote && w.fl.active.end > w.opts.SegmentSize && !closing
 	doSync := unsynced && (w.opts.SyncMode == SyncAlways || syncWanted || closing || rotate ||
 		(w.opts.SyncMode == SyncInterval && time.Since(w.fl.lastSync) >= w.opts.SyncInterval))
 	if doSync {
