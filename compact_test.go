@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"github.com/idemdb/idem/internal/vfstest"
 	"math/rand/v2"
 	"strings"
 	"sync"
@@ -244,8 +245,8 @@ func TestCompactTruncatesWALAndRecoversFromSnapshot(t *testing.T) {
 	if err != nil || len(infos) != 2 {
 		t.Fatalf("snapshots %v %v", infos, err)
 	}
-	b := readFile(t, fs, infos[0].Path)
-	writeFile(t, fs, infos[0].Path, flip(b, len(b)/2))
+	b := vfstest.ReadFile(t, fs, infos[0].Path)
+	vfstest.WriteFile(t, fs, infos[0].Path, flip(b, len(b)/2))
 	if err := fs.RemoveAll("db/index"); err != nil {
 		t.Fatal(err)
 	}
@@ -334,8 +335,8 @@ func TestCrashDuringCompaction(t *testing.T) {
 		armed  bool
 		images []*vfs.MemFS
 	)
-	hfs := &syncHookFS{FS: mem}
-	hfs.hook = func() {
+	hfs := &vfstest.SyncHookFS{FS: mem}
+	hfs.Hook = func() {
 		mu.Lock()
 		defer mu.Unlock()
 		if armed {

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/idemdb/idem/internal/vfstest"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -642,34 +643,6 @@ func segmentFiles(t testing.TB, fs vfs.FS, dir string) []string {
 	return segs
 }
 
-func readFile(t testing.TB, fs vfs.FS, name string) []byte {
-	f, err := fs.Open(name)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	st, _ := f.Stat()
-	b := make([]byte, st.Size())
-	if _, err := f.ReadAt(b, 0); err != nil {
-		t.Fatal(err)
-	}
-	return b
-}
-
-func writeFile(t testing.TB, fs vfs.FS, name string, b []byte) {
-	f, err := fs.Create(name, vfs.WriteCategoryUnspecified)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := f.Write(b); err != nil {
-		t.Fatal(err)
-	}
-	if err := f.Sync(); err != nil {
-		t.Fatal(err)
-	}
-	f.Close()
-}
-
 func TestTornTailIsCut(t *testing.T) {
 	fs := vfs.NewMem()
 	e := openMem(t, fs, nil)
@@ -679,10 +652,10 @@ func TestTornTailIsCut(t *testing.T) {
 	e.Close()
 	segs := segmentFiles(t, fs, "db")
 	last := segs[len(segs)-1]
-	b := readFile(t, fs, last)
+	b := vfstest.ReadFile(t, fs, last)
 	// A partial frame: a plausible header and half a payload.
 	torn := append(b, 0xde, 0xad, 0xbe, 0xef, 40, 0, 0, 0, 1, 2, 3)
-	writeFile(t, fs, last, torn)
+	vfstest.WriteFile(t, fs, last, torn)
 	e = openMem(t, fs, nil)
 	defer e.Close()
 	if st := e.Stats(); st.TornTailsCut != 1 {
@@ -707,9 +680,9 @@ func TestFlippedByteRefusesToOpen(t *testing.T) {
 	}
 	segs := segmentFiles(t, fs, "db")
 	last := segs[len(segs)-1]
-	b := readFile(t, fs, last)
+	b := vfstest.ReadFile(t, fs, last)
 	b[len(b)/2] ^= 0x40
-	writeFile(t, fs, last, b)
+	vfstest.WriteFile(t, fs, last, b)
 	_, err := Open("db", &Options{FS: fs})
 	if !errors.Is(err, ErrCorrupt) {
 		t.Fatalf("open with a flipped byte: %v", err)
@@ -718,57 +691,6 @@ func TestFlippedByteRefusesToOpen(t *testing.T) {
 		t.Fatalf("error does not name the segment: %v", err)
 	}
 	t.Logf("refused as expected: %v", err)
-}
-
-// syncHookFS calls hook after every successful file or directory Sync.
-type syncHookFS struct {
-	vfs.FS
-	hook func()
-}
-
-func (fs *syncHookFS) Create(name string, c vfs.DiskWriteCategory) (vfs.File, error) {
-	f, err := fs.FS.Create(name, c)
-	if err != nil {
-		return nil, err
-	}
-	return &syncHookFile{File: f, hook: fs.hook}, nil
-}
-
-func (fs *syncHookFS) OpenReadWrite(name string, c vfs.DiskWriteCategory, opts ...vfs.OpenOption) (vfs.File, error) {
-	f, err := fs.FS.OpenReadWrite(name, c, opts...)
-	if err != nil {
-		return nil, err
-	}
-	return &syncHookFile{File: f, hook: fs.hook}, nil
-}
-
-func (fs *syncHookFS) OpenDir(name string) (vfs.File, error) {
-	f, err := fs.FS.OpenDir(name)
-	if err != nil {
-		return nil, err
-	}
-	return &syncHookFile{File: f, hook: fs.hook}, nil
-}
-
-type syncHookFile struct {
-	vfs.File
-	hook func()
-}
-
-func (f *syncHookFile) Sync() error {
-	if err := f.File.Sync(); err != nil {
-		return err
-	}
-	f.hook()
-	return nil
-}
-
-func (f *syncHookFile) SyncData() error {
-	if err := f.File.SyncData(); err != nil {
-		return err
-	}
-	f.hook()
-	return nil
 }
 
 // TestCrashAtEverySyncPoint runs a scripted scenario on a crashable
@@ -789,8 +711,8 @@ func TestCrashAtEverySyncPoint(t *testing.T) {
 		rng    = rand.New(rand.NewPCG(7, 7))
 		keep   = 0
 	)
-	hfs := &syncHookFS{FS: mem}
-	hfs.hook = func() {
+	hfs := &vfstest.SyncHookFS{FS: mem}
+	hfs.Hook = func() {
 		mu.Lock()
 		defer mu.Unlock()
 		cfg := vfs.CrashCloneCfg{}

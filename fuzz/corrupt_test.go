@@ -3,7 +3,7 @@ package fuzz
 import (
 	"errors"
 	"fmt"
-	"io"
+	"github.com/idemdb/idem/internal/vfstest"
 	"sort"
 	"strings"
 	"testing"
@@ -66,7 +66,7 @@ func TestWALByteFlipsAndTruncations(t *testing.T) {
 		t.Fatalf("want one segment, have %v", segs)
 	}
 	seg := segs[0]
-	orig := readAll(t, base, seg)
+	orig := vfstest.ReadFile(t, base, seg)
 	validEnd := walValidEnd(orig)
 	// On a disk the segment is preallocated: zeros follow the last frame.
 	orig = append(orig[:validEnd:validEnd], make([]byte, 1024)...)
@@ -76,7 +76,7 @@ func TestWALByteFlipsAndTruncations(t *testing.T) {
 	recoverFrom := func(what string, b []byte, withIndex bool) {
 		t.Helper()
 		fs := base.CrashClone(vfs.CrashCloneCfg{})
-		writeAll(t, fs, seg, b)
+		vfstest.WriteFile(t, fs, seg, b)
 		if !withIndex {
 			if err := fs.RemoveAll(dbDir + "/index"); err != nil {
 				t.Fatal(err)
@@ -151,33 +151,4 @@ func walValidEnd(seg []byte) int {
 		end--
 	}
 	return (end + 7) &^ 7
-}
-
-func readAll(t *testing.T, fs vfs.FS, name string) []byte {
-	f, err := fs.Open(name)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	b, err := io.ReadAll(f)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return b
-}
-
-func writeAll(t *testing.T, fs vfs.FS, name string, b []byte) {
-	f, err := fs.Create(name, vfs.WriteCategoryUnspecified)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := f.Write(b); err != nil {
-		t.Fatal(err)
-	}
-	if err := f.Sync(); err != nil {
-		t.Fatal(err)
-	}
-	if err := f.Close(); err != nil {
-		t.Fatal(err)
-	}
 }

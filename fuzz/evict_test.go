@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"github.com/idemdb/idem/internal/vfstest"
 	"math/rand/v2"
 	"sync"
 	"testing"
@@ -39,9 +40,9 @@ func TestMaxEntriesEvictionCrash(t *testing.T) {
 	)
 	mem := vfs.NewCrashableMem()
 	rng := rand.New(rand.NewPCG(3, 4))
-	hfs := &syncHookFS{FS: mem}
+	hfs := &vfstest.SyncHookFS{FS: mem}
 	syncs := 0
-	hfs.hook = func() {
+	hfs.Hook = func() {
 		mu.Lock()
 		defer mu.Unlock()
 		if syncs++; syncs%2 == 0 || len(images) >= 200 {

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/idemdb/idem/internal/vfstest"
 	"math/rand/v2"
 	"strings"
 	"sync"
@@ -36,69 +37,6 @@ func (c *fakeClock) Advance(d time.Duration) {
 	c.mu.Lock()
 	c.t = c.t.Add(d)
 	c.mu.Unlock()
-}
-
-// syncHookFS calls hook after every successful Sync, SyncData or full
-// SyncTo of a file or directory: the moments at which a crash image can
-// differ from the previous one.
-type syncHookFS struct {
-	vfs.FS
-	hook func()
-}
-
-// Unwrap returns the wrapped FS (vfs.Root uses it).
-func (fs *syncHookFS) Unwrap() vfs.FS { return fs.FS }
-
-func (fs *syncHookFS) wrap(f vfs.File, err error) (vfs.File, error) {
-	if err != nil {
-		return nil, err
-	}
-	return &syncHookFile{File: f, hook: fs.hook}, nil
-}
-
-func (fs *syncHookFS) Create(name string, c vfs.DiskWriteCategory) (vfs.File, error) {
-	return fs.wrap(fs.FS.Create(name, c))
-}
-
-func (fs *syncHookFS) OpenReadWrite(name string, c vfs.DiskWriteCategory, opts ...vfs.OpenOption) (vfs.File, error) {
-	return fs.wrap(fs.FS.OpenReadWrite(name, c, opts...))
-}
-
-func (fs *syncHookFS) ReuseForWrite(oldname, newname string, c vfs.DiskWriteCategory) (vfs.File, error) {
-	return fs.wrap(fs.FS.ReuseForWrite(oldname, newname, c))
-}
-
-func (fs *syncHookFS) OpenDir(name string) (vfs.File, error) {
-	return fs.wrap(fs.FS.OpenDir(name))
-}
-
-type syncHookFile struct {
-	vfs.File
-	hook func()
-}
-
-func (f *syncHookFile) Sync() error {
-	if err := f.File.Sync(); err != nil {
-		return err
-	}
-	f.hook()
-	return nil
-}
-
-func (f *syncHookFile) SyncData() error {
-	if err := f.File.SyncData(); err != nil {
-		return err
-	}
-	f.hook()
-	return nil
-}
-
-func (f *syncHookFile) SyncTo(n int64) (bool, error) {
-	full, err := f.File.SyncTo(n)
-	if err == nil && full {
-		f.hook()
-	}
-	return full, err
 }
 
 // config is one program's engine configuration.
@@ -230,7 +168,7 @@ const dbDir = "db"
 func newRunner(cfg config, seed uint64, st *counters) *runner {
 	r := &runner{cfg: cfg, clk: newClock(), mem: vfs.NewCrashableMem(), st: st,
 		rng: rand.New(rand.NewPCG(seed, 0x1de)), m: newModel(cfg.retention, cfg.lease)}
-	r.wrap = func(m *vfs.MemFS) vfs.FS { return &syncHookFS{FS: m, hook: r.onSync} }
+	r.wrap = func(m *vfs.MemFS) vfs.FS { return &vfstest.SyncHookFS{FS: m, Hook: r.onSync} }
 	r.cands = []*model{r.m.clone()}
 	return r
 }

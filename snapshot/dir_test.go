@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"github.com/idemdb/idem/internal/vfstest"
 	"io"
 	"log/slog"
 	"math/rand/v2"
@@ -56,37 +57,6 @@ func listNames(t *testing.T, fs vfs.FS, dir string) []string {
 	return names
 }
 
-func readFile(t *testing.T, fs vfs.FS, path string) []byte {
-	t.Helper()
-	f, err := fs.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	b, err := io.ReadAll(f)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return b
-}
-
-func writeRaw(t *testing.T, fs vfs.FS, path string, b []byte) {
-	t.Helper()
-	f, err := fs.Create(path, vfs.WriteCategoryUnspecified)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := f.Write(b); err != nil {
-		t.Fatal(err)
-	}
-	if err := f.Sync(); err != nil {
-		t.Fatal(err)
-	}
-	if err := f.Close(); err != nil {
-		t.Fatal(err)
-	}
-}
-
 func TestFileName(t *testing.T) {
 	for _, lsn := range []uint64{0, 1, 42, 1<<64 - 1} {
 		name := FileName(lsn)
@@ -125,10 +95,10 @@ func TestWriteFileVerifyListPrune(t *testing.T) {
 		}
 	}
 	// Names List must ignore.
-	writeRaw(t, fs, fs.PathJoin(testDir, FileName(60)+".tmp"), []byte("partial"))
-	writeRaw(t, fs, fs.PathJoin(testDir, "notes.txt"), nil)
-	writeRaw(t, fs, fs.PathJoin(testDir, "junk.tmp"), nil)
-	writeRaw(t, fs, fs.PathJoin(testDir, "70.snap"), nil)
+	vfstest.WriteFile(t, fs, fs.PathJoin(testDir, FileName(60)+".tmp"), []byte("partial"))
+	vfstest.WriteFile(t, fs, fs.PathJoin(testDir, "notes.txt"), nil)
+	vfstest.WriteFile(t, fs, fs.PathJoin(testDir, "junk.tmp"), nil)
+	vfstest.WriteFile(t, fs, fs.PathJoin(testDir, "70.snap"), nil)
 	if err := fs.MkdirAll(fs.PathJoin(testDir, FileName(80)), 0o755); err != nil {
 		t.Fatal(err)
 	}
@@ -140,7 +110,7 @@ func TestWriteFileVerifyListPrune(t *testing.T) {
 	var lsns []uint64
 	for _, in := range infos {
 		lsns = append(lsns, in.LSN)
-		if in.Path != fs.PathJoin(testDir, FileName(in.LSN)) || in.Size != int64(len(readFile(t, fs, in.Path))) {
+		if in.Path != fs.PathJoin(testDir, FileName(in.LSN)) || in.Size != int64(len(vfstest.ReadFile(t, fs, in.Path))) {
 			t.Fatalf("info %+v", in)
 		}
 	}
@@ -318,7 +288,7 @@ func TestOpenNewestValid(t *testing.T) {
 	}
 	damage := func(t *testing.T, fs vfs.FS, lsn uint64, f func([]byte) []byte) string {
 		p := fs.PathJoin(testDir, FileName(lsn))
-		writeRaw(t, fs, p, f(readFile(t, fs, p)))
+		vfstest.WriteFile(t, fs, p, f(vfstest.ReadFile(t, fs, p)))
 		return p
 	}
 	flip := func(b []byte) []byte { b[len(b)/2] ^= 0x10; return b }

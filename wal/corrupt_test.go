@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"errors"
+	"github.com/idemdb/idem/internal/vfstest"
 	"hash/crc32"
 	"math/rand/v2"
 	"slices"
@@ -51,7 +52,7 @@ func buildRefLog(t *testing.T, n int, segmentSize int64) *refLog {
 			continue // the spare next.prealloc
 		}
 		l.names = append(l.names, name)
-		l.data[name] = readFile(t, fs, fs.PathJoin(testDir, name))
+		l.data[name] = vfstest.ReadFile(t, fs, fs.PathJoin(testDir, name))
 	}
 	return l
 }
@@ -91,7 +92,7 @@ func (l *refLog) install(t *testing.T, seg string, corrupt func([]byte) []byte) 
 				continue
 			}
 		}
-		writeFile(t, fs, fs.PathJoin(testDir, name), b)
+		vfstest.WriteFile(t, fs, fs.PathJoin(testDir, name), b)
 	}
 	return fs
 }
@@ -135,7 +136,7 @@ func runCorruptCase(t *testing.T, l *refLog, tc corruptCase) {
 	fs := l.install(t, tc.seg, tc.corrupt)
 	before := map[string][]byte{}
 	for _, name := range listDir(t, fs, testDir) {
-		before[name] = readFile(t, fs, fs.PathJoin(testDir, name))
+		before[name] = vfstest.ReadFile(t, fs, fs.PathJoin(testDir, name))
 	}
 	var recs []gotRecord
 	res, err := Scan(fs, testDir, 0, 0, collect(&recs))
@@ -145,7 +146,7 @@ func runCorruptCase(t *testing.T, l *refLog, tc corruptCase) {
 		t.Fatalf("Scan changed the directory: %v", after)
 	}
 	for _, name := range after {
-		if !bytes.Equal(before[name], readFile(t, fs, fs.PathJoin(testDir, name))) {
+		if !bytes.Equal(before[name], vfstest.ReadFile(t, fs, fs.PathJoin(testDir, name))) {
 			t.Fatalf("Scan modified %s", name)
 		}
 	}
@@ -162,7 +163,7 @@ func runCorruptCase(t *testing.T, l *refLog, tc corruptCase) {
 			t.Fatalf("Open: %v; want a CorruptError at %s:%d", err, tc.wantSeg, tc.wantOff)
 		}
 		for _, name := range listDir(t, fs, testDir) {
-			if !bytes.Equal(before[name], readFile(t, fs, fs.PathJoin(testDir, name))) {
+			if !bytes.Equal(before[name], vfstest.ReadFile(t, fs, fs.PathJoin(testDir, name))) {
 				t.Fatalf("a failed Open modified %s", name)
 			}
 		}
@@ -198,7 +199,7 @@ func runCorruptCase(t *testing.T, l *refLog, tc corruptCase) {
 		}
 		// The cut bytes run from Offset to the last non-zero byte; only
 		// zeros follow them.
-		saved := readFile(t, fs, fs.PathJoin(testDir, tt.SavedAs))
+		saved := vfstest.ReadFile(t, fs, fs.PathJoin(testDir, tt.SavedAs))
 		orig := before[tt.Segment]
 		wantEnd := int64(nonZeroEnd(orig))
 		if !bytes.Equal(saved, orig[tt.Offset:wantEnd]) || int64(len(saved)) != tt.Bytes {
@@ -209,7 +210,7 @@ func runCorruptCase(t *testing.T, l *refLog, tc corruptCase) {
 	// recreated after a torn header); only zeros follow its valid data.
 	segs := w.Segments()
 	act := segs[len(segs)-1]
-	got := readFile(t, fs, fs.PathJoin(testDir, act.Name))
+	got := vfstest.ReadFile(t, fs, fs.PathJoin(testDir, act.Name))
 	if int64(len(got)) != act.Allocated || act.Allocated < act.Size || !allZero(got[act.Size:]) {
 		t.Fatalf("active segment %s: %d bytes, Allocated %d, valid data %d, zeros after it: %v",
 			act.Name, len(got), act.Allocated, act.Size, allZero(got[min(int64(len(got)), act.Size):]))
@@ -547,7 +548,7 @@ func TestTornTailEveryLength(t *testing.T) {
 		}
 		checkRecs(t, recs, 1, LSN(complete))
 		if wantTorn {
-			saved := readFile(t, fs, fs.PathJoin(testDir, ores.TornTail.SavedAs))
+			saved := vfstest.ReadFile(t, fs, fs.PathJoin(testDir, ores.TornTail.SavedAs))
 			if !bytes.Equal(saved, full[validEnd:nzEnd]) {
 				t.Fatalf("cut %d: saved bytes differ", cut)
 			}
@@ -591,10 +592,10 @@ func TestTornFileNamesDoNotCollide(t *testing.T) {
 	if res.TornTail == nil || res.TornTail.SavedAs != seg+".1"+tornSuffix {
 		t.Fatalf("%+v", res.TornTail)
 	}
-	if got := readFile(t, fs, fs.PathJoin(testDir, seg+tornSuffix)); !bytes.Equal(got, []byte{1, 2, 3}) {
+	if got := vfstest.ReadFile(t, fs, fs.PathJoin(testDir, seg+tornSuffix)); !bytes.Equal(got, []byte{1, 2, 3}) {
 		t.Fatalf("first .torn file overwritten: %v", got)
 	}
-	if got := readFile(t, fs, fs.PathJoin(testDir, seg+".1"+tornSuffix)); !bytes.Equal(got, []byte{9, 9}) {
+	if got := vfstest.ReadFile(t, fs, fs.PathJoin(testDir, seg+".1"+tornSuffix)); !bytes.Equal(got, []byte{9, 9}) {
 		t.Fatalf("second .torn file: %v", got)
 	}
 }
@@ -683,7 +684,7 @@ func FuzzScanSegment(f *testing.F) {
 		f.Fatal(err)
 	}
 	segs := w.Segments()
-	file := readFile(f, fs, fs.PathJoin(testDir, segmentName(1)))
+	file := vfstest.ReadFile(f, fs, fs.PathJoin(testDir, segmentName(1)))
 	valid := file[:segs[0].Size] // without the preallocated zeros
 	f.Add(valid)
 	f.Add(valid[:len(valid)-3])
@@ -698,7 +699,7 @@ func FuzzScanSegment(f *testing.F) {
 		if err := fs.MkdirAll(testDir, 0o755); err != nil {
 			t.Fatal(err)
 		}
-		writeFile(t, fs, fs.PathJoin(testDir, segmentName(1)), seg)
+		vfstest.WriteFile(t, fs, fs.PathJoin(testDir, segmentName(1)), seg)
 		var recs []gotRecord
 		res, err := Scan(fs, testDir, 0, 1000, collect(&recs))
 		o := testOptions(fs)

@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"encoding/binary"
 	"errors"
+	"github.com/idemdb/idem/internal/vfstest"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -226,7 +227,7 @@ func TestCrashUnsyncedDeterministic(t *testing.T) {
 			if res.TornTail.SavedAs == "" {
 				t.Fatalf("seed %d: torn tail not saved: %+v", seed, res.TornTail)
 			}
-			saved := readFile(t, crashed, crashed.PathJoin(testDir, res.TornTail.SavedAs))
+			saved := vfstest.ReadFile(t, crashed, crashed.PathJoin(testDir, res.TornTail.SavedAs))
 			if int64(len(saved)) != res.TornTail.Bytes {
 				t.Fatalf("seed %d: saved %d bytes, cut %d", seed, len(saved), res.TornTail.Bytes)
 			}

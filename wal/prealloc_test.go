@@ -3,6 +3,7 @@ package wal
 import (
 	"errors"
 	"fmt"
+	"github.com/idemdb/idem/internal/vfstest"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -224,7 +225,7 @@ func TestSegmentsArePreallocated(t *testing.T) {
 		t.Fatalf("new segment: %+v", s)
 	}
 	// The new segment and its zeros are durable before any record.
-	if b := readFile(t, fs.CrashClone(vfs.CrashCloneCfg{}), fs.PathJoin(testDir, segmentName(1))); int64(len(b)) != o.SegmentSize {
+	if b := vfstest.ReadFile(t, fs.CrashClone(vfs.CrashCloneCfg{}), fs.PathJoin(testDir, segmentName(1))); int64(len(b)) != o.SegmentSize {
 		t.Fatalf("new segment after a crash: %d bytes", len(b))
 	}
 	appendWait(t, w, 400, 10)
@@ -238,7 +239,7 @@ func TestSegmentsArePreallocated(t *testing.T) {
 	for i, s := range segs {
 		bytes += s.Size
 		alloc += s.Allocated
-		b := readFile(t, fs, fs.PathJoin(testDir, s.Name))
+		b := vfstest.ReadFile(t, fs, fs.PathJoin(testDir, s.Name))
 		if int64(len(b)) != s.Allocated || s.Allocated < o.SegmentSize || !allZero(b[s.Size:]) {
 			t.Fatalf("segment %d %+v: %d bytes", i, s, len(b))
 		}
@@ -251,7 +252,7 @@ func TestSegmentsArePreallocated(t *testing.T) {
 	}
 	// The spare file is ready for the next rotation (Close waited for its
 	// preparation); it is no segment.
-	if b := readFile(t, fs, fs.PathJoin(testDir, preallocName)); int64(len(b)) != o.SegmentSize || !allZero(b) {
+	if b := vfstest.ReadFile(t, fs, fs.PathJoin(testDir, preallocName)); int64(len(b)) != o.SegmentSize || !allZero(b) {
 		t.Fatalf("spare file: %d bytes, all zero %v", len(b), allZero(b))
 	}
 	_, sres := scanAll(t, fs, testDir)
@@ -268,7 +269,7 @@ func TestSegmentsArePreallocated(t *testing.T) {
 	if err := w.Close(); err != nil {
 		t.Fatal(err)
 	}
-	b := readFile(t, fs, fs.PathJoin(testDir, last.Name))
+	b := vfstest.ReadFile(t, fs, fs.PathJoin(testDir, last.Name))
 	if int64(len(b)) != last.Allocated {
 		t.Fatalf("active segment grew from %d to %d bytes", last.Allocated, len(b))
 	}
@@ -388,11 +389,11 @@ func TestTornTailInPreallocatedSegment(t *testing.T) {
 		t.Fatalf("TornTail %+v", tt)
 	}
 	// Cut by zeroing, durably: the file keeps its size.
-	b := readFile(t, fs.CrashClone(vfs.CrashCloneCfg{}), path)
+	b := vfstest.ReadFile(t, fs.CrashClone(vfs.CrashCloneCfg{}), path)
 	if int64(len(b)) != last.Allocated || !allZero(b[last.Size:]) {
 		t.Fatalf("after the cut: %d bytes (was %d), zeros after the data: %v", len(b), last.Allocated, allZero(b[last.Size:]))
 	}
-	if saved := readFile(t, fs, fs.PathJoin(testDir, tt.SavedAs)); int64(len(saved)) != tt.Bytes {
+	if saved := vfstest.ReadFile(t, fs, fs.PathJoin(testDir, tt.SavedAs)); int64(len(saved)) != tt.Bytes {
 		t.Fatalf("saved %d bytes", len(saved))
 	}
 	// Appends overwrite the zeroed region (the stray block's place too) and
@@ -434,10 +435,10 @@ func TestSpareFileReuse(t *testing.T) {
 			writeAt(t, fs, path, []byte("garbage"), 5000)
 		}},
 		{name: "short", mangle: func(t *testing.T, fs vfs.FS, path string) {
-			writeFile(t, fs, path, make([]byte, 100))
+			vfstest.WriteFile(t, fs, path, make([]byte, 100))
 		}},
 		{name: "long", mangle: func(t *testing.T, fs vfs.FS, path string) {
-			writeFile(t, fs, path, make([]byte, 20000))
+			vfstest.WriteFile(t, fs, path, make([]byte, 20000))
 		}},
 	}
 	for _, tc := range cases {
@@ -451,7 +452,7 @@ func TestSpareFileReuse(t *testing.T) {
 				t.Fatal(err)
 			}
 			spare := fs.PathJoin(testDir, preallocName)
-			if b := readFile(t, fs, spare); int64(len(b)) != o.SegmentSize || !allZero(b) {
+			if b := vfstest.ReadFile(t, fs, spare); int64(len(b)) != o.SegmentSize || !allZero(b) {
 				t.Fatalf("spare file after Close: %d bytes, all zero %v", len(b), allZero(b))
 			}
 			tc.mangle(t, fs, spare)
@@ -470,7 +471,7 @@ func TestSpareFileReuse(t *testing.T) {
 				t.Fatalf("%+v", res)
 			}
 			for _, s := range res.Segments {
-				b := readFile(t, fs, fs.PathJoin(testDir, s.Name))
+				b := vfstest.ReadFile(t, fs, fs.PathJoin(testDir, s.Name))
 				if !allZero(b[s.Size:]) {
 					t.Fatalf("segment %s: non-zero bytes after its data", s.Name)
 				}

@@ -5,7 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"io"
+	"github.com/idemdb/idem/internal/vfstest"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -148,37 +148,6 @@ func settle(t testing.TB, w *WAL) {
 			t.Fatalf("rotation never happened: %+v", segs[len(segs)-1])
 		}
 		time.Sleep(100 * time.Microsecond)
-	}
-}
-
-func readFile(t testing.TB, fs vfs.FS, path string) []byte {
-	t.Helper()
-	f, err := fs.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	b, err := io.ReadAll(f)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return b
-}
-
-func writeFile(t testing.TB, fs vfs.FS, path string, data []byte) {
-	t.Helper()
-	f, err := fs.Create(path, vfs.WriteCategoryUnspecified)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := f.Write(data); err != nil {
-		t.Fatal(err)
-	}
-	if err := f.Sync(); err != nil {
-		t.Fatal(err)
-	}
-	if err := f.Close(); err != nil {
-		t.Fatal(err)
 	}
 }
 
@@ -750,7 +719,7 @@ func TestRealFS(t *testing.T) {
 	if res.TornTail == nil || res.TornTail.Offset != last.Size || res.TornTail.Bytes != 8 {
 		t.Fatalf("TornTail %+v", res.TornTail)
 	}
-	if b := readFile(t, fs, path); int64(len(b)) != last.Allocated || !allZero(b[last.Size:]) {
+	if b := vfstest.ReadFile(t, fs, path); int64(len(b)) != last.Allocated || !allZero(b[last.Size:]) {
 		t.Fatalf("segment not cut by zeroing in place: %d bytes (was %d), zeros after %d: %v",
 			len(b), last.Allocated, last.Size, allZero(b[last.Size:]))
 	}
