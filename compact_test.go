@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"github.com/idemdb/idem/internal/testclock"
 	"github.com/idemdb/idem/internal/vfstest"
 	"math/rand/v2"
 	"strings"
@@ -23,7 +24,7 @@ type workload struct {
 	clients []string
 }
 
-func runWorkload(t testing.TB, e *Engine, clk *fakeClock, seed uint64, ops int) workload {
+func runWorkload(t testing.TB, e *Engine, clk *testclock.Clock, seed uint64, ops int) workload {
 	t.Helper()
 	rng := rand.New(rand.NewPCG(seed, 99))
 	w := workload{scopes: []string{"a", "b"}, clients: []string{"c1", "c2", "c3"}}
@@ -115,7 +116,7 @@ func diffStates(a, b map[string]string) string {
 }
 
 func TestSnapshotRestoreEqualsSource(t *testing.T) {
-	clk := newClock()
+	clk := testclock.New()
 	src := openMem(t, vfs.NewMem(), &Options{Clock: clk.Now})
 	defer src.Close()
 	w := runWorkload(t, src, clk, 1, 3000)
@@ -151,7 +152,7 @@ func TestSnapshotRestoreEqualsSource(t *testing.T) {
 }
 
 func TestRestoreRefusesBadSnapshots(t *testing.T) {
-	clk := newClock()
+	clk := testclock.New()
 	src := openMem(t, vfs.NewMem(), &Options{Clock: clk.Now})
 	runWorkload(t, src, clk, 2, 500)
 	waitApplied(t, src)
@@ -195,7 +196,7 @@ func flip(b []byte, i int) []byte {
 }
 
 func TestCompactTruncatesWALAndRecoversFromSnapshot(t *testing.T) {
-	clk := newClock()
+	clk := testclock.New()
 	fs := vfs.NewMem()
 	opts := &Options{Clock: clk.Now, SegmentSize: 32 << 10}
 	e := openMem(t, fs, opts)
@@ -254,7 +255,7 @@ func TestCompactTruncatesWALAndRecoversFromSnapshot(t *testing.T) {
 }
 
 func TestMaxEntriesEvictsOldest(t *testing.T) {
-	clk := newClock()
+	clk := testclock.New()
 	fs := vfs.NewMem()
 	opts := &Options{Clock: clk.Now, MaxEntries: 100}
 	e := openMem(t, fs, opts)
@@ -285,7 +286,7 @@ func TestMaxEntriesEvictsOldest(t *testing.T) {
 }
 
 func TestRetentionCleanupAndAbandonedClaims(t *testing.T) {
-	clk := newClock()
+	clk := testclock.New()
 	fs := vfs.NewMem()
 	opts := &Options{Clock: clk.Now, Retention: time.Hour, Lease: time.Minute}
 	e := openMem(t, fs, opts)
@@ -343,7 +344,7 @@ func TestCrashDuringCompaction(t *testing.T) {
 			images = append(images, mem.CrashClone(vfs.CrashCloneCfg{}))
 		}
 	}
-	clk := newClock()
+	clk := testclock.New()
 	opts := &Options{Clock: clk.Now, SegmentSize: 16 << 10, Retention: 30 * time.Minute}
 	e := openMem(t, hfs, opts)
 	w := runWorkload(t, e, clk, 5, 1500)

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/idemdb/idem/internal/testclock"
 	"github.com/idemdb/idem/internal/vfstest"
 	"math/rand/v2"
 	"os"
@@ -21,25 +22,6 @@ import (
 )
 
 var bg = context.Background()
-
-type fakeClock struct {
-	mu sync.Mutex
-	t  time.Time
-}
-
-func newClock() *fakeClock { return &fakeClock{t: time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)} }
-
-func (c *fakeClock) Now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.t
-}
-
-func (c *fakeClock) Advance(d time.Duration) {
-	c.mu.Lock()
-	c.t = c.t.Add(d)
-	c.mu.Unlock()
-}
 
 func openMem(t testing.TB, fs vfs.FS, o *Options) *Engine {
 	t.Helper()
@@ -141,7 +123,7 @@ func TestAbortFreesID(t *testing.T) {
 }
 
 func TestLeaseTakeoverFencing(t *testing.T) {
-	clk := newClock()
+	clk := testclock.New()
 	e := openMem(t, vfs.NewMem(), &Options{Clock: clk.Now, Lease: time.Minute})
 	defer e.Close()
 	r := Request{ID: id("a")}
@@ -292,7 +274,7 @@ func commitID(t testing.TB, e *Engine, r Request, reply string) {
 
 func TestAckAndForgetSurviveReplay(t *testing.T) {
 	fs := vfs.NewMem()
-	clk := newClock()
+	clk := testclock.New()
 	e := openMem(t, fs, &Options{Clock: clk.Now})
 	for i := 0; i < 10; i++ {
 		commitID(t, e, Request{Scope: "s", ID: []byte(fmt.Sprint("old", i))}, "r")
@@ -399,7 +381,7 @@ func TestReopenReplayEqualsState(t *testing.T) {
 
 func testReopenReplayEqualsState(t *testing.T, o Options) {
 	fs := vfs.NewMem()
-	clk := newClock()
+	clk := testclock.New()
 	opts := &o
 	opts.Clock, opts.SegmentSize = clk.Now, 16<<10
 	e := openMem(t, fs, opts)
@@ -722,7 +704,7 @@ func TestCrashAtEverySyncPoint(t *testing.T) {
 		keep++
 		images = append(images, image{fs: mem.CrashClone(cfg), model: m.clone()})
 	}
-	clk := newClock()
+	clk := testclock.New()
 	opts := &Options{Clock: clk.Now, SegmentSize: 4 << 10}
 	e := openMem(t, hfs, opts)
 	var open []*Claim
@@ -878,7 +860,7 @@ func (m model) check(t *testing.T, n int, e *Engine) {
 
 func TestInDoubtRecovery(t *testing.T) {
 	mem := vfs.NewCrashableMem()
-	clk := newClock()
+	clk := testclock.New()
 	opts := &Options{Clock: clk.Now, Lease: time.Minute}
 	e := openMem(t, mem, opts)
 	mustBegin(t, e, Request{ID: id("commit-me")}, Fresh)
@@ -937,7 +919,7 @@ func TestInDoubtRecovery(t *testing.T) {
 }
 
 func TestRetentionExpiresExactly(t *testing.T) {
-	clk := newClock()
+	clk := testclock.New()
 	fs := vfs.NewMem()
 	opts := &Options{Clock: clk.Now, Retention: time.Hour}
 	e := openMem(t, fs, opts)

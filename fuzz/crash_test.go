@@ -2,6 +2,7 @@ package fuzz
 
 import (
 	"fmt"
+	"github.com/idemdb/idem/internal/testclock"
 	"hash/crc32"
 	"math/rand/v2"
 	"os"
@@ -380,7 +381,7 @@ func TestCrashAtEverySyncPoint(t *testing.T) {
 		for i, img := range imgs {
 			r := newRunner(cfg, seed, st)
 			r.mem = img.fs
-			r.clk.Advance(end.Sub(epoch0)) // model and engine answer at the same time
+			r.clk.Advance(end.Sub(testclock.Epoch)) // model and engine answer at the same time
 			if err := r.openAndMatch(img.cands); err != nil {
 				t.Fatalf("seed %d image %d of %d: %v", seed, i, len(imgs), err)
 			}

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/idemdb/idem/internal/testclock"
 	"io"
 	"maps"
 	"reflect"
@@ -72,7 +73,7 @@ func makeSample() (sample, error) {
 	var s sample
 	ctx := context.Background()
 	fs := vfs.NewMem()
-	clk := newClock()
+	clk := testclock.New()
 	e, err := idem.Open("db", &idem.Options{FS: fs, Clock: clk.Now, SegmentSize: sampleSegSize, KeepSnapshots: -1})
 	if err != nil {
 		return s, err
@@ -644,7 +645,7 @@ func FuzzRestore(f *testing.F) {
 		if _, err := w.Close(); err != nil {
 			t.Fatal(err)
 		}
-		clk := newClock()
+		clk := testclock.New()
 		var e *idem.Engine
 		allocCheck(t, "Restore", buf.Len(), 2*restoreBaseline(t), func() {
 			e, err = idem.Restore("r", bytes.NewReader(buf.Bytes()), &idem.Options{FS: vfs.NewMem(), Clock: clk.Now, Retention: time.Hour, SegmentSize: 4 << 10})

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"github.com/idemdb/idem/internal/testclock"
 	"github.com/idemdb/idem/internal/vfstest"
 	"math/rand/v2"
 	"sync"
@@ -58,7 +59,7 @@ func TestMaxEntriesEvictionCrash(t *testing.T) {
 		}
 		images = append(images, image{mem.CrashClone(cfg), committed, ackedCopy, acking})
 	}
-	clk := newClock()
+	clk := testclock.New()
 	opts := func(fs vfs.FS) *idem.Options {
 		return &idem.Options{FS: fs, Clock: clk.Now, MaxEntries: maxEntries, SegmentSize: 4 << 10,
 			CleanupInterval: time.Hour, CompactInterval: time.Hour}

@@ -7,6 +7,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"github.com/idemdb/idem/internal/testclock"
 	"testing"
 	"time"
 
@@ -54,7 +55,7 @@ func TestSlotEvictedOnLoad(t *testing.T) {
 // Found by FuzzCrashRecovery; fixed in dbe4565. Kept as a regression test.
 func TestInDoubtListsForgottenClaim(t *testing.T) {
 	ctx := context.Background()
-	clk := newClock()
+	clk := testclock.New()
 	fs := vfs.NewMem()
 	opts := &idem.Options{FS: fs, Clock: clk.Now, Lease: time.Minute, SegmentSize: 4 << 10}
 	e, err := idem.Open("db", opts)

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/idemdb/idem/internal/testclock"
 	"github.com/idemdb/idem/internal/vfstest"
 	"math/rand/v2"
 	"strings"
@@ -14,30 +15,6 @@ import (
 	"github.com/cockroachdb/pebble/v2/vfs"
 	"github.com/idemdb/idem"
 )
-
-// epoch0 is where every fake clock starts.
-var epoch0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
-
-// fakeClock is Options.Clock: time moves only when the program says so, so
-// leases and retention run out exactly when the model says.
-type fakeClock struct {
-	mu sync.Mutex
-	t  time.Time
-}
-
-func newClock() *fakeClock { return &fakeClock{t: epoch0} }
-
-func (c *fakeClock) Now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.t
-}
-
-func (c *fakeClock) Advance(d time.Duration) {
-	c.mu.Lock()
-	c.t = c.t.Add(d)
-	c.mu.Unlock()
-}
 
 // config is one program's engine configuration.
 type config struct {
@@ -56,7 +33,7 @@ func (c config) String() string {
 		fmt.Sprintf(" ingest=%d", c.ingestBytes)
 }
 
-func (c config) options(fs vfs.FS, clk *fakeClock) *idem.Options {
+func (c config) options(fs vfs.FS, clk *testclock.Clock) *idem.Options {
 	o := &idem.Options{
 		FS:              fs,
 		Clock:           clk.Now,
@@ -125,7 +102,7 @@ type openClaim struct {
 // result and, after every step, the whole observable state.
 type runner struct {
 	cfg   config
-	clk   *fakeClock
+	clk   *testclock.Clock
 	mem   *vfs.MemFS
 	wrap  func(*vfs.MemFS) vfs.FS // the FS the engine sees over mem
 	e     *idem.Engine
@@ -166,7 +143,7 @@ func (r *runner) record() {
 const dbDir = "db"
 
 func newRunner(cfg config, seed uint64, st *counters) *runner {
-	r := &runner{cfg: cfg, clk: newClock(), mem: vfs.NewCrashableMem(), st: st,
+	r := &runner{cfg: cfg, clk: testclock.New(), mem: vfs.NewCrashableMem(), st: st,
 		rng: rand.New(rand.NewPCG(seed, 0x1de)), m: newModel(cfg.retention, cfg.lease)}
 	r.wrap = func(m *vfs.MemFS) vfs.FS { return &vfstest.SyncHookFS{FS: m, Hook: r.onSync} }
 	r.cands = []*model{r.m.clone()}

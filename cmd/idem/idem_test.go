@@ -7,10 +7,10 @@ import (
 	"encoding/json"
 	"flag"
 	"fmt"
+	"github.com/idemdb/idem/internal/testclock"
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -64,23 +64,6 @@ func jsonLines(t *testing.T, s string) []map[string]any {
 	return out
 }
 
-type testClock struct {
-	mu sync.Mutex
-	t  time.Time
-}
-
-func (c *testClock) Now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.t
-}
-
-func (c *testClock) Set(t time.Time) {
-	c.mu.Lock()
-	c.t = t
-	c.mu.Unlock()
-}
-
 var t0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 
 // makeFixture writes a small directory whose every record is known:
@@ -96,7 +79,7 @@ var t0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 func makeFixture(t *testing.T) string {
 	t.Helper()
 	dir := filepath.Join(t.TempDir(), "db")
-	clk := &testClock{t: t0}
+	clk := testclock.At(t0)
 	e, err := idem.Open(dir, &idem.Options{Clock: clk.Now, SegmentSize: 1 << 20})
 	if err != nil {
 		t.Fatal(err)
