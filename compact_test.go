@@ -4,8 +4,6 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
-	"github.com/idemdb/idem/internal/testclock"
-	"github.com/idemdb/idem/internal/vfstest"
 	"math/rand/v2"
 	"strings"
 	"sync"
@@ -13,6 +11,8 @@ import (
 	"time"
 
 	"github.com/cockroachdb/pebble/v2/vfs"
+	"github.com/idemdb/idem/internal/testclock"
+	"github.com/idemdb/idem/internal/vfstest"
 	"github.com/idemdb/idem/snapshot"
 )
 

@@ -5,8 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/idemdb/idem/internal/testclock"
-	"github.com/idemdb/idem/internal/vfstest"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -19,6 +17,8 @@ import (
 
 	"github.com/cockroachdb/pebble/v2/vfs"
 	"github.com/cockroachdb/pebble/v2/vfs/errorfs"
+	"github.com/idemdb/idem/internal/testclock"
+	"github.com/idemdb/idem/internal/vfstest"
 )
 
 var bg = context.Background()

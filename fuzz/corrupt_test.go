@@ -3,7 +3,6 @@ package fuzz
 import (
 	"errors"
 	"fmt"
-	"github.com/idemdb/idem/internal/vfstest"
 	"sort"
 	"strings"
 	"testing"
@@ -11,6 +10,7 @@ import (
 
 	"github.com/cockroachdb/pebble/v2/vfs"
 	"github.com/idemdb/idem"
+	"github.com/idemdb/idem/internal/vfstest"
 )
 
 // TestWALByteFlipsAndTruncations damages a small WAL in every way a single

@@ -2,7 +2,6 @@ package fuzz
 
 import (
 	"fmt"
-	"github.com/idemdb/idem/internal/testclock"
 	"hash/crc32"
 	"math/rand/v2"
 	"os"
@@ -11,6 +10,7 @@ import (
 	"time"
 
 	"github.com/cockroachdb/pebble/v2/vfs"
+	"github.com/idemdb/idem/internal/testclock"
 )
 
 // progReader reads a program from the fuzzer's bytes; past the end it

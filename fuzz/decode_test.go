@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/idemdb/idem/internal/testclock"
 	"io"
 	"maps"
 	"reflect"
@@ -20,6 +19,7 @@ import (
 	"github.com/cockroachdb/pebble/v2/vfs"
 	"github.com/idemdb/idem"
 	"github.com/idemdb/idem/index"
+	"github.com/idemdb/idem/internal/testclock"
 	"github.com/idemdb/idem/snapshot"
 	"github.com/idemdb/idem/wal"
 )

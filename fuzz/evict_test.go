@@ -4,8 +4,6 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"github.com/idemdb/idem/internal/testclock"
-	"github.com/idemdb/idem/internal/vfstest"
 	"math/rand/v2"
 	"sync"
 	"testing"
@@ -13,6 +11,8 @@ import (
 
 	"github.com/cockroachdb/pebble/v2/vfs"
 	"github.com/idemdb/idem"
+	"github.com/idemdb/idem/internal/testclock"
+	"github.com/idemdb/idem/internal/vfstest"
 )
 
 // TestMaxEntriesEvictionCrash covers what FuzzCrashRecovery leaves out:

@@ -7,13 +7,13 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"github.com/idemdb/idem/internal/testclock"
 	"testing"
 	"time"
 
 	"github.com/cockroachdb/pebble/v2/vfs"
 	"github.com/idemdb/idem"
 	"github.com/idemdb/idem/index"
+	"github.com/idemdb/idem/internal/testclock"
 	"github.com/idemdb/idem/snapshot"
 	"github.com/idemdb/idem/wal"
 )

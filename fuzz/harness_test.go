@@ -5,8 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/idemdb/idem/internal/testclock"
-	"github.com/idemdb/idem/internal/vfstest"
 	"math/rand/v2"
 	"strings"
 	"sync"
@@ -14,6 +12,8 @@ import (
 
 	"github.com/cockroachdb/pebble/v2/vfs"
 	"github.com/idemdb/idem"
+	"github.com/idemdb/idem/internal/testclock"
+	"github.com/idemdb/idem/internal/vfstest"
 )
 
 // config is one program's engine configuration.

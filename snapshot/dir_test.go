@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
-	"github.com/idemdb/idem/internal/vfstest"
 	"io"
 	"log/slog"
 	"math/rand/v2"
@@ -15,6 +14,7 @@ import (
 
 	"github.com/cockroachdb/pebble/v2/vfs"
 	"github.com/cockroachdb/pebble/v2/vfs/errorfs"
+	"github.com/idemdb/idem/internal/vfstest"
 )
 
 const testDir = "data/snapshot"

@@ -4,13 +4,13 @@ import (
 	"bytes"
 	"encoding/binary"
 	"errors"
-	"github.com/idemdb/idem/internal/vfstest"
 	"hash/crc32"
 	"math/rand/v2"
 	"slices"
 	"testing"
 
 	"github.com/cockroachdb/pebble/v2/vfs"
+	"github.com/idemdb/idem/internal/vfstest"
 )
 
 // refLog is a log written by the WAL, captured as raw segment bytes.

@@ -4,7 +4,6 @@ import (
 	"cmp"
 	"encoding/binary"
 	"errors"
-	"github.com/idemdb/idem/internal/vfstest"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -15,6 +14,7 @@ import (
 
 	"github.com/cockroachdb/pebble/v2/vfs"
 	"github.com/cockroachdb/pebble/v2/vfs/errorfs"
+	"github.com/idemdb/idem/internal/vfstest"
 )
 
 // durableLog records acknowledged appends of the concurrent crash tests.

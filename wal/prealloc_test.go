@@ -3,7 +3,6 @@ package wal
 import (
 	"errors"
 	"fmt"
-	"github.com/idemdb/idem/internal/vfstest"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -14,6 +13,7 @@ import (
 
 	"github.com/cockroachdb/pebble/v2/vfs"
 	"github.com/cockroachdb/pebble/v2/vfs/errorfs"
+	"github.com/idemdb/idem/internal/vfstest"
 )
 
 // crashPoint names a file-system operation before which the file system is

@@ -7,7 +7,6 @@ import (
 	"encoding/json"
 	"flag"
 	"fmt"
-	"github.com/idemdb/idem/internal/testclock"
 	"os"
 	"path/filepath"
 	"strings"
@@ -18,6 +17,7 @@ import (
 	"github.com/cockroachdb/pebble/v2/vfs"
 	"github.com/idemdb/idem"
 	"github.com/idemdb/idem/index"
+	"github.com/idemdb/idem/internal/testclock"
 )
 
 // TestMain lets the demo start this test binary as its child process: with
