@@ -191,7 +191,7 @@ func Open(dir string, opts *Options) (*Engine, error) {
 			e.unlockDir()
 		}
 	}()
-	ix, err := index.Open(index.Options{FS: o.FS, Dir: filepath.Join(dir, "index"), CacheSize: o.IndexCacheSize, IngestBytes: o.IndexIngestBytes, Logger: o.Logger})
+	ix, err := index.Open(index.Options{FS: o.FS, Dir: filepath.Join(dir, "index"), CacheSize: o.IndexCacheSize, IngestBytes: o.IndexIngestBytes, FilterBytes: o.IndexFilterBytes, Logger: o.Logger})
 	if err != nil {
 		return nil, wrapCorrupt(err)
 	}
@@ -1311,6 +1311,9 @@ type Stats struct {
 	AppliedLSN   uint64 // last record applied to the index
 	TornTailsCut int
 	IndexBytes   uint64
+	// IndexFilterBuilds counts the key filters built since Open (the first
+	// one, then one each time most of its bits went stale).
+	IndexFilterBuilds int64
 }
 
 // Stats returns a snapshot of the counters.
@@ -1331,6 +1334,7 @@ func (e *Engine) Stats() Stats {
 		Acked:              e.st.acked.Load(),
 		Replies:            e.ix.Replies(),
 		AppliedLSN:         uint64(e.ix.Applied()),
+		IndexFilterBuilds:  e.ix.FilterBuilds(),
 	}
 	ws := e.w.Stats()
 	s.WALBytes, s.WALSegments = ws.Bytes, ws.Segments

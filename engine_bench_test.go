@@ -76,6 +76,9 @@ func benchDoFresh(b *testing.B, o Options) {
 		}
 	})
 	opsPerSec(b, start)
+	ws := e.w.Stats()
+	b.ReportMetric(float64(ws.LastLSN)/float64(ws.Syncs), "recs/sync")
+	b.ReportMetric(float64(time.Since(start).Microseconds())/float64(ws.Syncs), "us/sync")
 }
 
 // BenchmarkDoFresh: Do of new ids, fsync before acknowledging (claim and

@@ -374,6 +374,10 @@ func TestReopenReplayEqualsState(t *testing.T) {
 		// cache sends lookups to the pending sets and the ingested tables.
 		{"ingest-every-batch", Options{IndexIngestBytes: 1, CacheSize: 4 << 10}},
 		{"ingest-4KiB", Options{IndexIngestBytes: 4 << 10, CacheSize: 4 << 10}},
+		// A 64-byte key filter (about 50 keys) is rebuilt over and over
+		// and has many false positives; one turned off asks Pebble always.
+		{"filter-64B", Options{IndexIngestBytes: 4 << 10, CacheSize: 4 << 10, IndexFilterBytes: 64}},
+		{"no-filter", Options{CacheSize: 4 << 10, IndexFilterBytes: -1}},
 	} {
 		t.Run(c.name, func(t *testing.T) { testReopenReplayEqualsState(t, c.o) })
 	}
@@ -438,6 +442,13 @@ func testReopenReplayEqualsState(t *testing.T, o Options) {
 			t.Fatalf("%d sstables ingested while running; the ingest path was not exercised", ingested)
 		}
 		t.Logf("%d sstables ingested", ingested)
+	}
+	if o.IndexFilterBytes > 0 {
+		if n := e.Stats().IndexFilterBuilds; n < 3 {
+			t.Fatalf("%d key filter builds; the rebuild path was not exercised", n)
+		} else {
+			t.Logf("%d key filter builds", n)
+		}
 	}
 	e.Close()
 	// Reopen: the index was flushed; then again from scratch by deleting

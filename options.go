@@ -58,6 +58,13 @@ type Options struct {
 	// smaller sstables; it does not affect durability (the WAL has every
 	// record before it is applied).
 	IndexIngestBytes int64
+	// IndexFilterBytes is the memory of the in-memory key filter that
+	// answers most lookups of new ids without asking Pebble (default
+	// 16 MiB, good for about 13 million stored ids at 1% false positives;
+	// past that it helps less, and it never grows). Negative turns it off.
+	// It is rebuilt in the background from the index when most of its
+	// bits are stale (see docs/design.md, "Key filter").
+	IndexFilterBytes int64
 	// SegmentSize is the WAL segment size (default 64 MiB).
 	SegmentSize int64
 	// NoPreallocate turns off the zero-filling of WAL segments before use.

@@ -48,6 +48,9 @@ func configFrom(b byte) config {
 	}
 	if b&2 != 0 {
 		c.cacheSize = 4 << 10 // slots are evicted and reloaded from the index all the time
+		// and a 64-byte key filter (about 50 keys): false positives and
+		// background rebuilds all the time under those reloads.
+		c.filterBytes = 64
 	}
 	if b&0x20 != 0 {
 		c.ingestBytes = 1 // every applied batch is ingested into Pebble at once

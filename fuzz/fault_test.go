@@ -229,7 +229,7 @@ func faultScenario(r *runner) error {
 	return nil
 }
 
-var faultCfg = config{lease: time.Minute, segmentSize: 1 << 10, keepSnapshots: 1, ingestBytes: 1}
+var faultCfg = config{lease: time.Minute, segmentSize: 1 << 10, keepSnapshots: 1, ingestBytes: 1, filterBytes: 64}
 
 // runFault runs the scenario with one fault and checks the aftermath. It
 // returns whether the fault was reached.

@@ -25,12 +25,13 @@ type config struct {
 	syncNever     bool  // SyncNever: only process crashes are survivable
 	cacheSize     int64 // 0: the default
 	ingestBytes   int64 // 0: the default
+	filterBytes   int64 // 0: the default
 }
 
 func (c config) String() string {
 	return fmt.Sprintf("retention=%v lease=%v segment=%d keepSnapshots=%d syncNever=%v cache=%d",
 		c.retention, c.lease, c.segmentSize, c.keepSnapshots, c.syncNever, c.cacheSize) +
-		fmt.Sprintf(" ingest=%d", c.ingestBytes)
+		fmt.Sprintf(" ingest=%d filter=%d", c.ingestBytes, c.filterBytes)
 }
 
 func (c config) options(fs vfs.FS, clk *testclock.Clock) *idem.Options {
@@ -47,6 +48,7 @@ func (c config) options(fs vfs.FS, clk *testclock.Clock) *idem.Options {
 		// Tiny: every applied batch becomes an sstable ingested into
 		// Pebble, so crashes land in the middle of ingests.
 		IndexIngestBytes: c.ingestBytes,
+		IndexFilterBytes: c.filterBytes,
 	}
 	if c.syncNever {
 		o.Sync = idem.SyncNever

@@ -83,6 +83,7 @@ func (ix *Index) Load(lsn wal.LSN, m Mark, next func() (key, value []byte, ok bo
 		if err != nil {
 			return fmt.Errorf("%w: key %x: %v", ErrCorrupt, k, err)
 		}
+		ix.filterAddLocked(k)
 		if err := b.Set(k, v, nil); err != nil {
 			return err
 		}

@@ -16,6 +16,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"hash/maphash"
 	"log/slog"
 	"sync"
 	"sync/atomic"
@@ -37,6 +38,10 @@ type Options struct {
 	// is written as an sstable and ingested (see pending.go); default 16 MiB.
 	// Up to two sets (one filling, one being ingested) are held in memory.
 	IngestBytes int64
+	// FilterBytes is the memory of the key filter that answers most
+	// lookups of new ids without asking Pebble (see filter.go); default
+	// 16 MiB (about 13 million keys), negative turns it off.
+	FilterBytes int64
 	ReadOnly    bool
 	Logger      *slog.Logger
 }
@@ -71,6 +76,16 @@ type Index struct {
 	fs          vfs.FS
 	dir         string
 	logger      *slog.Logger
+
+	// The key filter (filter.go).
+	filter       atomic.Pointer[keyFilter] // consulted by Get; nil: ask Pebble
+	building     *keyFilter                // guarded by applyMu: being built, receives every add
+	filterBytes  int64
+	filterSeed   maphash.Seed
+	filterStop   chan struct{}
+	filterClosed bool // guarded by applyMu
+	filterWG     sync.WaitGroup
+	filterBuilds atomic.Int64
 }
 
 // ErrCorrupt wraps errors about index contents that cannot be parsed.
@@ -86,6 +101,12 @@ func Open(o Options) (*Index, error) {
 	}
 	if o.IngestBytes <= 0 {
 		o.IngestBytes = 16 << 20
+	}
+	if o.FilterBytes == 0 {
+		o.FilterBytes = 16 << 20
+	}
+	if o.ReadOnly {
+		o.FilterBytes = -1
 	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
@@ -121,7 +142,8 @@ func Open(o Options) (*Index, error) {
 		return nil, fmt.Errorf("index: open %s: %w", o.Dir, err)
 	}
 	ix := &Index{db: db, cache: cache, mut: newPendingSet(), ingestBytes: o.IngestBytes,
-		fs: o.FS, dir: o.Dir, logger: o.Logger}
+		fs: o.FS, dir: o.Dir, logger: o.Logger,
+		filterBytes: o.FilterBytes, filterSeed: maphash.MakeSeed(), filterStop: make(chan struct{})}
 	ix.writerOpts = popts.MakeWriterOptions(0, db.TableFormat())
 	if !o.ReadOnly {
 		if err := ix.removeIngestLeftovers(); err != nil {
@@ -135,6 +157,9 @@ func Open(o Options) (*Index, error) {
 		cache.Unref()
 		return nil, err
 	}
+	ix.applyMu.Lock()
+	ix.startFilterBuildLocked()
+	ix.applyMu.Unlock()
 	return ix, nil
 }
 
@@ -254,6 +279,9 @@ var getOpts = pebble.IterOptions{UseL6Filters: true}
 func (ix *Index) Get(key []byte) (*Entry, error) {
 	if e, ok := ix.lookupPending(key); ok {
 		return e, nil
+	}
+	if ix.filterAbsent(key) {
+		return nil, nil
 	}
 	it, err := ix.db.NewIter(&getOpts)
 	if err != nil {
@@ -407,6 +435,7 @@ func (ix *Index) forgetChunk(lower, upper []byte, lsn wal.LSN, m Mark, reason by
 			delta--
 		} else {
 			nx.LSN = lsn
+			ix.filterAddLocked(ek) // present already; every key written is added
 			err = b.Set(ek, EncodeEntry(nil, nx), nil)
 		}
 		if err != nil {
@@ -466,6 +495,7 @@ func (ix *Index) forgetClaims(lsn wal.LSN, m Mark) error {
 			return b.Delete(key, nil)
 		} else {
 			nx.LSN = lsn
+			ix.filterAddLocked(key)
 			return b.Set(key, EncodeEntry(nil, nx), nil)
 		}
 	})
@@ -637,6 +667,7 @@ func (ix *Index) DiskUsage() uint64 { return ix.db.Metrics().DiskSpaceUsage() }
 // sstables) and closes the store. Without flush, pending updates are
 // dropped; replay redoes them.
 func (ix *Index) Close(flush bool) error {
+	ix.stopFilter()
 	var err error
 	if flush {
 		err = ix.Flush()

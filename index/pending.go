@@ -93,6 +93,9 @@ func (ix *Index) addPending(ups []*Update) error {
 			rdelta += r - or
 			s.bytes += entryMem(t.Next) - entryMem(p.next)
 			p.next = t.Next
+			if t.Next != nil {
+				ix.filterAddLocked(t.Key)
+			}
 		}
 	}
 	count, replies := ix.count.Load()+delta, ix.replies.Load()+rdelta
@@ -102,6 +105,7 @@ func (ix *Index) addPending(ups []*Update) error {
 	ix.count.Store(count)
 	ix.replies.Store(replies)
 	ix.applied.Store(uint64(last))
+	ix.maybeRebuildFilterLocked()
 	if s.bytes >= ix.ingestBytes {
 		return ix.freezeLocked()
 	}

@@ -1,0 +1,227 @@
+package index
+
+import (
+	"fmt"
+	"hash/maphash"
+	"math/bits"
+	"sync/atomic"
+	"time"
+
+	"github.com/cockroachdb/pebble/v2"
+)
+
+// Most lookups are of ids never seen before, and a miss must look
+// everywhere: the pending sets, then every level of Pebble (an iterator
+// built and torn down, a bloom filter probed per level and per L0 table).
+// That was about a fifth of the CPU of a fresh Do, in the critical path of
+// every request. The key filter answers most of those misses in memory.
+//
+// It is a split-block bloom filter over every entry key that may be in
+// Pebble: one 64-byte block per key, one bit set in each of its eight
+// 64-bit words (about 1% false positives at 10 bits per key). A key is
+// added before it can reach Pebble: when its update enters a pending set
+// (addPending), when Load or a forget batch writes it, and by a scan of
+// Pebble's entry keys when the filter is built. So "not in the filter"
+// means "not in Pebble", and Get skips Pebble; a false positive only costs
+// the Pebble lookup that every miss paid before.
+//
+// Removals do not clear bits (a bloom filter cannot). Once more keys were
+// added than the filter holds at 10 bits per key, and more than twice the
+// entries now stored, a new filter is built in the background. The memory
+// is fixed (Options.FilterBytes); with more live entries than that holds,
+// the false-positive rate rises and lookups fall back to Pebble's own
+// filters, as without this one.
+//
+// Building: under applyMu the new filter is installed as "building" (every
+// add from then on goes to it as well), the keys of the pending sets are
+// added to it, and a Pebble iterator is opened; that iterator sees every
+// ingest and batch made before, and everything after goes through an add.
+// The scan then runs without the lock, and the filter replaces the old one
+// (or, at Open, becomes the first one) when it is done. Until the first one
+// is ready, Get asks Pebble.
+
+// filterBitsPerKey sizes a filter's nominal capacity.
+const filterBitsPerKey = 10
+
+// keyFilter is a split-block bloom filter, safe for concurrent adds and
+// lookups (its words are atomic).
+type keyFilter struct {
+	words   []atomic.Uint64 // 8 per block
+	nblocks uint64
+	capKeys int64        // keys it holds at filterBitsPerKey
+	added   atomic.Int64 // keys added (with repeats)
+}
+
+// newKeyFilter returns an empty filter of about size bytes (at least one
+// 64-byte block).
+func newKeyFilter(size int64) *keyFilter {
+	nblocks := uint64(max(size/64, 1))
+	return &keyFilter{
+		words:   make([]atomic.Uint64, nblocks*8),
+		nblocks: nblocks,
+		capKeys: int64(nblocks) * 512 / filterBitsPerKey,
+	}
+}
+
+// The salts of the Parquet split-block bloom filter: one odd multiplier per
+// word picks the bit set in that word.
+var filterSalts = [8]uint32{0x47b6137b, 0x44974d91, 0x8824ad5b, 0xa2b7289d, 0x705495c7, 0x2df1424b, 0x9efc4947, 0x5c6bfb31}
+
+func (f *keyFilter) block(h uint64) []atomic.Uint64 {
+	b, _ := bits.Mul64(h, f.nblocks) // the high half: h scaled to [0, nblocks)
+	return f.words[b*8 : b*8+8]
+}
+
+func (f *keyFilter) add(h uint64) {
+	w := f.block(h)
+	x := uint32(h)
+	for i := range w {
+		w[i].Or(1 << ((x * filterSalts[i]) >> 26))
+	}
+	f.added.Add(1)
+}
+
+func (f *keyFilter) mayContain(h uint64) bool {
+	w := f.block(h)
+	x := uint32(h)
+	for i := range w {
+		if w[i].Load()&(1<<((x*filterSalts[i])>>26)) == 0 {
+			return false
+		}
+	}
+	return true
+}
+
+func (ix *Index) keyHash(key []byte) uint64 { return maphash.Bytes(ix.filterSeed, key) }
+
+// filterAddLocked adds an entry key that is about to be written to Pebble
+// (or to a pending set). ix.applyMu is held.
+func (ix *Index) filterAddLocked(key []byte) {
+	if ix.filterBytes <= 0 {
+		return
+	}
+	h := ix.keyHash(key)
+	if f := ix.filter.Load(); f != nil {
+		f.add(h)
+	}
+	if ix.building != nil {
+		ix.building.add(h)
+	}
+}
+
+// filterAbsent reports whether key is certainly not in Pebble.
+func (ix *Index) filterAbsent(key []byte) bool {
+	f := ix.filter.Load()
+	return f != nil && !f.mayContain(ix.keyHash(key))
+}
+
+// FilterBuilds returns how many key filters were built since Open.
+func (ix *Index) FilterBuilds() int64 { return ix.filterBuilds.Load() }
+
+// FilterReady reports whether lookups use the key filter (false while the
+// first one is being built, and when it is disabled).
+func (ix *Index) FilterReady() bool { return ix.filter.Load() != nil }
+
+// maybeRebuildFilterLocked starts a rebuild when the filter holds more keys
+// than its capacity and more than twice the entries stored (most of its
+// bits are then stale). ix.applyMu is held.
+func (ix *Index) maybeRebuildFilterLocked() {
+	f := ix.filter.Load()
+	if f == nil || ix.building != nil {
+		return
+	}
+	if n := f.added.Load(); n > f.capKeys && n > 2*ix.count.Load() {
+		ix.startFilterBuildLocked()
+	}
+}
+
+// startFilterBuildLocked starts building a filter in the background.
+// ix.applyMu is held.
+func (ix *Index) startFilterBuildLocked() {
+	if ix.filterBytes <= 0 || ix.building != nil || ix.filterClosed {
+		return
+	}
+	nf := newKeyFilter(ix.filterBytes)
+	// The mutable set changes only under applyMu (held); the frozen one is
+	// read-only, and dropped (under pmu) only once Pebble has it, so that
+	// the iterator opened below sees its keys if they are not added here.
+	ix.pmu.RLock()
+	sets := []*pendingSet{ix.mut, ix.frozen}
+	ix.pmu.RUnlock()
+	for _, s := range sets {
+		if s == nil {
+			continue
+		}
+		for k, p := range s.m {
+			if p.next != nil {
+				nf.add(maphash.String(ix.filterSeed, k))
+			}
+		}
+	}
+	it, err := ix.db.NewIter(&pebble.IterOptions{
+		LowerBound: []byte{prefixEntry},
+		UpperBound: []byte{prefixEntry + 1},
+	})
+	if err != nil {
+		ix.logger.Warn("index: key filter not built; lookups of new ids ask Pebble", "error", err)
+		return
+	}
+	ix.building = nf
+	ix.filterWG.Add(1)
+	go ix.scanFilter(nf, it)
+}
+
+// scanFilter adds every entry key of it to nf and installs nf.
+func (ix *Index) scanFilter(nf *keyFilter, it *pebble.Iterator) {
+	defer ix.filterWG.Done()
+	start := time.Now()
+	n := 0
+	var err error
+	for valid := it.First(); valid; valid = it.Next() {
+		nf.add(ix.keyHash(it.Key()))
+		n++
+		if n%4096 == 0 {
+			select {
+			case <-ix.filterStop:
+				err = errFilterStopped
+			default:
+			}
+			if err != nil {
+				break
+			}
+		}
+	}
+	if err == nil {
+		err = it.Error()
+	}
+	if cerr := it.Close(); err == nil {
+		err = cerr
+	}
+	ix.applyMu.Lock()
+	defer ix.applyMu.Unlock()
+	ix.building = nil
+	if err != nil {
+		if err != errFilterStopped {
+			ix.logger.Warn("index: key filter not built; lookups of new ids ask Pebble", "error", err)
+		}
+		return
+	}
+	ix.filter.Store(nf)
+	ix.filterBuilds.Add(1)
+	ix.logger.Debug("index: key filter built", "keys", n, "added", nf.added.Load(),
+		"capacity", nf.capKeys, "took", time.Since(start))
+}
+
+var errFilterStopped = fmt.Errorf("index: key filter build stopped")
+
+// stopFilter stops a build in progress and waits for it. applyMu must not
+// be held (the scan takes it to finish).
+func (ix *Index) stopFilter() {
+	ix.applyMu.Lock()
+	if !ix.filterClosed {
+		ix.filterClosed = true
+		close(ix.filterStop)
+	}
+	ix.applyMu.Unlock()
+	ix.filterWG.Wait()
+}
