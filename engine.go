@@ -248,6 +248,7 @@ func Open(dir string, opts *Options) (*Engine, error) {
 	if err := rep.Flush(); err != nil {
 		return fail(wrapCorrupt(err))
 	}
+	ix.StartFilter() // after replay, which then adds nothing to it (see index/filter.go)
 	if scan.LastLSN < applied {
 		return fail(fmt.Errorf("%w: the index has applied LSN %d but the WAL ends at LSN %d (WAL segments lost?)", ErrCorrupt, applied, scan.LastLSN))
 	}

@@ -66,6 +66,7 @@ func (m *filterModel) open() {
 	if err != nil {
 		m.t.Fatal(err)
 	}
+	ix.StartFilter()
 	m.ix = ix
 }
 

@@ -157,9 +157,6 @@ func Open(o Options) (*Index, error) {
 		cache.Unref()
 		return nil, err
 	}
-	ix.applyMu.Lock()
-	ix.startFilterBuildLocked()
-	ix.applyMu.Unlock()
 	return ix, nil
 }
 
