@@ -4,8 +4,8 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
-	"sync"
 
+	"github.com/idemdb/idem/internal/msgp"
 	"github.com/idemdb/idem/wal"
 	"github.com/vmihailenco/msgpack/v5"
 )
@@ -222,22 +222,8 @@ const (
 
 const entryFields = 12
 
-var entryEncPool = sync.Pool{New: func() any {
-	b := &bytes.Buffer{}
-	return &entryEncoder{buf: b, enc: msgpack.NewEncoder(b)}
-}}
-
-type entryEncoder struct {
-	buf *bytes.Buffer
-	enc *msgpack.Encoder
-}
-
 // EncodeEntry appends the value encoding of e to dst.
 func EncodeEntry(dst []byte, e *Entry) []byte {
-	pe := entryEncPool.Get().(*entryEncoder)
-	defer entryEncPool.Put(pe)
-	pe.buf.Reset()
-	en := pe.enc
 	var flags uint64
 	if e.Committed {
 		flags |= flagCommitted
@@ -254,21 +240,22 @@ func EncodeEntry(dst []byte, e *Entry) []byte {
 	if e.ClaimFP != nil {
 		flags |= flagClaimFP
 	}
-	// Encoding into a bytes.Buffer cannot fail.
-	_ = en.EncodeArrayLen(entryFields)
-	_ = en.EncodeUint(flags)
-	_ = en.EncodeUint(e.Seq)
-	_ = en.EncodeInt(e.CommitTime)
-	_ = en.EncodeUint(uint64(e.CommitLSN))
-	_ = en.EncodeBytes(e.Reply)
-	_ = en.EncodeBytes(e.Fingerprint)
-	_ = en.EncodeUint(uint64(e.ClaimLSN))
-	_ = en.EncodeUint(e.ClaimSeq)
-	_ = en.EncodeBytes(e.ClaimFP)
-	_ = en.EncodeInt(e.ClaimTime)
-	_ = en.EncodeInt(e.LeaseUntil)
-	_ = en.EncodeUint(uint64(e.LSN))
-	return append(dst, pe.buf.Bytes()...)
+	if dst == nil {
+		dst = make([]byte, 0, 40+len(e.Reply)+len(e.Fingerprint)+len(e.ClaimFP))
+	}
+	dst = msgp.AppendArrayLen(dst, entryFields)
+	dst = msgp.AppendUint(dst, flags)
+	dst = msgp.AppendUint(dst, e.Seq)
+	dst = msgp.AppendInt(dst, e.CommitTime)
+	dst = msgp.AppendUint(dst, uint64(e.CommitLSN))
+	dst = msgp.AppendBytes(dst, e.Reply)
+	dst = msgp.AppendBytes(dst, e.Fingerprint)
+	dst = msgp.AppendUint(dst, uint64(e.ClaimLSN))
+	dst = msgp.AppendUint(dst, e.ClaimSeq)
+	dst = msgp.AppendBytes(dst, e.ClaimFP)
+	dst = msgp.AppendInt(dst, e.ClaimTime)
+	dst = msgp.AppendInt(dst, e.LeaseUntil)
+	return msgp.AppendUint(dst, uint64(e.LSN))
 }
 
 // ErrBadEntry wraps every entry decoding error.

@@ -27,8 +27,8 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
-	"sync"
 
+	"github.com/idemdb/idem/internal/msgp"
 	"github.com/klauspost/compress/s2"
 	"github.com/vmihailenco/msgpack/v5"
 	"github.com/vmihailenco/msgpack/v5/msgpcode"
@@ -114,82 +114,59 @@ func OpName(t byte) string {
 	return fmt.Sprintf("unknown(%d)", t)
 }
 
-var encPool = sync.Pool{New: func() any {
-	b := &bytes.Buffer{}
-	e := msgpack.NewEncoder(b)
-	return &opEncoder{buf: b, enc: e}
-}}
-
-type opEncoder struct {
-	buf *bytes.Buffer
-	enc *msgpack.Encoder
-}
-
 // EncodeOp appends the payload of op to dst and returns it.
 func EncodeOp(dst []byte, op *Op) ([]byte, error) {
-	pe := encPool.Get().(*opEncoder)
-	defer encPool.Put(pe)
-	pe.buf.Reset()
-	e := pe.enc
-	var err error
-	put := func(f error) {
-		if err == nil {
-			err = f
-		}
-	}
 	switch op.Type {
 	case OpClaim:
-		put(e.EncodeArrayLen(9))
-		putKey(e, op, put)
-		put(e.EncodeBytes(op.Fingerprint))
-		putIDs(e, op.Acked, put)
-		put(e.EncodeInt(op.Time))
-		put(e.EncodeInt(op.LeaseUntil))
-		put(e.EncodeUint(op.Flags))
+		dst = msgp.AppendArrayLen(dst, 9)
+		dst = appendKey(dst, op)
+		dst = msgp.AppendBytes(dst, op.Fingerprint)
+		dst = appendIDs(dst, op.Acked)
+		dst = msgp.AppendInt(dst, op.Time)
+		dst = msgp.AppendInt(dst, op.LeaseUntil)
+		dst = msgp.AppendUint(dst, op.Flags)
 	case OpCommit:
-		put(e.EncodeArrayLen(8))
-		putKey(e, op, put)
-		put(e.EncodeUint(uint64(op.ClaimLSN)))
-		put(e.EncodeInt(op.Time))
+		dst = msgp.AppendArrayLen(dst, 8)
+		dst = appendKey(dst, op)
+		dst = msgp.AppendUint(dst, uint64(op.ClaimLSN))
+		dst = msgp.AppendInt(dst, op.Time)
 		reply, codec := compressReply(op.Reply)
-		put(e.EncodeUint(uint64(codec)))
-		put(e.EncodeBytes(reply))
+		dst = msgp.AppendUint(dst, uint64(codec))
+		dst = msgp.AppendBytes(dst, reply)
 	case OpAbort:
-		put(e.EncodeArrayLen(6))
-		putKey(e, op, put)
-		put(e.EncodeUint(uint64(op.ClaimLSN)))
-		put(e.EncodeInt(op.Time))
+		dst = msgp.AppendArrayLen(dst, 6)
+		dst = appendKey(dst, op)
+		dst = msgp.AppendUint(dst, uint64(op.ClaimLSN))
+		dst = msgp.AppendInt(dst, op.Time)
 	case OpAck:
-		put(e.EncodeArrayLen(3))
-		put(e.EncodeString(op.Scope))
-		putIDs(e, op.Acked, put)
-		put(e.EncodeInt(op.Time))
+		dst = msgp.AppendArrayLen(dst, 3)
+		dst = msgp.AppendString(dst, op.Scope)
+		dst = appendIDs(dst, op.Acked)
+		dst = msgp.AppendInt(dst, op.Time)
 	case OpForget:
-		put(e.EncodeArrayLen(3))
-		put(e.EncodeInt(op.Before))
-		put(e.EncodeInt(op.Time))
-		put(e.EncodeUint(uint64(op.Reason)))
+		dst = msgp.AppendArrayLen(dst, 3)
+		dst = msgp.AppendInt(dst, op.Before)
+		dst = msgp.AppendInt(dst, op.Time)
+		dst = msgp.AppendUint(dst, uint64(op.Reason))
 	default:
 		return dst, fmt.Errorf("%w: cannot encode kind %d", ErrBadRecord, op.Type)
 	}
-	if err != nil {
-		return dst, err
-	}
-	return append(dst, pe.buf.Bytes()...), nil
+	return dst, nil
 }
 
-func putKey(e *msgpack.Encoder, op *Op, put func(error)) {
-	put(e.EncodeString(op.Scope))
-	put(e.EncodeBytes(op.ID))
-	put(e.EncodeString(op.Client))
-	put(e.EncodeUint(op.Seq))
+func appendKey(dst []byte, op *Op) []byte {
+	dst = msgp.AppendString(dst, op.Scope)
+	dst = msgp.AppendBytes(dst, op.ID)
+	dst = msgp.AppendString(dst, op.Client)
+	return msgp.AppendUint(dst, op.Seq)
 }
 
-func putIDs(e *msgpack.Encoder, ids [][]byte, put func(error)) {
-	put(e.EncodeArrayLen(len(ids)))
+func appendIDs(dst []byte, ids [][]byte) []byte {
+	dst = msgp.AppendArrayLen(dst, len(ids))
 	for _, id := range ids {
-		put(e.EncodeBytes(id))
+		dst = msgp.AppendBytes(dst, id)
 	}
+	return dst
 }
 
 // compressReply returns the bytes to store and their codec. Small or
