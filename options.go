@@ -54,7 +54,9 @@ type Options struct {
 	// enter the index (default 16 MiB). Updates are gathered in memory and
 	// written to Pebble as one sorted sstable when this much has
 	// accumulated (see docs/design.md, "Index writes"); up to twice this
-	// is held while one set is being ingested. Smaller values mean more,
+	// is held while one set is being ingested (during Open's replay, sets
+	// of 4x this: faster replay, up to 8x this until the first ingests
+	// after Open are done). Smaller values mean more,
 	// smaller sstables; it does not affect durability (the WAL has every
 	// record before it is applied).
 	IndexIngestBytes int64

@@ -314,7 +314,11 @@ type Update struct {
 // and records the last LSN. Runs of key updates are coalesced per key and
 // written in one Pebble batch; forget marks are applied physically through
 // the time index.
-func (ix *Index) Apply(ups []*Update) error {
+func (ix *Index) Apply(ups []*Update) error { return ix.apply(ups, ix.ingestBytes) }
+
+// apply is Apply with the size at which the mutable pending set is frozen
+// and ingested.
+func (ix *Index) apply(ups []*Update, ingestAt int64) error {
 	ix.applyMu.Lock()
 	defer ix.applyMu.Unlock()
 	if ix.ingestErr != nil {
@@ -337,7 +341,7 @@ func (ix *Index) Apply(ups []*Update) error {
 		for n < len(ups) && ups[n].Forget == nil {
 			n++
 		}
-		if err := ix.addPending(ups[:n]); err != nil {
+		if err := ix.addPending(ups[:n], ingestAt); err != nil {
 			return err
 		}
 		ups = ups[n:]

@@ -73,7 +73,7 @@ func (ix *Index) lookupPending(key []byte) (e *Entry, ok bool) {
 
 // addPending merges a run of key updates into the mutable set and starts an
 // ingest when it is full. ix.applyMu is held.
-func (ix *Index) addPending(ups []*Update) error {
+func (ix *Index) addPending(ups []*Update, ingestAt int64) error {
 	ix.pmu.Lock()
 	s := ix.mut
 	delta, rdelta := int64(0), int64(0)
@@ -106,7 +106,7 @@ func (ix *Index) addPending(ups []*Update) error {
 	ix.replies.Store(replies)
 	ix.applied.Store(uint64(last))
 	ix.maybeRebuildFilterLocked()
-	if s.bytes >= ix.ingestBytes {
+	if s.bytes >= ingestAt {
 		return ix.freezeLocked()
 	}
 	return nil

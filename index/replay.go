@@ -30,6 +30,16 @@ type Replayer struct {
 // replayFlushEvery bounds the overlay (and so replay's memory).
 const replayFlushEvery = 1 << 16
 
+// replayIngestFactor: replay fills pending sets much faster than a running
+// engine, and ingesting a set (writing and fsyncing the sstable, Pebble's
+// compactions after it) competes with it for the CPU and the disk. Sets of
+// 4 x IngestBytes (64 MiB by default) made replay on disk about 15% faster
+// (0.93-0.98M to 1.07-1.12M records/s, BenchmarkReplay). The last set is
+// frozen by the first Apply after Open, which uses the normal size. So
+// from replay until that ingest is done the index may hold two sets of
+// 4 x IngestBytes (128 MiB by default) instead of two of 1 x.
+const replayIngestFactor = 4
+
 // NewReplayer returns a replayer writing into ix.
 func (ix *Index) NewReplayer() *Replayer {
 	return &Replayer{ix: ix, start: ix.Applied(), overlay: make(map[string]*Entry)}
@@ -95,7 +105,7 @@ func (r *Replayer) flushAsync() error {
 	r.pending, r.n = nil, 0
 	done := make(chan error, 1)
 	r.done = done
-	go func() { done <- r.ix.Apply(ups) }()
+	go func() { done <- r.ix.apply(ups, replayIngestFactor*r.ix.ingestBytes) }()
 	return nil
 }
 
