@@ -74,26 +74,38 @@ func (m *filterModel) key(i int) []byte {
 	return EntryKey(nil, "s", ModeID, []byte(fmt.Sprintf("id-%06d", i)))
 }
 
-// step applies n updates: mostly inserts of new keys, some deletes.
+// insert returns the update that stores a new key.
+func (m *filterModel) insert() *Update {
+	m.lsn++
+	k := m.key(m.next)
+	m.next++
+	e := &Entry{Committed: true, CommitTime: int64(m.lsn), CommitLSN: m.lsn, LSN: m.lsn, ReplyKept: true, Reply: []byte("reply")}
+	m.live[string(k)] = e
+	m.order = append(m.order, string(k))
+	return &Update{LSN: m.lsn, Transitions: []Transition{{Key: k, Mode: ModeID, Next: e}}}
+}
+
+// remove returns the update that deletes the j-th live key.
+func (m *filterModel) remove(j int) *Update {
+	m.lsn++
+	k := m.order[j]
+	m.order[j] = m.order[len(m.order)-1]
+	m.order = m.order[:len(m.order)-1]
+	u := &Update{LSN: m.lsn, Transitions: []Transition{{Key: []byte(k), Mode: ModeID, Prev: m.live[k]}}}
+	delete(m.live, k)
+	return u
+}
+
+// step applies n updates: inserts of new keys and (about half as many)
+// deletes.
 func (m *filterModel) step(n int) {
 	var ups []*Update
 	for i := 0; i < n; i++ {
-		m.lsn++
 		if len(m.order) > 0 && m.rng.IntN(100) < 48 {
-			j := m.rng.IntN(len(m.order))
-			k := m.order[j]
-			m.order[j] = m.order[len(m.order)-1]
-			m.order = m.order[:len(m.order)-1]
-			ups = append(ups, &Update{LSN: m.lsn, Transitions: []Transition{{Key: []byte(k), Mode: ModeID, Prev: m.live[k]}}})
-			delete(m.live, k)
-			continue
+			ups = append(ups, m.remove(m.rng.IntN(len(m.order))))
+		} else {
+			ups = append(ups, m.insert())
 		}
-		k := m.key(m.next)
-		m.next++
-		e := &Entry{Committed: true, CommitTime: int64(m.lsn), CommitLSN: m.lsn, LSN: m.lsn, ReplyKept: true, Reply: []byte("reply")}
-		ups = append(ups, &Update{LSN: m.lsn, Transitions: []Transition{{Key: k, Mode: ModeID, Next: e}}})
-		m.live[string(k)] = e
-		m.order = append(m.order, string(k))
 	}
 	if err := m.ix.Apply(ups); err != nil {
 		m.t.Fatal(err)
@@ -197,24 +209,16 @@ func TestFilterConcurrentGets(t *testing.T) {
 		// Inserts and deletes of other keys only.
 		var ups []*Update
 		for i := 0; i < 30; i++ {
-			m.lsn++
-			if i%2 == 1 {
-				for j, k := range m.order {
-					if !keep[k] {
-						ups = append(ups, &Update{LSN: m.lsn, Transitions: []Transition{{Key: []byte(k), Mode: ModeID, Prev: m.live[k]}}})
-						delete(m.live, k)
-						m.order = append(m.order[:j], m.order[j+1:]...)
-						break
-					}
-				}
+			if i%2 == 0 {
+				ups = append(ups, m.insert())
 				continue
 			}
-			k := m.key(m.next)
-			m.next++
-			e := &Entry{Committed: true, CommitTime: int64(m.lsn), CommitLSN: m.lsn, LSN: m.lsn, ReplyKept: true, Reply: []byte("r")}
-			ups = append(ups, &Update{LSN: m.lsn, Transitions: []Transition{{Key: k, Mode: ModeID, Next: e}}})
-			m.live[string(k)] = e
-			m.order = append(m.order, string(k))
+			for j, k := range m.order {
+				if !keep[k] {
+					ups = append(ups, m.remove(j))
+					break
+				}
+			}
 		}
 		if err := m.ix.Apply(ups); err != nil {
 			t.Fatal(err)

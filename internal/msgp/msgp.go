@@ -82,30 +82,27 @@ func AppendBytes(b []byte, v []byte) []byte {
 	if v == nil {
 		return append(b, codeNil)
 	}
-	n := len(v)
-	switch {
-	case n < 256:
-		b = append(b, codeBin8, byte(n))
-	case n <= math.MaxUint16:
-		b = binary.BigEndian.AppendUint16(append(b, codeBin16), uint16(n))
-	default:
-		b = binary.BigEndian.AppendUint32(append(b, codeBin32), uint32(n))
-	}
-	return append(b, v...)
+	return append(appendLen(b, len(v), codeBin8, codeBin16, codeBin32), v...)
 }
 
 // AppendString appends s as str.
 func AppendString(b []byte, s string) []byte {
-	n := len(s)
-	switch {
-	case n < 32:
+	if n := len(s); n < 32 {
 		b = append(b, fixStrLow|byte(n))
-	case n < 256:
-		b = append(b, codeStr8, byte(n))
-	case n <= math.MaxUint16:
-		b = binary.BigEndian.AppendUint16(append(b, codeStr16), uint16(n))
-	default:
-		b = binary.BigEndian.AppendUint32(append(b, codeStr32), uint32(n))
+	} else {
+		b = appendLen(b, n, codeStr8, codeStr16, codeStr32)
 	}
 	return append(b, s...)
+}
+
+// appendLen appends the header of a bin or str of n bytes in its shortest
+// 8-, 16- or 32-bit form.
+func appendLen(b []byte, n int, c8, c16, c32 byte) []byte {
+	switch {
+	case n < 256:
+		return append(b, c8, byte(n))
+	case n <= math.MaxUint16:
+		return binary.BigEndian.AppendUint16(append(b, c16), uint16(n))
+	}
+	return binary.BigEndian.AppendUint32(append(b, c32), uint32(n))
 }
