@@ -92,10 +92,13 @@ func (ix *Index) addPending(ups []*Update, ingestAt int64) error {
 			delta += d - od
 			rdelta += r - or
 			s.bytes += entryMem(t.Next) - entryMem(p.next)
-			p.next = t.Next
-			if t.Next != nil {
+			if t.Next != nil && p.next == nil {
+				// Absent to present: the key may be new to the key filter.
+				// (A present key is there already: added when it became
+				// present, or by the scan that built the filter.)
 				ix.filterAddLocked(t.Key)
 			}
+			p.next = t.Next
 		}
 	}
 	count, replies := ix.count.Load()+delta, ix.replies.Load()+rdelta
