@@ -63,7 +63,8 @@ type Options struct {
 	// IndexFilterBytes is the memory of the in-memory key filter that
 	// answers most lookups of new ids without asking Pebble (default
 	// 16 MiB, good for about 13 million stored ids at 1% false positives;
-	// past that it helps less, and it never grows). Negative turns it off.
+	// past that it helps less, and it never grows; twice this while a new
+	// one is built). Negative turns it off.
 	// It is rebuilt in the background from the index when most of its
 	// bits are stale (see docs/design.md, "Key filter").
 	IndexFilterBytes int64

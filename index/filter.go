@@ -19,18 +19,18 @@ import (
 // It is a split-block bloom filter over every entry key that may be in
 // Pebble: one 64-byte block per key, one bit set in each of its eight
 // 64-bit words (about 1% false positives at 10 bits per key). A key is
-// added before it can reach Pebble: when its update enters a pending set
-// (addPending), when Load or a forget batch writes it, and by a scan of
-// Pebble's entry keys when the filter is built. So "not in the filter"
-// means "not in Pebble", and Get skips Pebble; a false positive only costs
-// the Pebble lookup that every miss paid before.
+// added before it can reach Pebble: when an update in a pending set makes
+// it present (addPending), when Load or a forget batch writes it, and by a
+// scan of Pebble's entry keys when the filter is built. So "not in the
+// filter" means "not in Pebble", and Get skips Pebble; a false positive
+// only costs the Pebble lookup that every miss paid before.
 //
 // Removals do not clear bits (a bloom filter cannot). Once more keys were
 // added than the filter holds at 10 bits per key, and more than twice the
 // entries now stored, a new filter is built in the background. The memory
-// is fixed (Options.FilterBytes); with more live entries than that holds,
-// the false-positive rate rises and lookups fall back to Pebble's own
-// filters, as without this one.
+// is fixed (Options.FilterBytes, twice that during a build); with more
+// live entries than that holds, the false-positive rate rises and lookups
+// fall back to Pebble's own filters, as without this one.
 //
 // Building: under applyMu the new filter is installed as "building" (every
 // add from then on goes to it as well), the keys of the pending sets are
