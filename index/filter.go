@@ -20,10 +20,12 @@ import (
 // Pebble: one 64-byte block per key, one bit set in each of its eight
 // 64-bit words (about 1% false positives at 10 bits per key). A key is
 // added before it can reach Pebble: when an update in a pending set makes
-// it present (addPending), when Load or a forget batch writes it, and by a
-// scan of Pebble's entry keys when the filter is built. So "not in the
-// filter" means "not in Pebble", and Get skips Pebble; a false positive
-// only costs the Pebble lookup that every miss paid before.
+// it present (addPending), when Load writes it, and by a scan of Pebble's
+// entry keys when the filter is built. A key that is present is in the
+// filter already, so changes of present keys (a commit after its claim, a
+// forget batch rewriting an entry) add nothing. So "not in the filter"
+// means "not in Pebble", and Get skips Pebble; a false positive only costs
+// the Pebble lookup that every miss paid before.
 //
 // Removals do not clear bits (a bloom filter cannot). Once more keys were
 // added than the filter holds at 10 bits per key, and more than twice the
@@ -123,9 +125,8 @@ func (ix *Index) FilterBuilds() int64 { return ix.filterBuilds.Load() }
 func (ix *Index) FilterReady() bool { return ix.filter.Load() != nil }
 
 // StartFilter builds the first key filter in the background. The engine
-// calls it once replay is done: replay then does not pay for adding every
-// key it applies (about a tenth of its time), and the build scans only
-// what is live.
+// calls it once replay is done: replay then adds nothing to a filter, and
+// the build scans only what is live.
 func (ix *Index) StartFilter() {
 	ix.applyMu.Lock()
 	defer ix.applyMu.Unlock()

@@ -436,7 +436,6 @@ func (ix *Index) forgetChunk(lower, upper []byte, lsn wal.LSN, m Mark, reason by
 			delta--
 		} else {
 			nx.LSN = lsn
-			ix.filterAddLocked(ek) // present already; every key written is added
 			err = b.Set(ek, EncodeEntry(nil, nx), nil)
 		}
 		if err != nil {
@@ -496,7 +495,6 @@ func (ix *Index) forgetClaims(lsn wal.LSN, m Mark) error {
 			return b.Delete(key, nil)
 		} else {
 			nx.LSN = lsn
-			ix.filterAddLocked(key)
 			return b.Set(key, EncodeEntry(nil, nx), nil)
 		}
 	})
