@@ -61,14 +61,14 @@ func (s Status) String() string {
 }
 
 // Request identifies one request. Give either ID, or Client and Seq
-// (sequence mode, source 002), never both.
+// (sequence mode: per-client sequences), never both.
 type Request struct {
 	// Scope separates independent id spaces (tenants, endpoints). May be empty.
 	Scope string
 	// ID is the request id (for example a UUID, or time + random nonce).
 	ID []byte
 	// Acked lists ids (in Scope) whose replies the client has received and
-	// will never retry; they are removed from the set (source 000).
+	// will never retry; they are removed from the set (acked ids).
 	Acked [][]byte
 	// Fingerprint of the payload (for example its SHA-256). A retry with a
 	// different fingerprint is ErrConflict. Empty means unchecked.
@@ -785,7 +785,7 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 			e.st.hits.Add(1)
 			return res, k, e.waitDurable(cur.CommitLSN)
 		case cur != nil && cur.Committed:
-			e.st.expired.Add(1) // retention ran out: runs again as new (source 003, T+61m)
+			e.st.expired.Add(1) // retention or TTL ran out: runs again as new (T+61m for a one-hour TTL)
 		case cur != nil && cur.InFlight:
 			if !fpMatch(cur.ClaimFP, fp) {
 				unlock()
@@ -893,7 +893,7 @@ func doneResult(en *index.Entry) Result {
 }
 
 // fpMatch: an unchecked request matches anything; a checked one needs the
-// same fingerprint, and never matches an entry stored without one (source 001).
+// same fingerprint, and never matches an entry stored without one.
 func fpMatch(stored, asked []byte) bool {
 	if asked == nil {
 		return true
@@ -1180,8 +1180,8 @@ func (e *Engine) ClientState(scope, client string) (uint64, error) {
 	return sl.e.Seq, nil
 }
 
-// Ack removes committed ids whose replies the client has received (source
-// 000), by a logged record, so that replay removes them too. Unknown and
+// Ack removes committed ids whose replies the client has received, by a
+// logged record, so that replay removes them too. Unknown and
 // in-flight ids are ignored. Durable when it returns (SyncAlways).
 func (e *Engine) Ack(ctx context.Context, scope string, ids ...[]byte) error {
 	if len(ids) == 0 {
@@ -1220,7 +1220,7 @@ func (e *Engine) Ack(ctx context.Context, scope string, ids ...[]byte) error {
 }
 
 // Forget appends the administrator's tombstone "forget every reply
-// committed before before" (source 000). Ids forgotten run again as new;
+// committed before before". Ids forgotten run again as new;
 // sequence-mode clients keep their last sequence number (a retry at or
 // below it is ErrAlreadyCommitted). In-flight claims whose lease ended
 // before before are dropped too (abandoned claims). A forget never moves
@@ -1263,7 +1263,7 @@ func (e *Engine) forget(ctx context.Context, before int64, reason byte) error {
 // owner crashed (or closed) between Begin and Commit, so whether the side
 // effect happened is unknown to idem. Retries see InFlight until the lease
 // runs out. Resolve it with Claim.Commit (recover-and-commit) or
-// Claim.Abort (recover-and-abort), source 004.
+// Claim.Abort (recover-and-abort), as a two-phase-commit sink recovers.
 type InDoubtClaim struct {
 	Scope       string
 	ID          []byte // id mode
@@ -1324,7 +1324,7 @@ func (e *Engine) InDoubt() ([]InDoubtClaim, error) {
 
 // Stats are the engine's counters and sizes.
 type Stats struct {
-	Hits               uint64 // Begin returned Done (source 003 idempotency.hit)
+	Hits               uint64 // Begin returned Done (idempotency.hit)
 	Misses             uint64 // Begin returned Fresh (idempotency.miss)
 	Conflicts          uint64 // ErrConflict (idempotency.conflict)
 	InFlightCollisions uint64 // Begin returned InFlight (idempotency.processing_collision)
