@@ -147,6 +147,9 @@ type Engine struct {
 
 	compactMu   sync.Mutex // one compaction (or retention/eviction pass) at a time
 	lastRemoved uint64     // guarded by compactMu: removals counted by the previous Compact
+	// removedSinceEntryCompact (guarded by compactMu) counts removals since
+	// the entry range was last compacted by hand.
+	removedSinceEntryCompact uint64
 	// walAfterCompact is the WAL's size after the previous Compact (the
 	// size trigger compares with it).
 	walAfterCompact atomic.Int64

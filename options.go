@@ -102,11 +102,20 @@ type Options struct {
 	// CompactWALBytes also triggers a background Compact whenever the WAL
 	// has grown by this much since the previous one (default 128 MiB), so
 	// that a busy engine keeps its disk bounded between CompactIntervals.
-	// The WAL is kept back to the oldest kept snapshot, so it holds about
-	// KeepSnapshots times this much at most. Negative: no size trigger.
+	// A compaction costs what changed since the previous one (it makes the
+	// index durable and removes the WAL before it), so the WAL stays near
+	// this size under load. With KeepSnapshots the WAL is kept back to the
+	// oldest kept snapshot instead. Negative: no size trigger.
 	CompactWALBytes int64
-	// KeepSnapshots is how many on-disk snapshots (<dir>/snapshot/) Compact
-	// keeps (default 2). Negative: Compact writes none.
+	// KeepSnapshots, when positive, makes every Compact write an on-disk
+	// snapshot of the whole live set (<dir>/snapshot/) and keep this many,
+	// with the WAL back to the oldest one, so that Open can rebuild a lost
+	// or deleted index from them. It costs a full copy of the live set per
+	// compaction (time and disk grow with the set, not with what changed),
+	// so it is off by default (0 or negative): the index is then the only
+	// copy of what the removed WAL held. Its sstables are checksummed, so
+	// damage is detected (ErrCorrupt), never read as data; back it up with
+	// Engine.Snapshot or `idem snapshot`, which stream while writes go on.
 	KeepSnapshots int
 	// MaxIDLen bounds ids, scopes, client names and fingerprints (default 1024 bytes).
 	MaxIDLen int
@@ -155,9 +164,6 @@ func (o *Options) withDefaults() Options {
 	}
 	if r.CompactWALBytes == 0 {
 		r.CompactWALBytes = 128 << 20
-	}
-	if r.KeepSnapshots == 0 {
-		r.KeepSnapshots = 2
 	}
 	if r.MaxIDLen <= 0 {
 		r.MaxIDLen = 1024

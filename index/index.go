@@ -60,6 +60,9 @@ type Index struct {
 	// forgotten and evicted count replies removed by forget marks since
 	// Open (evicted: marks written for Options.MaxEntries).
 	forgotten, evicted atomic.Uint64
+	// compactedMark is the forget mark's Before when CompactRemoved last
+	// compacted the time index below it.
+	compactedMark atomic.Int64
 
 	applyMu sync.Mutex // serializes Apply, ingests and the fields below
 
