@@ -212,7 +212,7 @@ func Open(dir string, opts *Options) (*Engine, error) {
 			e.unlockDir()
 		}
 	}()
-	ix, err := index.Open(index.Options{FS: o.FS, Dir: filepath.Join(dir, "index"), CacheSize: o.IndexCacheSize, IngestBytes: o.IndexIngestBytes, FilterBytes: o.IndexFilterBytes, Logger: o.Logger})
+	ix, err := index.Open(index.Options{FS: o.FS, Dir: filepath.Join(dir, "index"), CacheSize: o.IndexCacheSize, MemTableSize: o.memTableSize(), IngestBytes: o.IndexIngestBytes, FilterBytes: o.IndexFilterBytes, Logger: o.Logger})
 	if err != nil {
 		return nil, wrapCorrupt(err)
 	}
@@ -1355,6 +1355,19 @@ type Stats struct {
 	// IndexFilterBuilds counts the key filters built since Open (the first
 	// one, then one each time most of its bits went stale).
 	IndexFilterBuilds int64
+	// Memory is what the engine accounts for against Options.MemoryBudget.
+	Memory MemoryStats
+}
+
+// MemoryStats break down the memory the engine accounts for, in bytes.
+type MemoryStats struct {
+	Budget     int64 // Options.MemoryBudget
+	Cache      int64 // the in-memory table in front of the index (CacheSize)
+	Pending    int64 // applied updates waiting to enter the index (IndexIngestBytes, two sets)
+	Filter     int64 // key filters (IndexFilterBytes; two while one is rebuilt)
+	BlockCache int64 // Pebble's block cache in use (IndexCacheSize)
+	MemTables  int64 // Pebble's memtables (3 x MemoryBudget/32 at most)
+	Total      int64 // the sum of the above
 }
 
 // Stats returns a snapshot of the counters.
@@ -1391,6 +1404,10 @@ func (e *Engine) Stats() Stats {
 	}
 	if !e.closed.Load() {
 		s.IndexBytes = e.ix.DiskUsage()
+		m := e.ix.Memory()
+		s.Memory = MemoryStats{Budget: e.o.MemoryBudget, Cache: s.CacheBytes, Pending: m.Pending, Filter: m.Filter,
+			BlockCache: m.BlockCache, MemTables: m.MemTables}
+		s.Memory.Total = s.Memory.Cache + m.Total()
 	}
 	return s
 }
