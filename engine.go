@@ -299,8 +299,11 @@ func Open(dir string, opts *Options) (*Engine, error) {
 }
 
 func wrapCorrupt(err error) error {
-	if errors.Is(err, ErrCorrupt) {
+	if errors.Is(err, ErrCorrupt) || errors.Is(err, ErrFailed) {
 		return err
+	}
+	if errors.Is(err, index.ErrBackground) {
+		return fmt.Errorf("%w: %w", ErrFailed, err)
 	}
 	if errors.Is(err, wal.ErrCorrupt) || errors.Is(err, index.ErrCorrupt) || errors.Is(err, wal.ErrBadRecord) || errors.Is(err, index.ErrBadEntry) || errors.Is(err, index.ErrNoClaim) {
 		return fmt.Errorf("%w: %w", ErrCorrupt, err)
