@@ -60,6 +60,9 @@ type Index struct {
 	// forgotten and evicted count replies removed by forget marks since
 	// Open (evicted: marks written for Options.MaxEntries).
 	forgotten, evicted atomic.Uint64
+	// compactedMark is the forget mark's Before when CompactRemoved last
+	// compacted the time index below it.
+	compactedMark atomic.Int64
 
 	applyMu sync.Mutex // serializes Apply, ingests and the fields below
 
@@ -431,6 +434,12 @@ func (ix *Index) forgetChunk(lower, upper []byte, lsn wal.LSN, m Mark, reason by
 			continue
 		}
 		removed++
+		if e.HasExpiryKey() {
+			if err = b.Delete(expiryKey(nil, e.ExpiresAt, ek), nil); err != nil {
+				it.Close()
+				return false, nil, err
+			}
+		}
 		if nx := DropReply(e, mode); nx == nil {
 			err = b.Delete(ek, nil)
 			delta--
