@@ -381,3 +381,10 @@ func (h *handler) logStore(r *http.Request, key, what string, err error) {
 	h.c.log.LogAttrs(r.Context(), slog.LevelError, "idemhttp: "+what,
 		slog.String("method", r.Method), slog.String("path", r.URL.Path), slog.String("key", key), slog.Any("error", err))
 }
+
+// request builds the engine request for a key. The TTL is this
+// middleware's: the engine decides expiry by its own clock
+// (idem.Options.Clock), so every time decision about a key is the engine's.
+func (c *config) request(scope string, id, fp []byte, acked [][]byte) idem.Request {
+	return idem.Request{Scope: scope, ID: id, Fingerprint: fp, Acked: acked, TTL: c.ttl}
+}
