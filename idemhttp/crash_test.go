@@ -67,7 +67,9 @@ func TestCrashInFlight(t *testing.T) {
 	srv := serve(t, idemhttp.Middleware(e, opts)(app))
 	keys := []string{"crash-commit", "crash-abort", "crash-lease"}
 	for _, k := range keys {
-		go func() { _, _ = tryDo(ctx, srv.Client(), http.MethodPost, srv.URL+itemsPath, item1, idemhttp.HeaderKey, k, "Authorization", "Bearer alice") }()
+		go func() {
+			_, _ = tryDo(ctx, srv.Client(), http.MethodPost, srv.URL+itemsPath, item1, idemhttp.HeaderKey, k, "Authorization", "Bearer alice")
+		}()
 	}
 	for range keys {
 		<-app.started
