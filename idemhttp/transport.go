@@ -44,7 +44,8 @@ import (
 // request, so that a middleware with a Principal frees it long before its
 // TTL. This is best effort: keys not yet sent when the transport is
 // dropped simply expire. Keys the caller set are never acked (the caller
-// may send them again).
+// may send them again), and a request that already has an
+// Idempotency-Acked-Keys header keeps it as it is.
 //
 // The zero Transport is ready to use; its fields must not change once it is
 // in use. It is safe for concurrent use.
@@ -137,7 +138,10 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		return nil, err
 	}
 	dest := destination(req)
-	acks := t.takeAcks(dest, key)
+	var acks []string
+	if req.Header.Get(HeaderAckedKeys) == "" { // the caller's own list wins
+		acks = t.takeAcks(dest, key)
+	}
 	attempts := orDefault(t.MaxAttempts, defaultAttempts)
 	if !body.replay {
 		attempts = 1
