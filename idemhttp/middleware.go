@@ -342,7 +342,7 @@ func (h *handler) finish(w http.ResponseWriter, r *http.Request, key string, rec
 			_ = sendStored(w, rec.stored(), false)
 		}
 	case rec.streaming:
-		h.commitNotStored(r, key, claim, bg, status, rec.snapshot)
+		h.commitNotStored(r, key, claim, bg, status)
 		copyHeader(w.Header(), trailers(rec.snapshot, rec.header))
 	default:
 		s := rec.stored()
@@ -355,7 +355,7 @@ func (h *handler) finish(w http.ResponseWriter, r *http.Request, key string, rec
 			// is kept as handled, its response not replayable.
 			h.c.log.LogAttrs(r.Context(), slog.LevelWarn, "idemhttp: response too large for the engine; stored as not replayable",
 				slog.String("method", r.Method), slog.String("path", r.URL.Path), slog.String("key", key), slog.Int("bytes", len(reply)), slog.Any("error", err))
-			h.commitNotStored(r, key, claim, bg, status, s.Header)
+			h.commitNotStored(r, key, claim, bg, status)
 		} else if err != nil {
 			h.logStore(r, key, "storing the response (sent anyway)", err)
 		}
@@ -363,8 +363,11 @@ func (h *handler) finish(w http.ResponseWriter, r *http.Request, key string, rec
 	}
 }
 
-func (h *handler) commitNotStored(r *http.Request, key string, claim *idem.Claim, bg context.Context, status int, header http.Header) {
-	m := &StoredResponse{Status: status, Header: header, NotStored: true}
+// commitNotStored commits the marker of a response too large to store: its
+// status only (a retry gets IDEMPOTENCY_RESPONSE_NOT_STORED, never the
+// handler's header), so the marker itself is always small.
+func (h *handler) commitNotStored(r *http.Request, key string, claim *idem.Claim, bg context.Context, status int) {
+	m := &StoredResponse{Status: status, NotStored: true}
 	reply, err := m.Encode()
 	if err == nil {
 		err = claim.Commit(bg, reply)

@@ -26,8 +26,8 @@ type StoredResponse struct {
 	// "Trailer" header, and keys prefixed with http.TrailerPrefix.
 	Trailer http.Header
 	// NotStored marks a response that was larger than the size limit: it
-	// went to the first client only, Body is empty, and a retry gets the
-	// IDEMPOTENCY_RESPONSE_NOT_STORED error instead of a replay.
+	// went to the first client only, only Status is kept, and a retry gets
+	// the IDEMPOTENCY_RESPONSE_NOT_STORED error instead of a replay.
 	NotStored bool
 }
 
