@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"os"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -281,8 +283,12 @@ func TestConcurrentRetriesOneExecution(t *testing.T) {
 	srv := serve(t, idemhttp.Middleware(e, nil)(app))
 	tr := srv.Client().Transport.(*http.Transport)
 	tr.MaxIdleConnsPerHost = 300
-	const n = 300
-	for round := range 3 {
+	n, rounds := 300, 3
+	if v, _ := strconv.Atoi(os.Getenv("IDEMHTTP_STRESS")); v > 0 { // longer run: IDEMHTTP_STRESS=<rounds>
+		n, rounds = 1000, v
+		ctx = testCtx(t, time.Duration(v)*30*time.Second)
+	}
+	for round := range rounds {
 		key := fmt.Sprintf("hot-key-%d", round)
 		res := make([]response, n)
 		errs := make([]error, n)
