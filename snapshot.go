@@ -206,7 +206,7 @@ func Restore(dir string, r io.Reader, opts *Options) (*Engine, error) {
 		if err != nil {
 			return wrapSnapshotErr(err)
 		}
-		ix, err := index.Open(index.Options{FS: fs, Dir: ixDir, CacheSize: o.IndexCacheSize, IngestBytes: o.IndexIngestBytes, Logger: o.Logger})
+		ix, err := index.Open(index.Options{FS: fs, Dir: ixDir, CacheSize: o.IndexCacheSize, MemTableSize: o.memTableSize(), IngestBytes: o.IndexIngestBytes, FilterBytes: -1, Logger: o.Logger})
 		if err != nil {
 			return err
 		}
