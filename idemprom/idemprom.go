@@ -44,9 +44,10 @@ type Options struct {
 }
 
 type metric struct {
-	desc  *prometheus.Desc
-	typ   prometheus.ValueType
-	value func(*idem.Stats) float64
+	desc   *prometheus.Desc
+	typ    prometheus.ValueType
+	value  func(*idem.Stats) float64
+	labels []string // values of the desc's variable labels
 }
 
 // Collector is a prometheus.Collector of one engine's Stats.
@@ -70,10 +71,10 @@ func NewCollector(e *idem.Engine, opts *Options) *Collector {
 	}
 	c := &Collector{e: e}
 	counter := func(name, help string, v func(*idem.Stats) float64) {
-		c.metrics = append(c.metrics, metric{prometheus.NewDesc(prometheus.BuildFQName(ns, "", name), help, nil, opts.ConstLabels), prometheus.CounterValue, v})
+		c.metrics = append(c.metrics, metric{prometheus.NewDesc(prometheus.BuildFQName(ns, "", name), help, nil, opts.ConstLabels), prometheus.CounterValue, v, nil})
 	}
 	gauge := func(name, help string, v func(*idem.Stats) float64) {
-		c.metrics = append(c.metrics, metric{prometheus.NewDesc(prometheus.BuildFQName(ns, "", name), help, nil, opts.ConstLabels), prometheus.GaugeValue, v})
+		c.metrics = append(c.metrics, metric{prometheus.NewDesc(prometheus.BuildFQName(ns, "", name), help, nil, opts.ConstLabels), prometheus.GaugeValue, v, nil})
 	}
 	counter("hits_total", "Begin calls that found the id committed and returned its stored reply (idempotency.hit).",
 		func(s *idem.Stats) float64 { return float64(s.Hits) })
@@ -123,13 +124,33 @@ func NewCollector(e *idem.Engine, opts *Options) *Collector {
 		func(s *idem.Stats) float64 { return float64(s.DurableLSN) })
 	gauge("applied_lsn", "LSN of the last record applied to the index.",
 		func(s *idem.Stats) float64 { return float64(s.AppliedLSN) })
+	gauge("memory_budget_bytes", "The engine's memory budget (Options.MemoryBudget).",
+		func(s *idem.Stats) float64 { return float64(s.Memory.Budget) })
+	mem := prometheus.NewDesc(prometheus.BuildFQName(ns, "", "memory_bytes"),
+		"Memory the engine accounts for against its budget, by part (sum them for the total).", []string{"part"}, opts.ConstLabels)
+	for _, p := range []struct {
+		name string
+		v    func(*idem.Stats) float64
+	}{
+		{"cache", func(s *idem.Stats) float64 { return float64(s.Memory.Cache) }},
+		{"pending", func(s *idem.Stats) float64 { return float64(s.Memory.Pending) }},
+		{"filter", func(s *idem.Stats) float64 { return float64(s.Memory.Filter) }},
+		{"block_cache", func(s *idem.Stats) float64 { return float64(s.Memory.BlockCache) }},
+		{"memtables", func(s *idem.Stats) float64 { return float64(s.Memory.MemTables) }},
+	} {
+		c.metrics = append(c.metrics, metric{mem, prometheus.GaugeValue, p.v, []string{p.name}})
+	}
 	return c
 }
 
 // Describe implements prometheus.Collector.
 func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
+	var last *prometheus.Desc
 	for _, m := range c.metrics {
-		ch <- m.desc
+		if m.desc != last { // labelled metrics share their desc, in a row
+			ch <- m.desc
+			last = m.desc
+		}
 	}
 }
 
@@ -137,6 +158,6 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	s := c.e.Stats()
 	for _, m := range c.metrics {
-		ch <- prometheus.MustNewConstMetric(m.desc, m.typ, m.value(&s))
+		ch <- prometheus.MustNewConstMetric(m.desc, m.typ, m.value(&s), m.labels...)
 	}
 }

@@ -83,8 +83,8 @@ idem_live_entries{engine="orders"} 2
 		"idem_hits_total", "idem_misses_total", "idem_conflicts_total", "idem_inflight_collisions_total", "idem_live_entries"); err != nil {
 		t.Fatal(err)
 	}
-	if n := testutil.CollectAndCount(c); n != 24 {
-		t.Fatalf("%d metrics, want 24", n)
+	if n := testutil.CollectAndCount(c); n != 30 {
+		t.Fatalf("%d metrics, want 30", n)
 	}
 	problems, err := testutil.CollectAndLint(c)
 	if err != nil {
@@ -125,6 +125,7 @@ func TestScrapeOverHTTP(t *testing.T) {
 		"# TYPE idem_wal_bytes gauge",
 		"# TYPE idem_last_lsn gauge",
 		"# TYPE idem_durable_lsn gauge",
+		"# TYPE idem_memory_bytes gauge",
 	} {
 		if !strings.Contains(text, line+"\n") {
 			t.Errorf("scrape lacks %q", line)
@@ -132,5 +133,10 @@ func TestScrapeOverHTTP(t *testing.T) {
 	}
 	if st.WALBytes <= 0 || !strings.Contains(text, "idem_wal_bytes ") {
 		t.Errorf("wal bytes %d not exported", st.WALBytes)
+	}
+	for _, part := range []string{"cache", "pending", "filter", "block_cache", "memtables"} {
+		if !strings.Contains(text, `idem_memory_bytes{part="`+part+`"} `) {
+			t.Errorf("memory part %s not exported", part)
+		}
 	}
 }
