@@ -57,6 +57,15 @@
 // outside this one sets on the ResponseWriter are not stored (they are that
 // middleware's to set again). Informational responses (1xx) are not sent.
 //
+// # Where to mount it
+//
+// Put authentication, rate limiting and http.TimeoutHandler outside the
+// middleware (they wrap it), and the handler that makes the side effect
+// inside: every response below 500 that reaches the middleware is stored and
+// replayed, so a 401 or a 429 made inside it would be replayed to the
+// retries too. Options.Principal then reads the identity the authentication
+// middleware put in the request's context.
+//
 // # Failures
 //
 //   - A 5xx from the handler releases the key (the engine claim is
