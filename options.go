@@ -37,8 +37,8 @@ type Options struct {
 	// Clock returns the current time (default time.Now). Times are written
 	// into records, so replay never reads the clock.
 	Clock func() time.Time
-	// Lease is how long a claim owns its id (default 1 hour, as source 003
-	// keeps "processing" keys). After the lease another Begin may take the
+	// Lease is how long a claim owns its id (default 1 hour, as the Idempotency-Key
+	// service keeps "processing" keys). After the lease another Begin may take the
 	// id over; the old claim's Commit then returns ErrLeaseLost. Choose it
 	// longer than your side effects take.
 	Lease time.Duration
@@ -75,14 +75,14 @@ type Options struct {
 	// fdatasync skip persisting a new file size, about 2x cheaper on ext4.
 	NoPreallocate bool
 	// Retention, when positive, expires committed replies this long after
-	// their commit: an expired id runs again as new (source 003), and a
+	// their commit: an expired id runs again as new (the Idempotency-Key timing rule), and a
 	// forget record is appended every CleanupInterval so that the log and
 	// the index drop them too. Zero (the default) keeps replies until they
 	// are acked or forgotten: expiry trades exactly-once for bounded
 	// storage, so it is opt-in.
 	Retention time.Duration
 	// CleanupInterval is how often retention forget records are appended
-	// (default 10 minutes, as in source 003).
+	// (default 10 minutes, the Idempotency-Key service's cleanup period).
 	CleanupInterval time.Duration
 	// RelaxedClaims makes Begin return Fresh as soon as the claim is
 	// appended, without waiting for its fsync. Commit still waits. Faster
@@ -90,8 +90,8 @@ type Options struct {
 	// side effect and before the next fsync can lose the claim, and the
 	// side effect may then run again. Off by default.
 	RelaxedClaims bool
-	// MaxEntries, when positive, bounds the number of kept replies (source
-	// 001's bounded capacity): beyond it the oldest committed replies are
+	// MaxEntries, when positive, bounds the number of kept replies (a replay
+	// cache's bounded capacity): beyond it the oldest committed replies are
 	// evicted by a logged forget record (within milliseconds of crossing
 	// it, and at every compaction), counted in Stats.Evictions. An evicted
 	// id runs again if retried; a sequence-mode client keeps its number.
