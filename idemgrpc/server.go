@@ -72,6 +72,14 @@ type Config struct {
 	// A larger response fails the call with Internal REPLY_NOT_STORED and
 	// the claim is aborted.
 	MaxReplySize int
+	// TTL, when positive, is how long a stored response is kept for
+	// retries (idem.Request.TTL: from the call's start; a retry does not
+	// extend it), like a ledger's five-minute response cache. After it a
+	// retry of the last sequence gets ALREADY_COMMITTED (the number is
+	// never reused) and a retried idempotency key runs again. Zero: kept
+	// until the client's next sequence, or for keys until acked, expired
+	// by the engine's Retention, or forgotten.
+	TTL time.Duration
 	// Logger receives warnings (aborts that failed, replies not stored).
 	// Default: discard.
 	Logger *slog.Logger
@@ -230,7 +238,7 @@ func (s *Server) UnaryServerInterceptor() grpc.UnaryServerInterceptor {
 		if err != nil {
 			return nil, status.Errorf(codes.Internal, "idemgrpc: fingerprint of %s: %v", info.FullMethod, err)
 		}
-		r := idem.Request{Scope: call.Scope, Client: id.Client, Seq: id.Seq, Fingerprint: fp}
+		r := idem.Request{Scope: call.Scope, Client: id.Client, Seq: id.Seq, Fingerprint: fp, TTL: s.cfg.TTL}
 		if id.Key != "" {
 			r.ID = []byte(id.Key)
 		}
@@ -450,6 +458,8 @@ type InDoubt struct {
 	Key    string
 	// ClaimedAt is when the call began.
 	ClaimedAt time.Time
+	// EngineScope is the engine scope (Call.Scope when the call ran).
+	EngineScope string
 }
 
 // ResolveInDoubt settles this server's claims left in doubt by a crash
@@ -468,7 +478,7 @@ func (s *Server) ResolveInDoubt(ctx context.Context, decide func(InDoubt) (proto
 		if derr != nil || prefix != s.cfg.ScopePrefix {
 			continue
 		}
-		d := InDoubt{Actor: actor, Scope: fields, Client: c.Client, Seq: c.Seq, Key: string(c.ID), ClaimedAt: c.ClaimedAt}
+		d := InDoubt{Actor: actor, Scope: fields, Client: c.Client, Seq: c.Seq, Key: string(c.ID), ClaimedAt: c.ClaimedAt, EngineScope: c.Scope}
 		reply, ran, err := decide(d)
 		if err != nil {
 			return committed, aborted, err
