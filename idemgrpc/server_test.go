@@ -86,9 +86,9 @@ func TestValidationRules(t *testing.T) {
 
 	// invalid identities: nothing runs.
 	for _, r := range []*ledgerpb.WriteRequest{
-		write("c1", "ns", "", 0, "acct", 1),  // no sequence
-		write("", "ns", "", 3, "acct", 1),    // no client
-		write("c1", "", "", 3, "acct", 1),    // no namespace
+		write("c1", "ns", "", 0, "acct", 1),                       // no sequence
+		write("", "ns", "", 3, "acct", 1),                         // no client
+		write("c1", "", "", 3, "acct", 1),                         // no namespace
 		write(string(make([]byte, 2000)), "ns", "", 1, "acct", 1), // client id too long for the engine
 	} {
 		_, err = c.Write(alice, r)
@@ -178,7 +178,9 @@ func TestBatchSequencing(t *testing.T) {
 	c := ledgerpb.NewLedgerClient(dial(t, env.addr))
 	alice := as(ctx, "tok-alice")
 	ops := func(o ...*ledgerpb.Operation) []*ledgerpb.Operation { return o }
-	op := func(acct string, amt int64) *ledgerpb.Operation { return &ledgerpb.Operation{Account: acct, Amount: amt} }
+	op := func(acct string, amt int64) *ledgerpb.Operation {
+		return &ledgerpb.Operation{Account: acct, Amount: amt}
+	}
 	cas := func(acct string, amt, expect int64) *ledgerpb.Operation {
 		return &ledgerpb.Operation{Account: acct, Amount: amt, ExpectBalance: &expect}
 	}
