@@ -110,8 +110,12 @@ func testCtx(t *testing.T) context.Context {
 	return ctx
 }
 
+// as returns ctx authenticated with token (replacing any token it had).
 func as(ctx context.Context, token string) context.Context {
-	return metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+token)
+	md, _ := metadata.FromOutgoingContext(ctx)
+	md = md.Copy()
+	md.Set("authorization", "Bearer "+token)
+	return metadata.NewOutgoingContext(ctx, md)
 }
 
 func write(client, ns, vault string, seq uint64, account string, amount int64) *ledgerpb.WriteRequest {
