@@ -224,3 +224,15 @@ func listen(t *testing.T) net.Listener {
 	}
 	return lis
 }
+
+func netListen() (net.Listener, error) { return net.Listen("tcp", "127.0.0.1:0") }
+
+func dialB(b *testing.B, addr string) *grpc.ClientConn {
+	b.Helper()
+	cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { cc.Close() })
+	return cc
+}

@@ -37,7 +37,7 @@ func DecodeScope(scope string) (prefix, actor string, fields []string, err error
 	b := []byte(scope)
 	for len(b) > 0 {
 		n, w := binary.Uvarint(b)
-		if w <= 0 || n > uint64(len(b)-w) {
+		if w <= 0 || n > uint64(len(b)-w) || w != uvarintLen(n) {
 			return "", "", nil, fmt.Errorf("idemgrpc: scope %q: bad length prefix at byte %d", scope, len(scope)-len(b))
 		}
 		parts = append(parts, string(b[w:w+int(n)]))
@@ -47,4 +47,9 @@ func DecodeScope(scope string) (prefix, actor string, fields []string, err error
 		return "", "", nil, errors.New("idemgrpc: scope has no prefix and actor: not built by EncodeScope")
 	}
 	return parts[0], parts[1], parts[2:], nil
+}
+
+func uvarintLen(n uint64) int {
+	var buf [binary.MaxVarintLen64]byte
+	return binary.PutUvarint(buf[:], n)
 }

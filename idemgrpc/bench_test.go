@@ -1,0 +1,97 @@
+package idemgrpc_test
+
+import (
+	"context"
+	"strconv"
+	"sync/atomic"
+	"testing"
+
+	"github.com/idemdb/idem"
+	"github.com/idemdb/idem/examples/ledger/ledgerpb"
+	"github.com/idemdb/idem/examples/ledger/ledgersvc"
+	"github.com/idemdb/idem/idemgrpc"
+	"google.golang.org/grpc"
+)
+
+// BenchmarkUnary: unary calls/s of a trivial Write handler over loopback
+// TCP, behind the token check, without and with the idemgrpc interceptor
+// (new sequences, and replays of a committed one). Parallel callers share
+// one connection; each has its own client id.
+//
+//	go test -run xxx -bench Unary -benchtime 3s ./idemgrpc/
+func BenchmarkUnary(b *testing.B) {
+	for _, bc := range []struct {
+		name   string
+		idem   bool
+		sync   idem.SyncMode
+		replay bool
+	}{
+		{name: "plain"},
+		{name: "new", idem: true, sync: idem.SyncAlways},
+		{name: "new-nofsync", idem: true, sync: idem.SyncNever},
+		{name: "replay", idem: true, sync: idem.SyncAlways, replay: true},
+	} {
+		b.Run(bc.name, func(b *testing.B) {
+			ints := []grpc.UnaryServerInterceptor{ledgersvc.TokenAuth(tokens)}
+			if bc.idem {
+				eng, err := idem.Open(b.TempDir(), &idem.Options{Sync: bc.sync})
+				if err != nil {
+					b.Fatal(err)
+				}
+				b.Cleanup(func() { eng.Close() })
+				isrv, err := idemgrpc.NewServer(idemgrpc.Config{Engine: eng, Methods: ledgersvc.Methods()})
+				if err != nil {
+					b.Fatal(err)
+				}
+				ints = append(ints, isrv.UnaryServerInterceptor())
+			}
+			var runs atomic.Int64
+			gs := grpc.NewServer(grpc.ChainUnaryInterceptor(ints...))
+			ledgerpb.RegisterLedgerServer(gs, &benchLedger{runs: &runs})
+			lis, err := netListen()
+			if err != nil {
+				b.Fatal(err)
+			}
+			go gs.Serve(lis)
+			b.Cleanup(gs.Stop)
+			cc := dialB(b, lis.Addr().String())
+			c := ledgerpb.NewLedgerClient(cc)
+			ctx := as(context.Background(), "tok-alice")
+			var ids atomic.Int64
+			b.SetParallelism(16) // 16 x GOMAXPROCS callers
+			b.ResetTimer()
+			b.RunParallel(func(pb *testing.PB) {
+				client := "bench-" + strconv.FormatInt(ids.Add(1), 10)
+				seq := uint64(0)
+				if bc.replay {
+					if _, err := c.Write(ctx, write(client, "ns", "", 1, "a", 1)); err != nil {
+						b.Error(err)
+						return
+					}
+					seq = 1
+				}
+				for pb.Next() {
+					if !bc.replay {
+						seq++
+					}
+					if _, err := c.Write(ctx, write(client, "ns", "", seq, "a", 1)); err != nil {
+						b.Error(err)
+						return
+					}
+				}
+			})
+			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "calls/s")
+		})
+	}
+}
+
+type benchLedger struct {
+	ledgerpb.UnimplementedLedgerServer
+	runs *atomic.Int64
+}
+
+func (l *benchLedger) Write(ctx context.Context, req *ledgerpb.WriteRequest) (*ledgerpb.WriteSuccess, error) {
+	l.runs.Add(1)
+	return &ledgerpb.WriteSuccess{TxId: "tx", Sequence: req.GetSequence(), Actor: "user:alice",
+		Balances: []*ledgerpb.Balance{{Account: req.GetOperation().GetAccount(), Balance: 1}}}, nil
+}
