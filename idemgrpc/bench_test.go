@@ -5,8 +5,8 @@ import (
 	"strconv"
 	"sync/atomic"
 	"syscall"
-	"time"
 	"testing"
+	"time"
 
 	"github.com/idemdb/idem"
 	"github.com/idemdb/idem/examples/ledger/ledgerpb"
