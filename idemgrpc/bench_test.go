@@ -3,6 +3,7 @@ package idemgrpc_test
 import (
 	"context"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -109,4 +110,107 @@ func (l *benchLedger) Write(ctx context.Context, req *ledgerpb.WriteRequest) (*l
 	l.runs.Add(1)
 	return &ledgerpb.WriteSuccess{TxId: "tx", Sequence: req.GetSequence(), Actor: "user:alice",
 		Balances: []*ledgerpb.Balance{{Account: req.GetOperation().GetAccount(), Balance: 1}}}, nil
+}
+
+// BenchmarkUnaryInterleaved runs the four setups of BenchmarkUnary side by
+// side and alternates between them in rounds of 1,024 calls (32 callers),
+// so that the load of a shared machine falls on all of them alike; it
+// reports each setup's calls/s over all rounds and the ratios to plain.
+//
+//	go test -run xxx -bench UnaryInterleaved -benchtime 30x ./idemgrpc/
+func BenchmarkUnaryInterleaved(b *testing.B) {
+	type setup struct {
+		name   string
+		idem   bool
+		sync   idem.SyncMode
+		replay bool
+		c      ledgerpb.LedgerClient
+		seqs   []uint64
+		calls  int
+		wall   time.Duration
+	}
+	setups := []*setup{
+		{name: "plain"},
+		{name: "new", idem: true, sync: idem.SyncAlways},
+		{name: "new-nofsync", idem: true, sync: idem.SyncNever},
+		{name: "replay", idem: true, sync: idem.SyncAlways, replay: true},
+	}
+	const workers, perWorker = 32, 32
+	ctx := as(context.Background(), "tok-alice")
+	for _, s := range setups {
+		ints := []grpc.UnaryServerInterceptor{ledgersvc.TokenAuth(tokens)}
+		if s.idem {
+			eng, err := idem.Open(b.TempDir(), &idem.Options{Sync: s.sync})
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.Cleanup(func() { eng.Close() })
+			isrv, err := idemgrpc.NewServer(idemgrpc.Config{Engine: eng, Methods: ledgersvc.Methods()})
+			if err != nil {
+				b.Fatal(err)
+			}
+			ints = append(ints, isrv.UnaryServerInterceptor())
+		}
+		var runs atomic.Int64
+		gs := grpc.NewServer(grpc.ChainUnaryInterceptor(ints...))
+		ledgerpb.RegisterLedgerServer(gs, &benchLedger{runs: &runs})
+		lis, err := netListen()
+		if err != nil {
+			b.Fatal(err)
+		}
+		go gs.Serve(lis)
+		b.Cleanup(gs.Stop)
+		s.c = ledgerpb.NewLedgerClient(dialB(b, lis.Addr().String()))
+		s.seqs = make([]uint64, workers)
+		if s.replay {
+			for w := range workers {
+				if _, err := s.c.Write(ctx, write("w"+strconv.Itoa(w), "ns", "", 1, "a", 1)); err != nil {
+					b.Fatal(err)
+				}
+				s.seqs[w] = 1
+			}
+		}
+	}
+	round := func(s *setup) {
+		var wg sync.WaitGroup
+		start := time.Now()
+		for w := range workers {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				client := "w" + strconv.Itoa(w)
+				for range perWorker {
+					if !s.replay {
+						s.seqs[w]++
+					}
+					if _, err := s.c.Write(ctx, write(client, "ns", "", s.seqs[w], "a", 1)); err != nil {
+						b.Error(err)
+						return
+					}
+				}
+			}()
+		}
+		wg.Wait()
+		s.wall += time.Since(start)
+		s.calls += workers * perWorker
+	}
+	for _, s := range setups { // warm up
+		round(s)
+		s.calls, s.wall = 0, 0
+	}
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		for _, s := range setups {
+			round(s)
+		}
+	}
+	b.StopTimer()
+	rate := map[string]float64{}
+	for _, s := range setups {
+		rate[s.name] = float64(s.calls) / s.wall.Seconds()
+		b.ReportMetric(rate[s.name], s.name+"-calls/s")
+	}
+	for _, s := range setups[1:] {
+		b.ReportMetric(rate[s.name]/rate["plain"], s.name+"/plain")
+	}
 }
