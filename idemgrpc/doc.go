@@ -27,8 +27,9 @@
 //     message's full type name and deterministic encoding) durably before
 //     it is returned.
 //   - sequence == last committed, response still kept: the stored response
-//     is returned (same type, same bytes) with the header idem-replay: true;
-//     nothing runs.
+//     is returned (same type, same content; on the wire gRPC's codec encodes
+//     it, which for messages without map fields gives the same bytes) with
+//     the header idem-replay: true; nothing runs.
 //   - a call with the same identity is running: the call waits for it
 //     (Config.InFlightWait, default 2s, bounded by its deadline) and gets
 //     its response; past the wait it is answered IN_FLIGHT.
