@@ -268,7 +268,7 @@ func (s *Server) serve(ctx context.Context, call *Call, r idem.Request, req any,
 			if s.cfg.InFlightWait < 0 || !time.Now().Before(waitUntil) {
 				return nil, s.inFlight(call, res.LeaseUntil)
 			}
-			if err := s.wait(ctx, r, waitUntil); err != nil {
+			if err := s.wait(ctx, r, waitUntil, res.LeaseUntil); err != nil {
 				return nil, status.FromContextError(err).Err()
 			}
 		default:
@@ -277,9 +277,9 @@ func (s *Server) serve(ctx context.Context, call *Call, r idem.Request, req any,
 	}
 }
 
-// wait blocks until r is no longer in flight, until, or ctx's end (the
-// only error).
-func (s *Server) wait(ctx context.Context, r idem.Request, until time.Time) error {
+// wait blocks until r is no longer in flight, its owner's lease ends (Begin
+// then takes it over), until, or ctx's end (the only error).
+func (s *Server) wait(ctx context.Context, r idem.Request, until, leaseUntil time.Time) error {
 	e := s.cfg.Engine
 	if len(r.ID) > 0 {
 		wctx, cancel := context.WithDeadline(ctx, until)
@@ -308,7 +308,7 @@ func (s *Server) wait(ctx context.Context, r idem.Request, until time.Time) erro
 		case <-t.C:
 		}
 		res, err := e.LookupSeq(r.Scope, r.Client, r.Seq)
-		if err != nil || res.Status != idem.InFlight {
+		if err != nil || res.Status != idem.InFlight || !e.Now().Before(leaseUntil) {
 			return nil // Begin again says what it is
 		}
 		d = min(2*d, 20*time.Millisecond)
