@@ -20,8 +20,10 @@ import (
 // LEASE_LOST (retryable: the retry gets the other call's response).
 func TestLeaseLost(t *testing.T) {
 	var calls atomic.Int64
+	started := make(chan struct{})
 	env := startLedger(t, ledgersvc.Options{Engine: &idem.Options{Lease: 150 * time.Millisecond}, BeforeApply: func(context.Context) error {
 		if calls.Add(1) == 1 {
+			close(started)
 			time.Sleep(600 * time.Millisecond)
 		}
 		return nil
@@ -30,7 +32,7 @@ func TestLeaseLost(t *testing.T) {
 	c := ledgerpb.NewLedgerClient(dial(t, env.addr))
 	first := make(chan error, 1)
 	go func() { _, err := c.Write(ctx, write("c", "ns", "", 1, "a", 1)); first <- err }()
-	time.Sleep(50 * time.Millisecond)
+	<-started
 	// waits for the first until its lease ends, then takes it over and runs.
 	second, err := c.Write(ctx, write("c", "ns", "", 1, "a", 1))
 	if err != nil {
