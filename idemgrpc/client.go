@@ -42,7 +42,9 @@ type RetryOptions struct {
 // IN_FLIGHT and LEASE_LOST (Aborted). Every other status is final for that
 // identity: SEQUENCE_GAP, ALREADY_COMMITTED, IDEMPOTENCY_CONFLICT and
 // INVALID_IDENTITY would fail again, and a handler's own error is the
-// answer (it consumed nothing; sending it again would run it again).
+// answer (it consumed nothing; sending it again would run it again). A
+// handler that itself returns Unavailable or DeadlineExceeded is retried:
+// its call was aborted, so the retry runs it anew, as the code asks.
 func Retryable(ctx context.Context, err error) bool {
 	if err == nil || ctx.Err() != nil {
 		return false

@@ -99,8 +99,10 @@
 // UnaryClientInterceptor retries exactly the safe set: Unavailable,
 // DeadlineExceeded (while the call's own context lives), and Aborted with
 // reason IN_FLIGHT or LEASE_LOST. It never retries FailedPrecondition,
-// AlreadyExists, InvalidArgument or a handler's own error: these are final
-// for that identity, and resending a failed call would run it again.
+// AlreadyExists, InvalidArgument, or any other handler error: these are
+// final for that identity, and resending a failed call would run it again
+// (a handler's own Unavailable or DeadlineExceeded is retried and runs
+// again, since that failure consumed nothing: the code asks for it).
 //
 // # Client
 //
