@@ -58,7 +58,10 @@ type Config struct {
 	// Fingerprint returns the payload fingerprint of a request: a retry of
 	// an identity with another fingerprint is IDEMPOTENCY_CONFLICT. Default:
 	// SHA-256 of the full method name and the request's deterministic
-	// protobuf encoding. Returning nil turns the check off for that call.
+	// protobuf encoding. Returning nil turns the check off for that call;
+	// then nothing stops a retry of another method under the same identity
+	// from getting this method's stored response (of another type), so keep
+	// identities per method when fingerprints are off.
 	Fingerprint func(fullMethod string, req proto.Message) ([]byte, error)
 	// InFlightWait is how long a call whose identity is being run by
 	// another call waits for it to finish (then it gets that call's reply)
