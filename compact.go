@@ -43,11 +43,18 @@ func (e *Engine) Compact(ctx context.Context) (CompactStats, error) {
 		return CompactStats{}, err
 	}
 	defer e.leave()
+	removedBefore := e.ix.Forgotten() + e.st.acked.Load() + e.st.ttlRemoved.Load()
+	// The entry range is rewritten whole by a manual compaction: only once
+	// removals since the last one are a quarter of the set, so its cost is
+	// amortized over them (Pebble's own compactions drop tombstones too).
+	pendingRemovals := e.removedSinceEntryCompact + (removedBefore - e.lastRemoved)
+	compactEntries := pendingRemovals > 0 && int64(pendingRemovals) >= e.ix.Count()/4
 	cfg := compaction.Config{
-		Index:        e.ix,
-		WAL:          e.w,
-		WaitApplied:  e.waitApplied,
-		CompactIndex: true,
+		Index:          e.ix,
+		WAL:            e.w,
+		WaitApplied:    e.waitApplied,
+		CompactIndex:   true,
+		CompactEntries: compactEntries,
 	}
 	if e.o.KeepSnapshots > 0 {
 		cfg.WriteSnapshot = e.writeDiskSnapshot
@@ -64,6 +71,11 @@ func (e *Engine) Compact(ctx context.Context) (CompactStats, error) {
 	}
 	if err != nil {
 		return out, e.failure(err)
+	}
+	if compactEntries {
+		e.removedSinceEntryCompact = removed - removedBefore // applied during the run
+	} else {
+		e.removedSinceEntryCompact += removed - e.lastRemoved
 	}
 	e.lastRemoved = removed
 	e.walAfterCompact.Store(e.w.Stats().Bytes)
