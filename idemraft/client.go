@@ -64,7 +64,16 @@ func Submit(ctx context.Context, r *raft.Raft, f *FSM, cmd []byte) (*Response, e
 		}
 	}
 	fut := r.Apply(cmd, timeout)
-	if err := fut.Error(); err != nil {
+	// raft's timeout bounds only the enqueueing, and a future whose node is
+	// shut down between commit and apply is never answered: wait under ctx.
+	done := make(chan error, 1)
+	go func() { done <- fut.Error() }()
+	select {
+	case err = <-done:
+	case <-ctx.Done():
+		return nil, fmt.Errorf("idemraft: waiting for the entry to be applied: %w (outcome unknown: retry the same command)", ctx.Err())
+	}
+	if err != nil {
 		if errors.Is(err, raft.ErrNotLeader) {
 			_, id := r.LeaderWithID()
 			return nil, &NotLeaderError{Leader: id}

@@ -271,7 +271,6 @@ func (f *FSM) tick(l *raft.Log) {
 			f.now.Store(t)
 		}
 	}
-	f.lastIndex.Store(l.Index)
 }
 
 // Err returns the failure that stopped this FSM, or nil. After a failure
@@ -304,6 +303,7 @@ func (f *FSM) Apply(l *raft.Log) any {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	f.tick(l)
+	defer f.lastIndex.Store(l.Index) // once applied
 	if err := f.Err(); err != nil {
 		if IsCommand(l.Data) {
 			return &Response{Err: err}

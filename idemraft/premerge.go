@@ -12,7 +12,7 @@ import (
 	"github.com/idemdb/idem"
 )
 
-func requestTTL(req idem.Request) time.Duration            { return 0 }
+func requestTTL(req idem.Request) time.Duration          { return 0 }
 func setRequestTTL(req *idem.Request, ttl time.Duration) {}
 
 type image interface {
