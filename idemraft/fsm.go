@@ -34,9 +34,9 @@ type Options struct {
 	// MaxIDLen and MaxReplySize, since they decide replies.
 	//
 	// idemraft sets Clock (the time of the entry being applied), Sync
-	// (SyncNever), RelaxedClaims (on) and KeepSnapshots (none) itself: the
-	// dedup set is derived state that raft rebuilds, so fsyncs would buy
-	// nothing (see the package documentation). MaxEntries must be zero:
+	// (SyncInterval, default SyncInterval 1 s), RelaxedClaims (on) and
+	// KeepSnapshots (none) itself: the dedup set is derived state that raft
+	// rebuilds, so fsyncs protect nothing (see the package documentation). MaxEntries must be zero:
 	// capacity eviction is timed by each node's engine, not by the log, so
 	// replicas would disagree about which ids they still know. FS must be
 	// nil (the operating system's).
@@ -142,7 +142,15 @@ func Wrap(fsm raft.FSM, opts *Options) (*FSM, error) {
 	}
 	f.eopts = opts.Engine
 	f.eopts.Clock = f.clock
-	f.eopts.Sync = idem.SyncNever
+	// No fsync is needed (see the package documentation), but the engine
+	// keeps entries pinned in memory until their WAL record is fsynced, and
+	// only then moves them into its index: SyncNever would hold a whole WAL
+	// segment's worth in memory. A background fsync every second keeps
+	// memory bounded, and the index work in large cheap batches.
+	f.eopts.Sync = idem.SyncInterval
+	if f.eopts.SyncInterval <= 0 {
+		f.eopts.SyncInterval = time.Second
+	}
 	f.eopts.RelaxedClaims = true
 	f.eopts.KeepSnapshots = -1
 	if f.eopts.Logger == nil {
