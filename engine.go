@@ -61,14 +61,14 @@ func (s Status) String() string {
 }
 
 // Request identifies one request. Give either ID, or Client and Seq
-// (sequence mode, source 002), never both.
+// (sequence mode: per-client sequences), never both.
 type Request struct {
 	// Scope separates independent id spaces (tenants, endpoints). May be empty.
 	Scope string
 	// ID is the request id (for example a UUID, or time + random nonce).
 	ID []byte
 	// Acked lists ids (in Scope) whose replies the client has received and
-	// will never retry; they are removed from the set (source 000).
+	// will never retry; they are removed from the set (acked ids).
 	Acked [][]byte
 	// Fingerprint of the payload (for example its SHA-256). A retry with a
 	// different fingerprint is ErrConflict. Empty means unchecked.
@@ -77,6 +77,16 @@ type Request struct {
 	// committed sequence number + 1 to run.
 	Client string
 	Seq    uint64
+	// TTL, when positive, makes the entry expire at claim time + TTL
+	// (expires_at = created_at + TTL; a retry does not extend it). A Begin
+	// at a time when that moment has passed (expiresAt < now) treats the
+	// committed reply as gone: the id runs again as new, and a
+	// sequence-mode client keeps its number (ErrAlreadyCommitted for
+	// seq <= last). Expired entries are removed by a logged expire record
+	// every Options.CleanupInterval (CleanupExpired does it now), counted
+	// in Stats.Cleanups. Zero: no per-request expiry (Options.Retention
+	// still applies). Requests with different TTLs share one engine.
+	TTL time.Duration
 }
 
 // Result is the outcome of Begin, Wait and Lookup.
@@ -92,6 +102,9 @@ type Result struct {
 	CommittedAt time.Time
 	// Seq is the sequence number the result is about (sequence mode).
 	Seq uint64
+	// ExpiresAt is when the entry's TTL runs out (Done, Fresh); zero if it
+	// has none.
+	ExpiresAt time.Time
 }
 
 const numShards = 256
@@ -134,12 +147,18 @@ type Engine struct {
 
 	compactMu   sync.Mutex // one compaction (or retention/eviction pass) at a time
 	lastRemoved uint64     // guarded by compactMu: removals counted by the previous Compact
+	// removedSinceEntryCompact (guarded by compactMu) counts removals since
+	// the entry range was last compacted by hand.
+	removedSinceEntryCompact uint64
 	// walAfterCompact is the WAL's size after the previous Compact (the
 	// size trigger compares with it).
 	walAfterCompact atomic.Int64
 
 	inDoubtMu sync.Mutex
 	inDoubt   []inDoubtRef // guarded by inDoubtMu
+
+	imagesMu sync.Mutex
+	images   map[*SnapshotImage]struct{} // guarded by imagesMu: open SnapshotImages
 
 	st counters
 }
@@ -165,6 +184,8 @@ type slot struct {
 
 type counters struct {
 	hits, misses, conflicts, collisions, gaps, alreadyCommitted, leaseLost, takeovers, expired, acked atomic.Uint64
+	// ttlRemoved counts entries removed by expire records (per-request TTL).
+	ttlRemoved atomic.Uint64
 }
 
 var (
@@ -191,7 +212,7 @@ func Open(dir string, opts *Options) (*Engine, error) {
 			e.unlockDir()
 		}
 	}()
-	ix, err := index.Open(index.Options{FS: o.FS, Dir: filepath.Join(dir, "index"), CacheSize: o.IndexCacheSize, IngestBytes: o.IndexIngestBytes, FilterBytes: o.IndexFilterBytes, Logger: o.Logger})
+	ix, err := index.Open(index.Options{FS: o.FS, Dir: filepath.Join(dir, "index"), CacheSize: o.IndexCacheSize, MemTableSize: o.memTableSize(), IngestBytes: o.IndexIngestBytes, FilterBytes: o.IndexFilterBytes, Logger: o.Logger})
 	if err != nil {
 		return nil, wrapCorrupt(err)
 	}
@@ -352,6 +373,7 @@ func (e *Engine) Close() error {
 		err = *f
 	}
 	flush := e.failed.Load() == nil
+	e.releaseImages()
 	if cerr := e.ix.Close(flush); err == nil {
 		err = cerr
 	}
@@ -466,6 +488,9 @@ func (e *Engine) validate(r *Request) (reqKey, error) {
 	}
 	if len(r.Fingerprint) > max {
 		return reqKey{}, invalid("fingerprint of %d bytes exceeds %d", len(r.Fingerprint), max)
+	}
+	if r.TTL < 0 {
+		return reqKey{}, invalid("negative TTL %v", r.TTL)
 	}
 	k := reqKey{scope: r.Scope}
 	switch {
@@ -627,7 +652,13 @@ func (e *Engine) current(sl *slot, mode byte) *index.Entry {
 // expired says whether retention has expired en's reply (a decision made
 // with the clock now; the log learns of it through forget records).
 func (e *Engine) expired(en *index.Entry, now time.Time) bool {
-	return e.o.Retention > 0 && en.HasTimeKey() && en.CommitTime < now.Add(-e.o.Retention).UnixNano()
+	if !en.HasTimeKey() {
+		return false
+	}
+	if en.ExpiresAt != 0 && en.ExpiresAt < now.UnixNano() {
+		return true // its TTL ran out: expires_at < now
+	}
+	return e.o.Retention > 0 && en.CommitTime < now.Add(-e.o.Retention).UnixNano()
 }
 
 // getLocked is the Transitions callback for the live path: every key it is
@@ -673,7 +704,7 @@ func (e *Engine) appendOp(op *wal.Op, ts []index.Transition) (wal.LSN, error) {
 			return 0, err
 		}
 		e.setLocked(t.Key, sl, t.Next, lsn)
-		if t.Next == nil && t.Prev != nil && t.Prev.Committed {
+		if op.Type != wal.OpExpire && t.Next == nil && t.Prev != nil && t.Prev.Committed {
 			e.st.acked.Add(1)
 		}
 	}
@@ -757,7 +788,7 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 			e.st.hits.Add(1)
 			return res, k, e.waitDurable(cur.CommitLSN)
 		case cur != nil && cur.Committed:
-			e.st.expired.Add(1) // retention ran out: runs again as new (source 003, T+61m)
+			e.st.expired.Add(1) // retention or TTL ran out: runs again as new (T+61m for a one-hour TTL)
 		case cur != nil && cur.InFlight:
 			if !fpMatch(cur.ClaimFP, fp) {
 				unlock()
@@ -820,6 +851,11 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 		Type: wal.OpClaim, Scope: k.scope, Fingerprint: fp, Acked: k.acked,
 		Time: now.UnixNano(), LeaseUntil: lease.UnixNano(),
 	}
+	var expiresAt time.Time
+	if req.TTL > 0 {
+		expiresAt = now.Add(req.TTL)
+		op.ExpiresAt = expiresAt.UnixNano()
+	}
 	if k.mode == index.ModeID {
 		op.ID = k.ident
 		if cur == nil {
@@ -848,15 +884,19 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 		}
 	}
 	c := &Claim{e: e, k: k, lsn: lsn, fp: fp, leaseUntil: lease}
-	return Result{Status: Fresh, Claim: c, LeaseUntil: lease, Seq: k.seq}, k, nil
+	return Result{Status: Fresh, Claim: c, LeaseUntil: lease, Seq: k.seq, ExpiresAt: expiresAt}, k, nil
 }
 
 func doneResult(en *index.Entry) Result {
-	return Result{Status: Done, Reply: en.Reply, CommittedAt: time.Unix(0, en.CommitTime), Seq: en.Seq}
+	r := Result{Status: Done, Reply: en.Reply, CommittedAt: time.Unix(0, en.CommitTime), Seq: en.Seq}
+	if en.ExpiresAt != 0 {
+		r.ExpiresAt = time.Unix(0, en.ExpiresAt)
+	}
+	return r
 }
 
 // fpMatch: an unchecked request matches anything; a checked one needs the
-// same fingerprint, and never matches an entry stored without one (source 001).
+// same fingerprint, and never matches an entry stored without one.
 func fpMatch(stored, asked []byte) bool {
 	if asked == nil {
 		return true
@@ -1143,8 +1183,8 @@ func (e *Engine) ClientState(scope, client string) (uint64, error) {
 	return sl.e.Seq, nil
 }
 
-// Ack removes committed ids whose replies the client has received (source
-// 000), by a logged record, so that replay removes them too. Unknown and
+// Ack removes committed ids whose replies the client has received, by a
+// logged record, so that replay removes them too. Unknown and
 // in-flight ids are ignored. Durable when it returns (SyncAlways).
 func (e *Engine) Ack(ctx context.Context, scope string, ids ...[]byte) error {
 	if len(ids) == 0 {
@@ -1183,7 +1223,7 @@ func (e *Engine) Ack(ctx context.Context, scope string, ids ...[]byte) error {
 }
 
 // Forget appends the administrator's tombstone "forget every reply
-// committed before before" (source 000). Ids forgotten run again as new;
+// committed before before". Ids forgotten run again as new;
 // sequence-mode clients keep their last sequence number (a retry at or
 // below it is ErrAlreadyCommitted). In-flight claims whose lease ended
 // before before are dropped too (abandoned claims). A forget never moves
@@ -1226,7 +1266,7 @@ func (e *Engine) forget(ctx context.Context, before int64, reason byte) error {
 // owner crashed (or closed) between Begin and Commit, so whether the side
 // effect happened is unknown to idem. Retries see InFlight until the lease
 // runs out. Resolve it with Claim.Commit (recover-and-commit) or
-// Claim.Abort (recover-and-abort), source 004.
+// Claim.Abort (recover-and-abort), as a two-phase-commit sink recovers.
 type InDoubtClaim struct {
 	Scope       string
 	ID          []byte // id mode
@@ -1287,11 +1327,11 @@ func (e *Engine) InDoubt() ([]InDoubtClaim, error) {
 
 // Stats are the engine's counters and sizes.
 type Stats struct {
-	Hits               uint64 // Begin returned Done (source 003 idempotency.hit)
+	Hits               uint64 // Begin returned Done (idempotency.hit)
 	Misses             uint64 // Begin returned Fresh (idempotency.miss)
 	Conflicts          uint64 // ErrConflict (idempotency.conflict)
 	InFlightCollisions uint64 // Begin returned InFlight (idempotency.processing_collision)
-	Cleanups           uint64 // replies and abandoned claims removed by forget records, since Open (idempotency.cleanup.count)
+	Cleanups           uint64 // replies and abandoned claims removed by forget and expire records (TTL cleanup), since Open (idempotency.cleanup.count)
 	Evictions          uint64 // replies removed because of MaxEntries, since Open
 	Acked              uint64 // replies removed by acks, since Open
 	Expired            uint64 // ids found expired by retention at Begin and run again
@@ -1315,6 +1355,19 @@ type Stats struct {
 	// IndexFilterBuilds counts the key filters built since Open (the first
 	// one, then one each time most of its bits went stale).
 	IndexFilterBuilds int64
+	// Memory is what the engine accounts for against Options.MemoryBudget.
+	Memory MemoryStats
+}
+
+// MemoryStats break down the memory the engine accounts for, in bytes.
+type MemoryStats struct {
+	Budget     int64 // Options.MemoryBudget
+	Cache      int64 // the in-memory table in front of the index (CacheSize)
+	Pending    int64 // applied updates waiting to enter the index (IndexIngestBytes, two sets)
+	Filter     int64 // key filters (IndexFilterBytes; two while one is rebuilt)
+	BlockCache int64 // Pebble's block cache in use (IndexCacheSize)
+	MemTables  int64 // Pebble's memtables (3 x MemoryBudget/32 at most)
+	Total      int64 // the sum of the above
 }
 
 // Stats returns a snapshot of the counters.
@@ -1330,7 +1383,7 @@ func (e *Engine) Stats() Stats {
 		LeaseLost:          e.st.leaseLost.Load(),
 		Takeovers:          e.st.takeovers.Load(),
 		LiveEntries:        e.ix.Count(),
-		Cleanups:           e.ix.Forgotten(),
+		Cleanups:           e.ix.Forgotten() + e.st.ttlRemoved.Load(),
 		Evictions:          e.ix.Evicted(),
 		Acked:              e.st.acked.Load(),
 		Replies:            e.ix.Replies(),
@@ -1351,12 +1404,21 @@ func (e *Engine) Stats() Stats {
 	}
 	if !e.closed.Load() {
 		s.IndexBytes = e.ix.DiskUsage()
+		m := e.ix.Memory()
+		s.Memory = MemoryStats{Budget: e.o.MemoryBudget, Cache: s.CacheBytes, Pending: m.Pending, Filter: m.Filter,
+			BlockCache: m.BlockCache, MemTables: m.MemTables}
+		s.Memory.Total = s.Memory.Cache + m.Total()
 	}
 	return s
 }
 
 // Dir returns the engine's directory.
 func (e *Engine) Dir() string { return e.dir }
+
+// Now returns the engine's clock (Options.Clock, default time.Now). Code
+// built on the engine uses it for every time decision, so that a test with
+// a fake clock sees one time everywhere.
+func (e *Engine) Now() time.Time { return e.o.Clock() }
 
 // printable renders an id for error messages: text when printable, else hex.
 func printable(b []byte) string {

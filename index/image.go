@@ -95,6 +95,12 @@ func (ix *Index) Load(lsn wal.LSN, m Mark, next func() (key, value []byte, ok bo
 				return err
 			}
 		}
+		if e.HasExpiryKey() {
+			kb = expiryKey(kb[:0], e.ExpiresAt, k)
+			if err := b.Set(kb, nil, nil); err != nil {
+				return err
+			}
+		}
 		if e.InFlight {
 			kb = inDoubtKey(kb[:0], k)
 			if err := b.Set(kb, nil, nil); err != nil {
@@ -150,17 +156,59 @@ func (ix *Index) NthOldest(k int64) (int64, bool, error) {
 	return 0, false, it.Error()
 }
 
-// CompactRemoved compacts the key ranges where removals leave tombstones:
-// the entries and the time index below the forget mark (where its range
-// deletes are), so that Pebble reclaims their space now rather than when
-// its own compactions get there.
-func (ix *Index) CompactRemoved(ctx context.Context) error {
-	if err := ix.db.Compact(ctx, []byte{prefixEntry}, []byte{prefixEntry + 1}, false); err != nil {
-		return fmt.Errorf("index: compact entries: %w", err)
+// CompactRemoved compacts the key ranges where removals left tombstones,
+// so that Pebble reclaims their space now rather than when its own
+// compactions get there: the time index below the forget mark (where its
+// range deletes are) when the mark moved since the last call, and, if
+// entries is set, the whole entry range. A manual compaction rewrites every
+// table it overlaps, so the caller asks for the entry range only when
+// removals since the last time are a large part of the set (the cost then
+// stays proportional to what changed, amortized).
+func (ix *Index) CompactRemoved(ctx context.Context, entries bool) error {
+	if entries {
+		if err := ix.db.Compact(ctx, []byte{prefixEntry}, []byte{prefixEntry + 1}, false); err != nil {
+			return fmt.Errorf("index: compact entries: %w", err)
+		}
 	}
-	upper := timeKey(nil, ix.Mark().Before, nil)
-	if err := ix.db.Compact(ctx, []byte{prefixTime}, upper, false); err != nil {
-		return fmt.Errorf("index: compact time index: %w", err)
+	before := ix.Mark().Before
+	if before > ix.compactedMark.Load() {
+		upper := timeKey(nil, before, nil)
+		if err := ix.db.Compact(ctx, []byte{prefixTime}, upper, false); err != nil {
+			return fmt.Errorf("index: compact time index: %w", err)
+		}
+		ix.compactedMark.Store(before)
 	}
 	return nil
+}
+
+// ExpiredKeys returns up to limit entry keys from the expiry index whose TTL
+// ran out before before, starting after the row from (nil: the first), and
+// the row to start the next call from (nil when there are no more). The
+// pending sets are persisted first, so every applied entry is seen. Rows
+// may be stale by the time the caller acts: it must check each entry again
+// under its lock.
+func (ix *Index) ExpiredKeys(before int64, from []byte, limit int) (keys [][]byte, next []byte, err error) {
+	if err := ix.persist(); err != nil {
+		return nil, nil, err
+	}
+	lower := from
+	if lower == nil {
+		lower = []byte{prefixExpiry}
+	}
+	it, err := ix.db.NewIter(&pebble.IterOptions{LowerBound: lower, UpperBound: expiryKey(nil, before, nil)})
+	if err != nil {
+		return nil, nil, err
+	}
+	defer it.Close()
+	for ok := it.First(); ok; ok = it.Next() {
+		if len(keys) == limit {
+			return keys, append([]byte(nil), it.Key()...), it.Error()
+		}
+		_, ek, valid := parseExpiryKey(it.Key())
+		if !valid {
+			continue
+		}
+		keys = append(keys, append([]byte(nil), ek...))
+	}
+	return keys, nil, it.Error()
 }

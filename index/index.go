@@ -60,6 +60,9 @@ type Index struct {
 	// forgotten and evicted count replies removed by forget marks since
 	// Open (evicted: marks written for Options.MaxEntries).
 	forgotten, evicted atomic.Uint64
+	// compactedMark is the forget mark's Before when CompactRemoved last
+	// compacted the time index below it.
+	compactedMark atomic.Int64
 
 	applyMu sync.Mutex // serializes Apply, ingests and the fields below
 
@@ -80,6 +83,7 @@ type Index struct {
 	// The key filter (filter.go).
 	filter       atomic.Pointer[keyFilter] // consulted by Get; nil: ask Pebble
 	building     *keyFilter                // guarded by applyMu: being built, receives every add
+	buildingMem  atomic.Bool               // a filter is being built (for Memory)
 	filterBytes  int64
 	filterSeed   maphash.Seed
 	filterStop   chan struct{}
@@ -431,6 +435,12 @@ func (ix *Index) forgetChunk(lower, upper []byte, lsn wal.LSN, m Mark, reason by
 			continue
 		}
 		removed++
+		if e.HasExpiryKey() {
+			if err = b.Delete(expiryKey(nil, e.ExpiresAt, ek), nil); err != nil {
+				it.Close()
+				return false, nil, err
+			}
+		}
 		if nx := DropReply(e, mode); nx == nil {
 			err = b.Delete(ek, nil)
 			delta--
@@ -708,3 +718,37 @@ func (copyNotLinkFS) Link(oldname, newname string) error { return errNoLink }
 
 // Unwrap returns the wrapped FS.
 func (f copyNotLinkFS) Unwrap() vfs.FS { return f.FS }
+
+// Memory is the memory the index accounts for, in bytes.
+type Memory struct {
+	Pending    int64 // pending sets of applied updates (estimated)
+	Filter     int64 // key filters (two while one is built)
+	BlockCache int64 // Pebble's block cache in use
+	MemTables  int64 // Pebble's memtables
+}
+
+// Total is the sum of the parts.
+func (m Memory) Total() int64 { return m.Pending + m.Filter + m.BlockCache + m.MemTables }
+
+// Memory reports what the index holds in memory now.
+func (ix *Index) Memory() Memory {
+	var m Memory
+	ix.pmu.RLock()
+	if ix.mut != nil {
+		m.Pending += ix.mut.bytes
+	}
+	if ix.frozen != nil {
+		m.Pending += ix.frozen.bytes
+	}
+	ix.pmu.RUnlock()
+	if ix.filter.Load() != nil {
+		m.Filter += ix.filterBytes
+	}
+	if ix.buildingMem.Load() {
+		m.Filter += ix.filterBytes
+	}
+	pm := ix.db.Metrics()
+	m.BlockCache = pm.BlockCache.Size
+	m.MemTables = int64(pm.MemTable.Size)
+	return m
+}
