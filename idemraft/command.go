@@ -70,7 +70,7 @@ func Command(req idem.Request, op []byte) ([]byte, error) {
 	}
 	c := wireCommand{
 		Scope: req.Scope, ID: req.ID, Client: req.Client, Seq: req.Seq,
-		Fingerprint: req.Fingerprint, Acked: req.Acked, TTL: int64(requestTTL(req)), Op: op,
+		Fingerprint: req.Fingerprint, Acked: req.Acked, TTL: int64(req.TTL), Op: op,
 	}
 	var buf bytes.Buffer
 	buf.Grow(len(commandMagic) + 1 + len(op) + len(req.ID) + 64)
@@ -95,7 +95,7 @@ func checkRequest(req idem.Request) error {
 		return fmt.Errorf("%w: give ID, or Client and Seq", idem.ErrInvalidRequest)
 	case hasSeq && (req.Client == "" || req.Seq == 0):
 		return fmt.Errorf("%w: sequence mode needs both Client and Seq (>= 1)", idem.ErrInvalidRequest)
-	case requestTTL(req) < 0:
+	case req.TTL < 0:
 		return fmt.Errorf("%w: negative TTL", idem.ErrInvalidRequest)
 	}
 	return nil
@@ -144,7 +144,7 @@ func decodeCommand(data []byte) (decoded, error) {
 			return decoded{}, fmt.Errorf("%w: %v", ErrInvalidCommand, err)
 		}
 		req := idem.Request{Scope: c.Scope, ID: c.ID, Client: c.Client, Seq: c.Seq, Fingerprint: c.Fingerprint, Acked: c.Acked}
-		setRequestTTL(&req, time.Duration(c.TTL))
+		req.TTL = time.Duration(c.TTL)
 		if err := checkRequest(req); err != nil {
 			return decoded{}, fmt.Errorf("%w: %v", ErrInvalidCommand, err)
 		}

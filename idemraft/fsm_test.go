@@ -2,6 +2,7 @@ package idemraft
 
 import (
 	"bytes"
+	"context"
 	"encoding/binary"
 	"errors"
 	"io"
@@ -484,5 +485,39 @@ func TestCommandValidation(t *testing.T) {
 	}
 	if IsCommand([]byte("plain")) {
 		t.Fatal("plain data taken for a command")
+	}
+}
+
+// TestTTLUsesLogTime: a request's TTL runs out by the log's time: a retry
+// within it is a duplicate, one after it runs again, whatever the local
+// clock says (the entries here are years away from it).
+func TestTTLUsesLogTime(t *testing.T) {
+	app := newCounterFSM()
+	fd := &feeder{t: t, f: wrapT(t, app, t.TempDir()), at: t0}
+	req := idem.Request{ID: []byte("ttl"), TTL: time.Minute}
+	fd.cmd(req, counterOp{ID: "ttl-1", Key: "k", Delta: 1})
+	fd.at = t0.Add(30 * time.Second)
+	if r := fd.cmd(req, counterOp{ID: "ttl-2", Key: "k", Delta: 1}); !r.Duplicate {
+		t.Fatalf("retry within the TTL: %+v", r)
+	}
+	fd.at = t0.Add(2 * time.Minute)
+	if r := fd.cmd(req, counterOp{ID: "ttl-3", Key: "k", Delta: 1}); r.Duplicate || val(t, r) != 2 {
+		t.Fatalf("retry after the TTL: %+v", r)
+	}
+	// Cleanup runs at the log's time too, and changes no answer (whether
+	// the entry is physically gone yet or not).
+	fd.at = t0.Add(10 * time.Minute)
+	fd.apply([]byte("noise")) // the clock moves with the log only
+	if _, err := fd.f.cur.e.CleanupExpired(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if r := fd.cmd(req, counterOp{ID: "ttl-4", Key: "k", Delta: 1}); r.Duplicate || val(t, r) != 3 {
+		t.Fatalf("retry after cleanup: %+v", r)
+	}
+	if got := app.state().Applied; !reflect.DeepEqual(got, map[string]int{"ttl-1": 1, "ttl-3": 1, "ttl-4": 1}) {
+		t.Fatalf("applied %v", got)
+	}
+	if _, err := Command(idem.Request{ID: []byte("x"), TTL: -time.Second}, nil); !errors.Is(err, idem.ErrInvalidRequest) {
+		t.Fatalf("negative TTL: %v", err)
 	}
 }
