@@ -36,6 +36,8 @@ type clusterOpts struct {
 	wrap              bool // wrap the FSM (false: the bare application, for the benchmark)
 	snapshotThreshold uint64
 	trailingLogs      uint64
+	timeout           time.Duration // heartbeat and election timeout (default 150 ms)
+	noBatch           bool          // hide ApplyBatch from raft (one Apply per entry)
 }
 
 type cluster struct {
@@ -51,8 +53,11 @@ func raftConfig(id raft.ServerID, o clusterOpts) *raft.Config {
 	c := raft.DefaultConfig()
 	c.LocalID = id
 	c.HeartbeatTimeout = 150 * time.Millisecond
-	c.ElectionTimeout = 150 * time.Millisecond
-	c.LeaderLeaseTimeout = 100 * time.Millisecond
+	if o.timeout > 0 {
+		c.HeartbeatTimeout = o.timeout
+	}
+	c.ElectionTimeout = c.HeartbeatTimeout
+	c.LeaderLeaseTimeout = c.HeartbeatTimeout * 2 / 3
 	c.CommitTimeout = 2 * time.Millisecond
 	c.SnapshotInterval = 200 * time.Millisecond
 	c.SnapshotThreshold = o.snapshotThreshold
@@ -125,6 +130,9 @@ func (c *cluster) start(nd *tnode) {
 			c.t.Fatal(err)
 		}
 		fsm = w
+		if c.o.noBatch {
+			fsm = struct{ raft.FSM }{w}
+		}
 	}
 	r, err := raft.NewRaft(raftConfig(nd.id, c.o), fsm, nd.store, nd.store, nd.snaps, nd.trans)
 	if err != nil {

@@ -310,10 +310,24 @@ func (f *FSM) fail(idx uint64, err error) error {
 func (f *FSM) Apply(l *raft.Log) any {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
+	var d decoded
+	var derr error
+	if IsCommand(l.Data) {
+		d, derr = decodeCommand(l.Data)
+	}
+	return f.applyEntry(l, d, derr, nil, 0)
+}
+
+// applyEntry applies one LogCommand entry (d and derr: its decoding, if it
+// is a command). With g nil the reply is committed before it returns; with
+// a commit group the Commit is started and g.wait collects it (ApplyBatch).
+// The caller holds f.mu for reading.
+func (f *FSM) applyEntry(l *raft.Log, d decoded, derr error, g *commitGroup, slot int) any {
 	f.tick(l)
 	defer f.lastIndex.Store(l.Index) // once applied
+	isCmd := IsCommand(l.Data)
 	if err := f.Err(); err != nil {
-		if IsCommand(l.Data) {
+		if isCmd {
 			return &Response{Err: err}
 		}
 		return err
@@ -322,13 +336,12 @@ func (f *FSM) Apply(l *raft.Log) any {
 		err := f.fail(l.Index, idem.ErrClosed)
 		return &Response{Err: err}
 	}
-	if !IsCommand(l.Data) {
+	if !isCmd {
 		return f.app.Apply(l)
 	}
-	d, err := decodeCommand(l.Data)
-	if err != nil {
+	if derr != nil {
 		f.refused.Add(1)
-		return &Response{Err: fmt.Errorf("%w (log index %d)", err, l.Index)}
+		return &Response{Err: fmt.Errorf("%w (log index %d)", derr, l.Index)}
 	}
 	e := f.cur.e
 	ctx := context.Background()
@@ -364,13 +377,17 @@ func (f *FSM) Apply(l *raft.Log) any {
 	out := f.app.Apply(&entry)
 	env, resp := resultEnvelope(out, d.req.Fingerprint, f.eopts.MaxReplySize)
 	b, err := encodeEnvelope(env)
-	if err == nil {
-		err = res.Claim.Commit(ctx, b)
-	}
 	if err != nil {
 		return &Response{Err: f.fail(l.Index, err)}
 	}
 	f.applied.Add(1)
+	if g != nil {
+		g.commit(res.Claim, b, d.req, l.Index, slot)
+		return resp
+	}
+	if err := res.Claim.Commit(ctx, b); err != nil {
+		return &Response{Err: f.fail(l.Index, err)}
+	}
 	return resp
 }
 
