@@ -213,14 +213,13 @@ func TestClusterExactlyOnceLinearizable(t *testing.T) {
 	// no longer reaches back to the start.
 	nd := c.addNode()
 	c.start(nd)
-	l := c.waitLeader(20 * time.Second)
-	lr, _, _, _ := l.current()
-	if err := lr.Snapshot().Error(); err != nil && err != raft.ErrNothingNewToSnapshot {
-		t.Fatal(err)
-	}
-	if err := lr.AddVoter(nd.id, nd.addr, 0, 10*time.Second).Error(); err != nil {
-		t.Fatal(err)
-	}
+	// Leadership may move meanwhile on a loaded machine: retry on the leader.
+	c.retryOnLeader(t, func(r *raft.Raft) error {
+		if err := r.Snapshot().Error(); err != nil && err != raft.ErrNothingNewToSnapshot {
+			return err
+		}
+		return r.AddVoter(nd.id, nd.addr, 0, 10*time.Second).Error()
+	})
 	// A last request through the log marks the end.
 	last, err := cl.Do(ctx, idem.Request{ID: []byte("last")}, encodeOp(counterOp{ID: "last", Key: "z", Delta: 1}))
 	if err != nil || last.Err != nil {
@@ -275,15 +274,40 @@ func TestClusterExactlyOnceLinearizable(t *testing.T) {
 		total, clients, lost.Load(), dups.Load(), faults, restartsFromSnapshot, snapsTaken, restores, time.Since(start).Round(time.Millisecond))
 }
 
+// retryOnLeader runs fn on the leader until it succeeds (30 s at most).
+func (c *cluster) retryOnLeader(t *testing.T, fn func(*raft.Raft) error) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		l := c.waitLeader(20 * time.Second)
+		r, _, _, _ := l.current()
+		err := fn(r)
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal(err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
 // converge waits until every running node has applied the leader's last
 // index and returns each node's application state.
 func (c *cluster) converge(t *testing.T, ctx context.Context) map[raft.ServerID]counterState {
 	t.Helper()
-	l := c.waitLeader(20 * time.Second)
-	lr, lw, _, _ := l.current()
-	if err := lr.Barrier(10 * time.Second).Error(); err != nil {
-		t.Fatal(err)
-	}
+	var lw *FSM
+	c.retryOnLeader(t, func(r *raft.Raft) error {
+		if err := r.Barrier(10 * time.Second).Error(); err != nil {
+			return err
+		}
+		for _, nd := range c.nodes {
+			if nr, w, _, _ := nd.current(); nr == r {
+				lw = w
+			}
+		}
+		return nil
+	})
 	target := lw.Stats().LastIndex // the last entry the FSMs see
 	out := map[raft.ServerID]counterState{}
 	for _, nd := range c.nodes {
