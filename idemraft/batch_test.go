@@ -21,7 +21,7 @@ func TestApplyBatchMatchesApply(t *testing.T) {
 	var logs []*raft.Log
 	at := t0
 	seq := map[string]uint64{}
-	for i := 1; i <= 3000; i++ {
+	for i := 1; i <= 1500; i++ {
 		if rng.IntN(4) == 0 {
 			at = at.Add(time.Duration(rng.IntN(3000)) * time.Millisecond)
 		}

@@ -27,19 +27,21 @@ type Options struct {
 	// snapshot stores stay the application's. Wrap refuses a non-empty
 	// directory it did not create, rather than delete what is there.
 	Dir string
-	// Engine tunes the dedup engine: cache and index sizes (CacheSize,
-	// IndexCacheSize, IndexIngestBytes, IndexFilterBytes), SegmentSize,
-	// CompactInterval, CompactWALBytes, MaxIDLen, MaxReplySize, Retention,
-	// CleanupInterval, Logger. Every replica must use the same Retention,
+	// Engine tunes the dedup engine: memory (MemoryBudget, default 256 MiB,
+	// or the parts it is shared among: CacheSize, IndexCacheSize,
+	// IndexIngestBytes, IndexFilterBytes), SegmentSize, CompactInterval,
+	// CompactWALBytes, MaxIDLen, MaxReplySize, Retention, CleanupInterval,
+	// SyncInterval, Logger. Every replica must use the same Retention,
 	// MaxIDLen and MaxReplySize, since they decide replies.
 	//
 	// idemraft sets Clock (the time of the entry being applied), Sync
-	// (SyncInterval, default SyncInterval 1 s), RelaxedClaims (on) and
-	// KeepSnapshots (none) itself: the dedup set is derived state that raft
-	// rebuilds, so fsyncs protect nothing (see the package documentation). MaxEntries must be zero:
-	// capacity eviction is timed by each node's engine, not by the log, so
-	// replicas would disagree about which ids they still know. FS must be
-	// nil (the operating system's).
+	// (idem.SyncInterval; SyncInterval defaults to 1 s), RelaxedClaims (on)
+	// and KeepSnapshots (none) itself: the dedup set is derived state that
+	// raft rebuilds, so fsyncs protect nothing (see the package
+	// documentation). MaxEntries must be zero: capacity eviction is timed
+	// by each node's engine, not by the log, so replicas would disagree
+	// about which ids they still know. FS must be nil (the operating
+	// system's).
 	Engine idem.Options
 	// Logger receives idemraft's own messages (a failed dedup engine, a
 	// refused snapshot). Default: Engine.Logger, else discard.
@@ -152,7 +154,7 @@ func Wrap(fsm raft.FSM, opts *Options) (*FSM, error) {
 		f.eopts.SyncInterval = time.Second
 	}
 	f.eopts.RelaxedClaims = true
-	f.eopts.KeepSnapshots = -1
+	f.eopts.KeepSnapshots = 0 // no on-disk snapshots: raft's are the copies
 	if f.eopts.Logger == nil {
 		f.eopts.Logger = f.logger
 	}

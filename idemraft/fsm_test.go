@@ -176,7 +176,7 @@ func TestApplyPassThroughAndAppErrors(t *testing.T) {
 	}
 	rng := rand.New(rand.NewPCG(1, 2))
 	good, _ := Command(idem.Request{ID: []byte("x"), Acked: [][]byte{[]byte("y")}}, []byte("op"))
-	for i := 0; i < 2000; i++ {
+	for i := 0; i < 600; i++ {
 		b := append([]byte(nil), good...)
 		switch i % 3 {
 		case 0:
@@ -369,7 +369,7 @@ func TestCorruptSnapshotRefused(t *testing.T) {
 	for _, n := range []int{0, 5, len(snapMagic) + 1, len(snapMagic) + 9, len(good) / 3, len(good) / 2, len(good) - 30, len(good) - 1} {
 		cases = append(cases, good[:n])
 	}
-	for i := 0; i < 40; i++ {
+	for i := 0; i < 16; i++ {
 		b := append([]byte(nil), good...)
 		b[rng.IntN(len(b))] ^= byte(1 + rng.IntN(255))
 		cases = append(cases, b)

@@ -142,7 +142,7 @@ type procNode struct {
 // nothing may run twice, the replicas must end equal and the history must
 // be linearizable. IDEMRAFT_PROC_REQUESTS and IDEMRAFT_KILLS size it.
 func TestProcessesSIGKILL(t *testing.T) {
-	total, kills := 600, 4
+	total, kills := 400, 3
 	if testing.Short() {
 		total, kills = 200, 2
 	}
