@@ -190,7 +190,13 @@ func resetDir(dir string) error {
 		}
 	}
 	if !marked && len(names) > 1 || len(foreign) > 0 {
-		return fmt.Errorf("idemraft: Wrap: %s is not an idemraft directory (it holds %d entries, e.g. %v); give an empty or new directory", dir, len(names), names[0].Name())
+		if len(foreign) == 0 {
+			foreign = []string{names[0].Name()}
+			if foreign[0] == "LOCK" {
+				foreign[0] = names[1].Name()
+			}
+		}
+		return fmt.Errorf("idemraft: Wrap: %s is not an idemraft directory (it holds %q among %d entries); give an empty or new directory", dir, foreign[0], len(names))
 	}
 	for _, n := range names {
 		if strings.HasPrefix(n.Name(), "gen-") || strings.HasPrefix(n.Name(), "tmp-") {

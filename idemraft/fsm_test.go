@@ -328,6 +328,34 @@ func TestSnapshotRestore(t *testing.T) {
 	if n := countGenerations(t, f2.dir); n != 1 {
 		t.Fatalf("%d generations left in Dir, want 1", n)
 	}
+	// A snapshot taken before a Restore is still persisted afterwards (raft
+	// may install a leader's snapshot while its own is being written): the
+	// old dedup engine stays open until the image is released.
+	early, err := f2.Snapshot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := f2.Restore(io.NopCloser(bytes.NewReader(sink.Bytes()))); err != nil {
+		t.Fatal(err)
+	}
+	if n := countGenerations(t, f2.dir); n != 2 {
+		t.Fatalf("%d generations while an image of the old one is open, want 2", n)
+	}
+	var late memSink
+	if err := early.Persist(&late); err != nil {
+		t.Fatal(err)
+	}
+	early.Release()
+	if n := countGenerations(t, f2.dir); n != 1 {
+		t.Fatalf("%d generations after the release, want 1", n)
+	}
+	app3 := newCounterFSM()
+	if err := wrapT(t, app3, t.TempDir()).Restore(io.NopCloser(bytes.NewReader(late.Bytes()))); err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(app3.state(), atSnap) {
+		t.Fatal("the snapshot persisted across a Restore holds another state")
+	}
 }
 
 func countGenerations(t *testing.T, dir string) int {
