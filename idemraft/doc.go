@@ -137,4 +137,9 @@
 // Every replica must use the same Options.Engine limits that decide
 // answers (Retention, MaxIDLen, MaxReplySize); MaxEntries is refused,
 // because capacity eviction is timed by each node, not by the log.
+//
+// raft.Config.NoSnapshotRestoreOnStart is not supported: it is meant for
+// applications whose state survives restarts on its own, while the dedup
+// set is rebuilt from the snapshot at every start, so the two would
+// disagree. The default (restore on start) is what idemraft needs.
 package idemraft
