@@ -1,7 +1,6 @@
 package idemraft
 
 import (
-	"github.com/hashicorp/raft"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -19,15 +18,15 @@ import (
 //
 //	go test -run xxx -bench Replicated -benchtime 20000x ./idemraft/
 func BenchmarkReplicated(b *testing.B) {
-	for _, v := range []struct {
-		name          string
-		wrap, noBatch bool
-	}{{"bare", false, false}, {"idemraft", true, false}, {"idemraft-nobatch", true, true}} {
-		wrap := v.wrap
-		b.Run(v.name, func(b *testing.B) {
+	for _, wrap := range []bool{false, true} {
+		name := "bare"
+		if wrap {
+			name = "idemraft"
+		}
+		b.Run(name, func(b *testing.B) {
 			// Long timeouts: on a loaded machine a starved heartbeat must not
 			// cost the leader (the bare run would lose it just the same).
-			c := newCluster(b, 3, clusterOpts{wrap: wrap, noBatch: v.noBatch, timeout: time.Second})
+			c := newCluster(b, 3, clusterOpts{wrap: wrap, timeout: time.Second, engine: &idem.Options{}}) // engine defaults
 			l := c.waitLeader(10 * time.Second)
 			r, _, _, _ := l.current()
 			var next atomic.Int64
@@ -89,31 +88,5 @@ func BenchmarkFSMApply(b *testing.B) {
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		fd.apply(cmds[i])
-	}
-}
-
-// BenchmarkFSMApplyBatch is BenchmarkFSMApply through ApplyBatch, in
-// batches of 64 entries appended at the same time (as raft's leader
-// dispatches them).
-func BenchmarkFSMApplyBatch(b *testing.B) {
-	app := newCounterFSM()
-	f, err := Wrap(app, &Options{Dir: b.TempDir()})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer f.Close()
-	logs := make([]*raft.Log, b.N)
-	at := t0
-	for i := range logs {
-		if i%64 == 0 {
-			at = at.Add(time.Millisecond)
-		}
-		id := "req-" + strconv.Itoa(i)
-		data, _ := Command(idem.Request{ID: []byte(id)}, encodeOp(counterOp{ID: id, Key: "k", Delta: 1}))
-		logs[i] = &raft.Log{Index: uint64(i + 1), Type: raft.LogCommand, Data: data, AppendedAt: at}
-	}
-	b.ResetTimer()
-	for i := 0; i < b.N; i += 64 {
-		f.ApplyBatch(logs[i:min(i+64, b.N)])
 	}
 }

@@ -12,6 +12,7 @@ import (
 
 	"github.com/hashicorp/go-hclog"
 	"github.com/hashicorp/raft"
+	"github.com/idemdb/idem"
 )
 
 // tnode is one raft server of an in-process test cluster. Its stores
@@ -37,7 +38,7 @@ type clusterOpts struct {
 	snapshotThreshold uint64
 	trailingLogs      uint64
 	timeout           time.Duration // heartbeat and election timeout (default 150 ms)
-	noBatch           bool          // hide ApplyBatch from raft (one Apply per entry)
+	engine            *idem.Options // dedup engine options (default: small, for tests)
 }
 
 type cluster struct {
@@ -125,14 +126,15 @@ func (c *cluster) start(nd *tnode) {
 	var w *FSM
 	if c.o.wrap {
 		var err error
-		w, err = Wrap(app, &Options{Dir: nd.dir, Engine: testEngineOptions()})
+		eo := testEngineOptions()
+		if c.o.engine != nil {
+			eo = *c.o.engine
+		}
+		w, err = Wrap(app, &Options{Dir: nd.dir, Engine: eo})
 		if err != nil {
 			c.t.Fatal(err)
 		}
 		fsm = w
-		if c.o.noBatch {
-			fsm = struct{ raft.FSM }{w}
-		}
 	}
 	r, err := raft.NewRaft(raftConfig(nd.id, c.o), fsm, nd.store, nd.store, nd.snaps, nd.trans)
 	if err != nil {

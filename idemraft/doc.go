@@ -43,13 +43,6 @@
 // No claim stays open across entries, so a request is never "in flight"
 // between Applies, and nothing is ever in doubt after a crash.
 //
-// The FSM also implements raft.BatchingFSM: in a batch, the Commits of
-// consecutive new requests run concurrently and are waited for before any
-// entry that could observe them (the same request or an id it acks, a
-// forget, a later AppendedAt, a configuration entry), so the results are
-// those of one Apply per entry (a differential test checks it on random
-// logs). The wrapped FSM's Apply is still called once per entry, in order.
-//
 // # Time
 //
 // Every time decision (commit time, per-request TTL and Retention expiry,

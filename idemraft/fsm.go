@@ -323,14 +323,12 @@ func (f *FSM) Apply(l *raft.Log) any {
 	if IsCommand(l.Data) {
 		d, derr = decodeCommand(l.Data)
 	}
-	return f.applyEntry(l, d, derr, nil, 0)
+	return f.applyEntry(l, d, derr)
 }
 
 // applyEntry applies one LogCommand entry (d and derr: its decoding, if it
-// is a command). With g nil the reply is committed before it returns; with
-// a commit group the Commit is started and g.wait collects it (ApplyBatch).
-// The caller holds f.mu for reading.
-func (f *FSM) applyEntry(l *raft.Log, d decoded, derr error, g *commitGroup, slot int) any {
+// is a command). The caller holds f.mu for reading.
+func (f *FSM) applyEntry(l *raft.Log, d decoded, derr error) any {
 	f.tick(l)
 	defer f.lastIndex.Store(l.Index) // once applied
 	isCmd := IsCommand(l.Data)
@@ -385,17 +383,13 @@ func (f *FSM) applyEntry(l *raft.Log, d decoded, derr error, g *commitGroup, slo
 	out := f.app.Apply(&entry)
 	env, resp := resultEnvelope(out, d.req.Fingerprint, f.eopts.MaxReplySize)
 	b, err := encodeEnvelope(env)
+	if err == nil {
+		err = res.Claim.Commit(ctx, b)
+	}
 	if err != nil {
 		return &Response{Err: f.fail(l.Index, err)}
 	}
 	f.applied.Add(1)
-	if g != nil {
-		g.commit(res.Claim, b, d.req, l.Index, slot)
-		return resp
-	}
-	if err := res.Claim.Commit(ctx, b); err != nil {
-		return &Response{Err: f.fail(l.Index, err)}
-	}
 	return resp
 }
 
