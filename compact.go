@@ -3,6 +3,7 @@ package idem
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 
 	"github.com/idemdb/idem/compaction"
@@ -236,11 +237,21 @@ func (e *Engine) maintenance() {
 	defer compact.Stop()
 	grown := time.NewTicker(time.Second)
 	defer grown.Stop()
+	ixFailed := e.ix.Failed()
 	for {
 		var err error
 		select {
 		case <-e.stopBg:
 			return
+		case <-ixFailed:
+			// Pebble failed in the background (a full or failing disk):
+			// stop now rather than at the next write.
+			ixFailed = nil
+			ferr := fmt.Errorf("%w: %w", ErrFailed, e.ix.Failure())
+			if e.failed.CompareAndSwap(nil, &ferr) {
+				e.o.Logger.Error("idem: the index failed in the background; the engine stops (reopen to recover from the WAL)", "err", ferr)
+			}
+			continue
 		case <-cleanup.C:
 			e.compactMu.Lock()
 			err = e.retire(context.Background())

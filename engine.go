@@ -168,6 +168,10 @@ type shard struct {
 	mu    sync.Mutex
 	m     map[string]*slot // guarded by mu
 	bytes int64            // guarded by mu: accounted size of the slots
+	// gen counts the slots evicted from m (guarded by mu): a read of the
+	// index made without the lock may be installed only if no slot of
+	// the shard was evicted meanwhile (see lockSlot).
+	gen uint64
 	// unlock is mu.Unlock bound once, so that lockKeys of one key does not
 	// allocate a method value per call.
 	unlock func()
@@ -295,8 +299,11 @@ func Open(dir string, opts *Options) (*Engine, error) {
 }
 
 func wrapCorrupt(err error) error {
-	if errors.Is(err, ErrCorrupt) {
+	if errors.Is(err, ErrCorrupt) || errors.Is(err, ErrFailed) {
 		return err
+	}
+	if errors.Is(err, index.ErrBackground) {
+		return fmt.Errorf("%w: %w", ErrFailed, err)
 	}
 	if errors.Is(err, wal.ErrCorrupt) || errors.Is(err, index.ErrCorrupt) || errors.Is(err, wal.ErrBadRecord) || errors.Is(err, index.ErrBadEntry) || errors.Is(err, index.ErrNoClaim) {
 		return fmt.Errorf("%w: %w", ErrCorrupt, err)
@@ -590,6 +597,57 @@ func (e *Engine) slotLocked(key []byte) (*slot, error) {
 	return sl, nil
 }
 
+// lockSlot locks key's shard and returns key's slot and the unlock
+// function. A slot that is not in memory is read from the index without
+// holding the shard's lock, so that a lookup that has to read the disk (a
+// duplicate of an id committed long ago, while Pebble compacts) does not
+// stall every other key of its shard behind it.
+//
+// The read is installed only if the key still has no slot and no slot of
+// the shard was evicted meanwhile. That makes it current: every change to
+// a key goes through its slot, which stays in memory (pinned) until the
+// index has applied it; so if no slot was evicted, no change to the key
+// can have been made and applied during the read. Forget marks change the
+// index without the slots, but readers apply the newest mark to whatever
+// they read (Engine.current). Otherwise the key is read again under the
+// lock.
+func (e *Engine) lockSlot(key []byte) (*slot, func(), error) {
+	sh := e.shardOf(key)
+	sh.mu.Lock()
+	if sl := sh.m[string(key)]; sl != nil {
+		return sl, sh.unlock, nil
+	}
+	gen := sh.gen
+	sh.mu.Unlock()
+	en, err := e.ix.Get(key)
+	if testHookUnlockedRead != nil {
+		testHookUnlockedRead(key)
+	}
+	sh.mu.Lock()
+	if sl := sh.m[string(key)]; sl != nil {
+		return sl, sh.unlock, nil
+	}
+	if err != nil || sh.gen != gen {
+		sl, err := e.slotLocked(key)
+		if err != nil {
+			sh.mu.Unlock()
+			return nil, nil, err
+		}
+		return sl, sh.unlock, nil
+	}
+	sl := &slot{e: en}
+	sl.size = slotSize(key, en)
+	k := string(key)
+	sh.m[k] = sl
+	sh.bytes += sl.size
+	e.evictLocked(sh, k)
+	return sl, sh.unlock, nil
+}
+
+// testHookUnlockedRead, set by tests only, runs after lockSlot read key
+// from the index without the shard's lock, before it takes the lock again.
+var testHookUnlockedRead func(key []byte)
+
 func slotSize(key []byte, en *index.Entry) int64 {
 	n := int64(len(key)) + 160
 	if en != nil {
@@ -622,6 +680,7 @@ func (e *Engine) evictLocked(sh *shard, keep string) {
 			continue
 		}
 		delete(sh.m, k)
+		sh.gen++
 		sh.bytes -= sl.size
 	}
 }
@@ -762,16 +821,22 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 		fp = nil
 	}
 	now := e.o.Clock()
-	var unlock func()
+	var (
+		unlock func()
+		sl     *slot
+	)
 	if len(k.ackKey) == 0 {
-		unlock = e.lockKeys(k.key)
+		sl, unlock, err = e.lockSlot(k.key)
+		if err != nil {
+			return Result{}, k, err
+		}
 	} else {
 		unlock = e.lockKeys(append([][]byte{k.key}, k.ackKey...)...)
-	}
-	sl, err := e.slotLocked(k.key)
-	if err != nil {
-		unlock()
-		return Result{}, k, err
+		sl, err = e.slotLocked(k.key)
+		if err != nil {
+			unlock()
+			return Result{}, k, err
+		}
 	}
 	cur := e.current(sl, k.mode)
 	takeover := false
@@ -1140,10 +1205,8 @@ func (e *Engine) lookup(k reqKey) (Result, error) {
 		return Result{}, err
 	}
 	defer e.leave()
-	unlock := e.lockKeys(k.key)
-	sl, err := e.slotLocked(k.key)
+	sl, unlock, err := e.lockSlot(k.key)
 	if err != nil {
-		unlock()
 		return Result{}, err
 	}
 	cur := e.current(sl, k.mode)

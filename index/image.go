@@ -125,7 +125,7 @@ func (ix *Index) Load(lsn wal.LSN, m Mark, next func() (key, value []byte, ok bo
 	ix.replies.Store(replies)
 	ix.mark.Store(&m)
 	ix.applied.Store(uint64(lsn))
-	if err := ix.db.Flush(); err != nil {
+	if err := ix.flushMemtables(); err != nil {
 		return err
 	}
 	ix.memDirty = false

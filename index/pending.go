@@ -144,7 +144,7 @@ func (ix *Index) freezeLocked() error {
 	}
 	if ix.memDirty {
 		// A batch written before this set must reach the sstables first.
-		if err := ix.db.Flush(); err != nil {
+		if err := ix.flushMemtables(); err != nil {
 			return ix.setIngestErr(fmt.Errorf("index: flush before ingest: %w", err))
 		}
 		ix.memDirty = false
