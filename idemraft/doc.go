@@ -81,8 +81,9 @@
 // # Snapshots
 //
 // Snapshot (between two Applies) takes the application's FSMSnapshot and a
-// point-in-time image of the dedup set (idem.Engine.SnapshotImage: a Pebble
-// snapshot, cheap) at the same log index. Persist, concurrent with later
+// point-in-time image of the dedup set (idem.Engine.SnapshotImage: the
+// engine writes out its last records and takes a Pebble snapshot, no copy)
+// at the same log index. Persist, concurrent with later
 // Applies, streams one container: a header, a meta section (log index,
 // clock), the dedup set in idem's checksummed snapshot format, and exactly
 // the bytes the application's Persist wrote; each section is framed in

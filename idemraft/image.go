@@ -14,7 +14,8 @@ type image interface {
 	Close() error
 }
 
-// takeImage captures the dedup set now (a Pebble snapshot); it is streamed
+// takeImage captures the dedup set now (its records written out, then a
+// Pebble snapshot); it is streamed
 // later by Persist, concurrently with Applies.
 func takeImage(ctx context.Context, _ *FSM, e *idem.Engine) (image, error) {
 	return e.SnapshotImage(ctx)
