@@ -13,6 +13,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"runtime/debug"
 	"strconv"
 	"strings"
 	"sync"
@@ -59,6 +60,7 @@ given (then it is kept).`,
 		fs.Int64Var(&o.every, "every", 1_000_000, "print a fill line every `n` ids")
 		fs.DurationVar(&o.lookups, "lookups", 10*time.Second, "how long the duplicate phase runs (`d`)")
 		fs.BoolVar(&o.json, "json", false, "print one JSON object at the end")
+		fs.BoolVar(&o.skipFill, "skip-fill", false, "the --dir holds the --ids ids of an earlier run: skip the fill and the compaction, measure the rest")
 		return o.run
 	},
 }
@@ -72,6 +74,7 @@ type scaleOpts struct {
 	every       int64
 	lookups     time.Duration
 	json        bool
+	skipFill    bool
 }
 
 type scaleFillLine struct {
@@ -101,8 +104,13 @@ type scaleOut struct {
 	CloseSeconds        float64         `json:"close_seconds"`
 	ReopenSeconds       float64         `json:"reopen_seconds"`
 	Duplicate           phaseResult     `json:"duplicate"`
-	PeakRSSBytes        int64           `json:"peak_rss_bytes"`
-	RSSBytes            int64           `json:"rss_bytes"`
+	// FillPeakRSSBytes is the process's peak RSS during the fill and the
+	// compaction; PeakRSSBytes the peak during the reopen and the duplicate
+	// phase, after the first engine's memory was returned to the OS (the
+	// peak is reset where Linux allows it: /proc/self/clear_refs).
+	FillPeakRSSBytes int64 `json:"fill_peak_rss_bytes"`
+	PeakRSSBytes     int64 `json:"peak_rss_bytes"`
+	RSSBytes         int64 `json:"rss_bytes"`
 }
 
 // scaleID is the i-th id: 16 bytes, a bijective mix of i (distinct for
@@ -134,6 +142,8 @@ func (o *scaleOpts) run(c *cli, pos []string) error {
 		return usagef("--reply-size must be between 0 and 1 MiB")
 	case o.every < 1:
 		return usagef("--every must be positive")
+	case o.skipFill && o.dir == "":
+		return usagef("--skip-fill needs the --dir of an earlier run")
 	}
 	opts := &idem.Options{}
 	if o.budget != "" {
@@ -173,7 +183,72 @@ func (o *scaleOpts) run(c *cli, pos []string) error {
 	_, _ = crand.Read(reply)
 	ctx := context.Background()
 
-	// Fill.
+	if !o.skipFill {
+		if err := o.fill(c, e, &out, dir, reply, say); err != nil {
+			return err
+		}
+	}
+	out.FillPeakRSSBytes = procStatus("VmHWM")
+	out.WALBytes = treeBytes(filepath.Join(dir, "wal"))
+	out.IndexBytes = treeBytes(filepath.Join(dir, "index"))
+	out.SnapshotBytes = treeBytes(filepath.Join(dir, "snapshot"))
+	out.DiskPerID = float64(out.WALBytes+out.IndexBytes+out.SnapshotBytes) / float64(o.ids)
+	say("disk      wal %s, index %s, snapshots %s: %.1f bytes per id (index alone %.1f; total/index %.2fx)\n",
+		humanBytes(out.WALBytes), humanBytes(out.IndexBytes), humanBytes(out.SnapshotBytes), out.DiskPerID,
+		float64(out.IndexBytes)/float64(o.ids), float64(out.WALBytes+out.IndexBytes+out.SnapshotBytes)/float64(max(out.IndexBytes, 1)))
+
+	// Reopen, in a process whose first engine's memory went back to the OS.
+	t0 := time.Now()
+	if err := e.Close(); err != nil {
+		return fmt.Errorf("close: %w", err)
+	}
+	out.CloseSeconds = time.Since(t0).Seconds()
+	runtime.GC()
+	debug.FreeOSMemory()
+	_ = os.WriteFile("/proc/self/clear_refs", []byte("5"), 0) // reset VmHWM (Linux)
+	t0 = time.Now()
+	e, err = idem.Open(dir, opts)
+	if err != nil {
+		return fmt.Errorf("reopen: %w", err)
+	}
+	out.ReopenSeconds = time.Since(t0).Seconds()
+	say("reopen    close %.3fs, open %.3fs (%d live entries)\n", out.CloseSeconds, out.ReopenSeconds, e.Stats().LiveEntries)
+
+	// Duplicates.
+	b := &benchOpts{concurrency: o.concurrency, duration: o.lookups}
+	out.Duplicate = b.phase(c, "duplicate", func(w int, rng *rand.ChaCha8) error {
+		id := scaleID(make([]byte, 0, 16), rng.Uint64()%uint64(o.ids))
+		res, err := e.Begin(ctx, idem.Request{ID: id})
+		if err != nil {
+			return err
+		}
+		if res.Status != idem.Done {
+			return fmt.Errorf("id 0x%x: status %v, want done", id, res.Status)
+		}
+		return nil
+	})
+	if !o.json {
+		printPhase(c, &out.Duplicate)
+	}
+	out.PeakRSSBytes, out.RSSBytes = procStatus("VmHWM"), procStatus("VmRSS")
+	say("memory    peak RSS %s during the fill (%.2fx the budget), %s during reopen and duplicates (%.2fx), now %s; budget %s, accounted now %s\n",
+		humanBytes(out.FillPeakRSSBytes), float64(out.FillPeakRSSBytes)/float64(out.MemoryBudget),
+		humanBytes(out.PeakRSSBytes), float64(out.PeakRSSBytes)/float64(out.MemoryBudget), humanBytes(out.RSSBytes),
+		humanBytes(out.MemoryBudget), humanBytes(e.Stats().Memory.Total))
+	if o.json {
+		if err := writeJSONLine(c.stdout, &out); err != nil {
+			return err
+		}
+	}
+	if out.Duplicate.Errors > 0 {
+		return fmt.Errorf("duplicate phase: %d requests failed, first: %s", out.Duplicate.Errors, out.Duplicate.FirstErr)
+	}
+	return nil
+}
+
+// fill runs the fill phase and the compaction after it.
+func (o *scaleOpts) fill(c *cli, e *idem.Engine, out *scaleOut, dir string, reply []byte, say func(string, ...any)) error {
+	ctx := context.Background()
 	var (
 		next, done atomic.Int64
 		firstErr   atomic.Pointer[error]
@@ -242,55 +317,6 @@ func (o *scaleOpts) run(c *cli, pos []string) error {
 	out.CompactSeconds = time.Since(t0).Seconds()
 	out.CompactWrittenBytes = procIO("write_bytes") - w0
 	say("compact   %.2fs, %s written by the process meanwhile\n", out.CompactSeconds, humanBytes(out.CompactWrittenBytes))
-	out.WALBytes = treeBytes(filepath.Join(dir, "wal"))
-	out.IndexBytes = treeBytes(filepath.Join(dir, "index"))
-	out.SnapshotBytes = treeBytes(filepath.Join(dir, "snapshot"))
-	out.DiskPerID = float64(out.WALBytes+out.IndexBytes+out.SnapshotBytes) / float64(o.ids)
-	say("disk      wal %s, index %s, snapshots %s: %.1f bytes per id (index alone %.1f; total/index %.2fx)\n",
-		humanBytes(out.WALBytes), humanBytes(out.IndexBytes), humanBytes(out.SnapshotBytes), out.DiskPerID,
-		float64(out.IndexBytes)/float64(o.ids), float64(out.WALBytes+out.IndexBytes+out.SnapshotBytes)/float64(max(out.IndexBytes, 1)))
-
-	// Reopen.
-	t0 = time.Now()
-	if err := e.Close(); err != nil {
-		return fmt.Errorf("close: %w", err)
-	}
-	out.CloseSeconds = time.Since(t0).Seconds()
-	t0 = time.Now()
-	e, err = idem.Open(dir, opts)
-	if err != nil {
-		return fmt.Errorf("reopen: %w", err)
-	}
-	out.ReopenSeconds = time.Since(t0).Seconds()
-	say("reopen    close %.3fs, open %.3fs (%d live entries)\n", out.CloseSeconds, out.ReopenSeconds, e.Stats().LiveEntries)
-
-	// Duplicates.
-	b := &benchOpts{concurrency: o.concurrency, duration: o.lookups}
-	out.Duplicate = b.phase(c, "duplicate", func(w int, rng *rand.ChaCha8) error {
-		id := scaleID(make([]byte, 0, 16), rng.Uint64()%uint64(o.ids))
-		res, err := e.Begin(ctx, idem.Request{ID: id})
-		if err != nil {
-			return err
-		}
-		if res.Status != idem.Done {
-			return fmt.Errorf("id 0x%x: status %v, want done", id, res.Status)
-		}
-		return nil
-	})
-	if !o.json {
-		printPhase(c, &out.Duplicate)
-	}
-	out.PeakRSSBytes, out.RSSBytes = procStatus("VmHWM"), procStatus("VmRSS")
-	say("memory    peak RSS %s, now %s, budget %s (peak/budget %.2fx)\n", humanBytes(out.PeakRSSBytes), humanBytes(out.RSSBytes),
-		humanBytes(out.MemoryBudget), float64(out.PeakRSSBytes)/float64(out.MemoryBudget))
-	if o.json {
-		if err := writeJSONLine(c.stdout, &out); err != nil {
-			return err
-		}
-	}
-	if out.Duplicate.Errors > 0 {
-		return fmt.Errorf("duplicate phase: %d requests failed, first: %s", out.Duplicate.Errors, out.Duplicate.FirstErr)
-	}
 	return nil
 }
 
