@@ -329,7 +329,11 @@ func (s *scanner) segment(o *scanOutcome, seg segEntry) error {
 	var version uint16
 	hdrReason := "truncated segment header"
 	if r.size >= segmentHeaderSize {
+		if s.lastSeg && s.hint != nil {
+			r.chunk = segmentHeaderSize // the hint may spare the rest
+		}
 		b, err := r.at(0, segmentHeaderSize)
+		r.chunk = readChunk
 		if err != nil {
 			return err
 		}
@@ -371,6 +375,8 @@ func (s *scanner) segment(o *scanOutcome, seg segEntry) error {
 	off := int64(segmentHeaderSize)
 	o.lastOff = 0
 	if s.lastSeg && s.hint != nil {
+		// Small reads: the hint names one frame and a few zeros to check.
+		r.chunk = hintZeroCheck + frameSizeHdr(s.hdr, 0)
 		end, last, ok, err := s.useHint(seg, version)
 		if err != nil {
 			return err
@@ -383,6 +389,7 @@ func (s *scanner) segment(o *scanOutcome, seg segEntry) error {
 			if err != nil {
 				return err
 			}
+			r.chunk = readChunk
 			if clean {
 				// The close hint says nothing was written after end since
 				// the clean close, and the first bytes there are zero:
@@ -394,6 +401,7 @@ func (s *scanner) segment(o *scanOutcome, seg segEntry) error {
 				return nil
 			}
 		}
+		r.chunk = readChunk
 	}
 	for off < r.size {
 		fr, err := s.frameAt(off, info.LastLSN+1)
@@ -619,18 +627,19 @@ func (s *scanner) findValidFrame(from, base, nzEnd int64, lastGood LSN) (int64, 
 // segReader reads a segment through a sliding window. Every request is
 // bounded by the file size before anything is allocated.
 type segReader struct {
-	f    vfs.File
-	name string
-	size int64  // file size when the scan started
-	buf  []byte // holds file bytes [off, off+len(buf))
-	off  int64
+	f     vfs.File
+	name  string
+	chunk int    // minimum read size; readChunk unless set after reset
+	size  int64  // file size when the scan started
+	buf   []byte // holds file bytes [off, off+len(buf))
+	off   int64
 }
 
 // readChunk is the minimum window size.
 const readChunk = 1 << 20
 
 func (r *segReader) reset(f vfs.File, name string, size int64) {
-	r.f, r.name, r.size, r.off = f, name, size, 0
+	r.f, r.name, r.size, r.off, r.chunk = f, name, size, 0, readChunk
 	r.buf = r.buf[:0]
 	if cap(r.buf) > 8*readChunk {
 		r.buf = nil // do not pin a huge window (from a huge record) across segments
@@ -646,7 +655,7 @@ func (r *segReader) at(off int64, n int) ([]byte, error) {
 	if off < 0 || n < 0 || off+int64(n) > r.size {
 		return nil, fmt.Errorf("wal: internal error: read [%d,+%d) outside segment %s of %d bytes", off, n, r.name, r.size)
 	}
-	want := int(min(max(int64(n), readChunk), r.size-off))
+	want := int(min(max(int64(n), int64(r.chunk)), r.size-off))
 	if cap(r.buf) < want {
 		r.buf = make([]byte, want)
 	}
