@@ -242,10 +242,14 @@
 //
 // # Full disks
 //
-// If zero-filling the spare file fails because the disk is full (ENOSPC,
-// EDQUOT, EFBIG), the partial file is removed and an empty spare file is
-// used instead: that segment grows as it is written. The fallback is logged
-// ("no space to preallocate"). A write or fsync that fails on a full disk
+// A spare file is zero-filled only while the filesystem reports at least
+// two segments' worth of free space (vfs.FS.GetDiskUsage; filesystems that
+// cannot tell are assumed to have it): filling the disk to the brim, even
+// for a moment, would fail whoever else writes there then. Otherwise, and
+// if zero-filling fails because the disk is full (ENOSPC, EDQUOT, EFBIG),
+// the partial file is removed and an empty spare file is used instead: that
+// segment grows as it is written. Both fallbacks are logged ("little free
+// space", "no space to preallocate"). A write or fsync that fails on a full disk
 // makes the WAL fail (ErrFailed, wrapping the error with the operation and
 // the segment name); Close still returns, and everything acknowledged before
 // is on disk for the next Open.

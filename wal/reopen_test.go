@@ -406,3 +406,46 @@ func (w lockedWriter) Write(p []byte) (int, error) {
 func newTestLogger(b *strings.Builder, mu *sync.Mutex) *slog.Logger {
 	return slog.New(slog.NewTextHandler(lockedWriter{b, mu}, nil))
 }
+
+// smallDiskFS reports little free space.
+type smallDiskFS struct {
+	vfs.FS
+	avail uint64
+}
+
+func (fs smallDiskFS) GetDiskUsage(string) (vfs.DiskUsage, error) {
+	return vfs.DiskUsage{AvailBytes: fs.avail, TotalBytes: 40 << 20}, nil
+}
+
+// TestNoPreallocationWhenSpaceIsShort: with less than two segments of free
+// space, segments are not preallocated at all (zero-filling to ENOSPC
+// would fill the disk for everyone else), and the log works.
+func TestNoPreallocationWhenSpaceIsShort(t *testing.T) {
+	mem := vfs.NewMem()
+	var logs strings.Builder
+	var logMu sync.Mutex
+	o := testOptions(smallDiskFS{FS: mem, avail: 40 << 20})
+	o.SegmentSize = 32 << 20
+	o.Logger = newTestLogger(&logs, &logMu)
+	w, _ := mustOpen(t, o, 0, nil)
+	appendWait(t, w, 100, 10)
+	if err := w.Close(); err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range listDir(t, mem, testDir) {
+		st, err := mem.Stat(mem.PathJoin(testDir, n))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.Size() > 1<<20 {
+			t.Errorf("%s is %d bytes on a disk with 40 MiB free", n, st.Size())
+		}
+	}
+	logMu.Lock()
+	if !strings.Contains(logs.String(), "little free space") {
+		t.Errorf("not logged: %s", logs.String())
+	}
+	logMu.Unlock()
+	all, _ := scanAll(t, mem, testDir)
+	checkRecs(t, all, 1, 100)
+}

@@ -1045,6 +1045,16 @@ func (w *WAL) startPrep() {
 // fallback is logged. Safe to call from the background goroutine.
 func (w *WAL) prepareSpare() error {
 	fs, dir, size := w.opts.FS, w.opts.Dir, w.preallocSize()
+	if size > 0 {
+		// Zero-filling until ENOSPC would fill the disk to the brim for a
+		// moment, failing whoever else writes there then (the index):
+		// preallocate only while at least two segments' worth is free.
+		if du, err := fs.GetDiskUsage(dir); err == nil && du.AvailBytes < 2*uint64(size) {
+			w.logger.Warn("wal: little free space; the next segment is not preallocated and grows as it is written",
+				"dir", dir, "free", du.AvailBytes, "segment_size", size)
+			return preparePrealloc(fs, dir, 0)
+		}
+	}
 	err := preparePrealloc(fs, dir, size)
 	if err == nil || size == 0 || !isNoSpace(err) {
 		return err
