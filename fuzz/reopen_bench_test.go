@@ -42,16 +42,22 @@ func BenchmarkReopen(b *testing.B) {
 	walDir := filepath.Join(dir, "wal")
 	var applied wal.LSN
 	b.Run("engine", func(b *testing.B) {
+		var open, close time.Duration
 		for b.Loop() {
+			t0 := time.Now()
 			e, err := idem.Open(dir, nil)
 			if err != nil {
 				b.Fatal(err)
 			}
+			t1 := time.Now()
 			applied = wal.LSN(e.Stats().LastLSN)
 			if err := e.Close(); err != nil {
 				b.Fatal(err)
 			}
+			open, close = open+t1.Sub(t0), close+time.Since(t1)
 		}
+		b.ReportMetric(float64(open.Microseconds())/1e3/float64(b.N), "open-ms/op")
+		b.ReportMetric(float64(close.Microseconds())/1e3/float64(b.N), "close-ms/op")
 	})
 	for _, full := range []bool{false, true} {
 		name := "wal-after-applied"
