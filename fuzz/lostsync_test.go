@@ -1,6 +1,7 @@
 package fuzz
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -70,7 +71,7 @@ func TestLostSyncedRegionIsNotATornTail(t *testing.T) {
 	copyTree(t, img, lost, dbDir)
 	b := append([]byte(nil), orig...)
 	clear(b[holeFrom : holeFrom+4096])
-	vfstest.WriteFile(t, lost, segs[0], b)
+	vfstest.WriteFile(t, lost, segs[0], bytes.Clone(b)) // Write may scramble its input (race builds)
 	_, err = idem.Open(dbDir, &idem.Options{FS: lost, SegmentSize: 1 << 20})
 	var ce *wal.CorruptError
 	if !errors.Is(err, idem.ErrCorrupt) || !errors.As(err, &ce) {
@@ -81,7 +82,7 @@ func TestLostSyncedRegionIsNotATornTail(t *testing.T) {
 	}
 	// Nothing was cut or saved.
 	if got := vfstest.ReadFile(t, lost, segs[0]); string(got) != string(b) {
-		t.Fatal("a refused Open changed the segment")
+		t.Fatalf("a refused Open changed the segment: %d bytes, was %d; first difference at %d\n%x\n%x", len(got), len(b), firstDiff(got, b), got[:48], b[:48])
 	}
 
 	// The same bytes garbled at the end only (the last frames, as an
@@ -93,7 +94,7 @@ func TestLostSyncedRegionIsNotATornTail(t *testing.T) {
 	for i := last + 8; i < int64(end); i++ {
 		b[i] ^= 0x5a
 	}
-	vfstest.WriteFile(t, torn, segs[0], b)
+	vfstest.WriteFile(t, torn, segs[0], bytes.Clone(b))
 	e, err = idem.Open(dbDir, &idem.Options{FS: torn, SegmentSize: 1 << 20})
 	if err != nil {
 		t.Fatalf("Open with a torn last frame: %v", err)
@@ -143,4 +144,13 @@ func copyTree(t *testing.T, src, dst vfs.FS, dir string) {
 		}
 		vfstest.WriteFile(t, dst, p, vfstest.ReadFile(t, src, p))
 	}
+}
+
+func firstDiff(a, b []byte) int {
+	for i := range min(len(a), len(b)) {
+		if a[i] != b[i] {
+			return i
+		}
+	}
+	return min(len(a), len(b))
 }
