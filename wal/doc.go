@@ -9,7 +9,8 @@
 // the LSN of its first record. Only names of exactly that form are segments;
 // other files in the directory are ignored by Scan: "<segment>.torn" (bytes
 // cut off by Open), "next.prealloc" (the spare file that becomes the next
-// segment, see Preallocation) and "close.hint" (see Reopen). The segments
+// segment, see Preallocation), "close.hint" and "positions.hint" (see
+// Reopen). The segments
 // of a log form one LSN sequence: the first frame of a segment carries the firstLSN of the segment header
 // (which matches the file name), every next frame the previous LSN plus one,
 // and the next segment starts at the previous segment's last LSN plus one.
@@ -234,11 +235,25 @@
 //     after it. It is not fsynced when written: a hint lost or torn by a
 //     crash only costs a longer Open.
 //
+//   - after a crash (no usable close hint), the segment holding after+1 is
+//     entered at a position hint: every SegmentSize/16 bytes written, the
+//     flusher notes the offset and LSN of the first frame of a flush
+//     batch, and once an fsync covered it, a background goroutine rewrites
+//     "positions.hint" with the last 32 such positions (magic "IDEMWPOS",
+//     version, count, then segment first LSN, frame offset and LSN per
+//     entry, CRC-32C; written to a temporary file, fsynced, renamed, the
+//     directory fsynced; skipped while the previous write is still going).
+//     Open takes the hint with the highest LSN at or below after+1 in that
+//     segment whose frame is valid and carries that LSN, and reads on from
+//     there. Every hint names a frame that was fsynced before the hint was
+//     made, and fsynced frames are never cut, so a hint is never wrong about
+//     the log it was written for; one naming a removed segment, or a frame
+//     that does not check, is ignored.
+//
 // So a reopen after a clean Close reads a few headers and one frame,
-// whatever the history size; after a crash it reads from the start of the
-// segment holding the first record the caller has not applied, up to the
-// end of the last segment (including its preallocated zeros, which the
-// tail rules must check).
+// whatever the history size; after a crash it reads the WAL from about one
+// hint interval before after+1 to the end of the last segment, including
+// that segment's preallocated zeros, which the tail rules must check.
 //
 // # Full disks
 //

@@ -114,3 +114,99 @@ func removeHint(fs vfs.FS, dir string) error {
 	}
 	return nil
 }
+
+// Position hints let Open after a crash start reading the segment that
+// holds the first record the caller has not applied near that record,
+// instead of at the segment's start (see "Reopen" in doc.go). The file
+// holds up to maxPositions entries, each a frame boundary that was fsynced
+// when the entry was made: segment first LSN, frame offset, frame LSN.
+const (
+	positionsName    = "positions.hint"
+	positionsMagic   = "IDEMWPOS"
+	positionsVersion = 1
+	maxPositions     = 32
+	positionSize     = 24
+)
+
+// position is a fsynced frame boundary: the frame at off in the segment
+// starting at first has LSN lsn.
+type position struct {
+	first LSN
+	off   int64
+	lsn   LSN
+}
+
+func encodePositions(ps []position) []byte {
+	b := make([]byte, 16, 16+len(ps)*positionSize+4)
+	copy(b, positionsMagic)
+	binary.LittleEndian.PutUint16(b[8:], positionsVersion)
+	binary.LittleEndian.PutUint16(b[10:], uint16(len(ps)))
+	for _, p := range ps {
+		b = binary.LittleEndian.AppendUint64(b, uint64(p.first))
+		b = binary.LittleEndian.AppendUint64(b, uint64(p.off))
+		b = binary.LittleEndian.AppendUint64(b, uint64(p.lsn))
+	}
+	return binary.LittleEndian.AppendUint32(b, crc32.Checksum(b, castagnoli))
+}
+
+func decodePositions(b []byte) []position {
+	if len(b) < 20 || string(b[:8]) != positionsMagic || binary.LittleEndian.Uint16(b[8:]) != positionsVersion {
+		return nil
+	}
+	n := int(binary.LittleEndian.Uint16(b[10:]))
+	if n > maxPositions || len(b) != 16+n*positionSize+4 ||
+		crc32.Checksum(b[:len(b)-4], castagnoli) != binary.LittleEndian.Uint32(b[len(b)-4:]) {
+		return nil
+	}
+	ps := make([]position, n)
+	for i := range ps {
+		e := b[16+i*positionSize:]
+		ps[i] = position{first: LSN(binary.LittleEndian.Uint64(e)), off: int64(binary.LittleEndian.Uint64(e[8:])),
+			lsn: LSN(binary.LittleEndian.Uint64(e[16:]))}
+	}
+	return ps
+}
+
+// readPositions returns the position hints in dir (nil if none or invalid).
+func readPositions(fs vfs.FS, dir string) []position {
+	f, err := fs.Open(fs.PathJoin(dir, positionsName))
+	if err != nil {
+		return nil
+	}
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, 16+maxPositions*positionSize+4+1))
+	if err != nil {
+		return nil
+	}
+	return decodePositions(b)
+}
+
+// writePositions replaces the position hints file: a temporary file,
+// fsynced, renamed, and the directory fsynced, so that the hints survive
+// the crash they are for. It runs in the background, off the commit path;
+// every entry names a frame that was fsynced before the entry was made, and
+// a lost or torn file only costs a longer Open.
+func writePositions(fs vfs.FS, dir string, ps []position) error {
+	tmp := fs.PathJoin(dir, positionsName+".tmp")
+	f, err := fs.Create(tmp, vfs.WriteCategoryUnspecified)
+	if err != nil {
+		return err
+	}
+	_, err = f.Write(encodePositions(ps))
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = fs.Rename(tmp, fs.PathJoin(dir, positionsName))
+	}
+	if err == nil {
+		err = SyncDir(fs, dir)
+	}
+	if err != nil {
+		_ = fs.Remove(tmp)
+	}
+	return err
+}

@@ -449,3 +449,66 @@ func TestNoPreallocationWhenSpaceIsShort(t *testing.T) {
 	all, _ := scanAll(t, mem, testDir)
 	checkRecs(t, all, 1, 100)
 }
+
+// TestReopenAfterCrashStartsNearApplied: after a crash (no close hint),
+// Open enters the segment holding after+1 at the last position hint at or
+// below it, so it reads the WAL written since after (plus at most one hint
+// interval), not the segment from its start; the records are all there,
+// and a damaged position file only makes Open read more.
+func TestReopenAfterCrashStartsNearApplied(t *testing.T) {
+	mem := vfs.NewCrashableMem()
+	o := testOptions(mem)
+	o.SegmentSize = 4 << 20
+	w, _ := mustOpen(t, o, 0, nil)
+	appendWait(t, w, 20000, 50)
+	crashed := mem.CrashClone(vfs.CrashCloneCfg{})
+	_ = w.Close()
+	const after = 19000
+	var offAfter, end int64
+	if _, err := Scan(crashed, testDir, 0, 0, func(r Record) error {
+		if r.LSN == after+1 {
+			offAfter = r.Offset
+		}
+		end = r.Offset + int64(frameSize(len(r.Payload)))
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if offAfter < 2<<20 {
+		t.Fatalf("LSN %d at offset %d: the test needs it deep in the segment", after+1, offAfter)
+	}
+	for _, damaged := range []bool{false, true} {
+		fs := vfs.NewMem()
+		if err := fs.MkdirAll(testDir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		for _, n := range listDir(t, crashed, testDir) {
+			vfstest.WriteFile(t, fs, fs.PathJoin(testDir, n), vfstest.ReadFile(t, crashed, crashed.PathJoin(testDir, n)))
+		}
+		if damaged {
+			vfstest.WriteFile(t, fs, fs.PathJoin(testDir, positionsName), []byte("IDEMWPOS garbage"))
+		}
+		cfs := &countingFS{FS: fs}
+		o := testOptions(cfs)
+		o.SegmentSize = 4 << 20
+		var recs []gotRecord
+		w, res := mustOpen(t, o, after, collect(&recs))
+		checkRecs(t, recs, after+1, 20000)
+		got := cfs.read.Load()
+		size := res.Segments[len(res.Segments)-1].Allocated
+		bound := size - offAfter + o.SegmentSize/16 + 64<<10
+		t.Logf("damaged %v: read %d bytes (LSN %d at offset %d, frames end at %d, file %d)", damaged, got, after+1, offAfter, end, size)
+		if !damaged && got > bound {
+			t.Fatalf("read %d bytes, want at most %d", got, bound)
+		}
+		if damaged && got < size-segmentHeaderSize {
+			t.Fatalf("read only %d bytes without position hints", got)
+		}
+		appendWait(t, w, 10, 5)
+		if err := w.Close(); err != nil {
+			t.Fatal(err)
+		}
+		all, _ := scanAll(t, fs, testDir)
+		checkRecs(t, all, 1, 20010)
+	}
+}

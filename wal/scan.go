@@ -185,10 +185,12 @@ type scanner struct {
 	// (Open; Scan reads everything).
 	skipApplied bool
 	// hint is the close hint found by Open (nil if none or for Scan).
-	hint    *closeHint
-	r       segReader
-	lastSeg bool
-	hdr     int // frame header size of the segment being scanned
+	hint *closeHint
+	// positions are the position hints found by Open (nil for Scan).
+	positions []position
+	r         segReader
+	lastSeg   bool
+	hdr       int // frame header size of the segment being scanned
 	// zeroTail is set when the previous segment (not the last) ends with
 	// zeros after its last valid frame, at zeroTailOff: acceptable only if
 	// the next segment continues the LSN sequence.
@@ -247,7 +249,9 @@ func (s *scanner) run() (o scanOutcome, err error) {
 			}
 			continue
 		}
-		if err := s.segment(&o, seg); err != nil {
+		// The segment holding after+1 may be entered at a position hint.
+		holdsNext := seg.first <= s.after+1 && (s.lastSeg || segs[i+1].first > s.after+1)
+		if err := s.segmentFrom(&o, seg, s.skipApplied && holdsNext); err != nil {
 			return o, err
 		}
 	}
@@ -308,7 +312,11 @@ func (s *scanner) headerOnly(o *scanOutcome, seg segEntry, last LSN) error {
 }
 
 // segment validates one segment file, delivering its records.
-func (s *scanner) segment(o *scanOutcome, seg segEntry) error {
+func (s *scanner) segment(o *scanOutcome, seg segEntry) error { return s.segmentFrom(o, seg, false) }
+
+// segmentFrom is segment; usePositions lets it start at the best position
+// hint at or below after+1 (Open, for the segment holding after+1).
+func (s *scanner) segmentFrom(o *scanOutcome, seg segEntry, usePositions bool) error {
 	f, err := s.fs.Open(s.fs.PathJoin(s.dir, seg.name))
 	if err != nil {
 		return err
@@ -329,8 +337,8 @@ func (s *scanner) segment(o *scanOutcome, seg segEntry) error {
 	var version uint16
 	hdrReason := "truncated segment header"
 	if r.size >= segmentHeaderSize {
-		if s.lastSeg && s.hint != nil {
-			r.chunk = segmentHeaderSize // the hint may spare the rest
+		if s.skipApplied {
+			r.chunk = segmentHeaderSize // a hint may spare the rest
 		}
 		b, err := r.at(0, segmentHeaderSize)
 		r.chunk = readChunk
@@ -403,6 +411,16 @@ func (s *scanner) segment(o *scanOutcome, seg segEntry) error {
 		}
 		r.chunk = readChunk
 	}
+	if usePositions && off == segmentHeaderSize {
+		p, ok, err := s.usePosition(seg)
+		if err != nil {
+			return err
+		}
+		if ok {
+			s.bytesSkipped += p.off - segmentHeaderSize
+			off, info.LastLSN = p.off, p.lsn-1
+		}
+	}
 	for off < r.size {
 		fr, err := s.frameAt(off, info.LastLSN+1)
 		if err != nil {
@@ -440,6 +458,26 @@ func (s *scanner) segment(o *scanOutcome, seg segEntry) error {
 	o.segs = append(o.segs, info)
 	o.lastLSN = info.LastLSN
 	return nil
+}
+
+// usePosition returns the position hint with the highest LSN at or below
+// after+1 in seg whose frame is valid and carries that LSN.
+func (s *scanner) usePosition(seg segEntry) (position, bool, error) {
+	var best position
+	for _, p := range s.positions {
+		if p.first == seg.first && p.lsn <= s.after+1 && p.lsn > best.lsn && p.lsn >= seg.first &&
+			p.off > segmentHeaderSize && p.off%frameAlign == 0 && p.off < s.r.size {
+			best = p
+		}
+	}
+	if best.lsn == 0 {
+		return best, false, nil
+	}
+	fr, err := s.frameAt(best.off, best.lsn)
+	if err != nil || fr.code != frameOK {
+		return best, false, err
+	}
+	return best, true, nil
 }
 
 // hintZeroCheck is how many bytes after the end named by a close hint Open

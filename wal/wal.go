@@ -77,7 +77,8 @@ type Options struct {
 	// CheckApplied makes Open read and check every frame of every segment,
 	// as Scan does. By default Open reads only what can hold records after
 	// its after argument: segments whose records are all at or below it
-	// have only their header checked, and after a clean Close the last
+	// have only their header checked, the segment holding after+1 is
+	// entered at a position hint near it, and after a clean Close the last
 	// segment is entered at its end (see "Reopen" in the package
 	// documentation). Checking the already-applied prefix is Scan's job
 	// (idem verify).
@@ -209,6 +210,13 @@ type WAL struct {
 		// spare file (preparePrealloc); nil when none was started since the
 		// last rotation (or Open).
 		prepC chan error
+		// Position hints (see "Reopen" in doc.go): positions is the ring
+		// written to positions.hint, cand a frame boundary written since
+		// the last entry, waiting for an fsync to cover it.
+		positions []position
+		cand      position
+		sinceLast int64         // bytes written since the last entry
+		posDone   chan struct{} // closed when the background write of the file ends
 	}
 
 	segMu sync.Mutex
@@ -291,6 +299,8 @@ func Open(o Options, after LSN, fn func(Record) error) (*WAL, ScanResult, error)
 	sc.hint, hintPresent = readHint(fs, dir)
 	if o.CheckApplied {
 		sc.hint = nil
+	} else {
+		sc.positions = readPositions(fs, dir)
 	}
 	out, err := sc.run()
 	if err != nil {
@@ -711,6 +721,9 @@ func (w *WAL) Close() error {
 	w.mu.Unlock()
 	w.wake()
 	<-w.doneC
+	if w.fl.posDone != nil {
+		<-w.fl.posDone
+	}
 	if w.fl.prepC != nil {
 		if err := w.awaitPrep(); err != nil {
 			// Only the spare file is affected; the next Open replaces it.
@@ -900,6 +913,10 @@ func (w *WAL) flush() (exit bool) {
 			w.fail("write", err)
 			return closing
 		}
+		if w.fl.cand.lsn == 0 && w.fl.sinceLast >= w.positionInterval() {
+			w.fl.cand = position{first: w.fl.active.first, off: start, lsn: LSN(w.written.Load()) + 1}
+		}
+		w.fl.sinceLast += int64(len(buf))
 		w.fl.active.lastOff, w.fl.active.lastLSN = start+int64(lastOff), last
 		w.writes.Add(1)
 		w.written.Store(uint64(last))
@@ -937,6 +954,9 @@ func (w *WAL) flush() (exit bool) {
 		w.syncs.Add(1)
 		w.synced.Store(w.written.Load())
 		w.fl.lastSync = time.Now()
+		if w.fl.cand.lsn != 0 {
+			w.recordPosition()
+		}
 	}
 	if wrote || doSync {
 		w.mu.Lock()
@@ -969,6 +989,37 @@ func (w *WAL) flush() (exit bool) {
 		}
 	}
 	return false
+}
+
+// positionInterval is how many bytes are written between position hints.
+func (w *WAL) positionInterval() int64 { return max(w.opts.SegmentSize/16, 512) }
+
+// recordPosition adds the candidate position, now fsynced, to the position
+// hints and rewrites positions.hint. A failure only costs a longer Open
+// after a crash: it is logged, and the log goes on.
+func (w *WAL) recordPosition() {
+	p := w.fl.cand
+	w.fl.cand, w.fl.sinceLast = position{}, 0
+	if len(w.fl.positions) == maxPositions {
+		w.fl.positions = slices.Delete(w.fl.positions, 0, 1)
+	}
+	w.fl.positions = append(w.fl.positions, p)
+	if w.fl.posDone != nil {
+		select {
+		case <-w.fl.posDone:
+		default:
+			return // the previous write is still going: the next entry writes this one too
+		}
+	}
+	done := make(chan struct{})
+	w.fl.posDone = done
+	ps, fs, dir, logger := slices.Clone(w.fl.positions), w.opts.FS, w.opts.Dir, w.logger
+	go func() {
+		defer close(done)
+		if err := writePositions(fs, dir, ps); err != nil {
+			logger.Warn("wal: writing position hints (Open after a crash reads more of the segment)", "error", err)
+		}
+	}()
 }
 
 // recycle keeps the buffers just taken for the next swap, unless a huge
