@@ -229,7 +229,7 @@
 //     after that end are zero; the log then ends there and the rest of the
 //     preallocated zeros is not read. Otherwise (no hint, torn, stale,
 //     mismatched, or non-zero bytes after the end) Open reads from the hint's
-//     end when it is otherwise valid, or from the segment's start. Open
+//     end when it is otherwise valid, or as after a crash (below). Open
 //     removes the hint before anything is appended, and its directory fsync
 //     makes the removal durable, so a hint never describes a log that grew
 //     after it. It is not fsynced when written: a hint lost or torn by a
