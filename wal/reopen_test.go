@@ -2,6 +2,7 @@ package wal
 
 import (
 	"errors"
+	"fmt"
 	"log/slog"
 	"strings"
 	"sync"
@@ -510,5 +511,60 @@ func TestReopenAfterCrashStartsNearApplied(t *testing.T) {
 		}
 		all, _ := scanAll(t, fs, testDir)
 		checkRecs(t, all, 1, 20010)
+	}
+}
+
+// TestLostRegionProvedByALaterFrame: the first valid frame after a hole may
+// have been appended while the flush before it was in flight (its synced
+// LSN proves nothing); a later frame that does prove the hole was fsynced
+// still makes it corruption. Without such a frame it is a torn tail.
+func TestLostRegionProvedByALaterFrame(t *testing.T) {
+	build := func(lastSynced LSN) []byte {
+		b := encodeSegmentHeader(1)
+		add := func(lsn, synced LSN) {
+			p := payloadFor(lsn)
+			fr := make([]byte, frameSize(len(p)))
+			putFrame(fr, lsn, synced, kindFor(lsn), p)
+			b = append(b, fr...)
+		}
+		for lsn := LSN(1); lsn <= 10; lsn++ {
+			add(lsn, lsn-1) // each fsynced before the next
+		}
+		// LSN 11..14: the hole (zeroed below). 15 was appended while
+		// 11..14 were being fsynced (synced 10); 16 after (lastSynced).
+		holeFrom := len(b)
+		for lsn := LSN(11); lsn <= 14; lsn++ {
+			add(lsn, 10)
+		}
+		b = append(b, make([]byte, (sectorSize-len(b)%sectorSize)+sectorSize)...) // a whole zero sector
+		clear(b[holeFrom:])
+		add(15, 10)
+		add(16, lastSynced)
+		return append(b, make([]byte, 2048)...)
+	}
+	for _, tc := range []struct {
+		lastSynced LSN
+		corrupt    bool
+	}{{14, true}, {11, true}, {10, false}} {
+		t.Run(fmt.Sprint(tc.lastSynced), func(t *testing.T) {
+			fs := vfs.NewMem()
+			if err := fs.MkdirAll(testDir, 0o755); err != nil {
+				t.Fatal(err)
+			}
+			vfstest.WriteFile(t, fs, fs.PathJoin(testDir, segmentName(1)), build(tc.lastSynced))
+			var recs []gotRecord
+			res, err := Scan(fs, testDir, 0, 0, collect(&recs))
+			var ce *CorruptError
+			if tc.corrupt {
+				if !errors.As(err, &ce) || !strings.Contains(ce.Reason, "fsynced records were lost") {
+					t.Fatalf("Scan: %v, want a CorruptError about lost fsynced records", err)
+				}
+				return
+			}
+			if err != nil || res.TornTail == nil || res.LastLSN != 10 {
+				t.Fatalf("Scan: %v, torn tail %+v, last %d: want a torn tail after LSN 10", err, res.TornTail, res.LastLSN)
+			}
+			checkRecs(t, recs, 1, 10)
+		})
 	}
 }
