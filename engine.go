@@ -198,8 +198,10 @@ var (
 )
 
 // Open opens (creating if needed) the idem directory dir. On open the WAL
-// is checked frame by frame, a torn tail is cut (and logged), and the
-// records the index has not applied are replayed.
+// is read from the index's applied LSN on (older segments only have their
+// headers checked; after a clean Close the log is entered at its end), a
+// torn tail is cut (and logged), and the records the index has not applied
+// are replayed. `idem verify` checks every frame.
 func Open(dir string, opts *Options) (*Engine, error) {
 	o := opts.withDefaults()
 	e := &Engine{o: o, dir: dir, fs: o.FS, seed: maphash.MakeSeed()}

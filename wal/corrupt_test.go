@@ -27,9 +27,19 @@ type refLog struct {
 // waiting for each record so that segments rotate as soon as they fill.
 func buildRefLog(t *testing.T, n int, segmentSize int64) *refLog {
 	t.Helper()
+	return buildRefLogMode(t, n, segmentSize, SyncAlways)
+}
+
+// buildRefLogMode is buildRefLog with a sync mode. With SyncNever nothing is
+// fsynced before Close, so every frame records synced LSN 0 (FirstLSN-1):
+// no frame proves that an earlier one was fsynced, as for frames appended
+// while the flush before them was still in flight.
+func buildRefLogMode(t *testing.T, n int, segmentSize int64, mode SyncMode) *refLog {
+	t.Helper()
 	fs := vfs.NewMem()
 	o := testOptions(fs)
 	o.SegmentSize = segmentSize
+	o.SyncMode = mode
 	w, _ := mustOpen(t, o, 0, nil)
 	appendWait(t, w, n, 1)
 	if err := w.Close(); err != nil {
@@ -216,7 +226,7 @@ func runCorruptCase(t *testing.T, l *refLog, tc corruptCase) {
 			act.Name, len(got), act.Allocated, act.Size, allZero(got[min(int64(len(got)), act.Size):]))
 	}
 	if orig, ok := before[act.Name]; ok && len(orig) >= segmentHeaderSize {
-		if _, bad := decodeSegmentHeader(orig); bad == "" && len(got) != len(orig) {
+		if _, _, bad := decodeSegmentHeader(orig); bad == "" && len(got) != len(orig) {
 			t.Fatalf("active segment %s: %d bytes after Open, %d before", act.Name, len(got), len(orig))
 		}
 	}
@@ -288,7 +298,7 @@ func TestCorruptionSingleSegment(t *testing.T) {
 			return b
 		}, wantCorrupt: true, wantOff: offs[mid]},
 		{name: "zero type with valid crc in a middle frame", corrupt: func(b []byte) []byte {
-			b[offs[mid]+16] = 0
+			b[offs[mid]+frameHeaderSize-1] = 0
 			reCRC(b, offs[mid])
 			return b
 		}, wantCorrupt: true, wantOff: offs[mid]},
@@ -344,15 +354,22 @@ func TestCorruptionSingleSegment(t *testing.T) {
 			clear(b[offs[mid]:])
 			return b
 		}, wantLast: LSN(mid)},
-		{name: "aligned zero sector in the middle, valid frames after", corrupt: func(b []byte) []byte {
+		// Every frame here was appended after the one before it was
+		// fsynced, and says so: a hole followed by such frames lost
+		// fsynced data (TestCorruptionUnsyncedHoles has the torn tails).
+		{name: "aligned zero sector in the middle, fsynced frames after", corrupt: func(b []byte) []byte {
 			s := nextSector(offs[holeFrame])
 			clear(b[s : s+sectorSize])
 			return b
-		}, wantTorn: true, wantOff: offs[frameAt(nextSector(offs[holeFrame]))], wantLast: LSN(frameAt(nextSector(offs[holeFrame])))},
-		{name: "hole from a frame boundary to the next sector, valid frames after", corrupt: func(b []byte) []byte {
+		}, wantCorrupt: true, wantOff: offs[frameAt(nextSector(offs[holeFrame]))]},
+		{name: "hole from a frame boundary to the next sector, fsynced frames after", corrupt: func(b []byte) []byte {
 			clear(b[offs[holeFrame]:nextSector(offs[holeFrame])])
 			return b
-		}, wantTorn: true, wantOff: offs[holeFrame], wantLast: LSN(holeFrame)},
+		}, wantCorrupt: true, wantOff: offs[holeFrame]},
+		{name: "zeroed region of several fsynced frames, fsynced frames after", corrupt: func(b []byte) []byte {
+			clear(b[offs[holeFrame] : offs[holeFrame]+3*sectorSize])
+			return b
+		}, wantCorrupt: true, wantOff: offs[holeFrame]},
 		{name: "stale LSN: a frame repeated after a hole", corrupt: func(b []byte) []byte {
 			// A kept block holding an older frame is not "valid" (LSN not
 			// above the last good one): plain torn tail.
@@ -381,6 +398,52 @@ func TestCorruptionSingleSegment(t *testing.T) {
 			if tc.wantSeg == "" {
 				tc.wantSeg = seg
 			}
+			runCorruptCase(t, l, tc)
+		})
+	}
+}
+
+// TestCorruptionUnsyncedHoles: the crash-hole rules for frames that do not
+// prove that the records before them were fsynced (all written by one
+// flush, or appended while the previous flush was in flight): a zero hole
+// followed by valid frames is a torn tail, cut with everything after it.
+func TestCorruptionUnsyncedHoles(t *testing.T) {
+	l := buildRefLogMode(t, 40, 1<<20, SyncNever)
+	seg := l.names[0]
+	offs := l.frames[seg]
+	holeFrame := 0
+	for i := 3; i < len(offs)-5; i++ {
+		if offs[i]%sectorSize != 0 && offs[i]%sectorSize < sectorSize-16 {
+			holeFrame = i
+			break
+		}
+	}
+	nextSector := func(off int64) int64 { return (off/sectorSize + 1) * sectorSize }
+	frameAt := func(off int64) int {
+		i, found := slices.BinarySearch(offs, off)
+		if found {
+			return i
+		}
+		return i - 1
+	}
+	cases := []corruptCase{
+		{name: "aligned zero sector in the middle, valid frames after", corrupt: func(b []byte) []byte {
+			s := nextSector(offs[holeFrame])
+			clear(b[s : s+sectorSize])
+			return b
+		}, wantTorn: true, wantOff: offs[frameAt(nextSector(offs[holeFrame]))], wantLast: LSN(frameAt(nextSector(offs[holeFrame])))},
+		{name: "hole from a frame boundary to the next sector, valid frames after", corrupt: func(b []byte) []byte {
+			clear(b[offs[holeFrame]:nextSector(offs[holeFrame])])
+			return b
+		}, wantTorn: true, wantOff: offs[holeFrame], wantLast: LSN(holeFrame)},
+		{name: "zeros mid-frame up to a sector boundary (not a crash hole)", corrupt: func(b []byte) []byte {
+			clear(b[offs[holeFrame]+8 : nextSector(offs[holeFrame]+8)])
+			return b
+		}, wantCorrupt: true, wantOff: offs[holeFrame]},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			tc.seg, tc.wantSeg = seg, seg
 			runCorruptCase(t, l, tc)
 		})
 	}
@@ -608,7 +671,7 @@ func TestDecodeFrame(t *testing.T) {
 			p = append(p, byte(i))
 		}
 		b := make([]byte, frameSize(n)+5)
-		putFrame(b[:frameSize(n)], 42, 9, p)
+		putFrame(b[:frameSize(n)], 42, 0, 9, p)
 		lsn, typ, payload, size, err := DecodeFrame(b, 0)
 		if err != nil || lsn != 42 || typ != 9 || !bytes.Equal(payload, p) || size != frameSize(n) {
 			t.Fatalf("n=%d: %d %d %d %v", n, lsn, typ, size, err)
@@ -627,7 +690,7 @@ func TestDecodeFrame(t *testing.T) {
 	// stays within the input.
 	rng := rand.New(rand.NewPCG(1, 2))
 	valid := make([]byte, frameSize(50))
-	putFrame(valid, 7, 3, bytes.Repeat([]byte{0xab}, 50))
+	putFrame(valid, 7, 0, 3, bytes.Repeat([]byte{0xab}, 50))
 	for i := 0; i < 50000; i++ {
 		var b []byte
 		if i%2 == 0 {
@@ -651,7 +714,7 @@ func TestDecodeFrame(t *testing.T) {
 
 func FuzzDecodeFrame(f *testing.F) {
 	valid := make([]byte, frameSize(5))
-	putFrame(valid, 1, 1, []byte("hello"))
+	putFrame(valid, 1, 0, 1, []byte("hello"))
 	f.Add(valid, 100)
 	f.Add([]byte{}, 0)
 	f.Add(make([]byte, 24), 10)

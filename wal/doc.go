@@ -8,9 +8,10 @@
 // A segment is named fmt.Sprintf("%020d.wal", firstLSN), where firstLSN is
 // the LSN of its first record. Only names of exactly that form are segments;
 // other files in the directory are ignored by Scan: "<segment>.torn" (bytes
-// cut off by Open) and "next.prealloc" (the spare file that becomes the next
-// segment, see Preallocation). The segments of a log form one LSN sequence:
-// the first frame of a segment carries the firstLSN of the segment header
+// cut off by Open), "next.prealloc" (the spare file that becomes the next
+// segment, see Preallocation), "close.hint" and "positions.hint" (see
+// Reopen). The segments
+// of a log form one LSN sequence: the first frame of a segment carries the firstLSN of the segment header
 // (which matches the file name), every next frame the previous LSN plus one,
 // and the next segment starts at the previous segment's last LSN plus one.
 // The first segment may start anywhere (older segments are removed by
@@ -27,24 +28,45 @@
 //	 0               8      10            16              24      28      32
 //	+---------------+-------+-------------+---------------+-------+-------+
 //	| magic         |version| reserved    | firstLSN      | rsvd  | crc   |
-//	| "IDEMWAL1"    |u16 = 1| 6 zero bytes| uint64        | 4 B 0 | u32   |
+//	| "IDEMWAL1"    |u16 = 2| 6 zero bytes| uint64        | 4 B 0 | u32   |
 //	+---------------+-------+-------------+---------------+-------+-------+
 //	crc = CRC-32C (Castagnoli) of bytes [0, 28).
 //
+// The version selects the frame layout of the whole segment. New segments
+// are version 2. Version 1 segments (written before frames carried the
+// synced LSN) are still read, with the version 1 frame layout and the
+// crash-hole rules alone (they cannot prove a region was fsynced); Open
+// never appends to one: if the last segment is version 1 and holds frames,
+// it is fsynced and a version 2 segment is started after it, as at a
+// rotation; if it holds none, its header is rewritten as version 2 in place.
+//
 // # Frame (one per record; starts at an 8-aligned offset, first at 32)
 //
-//	 0       4       8               16  17                  17+len    8-aligned
-//	+-------+-------+---------------+---+---------------------+---------+
-//	| crc   | len   | lsn           |typ| payload (len bytes) | padding |
-//	| u32   | u32   | uint64        |u8 |                     | zeros   |
-//	+-------+-------+---------------+---+---------------------+---------+
-//	        |<------------------ crc covers ---------------->|
-//	crc = CRC-32C of bytes [4, 17+len): length, lsn, type and payload.
+// Version 2:
+//
+//	 0       4       8               16              24  25                  25+len    8-aligned
+//	+-------+-------+---------------+---------------+---+---------------------+---------+
+//	| crc   | len   | lsn           | synced        |typ| payload (len bytes) | padding |
+//	| u32   | u32   | uint64        | uint64        |u8 |                     | zeros   |
+//	+-------+-------+---------------+---------------+---+---------------------+---------+
+//	        |<-------------------------- crc covers ------------------------>|
+//	crc = CRC-32C of bytes [4, 25+len): length, lsn, synced, type and payload.
+//
+// Version 1 is the same without the synced field (type at byte 16, payload
+// at 17, crc over [4, 17+len)).
+//
+// synced is the highest LSN known to be fsynced when the frame was encoded
+// (the WAL's synced LSN at Append; always below lsn): every record up to
+// synced was durable before this frame could reach the file. Like the
+// synced offset in Pebble's WAL chunks, it lets recovery tell a region of
+// fsynced frames lost by the storage from a torn, never-fsynced tail (see
+// "Torn tail vs corruption").
 //
 // len is bounded by MaxRecordSize and by the bytes left in the file before
 // anything is allocated. lsn and typ are never 0, so an all-zero header is
 // never a valid frame (and its CRC would not match either). The padding must
-// be zero. The frame size is (17+len) rounded up to a multiple of 8.
+// be zero. The frame size is (25+len) rounded up to a multiple of 8 (17+len
+// in version 1).
 //
 // # Preallocation
 //
@@ -137,7 +159,15 @@
 //     ok, LSN above the last good one), the bytes are a torn tail: cut at
 //     X (see below for what cutting means);
 //
-//     3. otherwise, if [X, Y) contains a crash hole, it is a torn tail too:
+//     3. otherwise, if some valid frame after X (any of them, not only
+//     the first: a frame appended while the flush before it was in flight
+//     records an older synced LSN than the frames after it) records a
+//     synced LSN above the last good LSN, it is a *CorruptError at X:
+//     that frame was written after the records at X had been fsynced, so
+//     the bytes at X held fsynced frames that the storage lost. A torn
+//     tail only ever holds records that were never fsynced;
+//
+//     4. otherwise, if [X, Y) contains a crash hole, it is a torn tail:
 //     cut at X. A crash hole is a zero-filled 512-byte sector at a
 //     512-aligned offset, or zero bytes from X itself up to the next sector
 //     boundary. The second form exists because the first unsynced write
@@ -147,12 +177,12 @@
 //     a sector. A valid frame begins with its CRC and length, so it never
 //     begins with 8 or more zero bytes;
 //
-//     4. otherwise it is a *CorruptError at X: a damaged frame in the middle
+//     5. otherwise it is a *CorruptError at X: a damaged frame in the middle
 //     of the log, which must not be silently dropped along with the valid
 //     records after it.
 //
 //   - A last segment whose header is invalid and which contains no valid
-//     frame was torn while being started (renamed from the spare file, its
+//     frame (of either version) was torn while being started (renamed from the spare file, its
 //     header not yet fsynced): Open removes it (saving its bytes up to the
 //     last non-zero one, if any). A bad header followed by a valid frame is
 //     a *CorruptError.
@@ -167,4 +197,75 @@
 // and appends continue at X. It logs a warning and counts the cut in
 // Stats.TornTailsCut; Scan only reports it. A crash during the cut leaves
 // some of the bytes non-zero, which the next Open cuts (and saves) again.
+//
+// What the rules cannot see: fsynced frames lost at the very end of the log
+// (nothing valid follows them) look like a clean or torn end. The caller
+// holds the other witness: the engine's index records the last applied
+// (fsynced) LSN, and Open fails if the log ends before it.
+//
+// # Reopen
+//
+// Open(o, after, fn) delivers only records above after, and by default
+// reads only what can hold them (Options.CheckApplied restores a full
+// check; Scan, used by idem verify, always reads every frame):
+//
+//   - a segment whose successor starts at or below after+1 holds only
+//     records at or below after: Open reads and checks its 32-byte header
+//     (magic, version, checksum, first LSN matching the name) and takes
+//     its last LSN from the next segment's name. Its Size is reported as
+//     its file size. The segment before the last is always read in full if
+//     the last one's header is torn (Open then appends to it);
+//
+//   - the segment holding after+1 and the later ones are read and checked
+//     frame by frame, with the tail rules above;
+//
+//   - after a clean Close, the last segment is entered at its end: Close
+//     writes "close.hint" (52 bytes: magic "IDEMWCLS", version, the active
+//     segment's first LSN, the offset and LSN of its last frame and its
+//     logical end, CRC-32C), through a temporary file and a rename, after
+//     the final fsync. Open uses the hint only if it names the last
+//     segment, its last LSN is at or below after, the frame it names is
+//     valid with that LSN and ends where the hint says, and the first 4 KiB
+//     after that end are zero; the log then ends there and the rest of the
+//     preallocated zeros is not read. Otherwise (no hint, torn, stale,
+//     mismatched, or non-zero bytes after the end) Open reads from the hint's
+//     end when it is otherwise valid, or as after a crash (below). Open
+//     removes the hint before anything is appended, and its directory fsync
+//     makes the removal durable, so a hint never describes a log that grew
+//     after it. It is not fsynced when written: a hint lost or torn by a
+//     crash only costs a longer Open.
+//
+//   - after a crash (no usable close hint), the segment holding after+1 is
+//     entered at a position hint: every SegmentSize/16 bytes written, the
+//     flusher notes the offset and LSN of the first frame of a flush
+//     batch, and once an fsync covered it, a background goroutine rewrites
+//     "positions.hint" with the last 32 such positions (magic "IDEMWPOS",
+//     version, count, then segment first LSN, frame offset and LSN per
+//     entry, CRC-32C; written to a temporary file, fsynced, renamed, the
+//     directory fsynced; skipped while the previous write is still going).
+//     Open takes the hint with the highest LSN at or below after+1 in that
+//     segment whose frame is valid and carries that LSN, and reads on from
+//     there. Every hint names a frame that was fsynced before the hint was
+//     made, and fsynced frames are never cut, so a hint is never wrong about
+//     the log it was written for; one naming a removed segment, or a frame
+//     that does not check, is ignored.
+//
+// So a reopen after a clean Close reads a few headers and one frame,
+// whatever the history size; after a crash it reads the WAL from about one
+// hint interval before after+1 to the end of the last segment, including
+// that segment's preallocated zeros, which the tail rules must check.
+//
+// # Full disks
+//
+// A spare file is zero-filled only while the filesystem reports at least
+// two segments' worth of free space (vfs.FS.GetDiskUsage; filesystems that
+// cannot tell are assumed to have it): filling the disk to the brim, even
+// for a moment, would fail whoever else writes there then. Otherwise, and
+// if zero-filling fails because the disk is full (ENOSPC, EDQUOT, EFBIG),
+// the partial file is removed and an empty spare file is used instead: that
+// segment grows as it is written. Both fallbacks are logged ("little free
+// space", "no space to preallocate"). A write or fsync that fails on a full disk
+// makes the WAL fail (ErrFailed, wrapping the error with the operation and
+// the segment name); Close still returns, and everything acknowledged before
+// is on disk for the next Open.
 package wal

@@ -368,7 +368,7 @@ func TestTornTailInPreallocatedSegment(t *testing.T) {
 	// A frame header claiming 40 bytes with half of its payload, and a
 	// stray block 10 KiB further.
 	part := make([]byte, frameSize(40))
-	putFrame(part, 31, 1, payloadFor(7)[:40])
+	putFrame(part, 31, 0, 1, payloadFor(7)[:40])
 	if _, err := f.WriteAt(part[:30], last.Size); err != nil {
 		t.Fatal(err)
 	}

@@ -61,6 +61,11 @@ type ScanResult struct {
 	// bytes alone (the preallocated space) are a clean end and are not
 	// reported.
 	TornTail *TornTail
+	// SkippedBytes is, for Open, the number of segment bytes it did not
+	// read: records at or below its after argument (see
+	// Options.CheckApplied) and, after a clean Close, the preallocated zeros
+	// at the end of the last segment. Always 0 for Scan.
+	SkippedBytes int64
 }
 
 // ErrCorrupt is wrapped by every *CorruptError.
@@ -115,6 +120,14 @@ const (
 type scanOutcome struct {
 	segs    []SegmentInfo // valid segments, oldest first (a torn-header segment is not one)
 	lastLSN LSN
+	// lastOff is the offset of the last valid frame of the last segment (0
+	// if it holds none).
+	lastOff int64
+	// lastVersion is the header version of the last segment with a valid
+	// header (the active segment after repair, unless repair creates one).
+	lastVersion uint16
+	// skipped counts the segment bytes Open did not read.
+	skipped int64
 	// The remaining fields describe the last segment file; they are only
 	// meaningful when tail != tailClean.
 	tail      tailState
@@ -162,28 +175,57 @@ func listSegments(fs vfs.FS, dir string) ([]segEntry, error) {
 }
 
 type scanner struct {
-	fs      vfs.FS
-	dir     string
-	after   LSN
-	maxRec  int
-	fn      func(Record) error
-	r       segReader
-	lastSeg bool
+	fs     vfs.FS
+	dir    string
+	after  LSN
+	maxRec int
+	fn     func(Record) error
+	// skipApplied: segments all of whose records are <= after (the next
+	// segment starts at or below after+1) are not read beyond their header
+	// (Open; Scan reads everything).
+	skipApplied bool
+	// hint is the close hint found by Open (nil if none or for Scan).
+	hint *closeHint
+	// positions are the position hints found by Open (nil for Scan).
+	positions []position
+	r         segReader
+	lastSeg   bool
+	hdr       int // frame header size of the segment being scanned
 	// zeroTail is set when the previous segment (not the last) ends with
 	// zeros after its last valid frame, at zeroTailOff: acceptable only if
 	// the next segment continues the LSN sequence.
 	zeroTail    bool
 	zeroTailSeg string
 	zeroTailOff int64
+	// bytesSkipped counts segment bytes Open did not read (skipApplied and
+	// the close hint), for tests and logs.
+	bytesSkipped int64
 }
 
 func scanDir(fs vfs.FS, dir string, after LSN, maxRec int, fn func(Record) error) (scanOutcome, error) {
-	var o scanOutcome
-	segs, err := listSegments(fs, dir)
+	s := &scanner{fs: fs, dir: dir, after: after, maxRec: maxRec, fn: fn}
+	return s.run()
+}
+
+func (s *scanner) run() (o scanOutcome, err error) {
+	defer func() { o.skipped = s.bytesSkipped }()
+	segs, err := listSegments(s.fs, s.dir)
 	if err != nil {
 		return o, err
 	}
-	s := &scanner{fs: fs, dir: dir, after: after, maxRec: maxRec, fn: fn}
+	// keepFrom: segments from this index on are read in full. If the last
+	// segment's header is torn, Open removes it and appends to the one
+	// before, whose logical end it must then know.
+	keepFrom := len(segs) - 1
+	if s.skipApplied && len(segs) >= 2 {
+		ok, err := s.headerValid(segs[len(segs)-1])
+		if err != nil {
+			return o, err
+		}
+		if !ok {
+			keepFrom--
+		}
+	}
 	for i, seg := range segs {
 		if i > 0 && seg.first != o.lastLSN+1 {
 			if s.zeroTail {
@@ -198,15 +240,83 @@ func scanDir(fs vfs.FS, dir string, after LSN, maxRec int, fn func(Record) error
 		}
 		s.zeroTail = false
 		s.lastSeg = i == len(segs)-1
-		if err := s.segment(&o, seg); err != nil {
+		if s.skipApplied && i < keepFrom && segs[i+1].first <= s.after+1 {
+			// Every record of this segment is at or below after: Open
+			// checks its header and name only (idem verify and Scan read
+			// every frame).
+			if err := s.headerOnly(&o, seg, segs[i+1].first-1); err != nil {
+				return o, err
+			}
+			continue
+		}
+		// The segment holding after+1 may be entered at a position hint.
+		holdsNext := seg.first <= s.after+1 && (s.lastSeg || segs[i+1].first > s.after+1)
+		if err := s.segmentFrom(&o, seg, s.skipApplied && holdsNext); err != nil {
 			return o, err
 		}
 	}
 	return o, nil
 }
 
+// headerValid reports whether seg has a valid header.
+func (s *scanner) headerValid(seg segEntry) (bool, error) {
+	f, err := s.fs.Open(s.fs.PathJoin(s.dir, seg.name))
+	if err != nil {
+		return false, err
+	}
+	defer f.Close()
+	b := make([]byte, segmentHeaderSize)
+	if n, err := f.ReadAt(b, 0); n < segmentHeaderSize {
+		if err == io.EOF || err == nil {
+			return false, nil
+		}
+		return false, fmt.Errorf("wal: reading segment %s header: %w", seg.name, err)
+	}
+	first, _, reason := decodeSegmentHeader(b)
+	return reason == "" && first == seg.first, nil
+}
+
+// headerOnly checks the header of a segment whose records Open need not
+// read, and records it as holding LSNs up to last (the next segment's first
+// LSN minus one). Its Size is taken to be its file size.
+func (s *scanner) headerOnly(o *scanOutcome, seg segEntry, last LSN) error {
+	f, err := s.fs.Open(s.fs.PathJoin(s.dir, seg.name))
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return err
+	}
+	reason := "truncated segment header"
+	if st.Size() >= segmentHeaderSize {
+		b := make([]byte, segmentHeaderSize)
+		if _, err := f.ReadAt(b, 0); err != nil {
+			return fmt.Errorf("wal: reading segment %s header: %w", seg.name, err)
+		}
+		var first LSN
+		first, _, reason = decodeSegmentHeader(b)
+		if reason == "" && first != seg.first {
+			reason = fmt.Sprintf("header first LSN %d does not match the file name", first)
+		}
+	}
+	if reason != "" {
+		return &CorruptError{Segment: seg.name, Offset: 0, Reason: reason}
+	}
+	o.segs = append(o.segs, SegmentInfo{Name: seg.name, FirstLSN: seg.first, LastLSN: last, Size: st.Size(), Allocated: st.Size()})
+	o.lastVersion = 0 // never the active segment: see run
+	o.lastLSN = last
+	s.bytesSkipped += st.Size() - segmentHeaderSize
+	return nil
+}
+
 // segment validates one segment file, delivering its records.
-func (s *scanner) segment(o *scanOutcome, seg segEntry) error {
+func (s *scanner) segment(o *scanOutcome, seg segEntry) error { return s.segmentFrom(o, seg, false) }
+
+// segmentFrom is segment; usePositions lets it start at the best position
+// hint at or below after+1 (Open, for the segment holding after+1).
+func (s *scanner) segmentFrom(o *scanOutcome, seg segEntry, usePositions bool) error {
 	f, err := s.fs.Open(s.fs.PathJoin(s.dir, seg.name))
 	if err != nil {
 		return err
@@ -224,13 +334,18 @@ func (s *scanner) segment(o *scanOutcome, seg segEntry) error {
 	}
 
 	var first LSN
+	var version uint16
 	hdrReason := "truncated segment header"
 	if r.size >= segmentHeaderSize {
+		if s.skipApplied {
+			r.chunk = segmentHeaderSize // a hint may spare the rest
+		}
 		b, err := r.at(0, segmentHeaderSize)
+		r.chunk = readChunk
 		if err != nil {
 			return err
 		}
-		first, hdrReason = decodeSegmentHeader(b)
+		first, version, hdrReason = decodeSegmentHeader(b)
 		if hdrReason == "" && first != seg.first {
 			hdrReason = fmt.Sprintf("header first LSN %d does not match the file name", first)
 		}
@@ -241,25 +356,72 @@ func (s *scanner) segment(o *scanOutcome, seg segEntry) error {
 		}
 		// The header is fsynced before any frame is written into the
 		// segment, so a crash can tear the header only while the segment has
-		// no frame. A bad header followed by a valid frame is corruption.
+		// no frame. A bad header followed by a valid frame (of either
+		// version) is corruption.
 		nzEnd, err := r.nonZeroEnd(0, r.size)
 		if err != nil {
 			return err
 		}
-		y, err := s.findValidFrame(segmentHeaderSize, segmentHeaderSize, nzEnd, seg.first-1)
-		if err != nil {
-			return err
-		}
-		if y >= 0 {
-			return corrupt(0, fmt.Sprintf("%s, yet a valid frame follows at offset %d", hdrReason, y))
+		for _, hdr := range []int{frameHeaderSize, frameHeaderSizeV1} {
+			s.hdr = hdr
+			y, _, err := s.findValidFrame(segmentHeaderSize, segmentHeaderSize, nzEnd, seg.first-1)
+			if err != nil {
+				return err
+			}
+			if y >= 0 {
+				return corrupt(0, fmt.Sprintf("%s, yet a valid frame follows at offset %d", hdrReason, y))
+			}
 		}
 		o.lastLSN = seg.first - 1
 		o.tail, o.tailSeg, o.tailFirst, o.cut, o.fileSize, o.nzEnd = tailTornHeader, seg.name, seg.first, 0, r.size, nzEnd
 		return nil
 	}
+	s.hdr = frameHeaderFor(version)
+	o.lastVersion = version
 
 	info := SegmentInfo{Name: seg.name, FirstLSN: first, LastLSN: first - 1, Size: segmentHeaderSize, Allocated: r.size}
-	for off := int64(segmentHeaderSize); off < r.size; {
+	off := int64(segmentHeaderSize)
+	o.lastOff = 0
+	if s.lastSeg && s.hint != nil {
+		// Small reads: the hint names one frame and a few zeros to check.
+		r.chunk = hintZeroCheck + frameSizeHdr(s.hdr, 0)
+		end, last, ok, err := s.useHint(seg, version)
+		if err != nil {
+			return err
+		}
+		if ok {
+			s.bytesSkipped += end - segmentHeaderSize
+			off, info.LastLSN, info.Size = end, last, end
+			o.lastOff = s.hint.lastOff
+			clean, err := s.zeroAfterHint(end)
+			if err != nil {
+				return err
+			}
+			r.chunk = readChunk
+			if clean {
+				// The close hint says nothing was written after end since
+				// the clean close, and the first bytes there are zero:
+				// the log ends cleanly at end (idem verify reads the rest).
+				s.bytesSkipped += r.size - min(r.size, end+hintZeroCheck)
+				o.segs = append(o.segs, info)
+				o.lastLSN = info.LastLSN
+				o.tail, o.tailSeg, o.tailFirst, o.cut, o.fileSize, o.nzEnd = tailZeros, info.Name, info.FirstLSN, end, r.size, end
+				return nil
+			}
+		}
+		r.chunk = readChunk
+	}
+	if usePositions && off == segmentHeaderSize {
+		p, ok, err := s.usePosition(seg)
+		if err != nil {
+			return err
+		}
+		if ok {
+			s.bytesSkipped += p.off - segmentHeaderSize
+			off, info.LastLSN = p.off, p.lsn-1
+		}
+	}
+	for off < r.size {
 		fr, err := s.frameAt(off, info.LastLSN+1)
 		if err != nil {
 			return err
@@ -270,7 +432,7 @@ func (s *scanner) segment(o *scanOutcome, seg segEntry) error {
 				// Only zeros may follow the frames of a segment that is not
 				// the last (preallocated space left when it was rotated),
 				// and only if the next segment continues the LSN sequence
-				// (checked by scanDir): zeros cannot hide lost frames then.
+				// (checked by run): zeros cannot hide lost frames then.
 				nz, err := r.anyNonZero(off, r.size)
 				if err != nil {
 					return err
@@ -288,6 +450,7 @@ func (s *scanner) segment(o *scanOutcome, seg segEntry) error {
 				return err
 			}
 		}
+		o.lastOff = off
 		info.LastLSN = fr.lsn
 		off += int64(fr.n)
 		info.Size = off
@@ -295,6 +458,63 @@ func (s *scanner) segment(o *scanOutcome, seg segEntry) error {
 	o.segs = append(o.segs, info)
 	o.lastLSN = info.LastLSN
 	return nil
+}
+
+// usePosition returns the position hint with the highest LSN at or below
+// after+1 in seg whose frame is valid and carries that LSN.
+func (s *scanner) usePosition(seg segEntry) (position, bool, error) {
+	var best position
+	for _, p := range s.positions {
+		if p.first == seg.first && p.lsn <= s.after+1 && p.lsn > best.lsn && p.lsn >= seg.first &&
+			p.off > segmentHeaderSize && p.off%frameAlign == 0 && p.off < s.r.size {
+			best = p
+		}
+	}
+	if best.lsn == 0 {
+		return best, false, nil
+	}
+	fr, err := s.frameAt(best.off, best.lsn)
+	if err != nil || fr.code != frameOK {
+		return best, false, err
+	}
+	return best, true, nil
+}
+
+// hintZeroCheck is how many bytes after the end named by a close hint Open
+// checks to be zero before trusting the hint that the log ends there.
+const hintZeroCheck = 4096
+
+// useHint checks the close hint against the last segment: it must name this
+// segment, its last LSN must be at or below after (Open need not deliver the
+// records before it), and the frame it names must be valid, carry that LSN
+// and end where the hint says. It returns the end and last LSN to resume
+// from.
+func (s *scanner) useHint(seg segEntry, version uint16) (int64, LSN, bool, error) {
+	h := s.hint
+	if h.segment != seg.name || h.lastLSN > s.after || h.end > s.r.size {
+		return 0, 0, false, nil
+	}
+	if h.lastOff == 0 {
+		return h.end, h.lastLSN, h.end == segmentHeaderSize && h.lastLSN == seg.first-1, nil
+	}
+	if h.lastOff < segmentHeaderSize || h.lastOff%frameAlign != 0 || h.lastOff >= h.end || h.lastLSN < seg.first {
+		return 0, 0, false, nil
+	}
+	fr, err := s.frameAt(h.lastOff, h.lastLSN)
+	if err != nil {
+		return 0, 0, false, err
+	}
+	if fr.code != frameOK || h.lastOff+int64(fr.n) != h.end {
+		return 0, 0, false, nil
+	}
+	return h.end, h.lastLSN, true, nil
+}
+
+// zeroAfterHint reports whether the first hintZeroCheck bytes at end (or
+// up to the end of the file) are zero.
+func (s *scanner) zeroAfterHint(end int64) (bool, error) {
+	nz, err := s.r.anyNonZero(end, min(s.r.size, end+hintZeroCheck))
+	return !nz, err
 }
 
 // tail classifies the bytes from x (the first invalid frame of the last
@@ -308,18 +528,36 @@ func (s *scanner) tail(o *scanOutcome, info SegmentInfo, x int64, reason string)
 	state := tailZeros
 	if nzEnd > x {
 		state = tailTorn
-		y, err := s.findValidFrame(x+frameAlign, x, nzEnd, info.LastLSN)
-		if err != nil {
-			return err
+		// Every valid frame after x: if one was written when a record
+		// after the last good one was already fsynced, the bytes at x held
+		// fsynced frames, lost by the storage, not a torn write.
+		first := int64(-1)
+		for from := x + frameAlign; from < nzEnd; {
+			y, fr, err := s.findValidFrame(from, x, nzEnd, info.LastLSN)
+			if err != nil {
+				return err
+			}
+			if y < 0 {
+				break
+			}
+			if first < 0 {
+				first = y
+			}
+			if fr.synced > info.LastLSN {
+				return &CorruptError{Segment: info.Name, Offset: x, Reason: fmt.Sprintf(
+					"%s after LSN %d, yet the valid frame at offset %d (LSN %d) was written after LSN %d had been fsynced: fsynced records were lost, this is not a torn tail",
+					reason, info.LastLSN, y, fr.lsn, fr.synced)}
+			}
+			from = y + int64(fr.n)
 		}
-		if y >= 0 {
-			hole, err := r.hasHole(x, y)
+		if first >= 0 {
+			hole, err := r.hasHole(x, first)
 			if err != nil {
 				return err
 			}
 			if !hole {
 				return &CorruptError{Segment: info.Name, Offset: x, Reason: fmt.Sprintf(
-					"%s, yet a valid frame follows at offset %d with no crash hole in between", reason, y)}
+					"%s, yet a valid frame follows at offset %d with no crash hole in between", reason, first)}
 			}
 		}
 	}
@@ -333,6 +571,7 @@ func (s *scanner) tail(o *scanOutcome, info SegmentInfo, x int64, reason string)
 type frame struct {
 	code    frameCode
 	lsn     LSN
+	synced  LSN
 	typ     byte
 	payload []byte
 	n       int    // frame size including padding
@@ -362,15 +601,15 @@ func (f *frame) reason(want LSN, avail int64, maxRec int) string {
 func (s *scanner) frameAt(off int64, want LSN) (frame, error) {
 	r := &s.r
 	avail := r.size - off
-	if avail < frameHeaderSize {
+	if avail < int64(s.hdr) {
 		return frame{code: frameTruncatedHeader}, nil
 	}
-	hdr, err := r.at(off, frameHeaderSize)
+	hdr, err := r.at(off, s.hdr)
 	if err != nil {
 		return frame{}, err
 	}
 	fr := frame{length: binary.LittleEndian.Uint32(hdr[4:])}
-	length, n, code := frameLength(hdr, avail, s.maxRec)
+	length, n, code := frameLength(hdr, s.hdr, avail, s.maxRec)
 	if code != frameOK {
 		fr.code = code
 		return fr, nil
@@ -379,7 +618,8 @@ func (s *scanner) frameAt(off int64, want LSN) (frame, error) {
 	if err != nil {
 		return frame{}, err
 	}
-	fr.lsn, fr.typ, fr.payload, fr.code = verifyFrame(b, length)
+	d, code := verifyFrame(b, s.hdr, length)
+	fr.lsn, fr.synced, fr.typ, fr.payload, fr.code = d.lsn, d.synced, d.typ, d.payload, code
 	fr.n = n
 	if fr.code == frameOK && fr.lsn != want {
 		fr.code = frameLSNMismatch
@@ -388,53 +628,56 @@ func (s *scanner) frameAt(off int64, want LSN) (frame, error) {
 }
 
 // findValidFrame returns the first 8-aligned offset y >= from holding a valid
-// frame whose LSN is above lastGood, or -1. base is where the frames after
+// frame (of the segment's frame version) whose LSN is above lastGood, and
+// that frame; or -1. base is where the frames after
 // lastGood start: a frame we wrote at y can carry LSN lastGood+k only if the
 // k-1 frames before it fit in [base, y), which rules out almost every
 // garbage offset before the checksum is computed. Only offsets below nzEnd
 // (the end of the non-zero bytes) are tried: a frame header is never all
 // zero, so no frame starts in the zeros after them.
-func (s *scanner) findValidFrame(from, base, nzEnd int64, lastGood LSN) (int64, error) {
+func (s *scanner) findValidFrame(from, base, nzEnd int64, lastGood LSN) (int64, frame, error) {
 	r := &s.r
-	for y := from; y < nzEnd && y+frameHeaderSize <= r.size; y += frameAlign {
-		hdr, err := r.at(y, frameHeaderSize)
+	minFrame := uint64(frameSizeHdr(s.hdr, 0))
+	for y := from; y < nzEnd && y+int64(s.hdr) <= r.size; y += frameAlign {
+		hdr, err := r.at(y, s.hdr)
 		if err != nil {
-			return -1, err
+			return -1, frame{}, err
 		}
 		lsn := LSN(binary.LittleEndian.Uint64(hdr[8:]))
-		if lsn <= lastGood || uint64(lsn-lastGood-1) > uint64(y-base)/minFrameSize {
+		if lsn <= lastGood || uint64(lsn-lastGood-1) > uint64(y-base)/minFrame {
 			continue
 		}
-		length, n, code := frameLength(hdr, r.size-y, s.maxRec)
+		length, n, code := frameLength(hdr, s.hdr, r.size-y, s.maxRec)
 		if code != frameOK {
 			continue
 		}
 		b, err := r.at(y, n)
 		if err != nil {
-			return -1, err
+			return -1, frame{}, err
 		}
-		if _, _, _, code := verifyFrame(b, length); code == frameOK {
-			return y, nil
+		if d, code := verifyFrame(b, s.hdr, length); code == frameOK {
+			return y, frame{lsn: d.lsn, synced: d.synced, typ: d.typ, n: n}, nil
 		}
 	}
-	return -1, nil
+	return -1, frame{}, nil
 }
 
 // segReader reads a segment through a sliding window. Every request is
 // bounded by the file size before anything is allocated.
 type segReader struct {
-	f    vfs.File
-	name string
-	size int64  // file size when the scan started
-	buf  []byte // holds file bytes [off, off+len(buf))
-	off  int64
+	f     vfs.File
+	name  string
+	chunk int    // minimum read size; readChunk unless set after reset
+	size  int64  // file size when the scan started
+	buf   []byte // holds file bytes [off, off+len(buf))
+	off   int64
 }
 
 // readChunk is the minimum window size.
 const readChunk = 1 << 20
 
 func (r *segReader) reset(f vfs.File, name string, size int64) {
-	r.f, r.name, r.size, r.off = f, name, size, 0
+	r.f, r.name, r.size, r.off, r.chunk = f, name, size, 0, readChunk
 	r.buf = r.buf[:0]
 	if cap(r.buf) > 8*readChunk {
 		r.buf = nil // do not pin a huge window (from a huge record) across segments
@@ -450,7 +693,7 @@ func (r *segReader) at(off int64, n int) ([]byte, error) {
 	if off < 0 || n < 0 || off+int64(n) > r.size {
 		return nil, fmt.Errorf("wal: internal error: read [%d,+%d) outside segment %s of %d bytes", off, n, r.name, r.size)
 	}
-	want := int(min(max(int64(n), readChunk), r.size-off))
+	want := int(min(max(int64(n), int64(r.chunk)), r.size-off))
 	if cap(r.buf) < want {
 		r.buf = make([]byte, want)
 	}

@@ -9,6 +9,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/cockroachdb/pebble/v2/vfs"
@@ -17,8 +18,11 @@ import (
 // Wire format constants. They are frozen: changing any of them changes the
 // on-disk format (see doc.go).
 const (
-	segmentMagic      = "IDEMWAL1"
-	segmentVersion    = 1
+	segmentMagic = "IDEMWAL1"
+	// segmentVersion is the version written into new segments. Version 1
+	// segments (frames without the synced LSN) are still read.
+	segmentVersion    = 2
+	segmentVersion1   = 1
 	segmentHeaderSize = 32
 	// segmentHeaderCRCOffset is where the header checksum lives; it covers
 	// bytes [0, segmentHeaderCRCOffset).
@@ -29,12 +33,14 @@ const (
 	tornSuffix     = ".torn"
 	preallocSuffix = ".prealloc"
 
-	// frameHeaderSize is crc(4) + length(4) + lsn(8) + type(1).
-	frameHeaderSize = 17
+	// frameHeaderSize is the header of a version 2 frame: crc(4) +
+	// length(4) + lsn(8) + synced LSN(8) + type(1).
+	frameHeaderSize = 25
+	// frameHeaderSizeV1 is the header of a version 1 frame: crc(4) +
+	// length(4) + lsn(8) + type(1).
+	frameHeaderSizeV1 = 17
 	// frameAlign is the alignment of every frame start (and so of frame sizes).
 	frameAlign = 8
-	// minFrameSize is the size of a frame with an empty payload.
-	minFrameSize = (frameHeaderSize + frameAlign - 1) &^ (frameAlign - 1)
 
 	// sectorSize is the granularity at which a crash hole is recognised (see
 	// the torn-tail rules in doc.go).
@@ -85,9 +91,22 @@ func ParseSegmentName(name string) (LSN, bool) {
 	return LSN(v), true
 }
 
-// frameSize returns the on-disk size of a frame carrying payloadLen bytes.
-func frameSize(payloadLen int) int {
-	return (frameHeaderSize + payloadLen + frameAlign - 1) &^ (frameAlign - 1)
+// frameSize returns the on-disk size of a (version 2) frame carrying
+// payloadLen bytes.
+func frameSize(payloadLen int) int { return frameSizeHdr(frameHeaderSize, payloadLen) }
+
+// frameSizeHdr returns the on-disk size of a frame whose header is hdr bytes
+// (frameHeaderSize or frameHeaderSizeV1) carrying payloadLen bytes.
+func frameSizeHdr(hdr, payloadLen int) int {
+	return (hdr + payloadLen + frameAlign - 1) &^ (frameAlign - 1)
+}
+
+// frameHeaderFor returns the frame header size of a segment version.
+func frameHeaderFor(version uint16) int {
+	if version == segmentVersion1 {
+		return frameHeaderSizeV1
+	}
+	return frameHeaderSize
 }
 
 // encodeSegmentHeader returns the 32-byte header of a segment starting at
@@ -101,37 +120,62 @@ func encodeSegmentHeader(first LSN) []byte {
 	return b
 }
 
-// decodeSegmentHeader validates a segment header. It returns a non-empty
-// reason when the header is invalid.
-func decodeSegmentHeader(b []byte) (LSN, string) {
+// encodeSegmentHeaderVersion is encodeSegmentHeader for a given version
+// (tests write version 1 segments with it).
+func encodeSegmentHeaderVersion(first LSN, version uint16) []byte {
+	b := encodeSegmentHeader(first)
+	binary.LittleEndian.PutUint16(b[8:], version)
+	binary.LittleEndian.PutUint32(b[segmentHeaderCRCOffset:], crc32.Checksum(b[:segmentHeaderCRCOffset], castagnoli))
+	return b
+}
+
+// decodeSegmentHeader validates a segment header and returns its first LSN
+// and version (1 or 2). It returns a non-empty reason when the header is
+// invalid.
+func decodeSegmentHeader(b []byte) (LSN, uint16, string) {
 	if len(b) < segmentHeaderSize {
-		return 0, "truncated segment header"
+		return 0, 0, "truncated segment header"
 	}
 	if string(b[:8]) != segmentMagic {
-		return 0, "bad segment magic"
+		return 0, 0, "bad segment magic"
 	}
 	if crc32.Checksum(b[:segmentHeaderCRCOffset], castagnoli) != binary.LittleEndian.Uint32(b[segmentHeaderCRCOffset:]) {
-		return 0, "bad segment header checksum"
+		return 0, 0, "bad segment header checksum"
 	}
-	if v := binary.LittleEndian.Uint16(b[8:]); v != segmentVersion {
-		return 0, fmt.Sprintf("unsupported segment version %d", v)
+	v := binary.LittleEndian.Uint16(b[8:])
+	if v != segmentVersion && v != segmentVersion1 {
+		return 0, 0, fmt.Sprintf("unsupported segment version %d", v)
 	}
 	first := LSN(binary.LittleEndian.Uint64(b[16:]))
 	if first == 0 {
-		return 0, "segment header first LSN is 0"
+		return 0, 0, "segment header first LSN is 0"
 	}
-	return first, ""
+	return first, v, ""
 }
 
-// putFrame encodes one frame into dst, which must be exactly
-// frameSize(len(payload)) bytes long. It zeroes the padding because dst is
-// usually a recycled buffer.
-func putFrame(dst []byte, lsn LSN, typ byte, payload []byte) {
+// putFrame encodes one version 2 frame into dst, which must be exactly
+// frameSize(len(payload)) bytes long. synced is the last LSN known to be
+// fsynced when the frame was encoded (below lsn). It zeroes the padding
+// because dst is usually a recycled buffer.
+func putFrame(dst []byte, lsn, synced LSN, typ byte, payload []byte) {
 	end := frameHeaderSize + len(payload)
 	binary.LittleEndian.PutUint32(dst[4:], uint32(len(payload)))
 	binary.LittleEndian.PutUint64(dst[8:], uint64(lsn))
-	dst[16] = typ
+	binary.LittleEndian.PutUint64(dst[16:], uint64(synced))
+	dst[24] = typ
 	copy(dst[frameHeaderSize:], payload)
+	clear(dst[end:])
+	binary.LittleEndian.PutUint32(dst[0:], crc32.Update(0, castagnoli, dst[4:end]))
+}
+
+// putFrameV1 encodes one version 1 frame (no synced LSN), for tests of the
+// old format.
+func putFrameV1(dst []byte, lsn LSN, typ byte, payload []byte) {
+	end := frameHeaderSizeV1 + len(payload)
+	binary.LittleEndian.PutUint32(dst[4:], uint32(len(payload)))
+	binary.LittleEndian.PutUint64(dst[8:], uint64(lsn))
+	dst[16] = typ
+	copy(dst[frameHeaderSizeV1:], payload)
 	clear(dst[end:])
 	binary.LittleEndian.PutUint32(dst[0:], crc32.Update(0, castagnoli, dst[4:end]))
 }
@@ -149,6 +193,7 @@ const (
 	frameZeroLSN
 	frameZeroType
 	frameBadPadding
+	frameBadSynced
 )
 
 func (c frameCode) String() string {
@@ -169,70 +214,88 @@ func (c frameCode) String() string {
 		return "frame type is 0"
 	case frameBadPadding:
 		return "non-zero frame padding"
+	case frameBadSynced:
+		return "frame synced LSN is not below its LSN"
 	default:
 		return "unknown frame error"
 	}
 }
 
-// frameLength reads the payload length of the frame header hdr (at least
-// frameHeaderSize bytes) and bounds it by maxRecordSize and by avail, the
-// number of bytes from the frame start to the end of the file. It returns the
-// payload length and the full frame size. Nothing is allocated: callers
-// allocate or read only after this check passed.
-func frameLength(hdr []byte, avail int64, maxRecordSize int) (int, int, frameCode) {
+// frameLength reads the payload length of the frame header hdr (at least 8
+// bytes) of a frame whose header is hdrSize bytes, and bounds it by
+// maxRecordSize and by avail, the number of bytes from the frame start to the
+// end of the file. It returns the payload length and the full frame size.
+// Nothing is allocated: callers allocate or read only after this check
+// passed.
+func frameLength(hdr []byte, hdrSize int, avail int64, maxRecordSize int) (int, int, frameCode) {
 	l := binary.LittleEndian.Uint32(hdr[4:])
 	if uint64(l) > uint64(maxRecordSize) {
 		return 0, 0, frameTooLong
 	}
-	n := frameSize(int(l))
+	n := frameSizeHdr(hdrSize, int(l))
 	if int64(n) > avail {
 		return 0, 0, framePastEOF
 	}
 	return int(l), n, frameOK
 }
 
-// verifyFrame checks a complete frame (exactly frameSize(length) bytes) whose
-// length was validated by frameLength.
-func verifyFrame(frame []byte, length int) (LSN, byte, []byte, frameCode) {
-	end := frameHeaderSize + length
+// decodedFrame is a frame verifyFrame accepted.
+type decodedFrame struct {
+	lsn     LSN
+	synced  LSN // 0 in version 1 frames (which do not record it)
+	typ     byte
+	payload []byte
+}
+
+// verifyFrame checks a complete frame (exactly frameSizeHdr(hdrSize, length)
+// bytes) whose length was validated by frameLength. hdrSize selects the
+// layout: frameHeaderSize (version 2) or frameHeaderSizeV1.
+func verifyFrame(frame []byte, hdrSize, length int) (decodedFrame, frameCode) {
+	end := hdrSize + length
 	if crc32.Update(0, castagnoli, frame[4:end]) != binary.LittleEndian.Uint32(frame) {
-		return 0, 0, nil, frameBadCRC
+		return decodedFrame{}, frameBadCRC
 	}
-	lsn := LSN(binary.LittleEndian.Uint64(frame[8:]))
-	if lsn == 0 {
-		return 0, 0, nil, frameZeroLSN
+	d := decodedFrame{lsn: LSN(binary.LittleEndian.Uint64(frame[8:])), typ: frame[hdrSize-1]}
+	if d.lsn == 0 {
+		return decodedFrame{}, frameZeroLSN
 	}
-	typ := frame[16]
-	if typ == 0 {
-		return 0, 0, nil, frameZeroType
+	if d.typ == 0 {
+		return decodedFrame{}, frameZeroType
+	}
+	if hdrSize == frameHeaderSize {
+		d.synced = LSN(binary.LittleEndian.Uint64(frame[16:]))
+		if d.synced >= d.lsn {
+			return decodedFrame{}, frameBadSynced
+		}
 	}
 	for _, c := range frame[end:] {
 		if c != 0 {
-			return 0, 0, nil, frameBadPadding
+			return decodedFrame{}, frameBadPadding
 		}
 	}
-	return lsn, typ, frame[frameHeaderSize:end], frameOK
+	d.payload = frame[hdrSize:end]
+	return d, frameOK
 }
 
-// DecodeFrame parses exactly one frame at the start of b. It returns the
-// record, the number of bytes the frame occupies (including padding) or an
-// error wrapping ErrCorrupt. payload aliases b. It never panics and never
-// allocates more than a small error value. A maxRecordSize <= 0 means the
-// default (64 MiB).
+// DecodeFrame parses exactly one frame of the current format (version 2) at
+// the start of b. It returns the record, the number of bytes the frame
+// occupies (including padding) or an error wrapping ErrCorrupt. payload
+// aliases b. It never panics and never allocates more than a small error
+// value. A maxRecordSize <= 0 means the default (64 MiB).
 func DecodeFrame(b []byte, maxRecordSize int) (lsn LSN, typ byte, payload []byte, n int, err error) {
 	maxRecordSize = normMaxRecordSize(maxRecordSize)
 	if len(b) < frameHeaderSize {
 		return 0, 0, nil, 0, &CorruptError{Reason: frameTruncatedHeader.String()}
 	}
-	length, n, code := frameLength(b, int64(len(b)), maxRecordSize)
+	length, n, code := frameLength(b, frameHeaderSize, int64(len(b)), maxRecordSize)
 	if code != frameOK {
 		return 0, 0, nil, 0, &CorruptError{Reason: code.String()}
 	}
-	lsn, typ, payload, code = verifyFrame(b[:n], length)
+	d, code := verifyFrame(b[:n], frameHeaderSize, length)
 	if code != frameOK {
 		return 0, 0, nil, 0, &CorruptError{Reason: code.String()}
 	}
-	return lsn, typ, payload, n, nil
+	return d.lsn, d.typ, d.payload, n, nil
 }
 
 // segFile is the active segment, open for appending. After Open it is owned
@@ -249,6 +312,10 @@ type segFile struct {
 	first LSN
 	end   int64 // logical end: offset of the next frame (header plus frames written)
 	alloc int64 // file size; >= end
+	// lastOff is the offset of the last frame written (0: none yet) and
+	// lastLSN its LSN (first-1 when none), for the close hint.
+	lastOff int64
+	lastLSN LSN
 }
 
 // write writes p at the logical end.
@@ -303,7 +370,20 @@ func preparePrealloc(fs vfs.FS, dir string, size int64) error {
 	if cerr := f.Close(); err == nil {
 		err = cerr
 	}
+	if err != nil {
+		// Never leave a partly zero-filled file taking the space (on a
+		// full disk it holds whatever was free).
+		if rerr := fs.Remove(path); rerr != nil && !errors.Is(rerr, os.ErrNotExist) {
+			err = fmt.Errorf("%w (and removing the partial %s: %v)", err, preallocName, rerr)
+		}
+	}
 	return err
+}
+
+// isNoSpace reports whether err says the disk (or the user's quota, or the
+// file size limit) is full.
+func isNoSpace(err error) bool {
+	return errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT) || errors.Is(err, syscall.EFBIG)
 }
 
 // reusePrealloc checks a leftover spare file: it is reusable when bytes
@@ -343,7 +423,7 @@ func activateSegment(fs vfs.FS, dir string, first LSN) (*segFile, error) {
 		_ = f.Close()
 		return nil, err
 	}
-	s := &segFile{f: f, name: name, first: first, alloc: st.Size()}
+	s := &segFile{f: f, name: name, first: first, alloc: st.Size(), lastLSN: first - 1}
 	if err := s.write(encodeSegmentHeader(first)); err != nil {
 		_ = f.Close()
 		return nil, err

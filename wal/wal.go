@@ -74,6 +74,15 @@ type Options struct {
 	// FirstLSN is the LSN of the first record when the directory holds no
 	// segment. Default 1.
 	FirstLSN LSN
+	// CheckApplied makes Open read and check every frame of every segment,
+	// as Scan does. By default Open reads only what can hold records after
+	// its after argument: segments whose records are all at or below it
+	// have only their header checked, the segment holding after+1 is
+	// entered at a position hint near it, and after a clean Close the last
+	// segment is entered at its end (see "Reopen" in the package
+	// documentation). Checking the already-applied prefix is Scan's job
+	// (idem verify).
+	CheckApplied bool
 	// Logger receives warnings (torn tails cut) and errors (I/O failures).
 	// nil discards.
 	Logger *slog.Logger
@@ -152,6 +161,9 @@ type WAL struct {
 		// recs holds (LSN, type, value) of the frames in buf, for OnSynced;
 		// empty when OnSynced is nil.
 		recs []Synced
+		// lastOff is the offset in buf of the last frame appended (valid
+		// when buf is not empty).
+		lastOff int
 		// nextLSN is the LSN the next Append assigns.
 		nextLSN LSN
 		// syncTarget: a Sync() caller waits for synced >= syncTarget, so the
@@ -198,6 +210,13 @@ type WAL struct {
 		// spare file (preparePrealloc); nil when none was started since the
 		// last rotation (or Open).
 		prepC chan error
+		// Position hints (see "Reopen" in doc.go): positions is the ring
+		// written to positions.hint, cand a frame boundary written since
+		// the last entry, waiting for an fsync to cover it.
+		positions []position
+		cand      position
+		sinceLast int64         // bytes written since the last entry
+		posDone   chan struct{} // closed when the background write of the file ends
 	}
 
 	segMu sync.Mutex
@@ -275,17 +294,37 @@ func Open(o Options, after LSN, fn func(Record) error) (*WAL, ScanResult, error)
 	if err := EnsureDir(fs, dir); err != nil {
 		return nil, ScanResult{}, fmt.Errorf("wal: creating %s: %w", dir, err)
 	}
-	out, err := scanDir(fs, dir, after, o.MaxRecordSize, fn)
+	sc := &scanner{fs: fs, dir: dir, after: after, maxRec: o.MaxRecordSize, fn: fn, skipApplied: !o.CheckApplied}
+	var hintPresent bool
+	sc.hint, hintPresent = readHint(fs, dir)
+	if o.CheckApplied {
+		sc.hint = nil
+	} else {
+		sc.positions = readPositions(fs, dir)
+	}
+	out, err := sc.run()
 	if err != nil {
 		return nil, out.result(), err
 	}
 	res := out.result()
+	res.SkippedBytes = out.skipped
 	w := &WAL{opts: o, logger: o.Logger}
+	if hintPresent {
+		// Before anything is appended; repair's directory fsync below
+		// makes the removal durable, so the hint can never outlive the
+		// end it describes.
+		if err := removeHint(fs, dir); err != nil {
+			return nil, res, fmt.Errorf("wal: removing %s: %w", hintName, err)
+		}
+	}
 	if err := w.repair(&out, &res); err != nil {
 		return nil, res, err
 	}
 	res.Segments = slices.Clone(out.segs)
 	res.LastLSN = out.lastLSN
+	if out.skipped > 0 {
+		w.logger.Debug("wal: opened without reading the applied prefix", "after", uint64(after), "bytes_not_read", out.skipped)
+	}
 
 	w.segs = out.segs
 	w.written.Store(uint64(out.lastLSN))
@@ -318,6 +357,7 @@ func (w *WAL) repair(out *scanOutcome, res *ScanResult) error {
 	}
 	var active *segFile
 	var err error
+	existing := true // active is a segment the scan found (not created here)
 	switch out.tail {
 	case tailTornHeader:
 		// The header was never fsynced, so neither was anything else in the
@@ -349,11 +389,12 @@ func (w *WAL) repair(out *scanOutcome, res *ScanResult) error {
 		last := out.segs[len(out.segs)-1]
 		active, err = openSegmentForAppend(fs, dir, last.Name, last.FirstLSN, last.Size, last.Allocated)
 	default:
+		existing = false
 		first := w.opts.FirstLSN
 		if out.tail == tailTornHeader {
 			first = out.tailFirst
 		}
-		err = preparePrealloc(fs, dir, w.preallocSize())
+		err = w.prepareSpare()
 		if err == nil {
 			active, err = activateSegment(fs, dir, first)
 		}
@@ -365,6 +406,18 @@ func (w *WAL) repair(out *scanOutcome, res *ScanResult) error {
 	}
 	if err != nil {
 		return fmt.Errorf("wal: opening the active segment: %w", err)
+	}
+	if last := out.segs[len(out.segs)-1]; last.Name == active.name && last.LastLSN >= last.FirstLSN {
+		active.lastOff, active.lastLSN = out.lastOff, last.LastLSN
+	} else {
+		active.lastLSN = active.first - 1
+	}
+	if existing && out.lastVersion == segmentVersion1 {
+		// A version 1 segment (frames without the synced LSN) is never
+		// appended to: frames of one format per segment.
+		if active, err = w.upgradeActive(active, out); err != nil {
+			return fmt.Errorf("wal: starting a version %d segment after the version 1 segment: %w", segmentVersion, err)
+		}
 	}
 	// The replayed records may only be in the page cache (the previous
 	// process may have died before its fsync): make them durable before
@@ -379,6 +432,43 @@ func (w *WAL) repair(out *scanOutcome, res *ScanResult) error {
 	}
 	w.fl.active = active
 	return nil
+}
+
+// upgradeActive replaces the version 1 last segment as the active segment.
+// If it holds no frame its header is rewritten as version 2 in place (a
+// crash during the rewrite leaves a torn header over an empty segment,
+// which the next Open removes and recreates); otherwise it is fsynced and
+// the next segment, starting at its last LSN plus one, is created as at a
+// rotation.
+func (w *WAL) upgradeActive(active *segFile, out *scanOutcome) (*segFile, error) {
+	fs, dir := w.opts.FS, w.opts.Dir
+	last := &out.segs[len(out.segs)-1]
+	if last.LastLSN < last.FirstLSN {
+		if _, err := active.f.WriteAt(encodeSegmentHeader(active.first), 0); err != nil {
+			_ = active.f.Close()
+			return nil, err
+		}
+		return active, nil
+	}
+	if err := active.f.Sync(); err != nil {
+		_ = active.f.Close()
+		return nil, err
+	}
+	if err := w.prepareSpare(); err != nil {
+		_ = active.f.Close()
+		return nil, err
+	}
+	next := last.LastLSN + 1
+	seg, err := activateSegment(fs, dir, next)
+	if cerr := active.f.Close(); err == nil && cerr != nil {
+		w.logger.Warn("wal: closing a version 1 segment", "segment", active.name, "error", cerr)
+	}
+	if err != nil {
+		return nil, err
+	}
+	w.logger.Info("wal: started a new segment after a version 1 segment", "segment", seg.name, "previous", active.name)
+	out.segs = append(out.segs, SegmentInfo{Name: seg.name, FirstLSN: next, LastLSN: next - 1, Size: seg.end, Allocated: seg.alloc})
+	return seg, nil
 }
 
 // Append frames payload (copying it) into the group-commit buffer, assigns
@@ -429,7 +519,11 @@ func (w *WAL) append(typ byte, payload []byte, v any, fn func(LSN) any) (LSN, er
 		w.mu.buf = nb
 	}
 	w.mu.buf = w.mu.buf[:off+n]
-	putFrame(w.mu.buf[off:], lsn, typ, payload)
+	// Every record up to synced was fsynced before this frame can be
+	// written: recovery uses it to tell lost fsynced frames from a torn
+	// tail (see "Torn tail vs corruption" in doc.go).
+	putFrame(w.mu.buf[off:], lsn, LSN(w.synced.Load()), typ, payload)
+	w.mu.lastOff = off
 	if fn != nil {
 		v = fn(lsn)
 	}
@@ -627,6 +721,9 @@ func (w *WAL) Close() error {
 	w.mu.Unlock()
 	w.wake()
 	<-w.doneC
+	if w.fl.posDone != nil {
+		<-w.fl.posDone
+	}
 	if w.fl.prepC != nil {
 		if err := w.awaitPrep(); err != nil {
 			// Only the spare file is affected; the next Open replaces it.
@@ -635,9 +732,20 @@ func (w *WAL) Close() error {
 	}
 
 	var cerr error
-	if w.fl.active != nil {
-		cerr = w.fl.active.f.Close()
+	if a := w.fl.active; a != nil {
+		cerr = a.f.Close()
 		w.fl.active = nil
+		w.mu.Lock()
+		healthy := w.mu.err == nil
+		w.mu.Unlock()
+		if healthy && cerr == nil && LSN(w.synced.Load()) == a.lastLSN {
+			// Everything is fsynced and nothing more will be written:
+			// the next Open can start at the end (see "Reopen" in doc.go).
+			h := &closeHint{segment: a.name, first: a.first, lastOff: a.lastOff, lastLSN: a.lastLSN, end: a.end}
+			if err := writeHint(w.opts.FS, w.opts.Dir, h); err != nil {
+				w.logger.Warn("wal: writing the close hint (the next Open reads the last segment in full)", "error", err)
+			}
+		}
 	}
 	if w.fl.timer != nil {
 		w.fl.timer.Stop()
@@ -769,7 +877,7 @@ func (w *WAL) flush() (exit bool) {
 	w.gather()
 
 	w.mu.Lock()
-	buf, recs := w.mu.buf, w.mu.recs
+	buf, recs, lastOff := w.mu.buf, w.mu.recs, w.mu.lastOff
 	w.mu.buf, w.mu.recs = w.fl.spareBuf[:0], w.fl.spareRecs[:0]
 	last := w.mu.nextLSN - 1
 	syncWanted := w.mu.syncTarget > LSN(w.synced.Load())
@@ -800,10 +908,16 @@ func (w *WAL) flush() (exit bool) {
 	}
 	wrote := false
 	if len(buf) > 0 {
+		start := w.fl.active.end
 		if err := w.fl.active.write(buf); err != nil {
 			w.fail("write", err)
 			return closing
 		}
+		if w.fl.cand.lsn == 0 && w.fl.sinceLast >= w.positionInterval() {
+			w.fl.cand = position{first: w.fl.active.first, off: start, lsn: LSN(w.written.Load()) + 1}
+		}
+		w.fl.sinceLast += int64(len(buf))
+		w.fl.active.lastOff, w.fl.active.lastLSN = start+int64(lastOff), last
 		w.writes.Add(1)
 		w.written.Store(uint64(last))
 		wrote = true
@@ -840,6 +954,9 @@ func (w *WAL) flush() (exit bool) {
 		w.syncs.Add(1)
 		w.synced.Store(w.written.Load())
 		w.fl.lastSync = time.Now()
+		if w.fl.cand.lsn != 0 {
+			w.recordPosition()
+		}
 	}
 	if wrote || doSync {
 		w.mu.Lock()
@@ -874,6 +991,37 @@ func (w *WAL) flush() (exit bool) {
 	return false
 }
 
+// positionInterval is how many bytes are written between position hints.
+func (w *WAL) positionInterval() int64 { return max(w.opts.SegmentSize/16, 512) }
+
+// recordPosition adds the candidate position, now fsynced, to the position
+// hints and rewrites positions.hint. A failure only costs a longer Open
+// after a crash: it is logged, and the log goes on.
+func (w *WAL) recordPosition() {
+	p := w.fl.cand
+	w.fl.cand, w.fl.sinceLast = position{}, 0
+	if len(w.fl.positions) == maxPositions {
+		w.fl.positions = slices.Delete(w.fl.positions, 0, 1)
+	}
+	w.fl.positions = append(w.fl.positions, p)
+	if w.fl.posDone != nil {
+		select {
+		case <-w.fl.posDone:
+		default:
+			return // the previous write is still going: the next entry writes this one too
+		}
+	}
+	done := make(chan struct{})
+	w.fl.posDone = done
+	ps, fs, dir, logger := slices.Clone(w.fl.positions), w.opts.FS, w.opts.Dir, w.logger
+	go func() {
+		defer close(done)
+		if err := writePositions(fs, dir, ps); err != nil {
+			logger.Warn("wal: writing position hints (Open after a crash reads more of the segment)", "error", err)
+		}
+	}()
+}
+
 // recycle keeps the buffers just taken for the next swap, unless a huge
 // record made them too big to keep around.
 func (w *WAL) recycle(buf []byte, recs []Synced) {
@@ -901,12 +1049,12 @@ func (w *WAL) rotate() error {
 	if w.fl.prepC == nil {
 		// Not started: one flush batch took the segment from below half
 		// full to full.
-		if err := preparePrealloc(fs, dir, w.preallocSize()); err != nil {
+		if err := w.prepareSpare(); err != nil {
 			return err
 		}
 	} else if err := w.awaitPrep(); err != nil {
 		w.logger.Warn("wal: preparing the next segment in the background failed; retrying", "error", err)
-		if err := preparePrealloc(fs, dir, w.preallocSize()); err != nil {
+		if err := w.prepareSpare(); err != nil {
 			return err
 		}
 	}
@@ -937,8 +1085,37 @@ func (w *WAL) rotate() error {
 func (w *WAL) startPrep() {
 	c := make(chan error, 1)
 	w.fl.prepC = c
+	go func() { c <- w.prepareSpare() }()
+}
+
+// prepareSpare prepares the spare file (preparePrealloc). If zero-filling it
+// to SegmentSize fails because the disk is full, the partial file is removed
+// and an empty spare file is made instead: the next segment then grows as
+// frames are written (each fdatasync also commits the new size), so a disk
+// smaller than a segment still takes records until it is really full. The
+// fallback is logged. Safe to call from the background goroutine.
+func (w *WAL) prepareSpare() error {
 	fs, dir, size := w.opts.FS, w.opts.Dir, w.preallocSize()
-	go func() { c <- preparePrealloc(fs, dir, size) }()
+	if size > 0 {
+		// Zero-filling until ENOSPC would fill the disk to the brim for a
+		// moment, failing whoever else writes there then (the index):
+		// preallocate only while at least two segments' worth is free.
+		if du, err := fs.GetDiskUsage(dir); err == nil && du.AvailBytes < 2*uint64(size) {
+			w.logger.Warn("wal: little free space; the next segment is not preallocated and grows as it is written",
+				"dir", dir, "free", du.AvailBytes, "segment_size", size)
+			return preparePrealloc(fs, dir, 0)
+		}
+	}
+	err := preparePrealloc(fs, dir, size)
+	if err == nil || size == 0 || !isNoSpace(err) {
+		return err
+	}
+	w.logger.Warn("wal: no space to preallocate the next segment; it grows as it is written instead",
+		"file", fs.PathJoin(dir, preallocName), "size", size, "error", err)
+	if err2 := preparePrealloc(fs, dir, 0); err2 != nil {
+		return fmt.Errorf("%w (then, without preallocation: %w)", err, err2)
+	}
+	return nil
 }
 
 // preallocSize is the size spare segment files are zero-filled to.

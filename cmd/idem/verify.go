@@ -39,8 +39,12 @@ while an application has the directory open):
      every claim its in-doubt row, no row is stale, the stored entry count
      is right.
 
-A torn tail (the end of the last segment cut by a crash) is reported as a
-note: Open cuts it. Exit status 0 when everything checks out, 1 with a
+Open itself reads only the WAL the index has not applied, so damage in the
+already-applied part of the WAL is found here, not by Open. A torn tail (the
+end of the last segment cut by a crash) is reported as a note: Open cuts it.
+A damaged region followed by a frame that was written after the region had
+been fsynced is a problem (fsynced records lost by the disk), never a torn
+tail. Exit status 0 when everything checks out, 1 with a
 report naming each problem (segment, offset, LSN, scope and id) otherwise.`,
 	examples: []string{
 		"idem verify /var/lib/app/idem",
