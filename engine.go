@@ -25,6 +25,7 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/cockroachdb/pebble/v2/vfs"
@@ -219,6 +220,13 @@ func Open(dir string, opts *Options) (*Engine, error) {
 		}
 	}()
 	ix, err := index.Open(index.Options{FS: o.FS, Dir: filepath.Join(dir, "index"), CacheSize: o.IndexCacheSize, MemTableSize: o.memTableSize(), IngestBytes: o.IndexIngestBytes, FilterBytes: o.IndexFilterBytes, Logger: o.Logger})
+	if errors.Is(err, syscall.EAGAIN) {
+		// Pebble's own lock on the index directory is held although ours
+		// was free: by a Pebble this process left behind after a fatal
+		// background failure (see docs/design.md, durability contract).
+		return nil, fmt.Errorf("%w: the index directory %s is still held by a Pebble instance that stopped after a background failure in this process; reopen in a new process: %w",
+			ErrLocked, filepath.Join(dir, "index"), err)
+	}
 	if err != nil {
 		return nil, wrapCorrupt(err)
 	}

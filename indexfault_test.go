@@ -14,12 +14,14 @@ import (
 	"github.com/cockroachdb/pebble/v2/vfs/errorfs"
 )
 
-// TestIndexDiskFullStopsEngineNotProcess: every write and sync under the
-// index directory fails with ENOSPC (Pebble's MANIFEST writes, flushes and
+// TestIndexDiskFullStopsEngineNotProcess: writes and syncs under the index
+// directory fail with ENOSPC (Pebble's MANIFEST writes, flushes and
 // compactions, and the engine's ingests) while requests go on. Pebble's
 // background failures used to panic the host process (its Fatalf); now the
 // engine stops with ErrFailed, Compact and Close return within a bound, and
-// once the disk has room again a reopen recovers every acknowledged reply.
+// a restart (a crash image of the disk: what a new process finds, since a
+// parked Pebble keeps its directory lock in this one) recovers every
+// acknowledged reply.
 func TestIndexDiskFullStopsEngineNotProcess(t *testing.T) {
 	for _, c := range []struct {
 		name  string
@@ -36,7 +38,7 @@ func TestIndexDiskFullStopsEngineNotProcess(t *testing.T) {
 }
 
 func testIndexDiskFull(t *testing.T, match func(string) bool) {
-	mem := vfs.NewMem()
+	mem := vfs.NewCrashableMem()
 	var full atomic.Bool
 	inj := errorfs.InjectorFunc(func(op errorfs.Op) error {
 		if full.Load() && match(op.Path) && op.Kind.ReadOrWrite() == errorfs.OpIsWrite {
@@ -80,7 +82,7 @@ func testIndexDiskFull(t *testing.T, match func(string) bool) {
 		t.Fatalf("Compact and Close took %v", d)
 	}
 	full.Store(false)
-	e = openMem(t, mem, nil)
+	e = openMem(t, mem.CrashClone(vfs.CrashCloneCfg{}), nil)
 	defer e.Close()
 	for k := range acked {
 		l, err := e.Lookup("", []byte(k))

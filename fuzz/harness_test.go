@@ -66,6 +66,9 @@ type counters struct {
 	restores     int
 	stateChecks  int
 	uncertainOps int
+	// parkedIndexes counts recoveries on the same disk refused with
+	// ErrLocked because Pebble parked itself after a fatal failure.
+	parkedIndexes int
 }
 
 func (c *counters) add(f func(c *counters)) {
@@ -92,6 +95,9 @@ type uncertain struct {
 }
 
 func (u *uncertain) Error() string { return fmt.Sprintf("unexpected error: %v", u.err) }
+
+// Unwrap lets errors.Is see the engine's error.
+func (u *uncertain) Unwrap() error { return u.err }
 
 // openClaim is a claim handle the program holds.
 type openClaim struct {

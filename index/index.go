@@ -18,6 +18,7 @@ import (
 	"fmt"
 	"hash/maphash"
 	"log/slog"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -768,9 +769,11 @@ func (ix *Index) Close(flush bool) error {
 		return err
 	}
 	// After a background failure Pebble may be retrying a flush or a
-	// compaction that cannot succeed (a full disk), and its Close waits for
-	// it: give it closeAfterFailure, then leave it (its files stay open
-	// until the process exits; a reopen recovers from the WAL).
+	// compaction that cannot succeed (a full disk), or be parked by Fatalf,
+	// and its Close waits for it: give it closeAfterFailure, then leave it.
+	// Its files, and its lock on the directory, stay held until the process
+	// exits: the index can then be reopened only by a new process (which
+	// recovers from the WAL what the index lacks).
 	closed := make(chan error, 1)
 	go func() { closed <- ix.db.Close() }()
 	select {
@@ -786,18 +789,18 @@ func (ix *Index) Close(flush bool) error {
 }
 
 // closeAfterFailure bounds Close after a background failure.
-const closeAfterFailure = 5 * time.Second
+const closeAfterFailure = 2 * time.Second
 
 // pebbleLogger sends Pebble's messages to the engine's logger. Pebble calls
 // Fatalf when it cannot go on (a MANIFEST write that failed on a full disk,
 // an invariant violation) and expects it not to return. While opening,
 // Fatalf panics (openPebble turns that into Open's error); once open, it
-// stops the index instead (ErrBackground: every later Apply, Get and Flush
-// fails, so the engine stops with ErrFailed) and returns, so that a disk
-// error in a background goroutine never takes down the host process.
-// Pebble's MANIFEST paths return the error after Fatalf; what else Pebble
-// does after a Fatalf that returns is not relied on: the index refuses all
-// further work.
+// stops the index (ErrBackground: every later Apply, Get and Flush fails,
+// so the engine stops with ErrFailed) and parks the calling goroutine for
+// good, so that a disk error in a background goroutine never takes down
+// the host process, and Pebble never runs the cleanup that would follow.
+// Iterator invariant violations (bugs, on the caller's goroutine) still
+// panic.
 type pebbleLogger struct {
 	l      *slog.Logger
 	ix     *Index
@@ -813,10 +816,29 @@ func (p *pebbleLogger) Errorf(format string, args ...any) {
 func (p *pebbleLogger) Fatalf(format string, args ...any) {
 	msg := fmt.Sprintf(format, args...)
 	p.l.Error(msg, "component", "pebble", "fatal", true)
-	if !p.opened.Load() {
+	if !p.opened.Load() || iteratorInvariant(msg) {
 		panic(msg)
 	}
 	p.ix.fail(fmt.Errorf("pebble fatal error: %s", msg))
+	// Pebble must not go on: after a MANIFEST write or sync that failed it
+	// would delete the tables the (possibly durable) MANIFEST record names,
+	// leaving an index that cannot be opened. Park this goroutine instead,
+	// holding what it holds: the index has stopped, the engine is failed,
+	// and Close gives Pebble a bounded time. The files on disk stay as a
+	// crash would leave them, which Open recovers.
+	select {}
+}
+
+// iteratorInvariant says whether a fatal message is one of Pebble's
+// iterator invariant checks: a bug met on the caller's goroutine, which
+// panics there as Pebble intends (parking it would hang the caller).
+func iteratorInvariant(msg string) bool {
+	for _, p := range []string{"pebble: invariant violation", "pebble: prefix violation", "levelIter", "mergingIter"} {
+		if strings.HasPrefix(msg, p) {
+			return true
+		}
+	}
+	return false
 }
 
 // copyNotLinkFS makes Pebble copy the sstables it ingests instead of
