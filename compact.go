@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/idemdb/idem/compaction"
+	"github.com/idemdb/idem/index"
 	"github.com/idemdb/idem/wal"
 )
 
@@ -52,7 +53,7 @@ func (e *Engine) Compact(ctx context.Context) (CompactStats, error) {
 		cfg.WriteSnapshot = e.writeDiskSnapshot
 	}
 	st, err := compaction.Run(ctx, cfg)
-	removed := e.ix.Forgotten() + e.st.acked.Load()
+	removed := e.ix.Forgotten() + e.st.acked.Load() + e.st.ttlRemoved.Load()
 	out := CompactStats{
 		EntriesRemoved:  removed - e.lastRemoved,
 		SegmentsRemoved: st.SegmentsRemoved,
@@ -71,8 +72,101 @@ func (e *Engine) Compact(ctx context.Context) (CompactStats, error) {
 	return out, nil
 }
 
-// retire appends the forget records that retention and capacity call for.
+// expireBatch bounds the keys named by one expire record (about 40 KiB
+// of record for 16-byte ids).
+const expireBatch = 1024
+
+// CleanupExpired removes every entry whose per-request TTL (Request.TTL) has
+// run out, by logged expire records (so replay removes them too), and
+// returns how many it removed. The periodic cleanup (every
+// Options.CleanupInterval) and Compact call it; an expired entry already
+// behaves as gone before that, so calling it only frees storage sooner.
+// Durable when it returns (SyncAlways).
+func (e *Engine) CleanupExpired(ctx context.Context) (int, error) {
+	if err := e.enter(); err != nil {
+		return 0, err
+	}
+	defer e.leave()
+	now := e.o.Clock()
+	removed := 0
+	var from []byte
+	for {
+		if err := ctx.Err(); err != nil {
+			return removed, err
+		}
+		keys, next, err := e.ix.ExpiredKeys(now.UnixNano(), from, expireBatch)
+		if err != nil {
+			return removed, e.failure(err)
+		}
+		if len(keys) > 0 {
+			n, err := e.expireKeys(keys, now)
+			removed += n
+			if err != nil {
+				return removed, err
+			}
+		}
+		if next == nil {
+			break
+		}
+		from = next
+	}
+	if removed > 0 {
+		e.o.Logger.Info("idem: TTL cleanup removed expired entries", "count", removed)
+	}
+	return removed, nil
+}
+
+// expireKeys appends one expire record for those of keys whose TTL ran out
+// before now, deciding under their locks, and waits for it.
+func (e *Engine) expireKeys(keys [][]byte, now time.Time) (int, error) {
+	unlock := e.lockKeys(keys...)
+	var due [][]byte
+	seen := make(map[string]bool, len(keys))
+	for _, k := range keys {
+		if seen[string(k)] {
+			continue
+		}
+		seen[string(k)] = true
+		sl, err := e.slotLocked(k)
+		if err != nil {
+			unlock()
+			return 0, err
+		}
+		_, mode, _, err := index.ParseEntryKey(k)
+		if err != nil {
+			unlock()
+			return 0, wrapCorrupt(err)
+		}
+		cur := e.current(sl, mode)
+		if cur.HasExpiryKey() && cur.ExpiresAt < now.UnixNano() {
+			due = append(due, k)
+		}
+	}
+	if len(due) == 0 {
+		unlock()
+		return 0, nil
+	}
+	op := &wal.Op{Type: wal.OpExpire, Keys: due, Time: now.UnixNano()}
+	ts, err := index.Transitions(op, 0, e.getLocked)
+	if err != nil {
+		unlock()
+		return 0, err
+	}
+	lsn, err := e.appendOp(op, ts)
+	unlock()
+	if err != nil {
+		return 0, err
+	}
+	e.st.ttlRemoved.Add(uint64(len(ts)))
+	return len(ts), e.waitDurable(lsn)
+}
+
+// retire appends the forget records that retention and capacity call for,
+// and the expire records of per-request TTLs.
 func (e *Engine) retire(ctx context.Context) error {
+	if _, err := e.CleanupExpired(ctx); err != nil {
+		return err
+	}
 	if e.o.Retention > 0 {
 		before := e.o.Clock().Add(-e.o.Retention).UnixNano()
 		if before > e.mark.Load().Before {

@@ -77,6 +77,16 @@ type Request struct {
 	// committed sequence number + 1 to run.
 	Client string
 	Seq    uint64
+	// TTL, when positive, makes the entry expire at claim time + TTL
+	// (expires_at = created_at + TTL; a retry does not extend it). A Begin
+	// at a time when that moment has passed (expiresAt < now) treats the
+	// committed reply as gone: the id runs again as new, and a
+	// sequence-mode client keeps its number (ErrAlreadyCommitted for
+	// seq <= last). Expired entries are removed by a logged expire record
+	// every Options.CleanupInterval (CleanupExpired does it now), counted
+	// in Stats.Cleanups. Zero: no per-request expiry (Options.Retention
+	// still applies). Requests with different TTLs share one engine.
+	TTL time.Duration
 }
 
 // Result is the outcome of Begin, Wait and Lookup.
@@ -92,6 +102,9 @@ type Result struct {
 	CommittedAt time.Time
 	// Seq is the sequence number the result is about (sequence mode).
 	Seq uint64
+	// ExpiresAt is when the entry's TTL runs out (Done, Fresh); zero if it
+	// has none.
+	ExpiresAt time.Time
 }
 
 const numShards = 256
@@ -141,6 +154,9 @@ type Engine struct {
 	inDoubtMu sync.Mutex
 	inDoubt   []inDoubtRef // guarded by inDoubtMu
 
+	imagesMu sync.Mutex
+	images   map[*SnapshotImage]struct{} // guarded by imagesMu: open SnapshotImages
+
 	st counters
 }
 
@@ -165,6 +181,8 @@ type slot struct {
 
 type counters struct {
 	hits, misses, conflicts, collisions, gaps, alreadyCommitted, leaseLost, takeovers, expired, acked atomic.Uint64
+	// ttlRemoved counts entries removed by expire records (per-request TTL).
+	ttlRemoved atomic.Uint64
 }
 
 var (
@@ -352,6 +370,7 @@ func (e *Engine) Close() error {
 		err = *f
 	}
 	flush := e.failed.Load() == nil
+	e.releaseImages()
 	if cerr := e.ix.Close(flush); err == nil {
 		err = cerr
 	}
@@ -466,6 +485,9 @@ func (e *Engine) validate(r *Request) (reqKey, error) {
 	}
 	if len(r.Fingerprint) > max {
 		return reqKey{}, invalid("fingerprint of %d bytes exceeds %d", len(r.Fingerprint), max)
+	}
+	if r.TTL < 0 {
+		return reqKey{}, invalid("negative TTL %v", r.TTL)
 	}
 	k := reqKey{scope: r.Scope}
 	switch {
@@ -627,7 +649,13 @@ func (e *Engine) current(sl *slot, mode byte) *index.Entry {
 // expired says whether retention has expired en's reply (a decision made
 // with the clock now; the log learns of it through forget records).
 func (e *Engine) expired(en *index.Entry, now time.Time) bool {
-	return e.o.Retention > 0 && en.HasTimeKey() && en.CommitTime < now.Add(-e.o.Retention).UnixNano()
+	if !en.HasTimeKey() {
+		return false
+	}
+	if en.ExpiresAt != 0 && en.ExpiresAt < now.UnixNano() {
+		return true // its TTL ran out: expires_at < now
+	}
+	return e.o.Retention > 0 && en.CommitTime < now.Add(-e.o.Retention).UnixNano()
 }
 
 // getLocked is the Transitions callback for the live path: every key it is
@@ -673,7 +701,7 @@ func (e *Engine) appendOp(op *wal.Op, ts []index.Transition) (wal.LSN, error) {
 			return 0, err
 		}
 		e.setLocked(t.Key, sl, t.Next, lsn)
-		if t.Next == nil && t.Prev != nil && t.Prev.Committed {
+		if op.Type != wal.OpExpire && t.Next == nil && t.Prev != nil && t.Prev.Committed {
 			e.st.acked.Add(1)
 		}
 	}
@@ -820,6 +848,11 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 		Type: wal.OpClaim, Scope: k.scope, Fingerprint: fp, Acked: k.acked,
 		Time: now.UnixNano(), LeaseUntil: lease.UnixNano(),
 	}
+	var expiresAt time.Time
+	if req.TTL > 0 {
+		expiresAt = now.Add(req.TTL)
+		op.ExpiresAt = expiresAt.UnixNano()
+	}
 	if k.mode == index.ModeID {
 		op.ID = k.ident
 		if cur == nil {
@@ -848,11 +881,15 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 		}
 	}
 	c := &Claim{e: e, k: k, lsn: lsn, fp: fp, leaseUntil: lease}
-	return Result{Status: Fresh, Claim: c, LeaseUntil: lease, Seq: k.seq}, k, nil
+	return Result{Status: Fresh, Claim: c, LeaseUntil: lease, Seq: k.seq, ExpiresAt: expiresAt}, k, nil
 }
 
 func doneResult(en *index.Entry) Result {
-	return Result{Status: Done, Reply: en.Reply, CommittedAt: time.Unix(0, en.CommitTime), Seq: en.Seq}
+	r := Result{Status: Done, Reply: en.Reply, CommittedAt: time.Unix(0, en.CommitTime), Seq: en.Seq}
+	if en.ExpiresAt != 0 {
+		r.ExpiresAt = time.Unix(0, en.ExpiresAt)
+	}
+	return r
 }
 
 // fpMatch: an unchecked request matches anything; a checked one needs the
@@ -1291,7 +1328,7 @@ type Stats struct {
 	Misses             uint64 // Begin returned Fresh (idempotency.miss)
 	Conflicts          uint64 // ErrConflict (idempotency.conflict)
 	InFlightCollisions uint64 // Begin returned InFlight (idempotency.processing_collision)
-	Cleanups           uint64 // replies and abandoned claims removed by forget records, since Open (idempotency.cleanup.count)
+	Cleanups           uint64 // replies and abandoned claims removed by forget and expire records (TTL cleanup), since Open (idempotency.cleanup.count)
 	Evictions          uint64 // replies removed because of MaxEntries, since Open
 	Acked              uint64 // replies removed by acks, since Open
 	Expired            uint64 // ids found expired by retention at Begin and run again
@@ -1330,7 +1367,7 @@ func (e *Engine) Stats() Stats {
 		LeaseLost:          e.st.leaseLost.Load(),
 		Takeovers:          e.st.takeovers.Load(),
 		LiveEntries:        e.ix.Count(),
-		Cleanups:           e.ix.Forgotten(),
+		Cleanups:           e.ix.Forgotten() + e.st.ttlRemoved.Load(),
 		Evictions:          e.ix.Evicted(),
 		Acked:              e.st.acked.Load(),
 		Replies:            e.ix.Replies(),
@@ -1357,6 +1394,11 @@ func (e *Engine) Stats() Stats {
 
 // Dir returns the engine's directory.
 func (e *Engine) Dir() string { return e.dir }
+
+// Now returns the engine's clock (Options.Clock, default time.Now). Code
+// built on the engine uses it for every time decision, so that a test with
+// a fake clock sees one time everywhere.
+func (e *Engine) Now() time.Time { return e.o.Clock() }
 
 // printable renders an id for error messages: text when printable, else hex.
 func printable(b []byte) string {

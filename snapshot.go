@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"sync"
 	"time"
 
 	"github.com/cockroachdb/pebble/v2/vfs"
@@ -48,6 +49,99 @@ func (e *Engine) Snapshot(ctx context.Context, w io.Writer) (SnapshotInfo, error
 	}
 	defer img.Close()
 	return e.writeImage(ctx, w, img)
+}
+
+// SnapshotImage is a point-in-time image of the dedup set captured by
+// Engine.SnapshotImage, to be written later (once) while writes go on: what
+// a replicated state machine needs when it must capture its state at one
+// log index quickly and persist it concurrently with later applies. Close
+// it when done: it pins a Pebble snapshot (and the files it reads).
+type SnapshotImage struct {
+	e    *Engine
+	img  *index.Image
+	mu   sync.Mutex
+	used bool
+	done bool
+}
+
+// SnapshotImage captures every record acknowledged before the call (as
+// Snapshot does) and returns at once; WriteTo streams it.
+func (e *Engine) SnapshotImage(ctx context.Context) (*SnapshotImage, error) {
+	if err := e.enter(); err != nil {
+		return nil, err
+	}
+	defer e.leave()
+	if err := e.w.Sync(); err != nil {
+		return nil, e.failure(err)
+	}
+	if err := e.waitApplied(ctx, e.w.SyncedLSN()); err != nil {
+		return nil, err
+	}
+	img, err := e.ix.Image()
+	if err != nil {
+		return nil, fmt.Errorf("idem: snapshot: %w", err)
+	}
+	s := &SnapshotImage{e: e, img: img}
+	e.imagesMu.Lock()
+	if e.images == nil {
+		e.images = map[*SnapshotImage]struct{}{}
+	}
+	e.images[s] = struct{}{}
+	e.imagesMu.Unlock()
+	return s, nil
+}
+
+// LSN is the image's LSN: every record up to it is in the image, none after.
+func (s *SnapshotImage) LSN() uint64 { return uint64(s.img.LSN) }
+
+// WriteTo streams the image to w in the snapshot format (snapshot/doc.go).
+// It can be called once, from any goroutine, while the engine serves other
+// calls; it fails with ErrClosed if the engine was closed meanwhile.
+func (s *SnapshotImage) WriteTo(ctx context.Context, w io.Writer) (SnapshotInfo, error) {
+	if err := s.e.enter(); err != nil {
+		return SnapshotInfo{}, err
+	}
+	defer s.e.leave()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.done {
+		return SnapshotInfo{}, errors.New("idem: snapshot image already closed")
+	}
+	if s.used {
+		return SnapshotInfo{}, errors.New("idem: snapshot image already written")
+	}
+	s.used = true
+	return s.e.writeImage(ctx, w, s.img)
+}
+
+// Close releases the image. It is safe to call more than once, and after
+// the engine was closed (Engine.Close releases the images left open).
+func (s *SnapshotImage) Close() error {
+	s.e.imagesMu.Lock()
+	delete(s.e.images, s)
+	s.e.imagesMu.Unlock()
+	return s.release()
+}
+
+func (s *SnapshotImage) release() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.done {
+		return nil
+	}
+	s.done = true
+	return s.img.Close()
+}
+
+// releaseImages closes the images still open (Engine.Close).
+func (e *Engine) releaseImages() {
+	e.imagesMu.Lock()
+	imgs := e.images
+	e.images = nil
+	e.imagesMu.Unlock()
+	for s := range imgs {
+		_ = s.release()
+	}
 }
 
 func (e *Engine) writeImage(ctx context.Context, w io.Writer, img *index.Image) (SnapshotInfo, error) {

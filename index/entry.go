@@ -28,6 +28,7 @@ type Entry struct {
 	ReplyKept   bool // false once acked, forgotten, or (client keys) superseded by the next claim
 	Reply       []byte
 	Fingerprint []byte // of the committed request; nil = stored without one
+	ExpiresAt   int64  // unix ns when the reply's TTL runs out (from its claim); 0 = never
 
 	// The in-flight part.
 	InFlight   bool
@@ -36,6 +37,9 @@ type Entry struct {
 	ClaimFP    []byte
 	ClaimTime  int64
 	LeaseUntil int64
+	// ClaimExpires is the claim's TTL deadline, which its commit keeps as
+	// ExpiresAt; 0 = none.
+	ClaimExpires int64
 
 	// LSN of the last record that changed this entry.
 	LSN wal.LSN
@@ -44,6 +48,10 @@ type Entry struct {
 // HasTimeKey says whether the entry has a row in the time index: it does
 // while it holds a committed reply, which is what forget and expiry remove.
 func (e *Entry) HasTimeKey() bool { return e != nil && e.Committed && e.ReplyKept }
+
+// HasExpiryKey says whether the entry has a row in the expiry index: a kept
+// reply with a per-request TTL.
+func (e *Entry) HasExpiryKey() bool { return e.HasTimeKey() && e.ExpiresAt != 0 }
 
 // Mark is the newest forget tombstone: every reply committed before Before
 // by a record with LSN below LSN is gone, and so is every claim made before
@@ -84,7 +92,7 @@ func dropClaim(e *Entry, mode byte) *Entry {
 		return nil
 	}
 	n := *e
-	n.InFlight, n.ClaimLSN, n.ClaimSeq, n.ClaimFP, n.ClaimTime, n.LeaseUntil = false, 0, 0, nil, 0, 0
+	n.InFlight, n.ClaimLSN, n.ClaimSeq, n.ClaimFP, n.ClaimTime, n.LeaseUntil, n.ClaimExpires = false, 0, 0, nil, 0, 0, 0
 	return &n
 }
 
@@ -94,13 +102,13 @@ func DropReply(e *Entry, mode byte) *Entry {
 	if mode == ModeID {
 		if e.InFlight { // cannot happen for id keys; keep the claim to be safe
 			n := *e
-			n.Committed, n.ReplyKept, n.Reply = false, false, nil
+			n.Committed, n.ReplyKept, n.Reply, n.ExpiresAt = false, false, nil, 0
 			return &n
 		}
 		return nil
 	}
 	n := *e
-	n.ReplyKept, n.Reply = false, nil
+	n.ReplyKept, n.Reply, n.ExpiresAt = false, nil, 0
 	return &n
 }
 
@@ -137,6 +145,30 @@ func Transitions(op *wal.Op, lsn wal.LSN, get func(key []byte, mode byte) (*Entr
 		}
 		out = append(out, Transition{Key: k, Mode: ModeID, Prev: prev, Next: nil})
 	}
+	if op.Type == wal.OpExpire {
+		// Every named key whose reply is still kept loses it. The engine
+		// names only keys whose TTL it found run out, holding their locks
+		// while it appends, so replay removes exactly what it removed.
+		for _, k := range op.Keys {
+			_, mode, _, err := ParseEntryKey(k)
+			if err != nil {
+				return nil, fmt.Errorf("index: expire record: %w", err)
+			}
+			prev, err := get(k, mode)
+			if err != nil {
+				return nil, err
+			}
+			if !prev.HasTimeKey() {
+				continue
+			}
+			next := DropReply(prev, mode)
+			if next != nil {
+				next.LSN = lsn
+			}
+			out = append(out, Transition{Key: k, Mode: mode, Prev: prev, Next: next})
+		}
+		return out, nil
+	}
 	if op.Type == wal.OpAck || op.Type == wal.OpForget {
 		return out, nil
 	}
@@ -160,7 +192,7 @@ func Transitions(op *wal.Op, lsn wal.LSN, get func(key []byte, mode byte) (*Entr
 			n = *prev
 			// Starting seq N promises that N-1 is never retried: its
 			// reply can go; the sequence number stays.
-			n.ReplyKept, n.Reply = false, nil
+			n.ReplyKept, n.Reply, n.ExpiresAt = false, nil, 0
 		}
 		n.InFlight = true
 		n.ClaimLSN = lsn
@@ -168,6 +200,7 @@ func Transitions(op *wal.Op, lsn wal.LSN, get func(key []byte, mode byte) (*Entr
 		n.ClaimFP = op.Fingerprint
 		n.ClaimTime = op.Time
 		n.LeaseUntil = op.LeaseUntil
+		n.ClaimExpires = op.ExpiresAt
 		n.LSN = lsn
 		next = &n
 	case wal.OpCommit:
@@ -182,6 +215,7 @@ func Transitions(op *wal.Op, lsn wal.LSN, get func(key []byte, mode byte) (*Entr
 			ReplyKept:   true,
 			Reply:       op.Reply,
 			Fingerprint: prev.ClaimFP,
+			ExpiresAt:   prev.ClaimExpires,
 			LSN:         lsn,
 		}
 		if n.Reply == nil {
@@ -194,7 +228,7 @@ func Transitions(op *wal.Op, lsn wal.LSN, get func(key []byte, mode byte) (*Entr
 		}
 		if mode == ModeClient && prev.Committed {
 			n := *prev
-			n.InFlight, n.ClaimLSN, n.ClaimSeq, n.ClaimFP, n.ClaimTime, n.LeaseUntil = false, 0, 0, nil, 0, 0
+			n.InFlight, n.ClaimLSN, n.ClaimSeq, n.ClaimFP, n.ClaimTime, n.LeaseUntil, n.ClaimExpires = false, 0, 0, nil, 0, 0, 0
 			n.LSN = lsn
 			next = &n
 		} // else: the key is free again
@@ -208,7 +242,11 @@ func Transitions(op *wal.Op, lsn wal.LSN, get func(key []byte, mode byte) (*Entr
 // Entry value encoding: a msgpack array. Frozen; append fields only.
 //
 //	[flags, seq, commitTime, commitLSN, reply, fingerprint,
-//	 claimLSN, claimSeq, claimFP, claimTime, leaseUntil, lsn]
+//	 claimLSN, claimSeq, claimFP, claimTime, leaseUntil, lsn,
+//	 expiresAt, claimExpires]
+//
+// The last two (format 2, per-request TTL) are written only when one of
+// them is set, so entries without a TTL keep the 12-field form.
 //
 // flags: 1 committed, 2 replyKept, 4 inFlight, 8 fingerprint present,
 // 16 claim fingerprint present (nil and empty fingerprints differ).
@@ -220,7 +258,10 @@ const (
 	flagClaimFP
 )
 
-const entryFields = 12
+const (
+	entryFields    = 12
+	entryFieldsTTL = 14
+)
 
 // EncodeEntry appends the value encoding of e to dst.
 func EncodeEntry(dst []byte, e *Entry) []byte {
@@ -243,7 +284,12 @@ func EncodeEntry(dst []byte, e *Entry) []byte {
 	if dst == nil {
 		dst = make([]byte, 0, 40+len(e.Reply)+len(e.Fingerprint)+len(e.ClaimFP))
 	}
-	dst = msgp.AppendArrayLen(dst, entryFields)
+	ttl := e.ExpiresAt != 0 || e.ClaimExpires != 0
+	if ttl {
+		dst = msgp.AppendArrayLen(dst, entryFieldsTTL)
+	} else {
+		dst = msgp.AppendArrayLen(dst, entryFields)
+	}
 	dst = msgp.AppendUint(dst, flags)
 	dst = msgp.AppendUint(dst, e.Seq)
 	dst = msgp.AppendInt(dst, e.CommitTime)
@@ -255,7 +301,12 @@ func EncodeEntry(dst []byte, e *Entry) []byte {
 	dst = msgp.AppendBytes(dst, e.ClaimFP)
 	dst = msgp.AppendInt(dst, e.ClaimTime)
 	dst = msgp.AppendInt(dst, e.LeaseUntil)
-	return msgp.AppendUint(dst, uint64(e.LSN))
+	dst = msgp.AppendUint(dst, uint64(e.LSN))
+	if ttl {
+		dst = msgp.AppendInt(dst, e.ExpiresAt)
+		dst = msgp.AppendInt(dst, e.ClaimExpires)
+	}
+	return dst
 }
 
 // ErrBadEntry wraps every entry decoding error.
@@ -316,7 +367,13 @@ func DecodeEntry(b []byte) (*Entry, error) {
 	e.ClaimTime = i()
 	e.LeaseUntil = i()
 	e.LSN = wal.LSN(u())
-	for k := entryFields; k < n && err == nil; k++ {
+	known := entryFields
+	if n >= entryFieldsTTL {
+		e.ExpiresAt = i()
+		e.ClaimExpires = i()
+		known = entryFieldsTTL
+	}
+	for k := known; k < n && err == nil; k++ {
 		keep(wal.SkipBounded(d, br, 0))
 	}
 	if err != nil {

@@ -95,6 +95,12 @@ func (ix *Index) Load(lsn wal.LSN, m Mark, next func() (key, value []byte, ok bo
 				return err
 			}
 		}
+		if e.HasExpiryKey() {
+			kb = expiryKey(kb[:0], e.ExpiresAt, k)
+			if err := b.Set(kb, nil, nil); err != nil {
+				return err
+			}
+		}
 		if e.InFlight {
 			kb = inDoubtKey(kb[:0], k)
 			if err := b.Set(kb, nil, nil); err != nil {
@@ -163,4 +169,36 @@ func (ix *Index) CompactRemoved(ctx context.Context) error {
 		return fmt.Errorf("index: compact time index: %w", err)
 	}
 	return nil
+}
+
+// ExpiredKeys returns up to limit entry keys from the expiry index whose TTL
+// ran out before before, starting after the row from (nil: the first), and
+// the row to start the next call from (nil when there are no more). The
+// pending sets are persisted first, so every applied entry is seen. Rows
+// may be stale by the time the caller acts: it must check each entry again
+// under its lock.
+func (ix *Index) ExpiredKeys(before int64, from []byte, limit int) (keys [][]byte, next []byte, err error) {
+	if err := ix.persist(); err != nil {
+		return nil, nil, err
+	}
+	lower := from
+	if lower == nil {
+		lower = []byte{prefixExpiry}
+	}
+	it, err := ix.db.NewIter(&pebble.IterOptions{LowerBound: lower, UpperBound: expiryKey(nil, before, nil)})
+	if err != nil {
+		return nil, nil, err
+	}
+	defer it.Close()
+	for ok := it.First(); ok; ok = it.Next() {
+		if len(keys) == limit {
+			return keys, append([]byte(nil), it.Key()...), it.Error()
+		}
+		_, ek, valid := parseExpiryKey(it.Key())
+		if !valid {
+			continue
+		}
+		keys = append(keys, append([]byte(nil), ek...))
+	}
+	return keys, nil, it.Error()
 }

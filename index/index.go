@@ -431,6 +431,12 @@ func (ix *Index) forgetChunk(lower, upper []byte, lsn wal.LSN, m Mark, reason by
 			continue
 		}
 		removed++
+		if e.HasExpiryKey() {
+			if err = b.Delete(expiryKey(nil, e.ExpiresAt, ek), nil); err != nil {
+				it.Close()
+				return false, nil, err
+			}
+		}
 		if nx := DropReply(e, mode); nx == nil {
 			err = b.Delete(ek, nil)
 			delta--

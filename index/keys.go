@@ -12,6 +12,7 @@ import (
 //	entry     0x01 uvarint(len scope) scope mode uvarint(len ident) ident -> EncodeEntry
 //	time      0x02 be64(commitTime^signbit) entryKey     -> empty
 //	in-doubt  0x03 entryKey                              -> empty
+//	expiry    0x04 be64(expiresAt^signbit) entryKey      -> empty
 //
 // mode is 'i' for an id (ident = the request id) and 'c' for a sequence-mode
 // client (ident = the client name). Scope and ident are length-prefixed so
@@ -19,12 +20,15 @@ import (
 // holds one row per entry that keeps a committed reply, ordered by commit
 // time, so forget and expiry find what they remove with a range scan and
 // delete it with range deletes, never by scanning all entries. The in-doubt
-// index lists in-flight claims, so Open finds them without a full scan.
+// index lists in-flight claims, so Open finds them without a full scan. The
+// expiry index holds one row per kept reply with a per-request TTL, ordered
+// by when it runs out, so the TTL cleanup reads only what it removes.
 const (
 	prefixMeta    = 0x00
 	prefixEntry   = 0x01
 	prefixTime    = 0x02
 	prefixInDoubt = 0x03
+	prefixExpiry  = 0x04
 )
 
 // Modes of an entry key.
@@ -105,4 +109,17 @@ func parseTimeKey(k []byte) (t int64, entryKey []byte, ok bool) {
 func inDoubtKey(dst []byte, entryKey []byte) []byte {
 	dst = append(dst, prefixInDoubt)
 	return append(dst, entryKey...)
+}
+
+func expiryKey(dst []byte, t int64, entryKey []byte) []byte {
+	dst = append(dst, prefixExpiry)
+	dst = binary.BigEndian.AppendUint64(dst, uint64(t)^(1<<63))
+	return append(dst, entryKey...)
+}
+
+func parseExpiryKey(k []byte) (t int64, entryKey []byte, ok bool) {
+	if len(k) < 9 || k[0] != prefixExpiry {
+		return 0, nil, false
+	}
+	return int64(binary.BigEndian.Uint64(k[1:9]) ^ (1 << 63)), k[9:], true
 }

@@ -253,7 +253,7 @@ type inDoubtRow struct {
 
 // writeSST writes the rows of s, in key order, to a new file at path and
 // fsyncs it. The prefixes order the groups (meta < entries < time index <
-// in-doubt index), so each group is sorted on its own: entry keys as
+// in-doubt index < expiry index), so each group is sorted on its own: entry keys as
 // strings (with their pending state, so the map is not probed again),
 // time rows by (time, key), which is their byte order.
 func (ix *Index) writeSST(path string, s *pendingSet) error {
@@ -262,7 +262,7 @@ func (ix *Index) writeSST(path string, s *pendingSet) error {
 		p *pendEntry
 	}
 	keys := make([]keyRef, 0, len(s.m))
-	var times []timeRow
+	var times, expiries []timeRow
 	var doubts []inDoubtRow
 	for k, p := range s.m {
 		prev, next := p.prev, p.next
@@ -277,12 +277,19 @@ func (ix *Index) writeSST(path string, s *pendingSet) error {
 		if nt && (!pt || prev.CommitTime != next.CommitTime) {
 			times = append(times, timeRow{t: next.CommitTime, key: k})
 		}
+		pe, ne := prev.HasExpiryKey(), next.HasExpiryKey()
+		if pe && (!ne || prev.ExpiresAt != next.ExpiresAt) {
+			expiries = append(expiries, timeRow{t: prev.ExpiresAt, key: k, del: true})
+		}
+		if ne && (!pe || prev.ExpiresAt != next.ExpiresAt) {
+			expiries = append(expiries, timeRow{t: next.ExpiresAt, key: k})
+		}
 		if pf, nf := prev != nil && prev.InFlight, next != nil && next.InFlight; pf != nf {
 			doubts = append(doubts, inDoubtRow{key: k, del: !nf})
 		}
 	}
 	slices.SortFunc(keys, func(a, b keyRef) int { return strings.Compare(a.k, b.k) })
-	slices.SortFunc(times, func(a, b timeRow) int {
+	byTimeKey := func(a, b timeRow) int {
 		if a.t != b.t {
 			if a.t < b.t {
 				return -1
@@ -290,7 +297,9 @@ func (ix *Index) writeSST(path string, s *pendingSet) error {
 			return 1
 		}
 		return strings.Compare(a.key, b.key)
-	})
+	}
+	slices.SortFunc(times, byTimeKey)
+	slices.SortFunc(expiries, byTimeKey)
 	slices.SortFunc(doubts, func(a, b inDoubtRow) int { return strings.Compare(a.key, b.key) })
 
 	if err := ix.fs.MkdirAll(ix.fs.PathDir(path), 0o755); err != nil {
@@ -336,6 +345,11 @@ func (ix *Index) writeSST(path string, s *pendingSet) error {
 		kb = append(kb[:0], doubts[i].key...)
 		vb = inDoubtKey(vb[:0], kb)
 		err = put(vb, nil, doubts[i].del)
+	}
+	for i := 0; err == nil && i < len(expiries); i++ {
+		kb = append(kb[:0], expiries[i].key...)
+		vb = expiryKey(vb[:0], expiries[i].t, kb)
+		err = put(vb, nil, expiries[i].del)
 	}
 	if err != nil {
 		_ = w.Close()

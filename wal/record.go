@@ -7,11 +7,17 @@ package wal
 // whose fields depend on the kind. The numbers and field orders below are
 // frozen wire format: add new kinds or append fields, never reorder.
 //
-//	OpClaim  (1): [scope, id, client, seq, fingerprint, acked[], time, leaseUntil, flags]
+//	OpClaim  (1): [scope, id, client, seq, fingerprint, acked[], time, leaseUntil, flags, expiresAt]
 //	OpCommit (2): [scope, id, client, seq, claimLSN, time, replyCodec, reply]
 //	OpAbort  (3): [scope, id, client, seq, claimLSN, time]
 //	OpAck    (4): [scope, ids[], time]
 //	OpForget (5): [before, time, reason]
+//	OpExpire (6): [keys[], time]
+//
+// A claim's expiresAt (appended in format 2; absent or 0 = never) is when
+// the request's per-request TTL runs out. An expire record names the index
+// entry keys (opaque to this package) whose TTL ran out: each loses its
+// reply, as a forget would remove it.
 //
 // Times are Unix nanoseconds taken from the engine's clock when the record was
 // appended, so that replay never consults the clock. An id-mode request has a
@@ -41,6 +47,7 @@ const (
 	OpAbort  byte = 3
 	OpAck    byte = 4
 	OpForget byte = 5
+	OpExpire byte = 6
 )
 
 // Forget reasons. Frozen.
@@ -95,6 +102,8 @@ type Op struct {
 	Reply       []byte   // commit
 	Before      int64    // forget: entries committed before this time go
 	Reason      byte     // forget: ForgetAdmin, ForgetRetention or ForgetCapacity
+	ExpiresAt   int64    // claim: unix nanoseconds when the entry's TTL runs out; 0 = never
+	Keys        [][]byte // expire: index entry keys whose TTL ran out
 }
 
 // OpName is the readable name of an operation kind.
@@ -110,6 +119,8 @@ func OpName(t byte) string {
 		return "ack"
 	case OpForget:
 		return "forget"
+	case OpExpire:
+		return "expire"
 	}
 	return fmt.Sprintf("unknown(%d)", t)
 }
@@ -118,13 +129,22 @@ func OpName(t byte) string {
 func EncodeOp(dst []byte, op *Op) ([]byte, error) {
 	switch op.Type {
 	case OpClaim:
-		dst = msgp.AppendArrayLen(dst, 9)
+		// expiresAt is written only when set, so claims without a TTL keep
+		// the 9-field form (byte for byte what format 1 wrote).
+		n := 9
+		if op.ExpiresAt != 0 {
+			n = 10
+		}
+		dst = msgp.AppendArrayLen(dst, n)
 		dst = appendKey(dst, op)
 		dst = msgp.AppendBytes(dst, op.Fingerprint)
 		dst = appendIDs(dst, op.Acked)
 		dst = msgp.AppendInt(dst, op.Time)
 		dst = msgp.AppendInt(dst, op.LeaseUntil)
 		dst = msgp.AppendUint(dst, op.Flags)
+		if op.ExpiresAt != 0 {
+			dst = msgp.AppendInt(dst, op.ExpiresAt)
+		}
 	case OpCommit:
 		dst = msgp.AppendArrayLen(dst, 8)
 		dst = appendKey(dst, op)
@@ -148,6 +168,10 @@ func EncodeOp(dst []byte, op *Op) ([]byte, error) {
 		dst = msgp.AppendInt(dst, op.Before)
 		dst = msgp.AppendInt(dst, op.Time)
 		dst = msgp.AppendUint(dst, uint64(op.Reason))
+	case OpExpire:
+		dst = msgp.AppendArrayLen(dst, 2)
+		dst = appendIDs(dst, op.Keys)
+		dst = msgp.AppendInt(dst, op.Time)
 	default:
 		return dst, fmt.Errorf("%w: cannot encode kind %d", ErrBadRecord, op.Type)
 	}
@@ -204,6 +228,8 @@ func DecodeOp(typ byte, payload []byte) (op *Op, err error) {
 		want = 3
 	case OpForget:
 		want = 3
+	case OpExpire:
+		want = 2
 	default:
 		return nil, fmt.Errorf("%w: unknown kind %d", ErrBadRecord, typ)
 	}
@@ -219,6 +245,10 @@ func DecodeOp(typ byte, payload []byte) (op *Op, err error) {
 		op.Time = r.int()
 		op.LeaseUntil = r.int()
 		op.Flags = r.uint()
+		if n >= 10 {
+			op.ExpiresAt = r.int()
+			want = 10
+		}
 	case OpCommit:
 		r.key(op)
 		op.ClaimLSN = LSN(r.uint())
@@ -240,6 +270,9 @@ func DecodeOp(typ byte, payload []byte) (op *Op, err error) {
 		op.Before = r.int()
 		op.Time = r.int()
 		op.Reason = byte(r.uint())
+	case OpExpire:
+		op.Keys = r.ids()
+		op.Time = r.int()
 	}
 	// Fields appended by later versions are skipped.
 	for i := want; i < n && r.err == nil; i++ {

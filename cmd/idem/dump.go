@@ -122,7 +122,7 @@ func forgetReason(r byte) string {
 }
 
 func opByName(s string) (byte, bool) {
-	for t := wal.OpClaim; t <= wal.OpForget; t++ {
+	for t := wal.OpClaim; t <= wal.OpExpire; t++ {
 		if wal.OpName(t) == s {
 			return t, true
 		}
@@ -143,6 +143,8 @@ type recordOut struct {
 	Acked       []string `json:"acked,omitempty"`
 	Fingerprint string   `json:"fingerprint,omitempty"`
 	LeaseUntil  string   `json:"lease_until,omitempty"`
+	ExpiresAt   string   `json:"expires_at,omitempty"`
+	Expired     []string `json:"expired,omitempty"`
 	New         bool     `json:"new,omitempty"`
 	ClaimLSN    uint64   `json:"claim_lsn,omitempty"`
 	ReplySize   *int     `json:"reply_size,omitempty"`
@@ -175,7 +177,7 @@ func (o *dumpOpts) dumpWAL(c *cli, w *bufio.Writer, dir string) error {
 			return writeRecord(w, o.json, &out)
 		}
 		ids := append([][]byte{op.ID}, op.Acked...)
-		if !o.f.keyOK(op.Scope, op.Type != wal.OpForget, ids, op.Client) || !o.f.timeOK(op.Time) {
+		if !o.f.keyOK(op.Scope, op.Type != wal.OpForget && op.Type != wal.OpExpire, ids, op.Client) || !o.f.timeOK(op.Time) {
 			return nil
 		}
 		out.Time, out.Scope, out.Client, out.Seq = fmtTime(op.Time), op.Scope, op.Client, op.Seq
@@ -190,6 +192,13 @@ func (o *dumpOpts) dumpWAL(c *cli, w *bufio.Writer, dir string) error {
 			out.Fingerprint = hex.EncodeToString(op.Fingerprint)
 			out.LeaseUntil = fmtTime(op.LeaseUntil)
 			out.New = op.Flags&wal.ClaimFlagNew != 0
+			if op.ExpiresAt != 0 {
+				out.ExpiresAt = fmtTime(op.ExpiresAt)
+			}
+		case wal.OpExpire:
+			for _, k := range op.Keys {
+				out.Expired = append(out.Expired, describeKey(k))
+			}
 		case wal.OpCommit:
 			n := len(op.Reply)
 			out.ClaimLSN, out.ReplySize = uint64(op.ClaimLSN), &n
@@ -223,7 +232,7 @@ func writeRecord(w io.Writer, asJSON bool, r *recordOut) error {
 		fmt.Fprintf(&b, " error=%q", r.Error)
 	} else {
 		fmt.Fprintf(&b, " time=%s", r.Time)
-		if r.Type != "forget" {
+		if r.Type != "forget" && r.Type != "expire" {
 			fmt.Fprintf(&b, " scope=%s", readableText([]byte(r.Scope)))
 		}
 		if r.ID != "" {
@@ -245,8 +254,14 @@ func writeRecord(w io.Writer, asJSON bool, r *recordOut) error {
 		if r.LeaseUntil != "" {
 			fmt.Fprintf(&b, " lease_until=%s", r.LeaseUntil)
 		}
+		if r.ExpiresAt != "" {
+			fmt.Fprintf(&b, " expires_at=%s", r.ExpiresAt)
+		}
 		if r.New {
 			b.WriteString(" new")
+		}
+		if len(r.Expired) > 0 {
+			fmt.Fprintf(&b, " expired=[%s]", strings.Join(r.Expired, "; "))
 		}
 		if r.ClaimLSN != 0 {
 			fmt.Fprintf(&b, " claim_lsn=%d", r.ClaimLSN)
@@ -284,6 +299,7 @@ type entryOut struct {
 	ReplyKept        *bool  `json:"reply_kept,omitempty"`
 	ReplySize        *int   `json:"reply_size,omitempty"`
 	Fingerprint      string `json:"fingerprint,omitempty"`
+	ExpiresAt        string `json:"expires_at,omitempty"`
 	ClaimLSN         uint64 `json:"claim_lsn,omitempty"`
 	ClaimSeq         uint64 `json:"claim_seq,omitempty"`
 	ClaimTime        string `json:"claim_time,omitempty"`
@@ -316,6 +332,9 @@ func makeEntryOut(scope string, mode byte, ident []byte, e *index.Entry) *entryO
 		out.Seq, out.CommitTime, out.CommitLSN = e.Seq, fmtTime(e.CommitTime), uint64(e.CommitLSN)
 		out.ReplyKept, out.ReplySize = &kept, &n
 		out.Fingerprint = hex.EncodeToString(e.Fingerprint)
+		if e.ExpiresAt != 0 && e.ReplyKept {
+			out.ExpiresAt = fmtTime(e.ExpiresAt)
+		}
 	}
 	if e.InFlight {
 		out.ClaimLSN, out.ClaimSeq = uint64(e.ClaimLSN), e.ClaimSeq
@@ -403,6 +422,9 @@ func writeEntry(w io.Writer, asJSON bool, e *entryOut) error {
 		}
 		if e.Fingerprint != "" {
 			fmt.Fprintf(&b, " fp=%s", e.Fingerprint)
+		}
+		if e.ExpiresAt != "" {
+			fmt.Fprintf(&b, " expires_at=%s", e.ExpiresAt)
 		}
 	}
 	if e.ClaimTime != "" {

@@ -81,6 +81,8 @@ func describeOp(op *wal.Op) string {
 	switch {
 	case op.Type == wal.OpForget:
 		return "forget before " + fmtTime(op.Before)
+	case op.Type == wal.OpExpire:
+		return fmt.Sprintf("TTL expiry of %d entries", len(op.Keys))
 	case len(op.ID) > 0:
 		return fmt.Sprintf("scope %s id %s", readableText([]byte(op.Scope)), readableText(op.ID))
 	case op.Client != "":
