@@ -6,9 +6,8 @@ import (
 	"github.com/idemdb/idem"
 )
 
-// setTTL and expiresAt isolate the engine's per-request TTL.
-func setTTL(r *idem.Request, ttl time.Duration) {}
+func setTTL(r *idem.Request, ttl time.Duration) { r.TTL = ttl }
 
-func expiresAt(r idem.Result) time.Time { return time.Time{} }
+func expiresAt(r idem.Result) time.Time { return r.ExpiresAt }
 
-func engineNow(e *idem.Engine) time.Time { return time.Now() }
+func engineNow(e *idem.Engine) time.Time { return e.Now() }
