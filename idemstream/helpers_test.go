@@ -26,9 +26,17 @@ type world struct {
 	mem     *vfs.MemFS
 	clone   *vfs.MemFS
 	crashes int
+	dead    chan struct{} // closed by crash
 }
 
-func newWorld() *world { return &world{mem: vfs.NewCrashableMem()} }
+func newWorld() *world { return &world{mem: vfs.NewCrashableMem(), dead: make(chan struct{})} }
+
+// deadCh is closed when the current process crashes.
+func (w *world) deadCh() chan struct{} {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.dead
+}
 
 // do runs fn as one external action of the live process.
 func (w *world) do(fn func() error) error {
@@ -48,6 +56,7 @@ func (w *world) crash() error {
 		w.crashed = true
 		w.clone = w.mem.CrashClone(vfs.CrashCloneCfg{})
 		w.crashes++
+		close(w.dead)
 	}
 	return errCrashed
 }
@@ -58,6 +67,7 @@ func (w *world) restart() {
 	defer w.mu.Unlock()
 	if w.crashed {
 		w.mem, w.clone, w.crashed = w.clone, nil, false
+		w.dead = make(chan struct{})
 	}
 }
 

@@ -85,9 +85,9 @@ type Sink struct {
 	fmu       sync.Mutex
 	frontiers map[string]*frontier
 
-	applied, replayed, busy, failed atomic.Uint64
-	recoveredCommitted, recoveredAborted      atomic.Uint64
-	frontierWrites                            atomic.Uint64
+	applied, replayed, busy, failed      atomic.Uint64
+	recoveredCommitted, recoveredAborted atomic.Uint64
+	frontierWrites                       atomic.Uint64
 }
 
 type frontier struct {
@@ -165,7 +165,7 @@ func NewSink(ctx context.Context, e *idem.Engine, name string, opts SinkOptions)
 		frontiers: map[string]*frontier{},
 	}
 	if s.log == nil {
-		s.log = slog.New(slog.NewTextHandler(io.Discard, nil))
+		s.log = discardLogger()
 	}
 	if err := s.recover(ctx); err != nil {
 		releaseName(e, "sink", name)
@@ -504,3 +504,5 @@ func (s *Sink) AdvanceFrontier(ctx context.Context, partition string, offset uin
 	s.frontierWrites.Add(1)
 	return nil
 }
+
+func discardLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }

@@ -111,11 +111,11 @@ type TwoPhase[Txn any] struct {
 	log    *slog.Logger
 	hook   func(Window, uint64) error
 
-	mu       sync.Mutex
-	last     uint64 // last checkpoint opened
-	frontier map[string]uint64
+	mu         sync.Mutex
+	last       uint64 // last checkpoint opened
+	frontier   map[string]uint64
 	unfinished *unfinishedCheckpoint
-	closed   bool
+	closed     bool
 }
 
 type unfinishedCheckpoint struct {
