@@ -67,8 +67,9 @@ type OutboxStats struct {
 // Outbox is the transactional outbox ("plan C"): a handler's outbox
 // messages are committed in the same idem record as the event's dedup
 // entry; each is then registered as a pending delivery (an idem claim on
-// its delivery key) and a dispatcher delivers it with retries and
-// exponential backoff, marks it delivered and removes it. After a crash,
+// its delivery key, left in flight until the message is delivered) and a
+// dispatcher delivers it with retries and exponential backoff, then
+// releases the claim, which removes it. After a crash,
 // pending deliveries are the claims idem lists as in doubt, and their
 // payloads are read back from the event records. Run the dispatcher with
 // Run.
@@ -391,17 +392,13 @@ func (o *Outbox) attempt(ctx context.Context, p *pendingMsg) {
 			return
 		}
 	}
-	// Delivered: mark it (commit) and remove it (ack), so that a crash
-	// from here on does not send it again and the record does not stay.
-	err = p.claim.Commit(ctx, nil)
-	if err != nil && !errors.Is(err, idem.ErrLeaseLost) {
-		fail(fmt.Errorf("marking %s delivered: %w", d.Key, err))
+	// Delivered: release the pending claim. One record removes it (a
+	// commit followed by an ack would leave a delivered entry behind if
+	// the process died between the two); a crash before it resends the
+	// message with the same key, which the receiver drops.
+	if err := p.claim.Abort(ctx); err != nil && !errors.Is(err, idem.ErrLeaseLost) {
+		fail(fmt.Errorf("removing delivered %s: %w", d.Key, err))
 		return
-	}
-	if err == nil {
-		if err := o.e.Ack(ctx, o.scope, p.id); err != nil {
-			o.log.Warn("idemstream: outbox: removing a delivered message failed (it stays as a delivered entry)", "key", d.Key, "err", err)
-		}
 	}
 	o.delivered.Add(1)
 	o.mu.Lock()
