@@ -91,6 +91,7 @@ type memBroker struct {
 	cursor     int
 	deliveries int
 	acks       int
+	nacked     int // distinct messages acked
 }
 
 func newMemBroker(w *world, events []Event) *memBroker {
@@ -113,7 +114,10 @@ func (b *memBroker) Fetch(ctx context.Context, n int) ([]Message, error) {
 				return b.w.do(func() error {
 					b.mu.Lock()
 					defer b.mu.Unlock()
-					b.acked[i] = true
+					if !b.acked[i] {
+						b.acked[i] = true
+						b.nacked++
+					}
 					b.acks++
 					return nil
 				})
@@ -136,12 +140,7 @@ func (b *memBroker) Fetch(ctx context.Context, n int) ([]Message, error) {
 func (b *memBroker) allAcked() bool {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	for _, a := range b.acked {
-		if !a {
-			return false
-		}
-	}
-	return true
+	return b.nacked == len(b.events)
 }
 
 // makeEvents builds n distinct events over parts partitions with offsets

@@ -1,0 +1,116 @@
+package idemstream
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/idemdb/idem"
+)
+
+// The benchmarks move b.N events from an in-memory stream into an
+// in-memory ledger, acknowledging each after its effect: without idem, through
+// the idempotent sink, and through the two-phase path (one checkpoint per
+// batch), with idem on disk (b.TempDir) and fsync before acknowledging
+// (SyncAlways, the default). They report events/s.
+
+func benchEvents(n int) []Event {
+	evs := make([]Event, n)
+	for i := range evs {
+		evs[i] = Event{ID: []byte(fmt.Sprintf("bench-%09d", i)), Partition: "p", Offset: uint64(i + 1), Payload: []byte("amount=100")}
+	}
+	return evs
+}
+
+func reportRate(b *testing.B, start time.Time) {
+	b.ReportMetric(float64(b.N)/time.Since(start).Seconds(), "events/s")
+}
+
+func benchEngine(b *testing.B) *idem.Engine {
+	e, err := idem.Open(b.TempDir(), nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { e.Close() })
+	return e
+}
+
+// BenchmarkConsumeNoIdem: the same loop (fetch, run the effect, ack) with
+// no idem at all: at-least-once.
+func BenchmarkConsumeNoIdem(b *testing.B) {
+	w := newWorld()
+	br := newMemBroker(w, benchEvents(b.N))
+	l := newLedger(w)
+	ctx := context.Background()
+	b.ResetTimer()
+	start := time.Now()
+	for !br.allAcked() {
+		msgs, _ := br.Fetch(ctx, 64)
+		for _, m := range msgs {
+			if _, err := l.handler(ctx, m.Event); err != nil {
+				b.Fatal(err)
+			}
+		}
+		for _, m := range msgs {
+			_ = m.Ack(ctx)
+		}
+	}
+	reportRate(b, start)
+}
+
+func benchSink(b *testing.B, batch, conc int) {
+	w := newWorld()
+	br := newMemBroker(w, benchEvents(b.N))
+	l := newLedger(w)
+	e := benchEngine(b)
+	ctx := context.Background()
+	s, err := NewSink(ctx, e, "bench", SinkOptions{TTL: time.Hour})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.ResetTimer()
+	start := time.Now()
+	if err := runUntilAcked(ctx, br, func(ctx context.Context, o ConsumeOptions) error {
+		o.BatchSize, o.Concurrency = batch, conc
+		return Consume(ctx, br, s, l.handler, o)
+	}); err != nil {
+		b.Fatal(err)
+	}
+	reportRate(b, start)
+}
+
+// BenchmarkConsumeSink: the idempotent sink, 64 events per batch applied
+// 16 at a time (claim and commit per event, sharing group commits), the
+// frontier recorded once per batch.
+func BenchmarkConsumeSink(b *testing.B) { benchSink(b, 64, 16) }
+
+// BenchmarkConsumeSinkWide: 256 per batch, 64 at a time.
+func BenchmarkConsumeSinkWide(b *testing.B) { benchSink(b, 256, 64) }
+
+func benchTwoPhase(b *testing.B, batch int) {
+	w := newWorld()
+	br := newMemBroker(w, benchEvents(b.N))
+	l := newTxnLedger(w)
+	e := benchEngine(b)
+	ctx := context.Background()
+	tp, _, err := NewTwoPhase[*ledgerTxn](ctx, e, "bench", l, TwoPhaseOptions{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.ResetTimer()
+	start := time.Now()
+	if err := runUntilAcked(ctx, br, func(ctx context.Context, o ConsumeOptions) error {
+		o.BatchSize = batch
+		return ConsumeTwoPhase(ctx, br, tp, o)
+	}); err != nil {
+		b.Fatal(err)
+	}
+	reportRate(b, start)
+}
+
+// BenchmarkConsumeTwoPhase256: one checkpoint per 256 events.
+func BenchmarkConsumeTwoPhase256(b *testing.B) { benchTwoPhase(b, 256) }
+
+// BenchmarkConsumeTwoPhase1024: one checkpoint per 1024 events.
+func BenchmarkConsumeTwoPhase1024(b *testing.B) { benchTwoPhase(b, 1024) }
