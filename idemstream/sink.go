@@ -370,7 +370,9 @@ func (s *Sink) Apply(ctx context.Context, ev Event, h Handler) (out Outcome, err
 		return Outcome{}, err
 	}
 	finished = true
-	if err := claim.Commit(ctx, b); err != nil {
+	// The effect ran: commit even if ctx ended meanwhile (a claim left
+	// in flight would make the redeliveries Busy until its lease ends).
+	if err := claim.Commit(context.WithoutCancel(ctx), b); err != nil {
 		s.failed.Add(1)
 		return Outcome{}, fmt.Errorf("idemstream: sink %q: committing event %q: %w", s.name, ev.ID, err)
 	}

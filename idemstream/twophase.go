@@ -586,6 +586,11 @@ func (t *TwoPhase[Txn]) Checkpoint(ctx context.Context, events []Event) ([]Outco
 		return outs, nil
 	}
 
+	// From here on the coordinator's records are written even if ctx
+	// ends (a shutdown finishes or aborts the checkpoint in progress
+	// rather than leaving its outcome unknown); the sink's calls get ctx.
+	sinkCtx := ctx
+	ctx = context.WithoutCancel(ctx)
 	// Open checkpoint k: its handle is durable before any Invoke.
 	k := t.last + 1
 	res, err := t.e.Begin(ctx, idem.Request{Scope: t.scope, Client: ckptClient, Seq: k})
@@ -598,7 +603,7 @@ func (t *TwoPhase[Txn]) Checkpoint(ctx context.Context, events []Event) ([]Outco
 	}
 	openClaim := res.Claim
 	t.last = k
-	txn, err := t.sink.BeginTransaction(ctx, k)
+	txn, err := t.sink.BeginTransaction(sinkCtx, k)
 	if err != nil {
 		_ = openClaim.Abort(context.WithoutCancel(ctx))
 		t.last = k - 1
@@ -638,7 +643,7 @@ func (t *TwoPhase[Txn]) Checkpoint(ctx context.Context, events []Event) ([]Outco
 	}
 
 	for _, c := range fresh {
-		if err := t.sink.Invoke(ctx, txn, c.ev); err != nil {
+		if err := t.sink.Invoke(sinkCtx, txn, c.ev); err != nil {
 			return nil, abortTxn(fmt.Errorf("idemstream: two-phase %q: checkpoint %d: Invoke(event %q): %w", t.name, k, c.ev.ID, err))
 		}
 		if c.ev.Offset > frontier[c.ev.Partition] {
@@ -648,7 +653,7 @@ func (t *TwoPhase[Txn]) Checkpoint(ctx context.Context, events []Event) ([]Outco
 	if err := t.hookAt(WindowBeforePreCommit, k); err != nil {
 		return nil, err
 	}
-	if err := t.sink.PreCommit(ctx, txn); err != nil {
+	if err := t.sink.PreCommit(sinkCtx, txn); err != nil {
 		return nil, abortTxn(fmt.Errorf("idemstream: two-phase %q: checkpoint %d: PreCommit: %w", t.name, k, err))
 	}
 	if err := t.hookAt(WindowAfterPreCommit, k); err != nil {
