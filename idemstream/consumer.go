@@ -30,15 +30,21 @@ type Source interface {
 
 // ConsumeOptions configure Consume and ConsumeTwoPhase.
 type ConsumeOptions struct {
-	// BatchSize is the most deliveries fetched at once (default 64). For
+	// BatchSize is the most deliveries fetched at once (default 128). For
 	// ConsumeTwoPhase a batch is one checkpoint.
 	BatchSize int
 	// Concurrency is how many events of a batch Consume applies at once
-	// (default 16; their engine records share group commits).
+	// (default 64; their engine records share group commits).
 	Concurrency int
 	// Logger receives handler failures (the event is not acknowledged, so
 	// the broker redelivers it) and source errors. Default: discard.
 	Logger *slog.Logger
+	// FrontierInterval: Consume records the partitions' frontiers at most
+	// this often (default 200 ms; negative: after every batch), and when
+	// it returns. The frontier is a resume position, not needed for
+	// exactly once (each event's record carries its offset and the dedup
+	// entry decides), so it need not cost two engine records per batch.
+	FrontierInterval time.Duration
 	// OnBatch, if set, is called after each batch has been acknowledged,
 	// with the outcomes of its deliveries (in fetch order).
 	OnBatch func(msgs []Message, outs []Outcome)
@@ -46,13 +52,16 @@ type ConsumeOptions struct {
 
 func (o *ConsumeOptions) defaults() {
 	if o.BatchSize <= 0 {
-		o.BatchSize = 64
+		o.BatchSize = 128
 	}
 	if o.Concurrency <= 0 {
-		o.Concurrency = 16
+		o.Concurrency = 64
 	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	}
+	if o.FrontierInterval == 0 {
+		o.FrontierInterval = 200 * time.Millisecond
 	}
 }
 
@@ -69,9 +78,30 @@ func fatal(err error) bool {
 // of each partition is advanced to the highest committed offset, and only
 // then are the committed deliveries acknowledged. A delivery whose handler
 // failed, or that is Busy, is not acknowledged: the broker redelivers it.
-func Consume(ctx context.Context, src Source, sink *Sink, h Handler, opts ConsumeOptions) error {
+func Consume(ctx context.Context, src Source, sink *Sink, h Handler, opts ConsumeOptions) (err error) {
 	opts.defaults()
 	backoff := newBackoff()
+	top := map[string]uint64{} // highest committed offsets not recorded yet
+	lastFlush := time.Now()
+	flush := func(ctx context.Context) error {
+		for p, off := range top {
+			if err := sink.AdvanceFrontier(ctx, p, off); err != nil {
+				if fatal(err) {
+					return err
+				}
+				opts.Logger.Warn("idemstream: recording the frontier failed (retried with the next batch)", "partition", p, "err", err)
+				continue
+			}
+			delete(top, p)
+		}
+		lastFlush = time.Now()
+		return nil
+	}
+	defer func() {
+		if ferr := flush(context.WithoutCancel(ctx)); ferr != nil && (err == nil || errors.Is(err, context.Canceled)) {
+			err = ferr
+		}
+	}()
 	for {
 		if err := ctx.Err(); err != nil {
 			return err
@@ -89,6 +119,11 @@ func Consume(ctx context.Context, src Source, sink *Sink, h Handler, opts Consum
 		}
 		backoff.reset()
 		if len(msgs) == 0 {
+			if len(top) > 0 && time.Since(lastFlush) >= opts.FrontierInterval {
+				if err := flush(ctx); err != nil {
+					return err
+				}
+			}
 			continue
 		}
 		outs := make([]Outcome, len(msgs))
@@ -115,9 +150,17 @@ func Consume(ctx context.Context, src Source, sink *Sink, h Handler, opts Consum
 			outs[i] = Outcome{Status: Failed, Err: err}
 			opts.Logger.Warn("idemstream: event not processed; it will be redelivered", "id", string(msgs[i].Event.ID), "err", err)
 		}
-		if err := ackBatch(ctx, msgs, outs, opts, func(ctx context.Context, p string, off uint64) error {
-			return sink.AdvanceFrontier(ctx, p, off)
-		}, func() error { return sink.hookAt(WindowBeforeAck, nil) }); err != nil {
+		for i, o := range outs {
+			if ev := msgs[i].Event; o.Status.Ackable() && ev.Offset > top[ev.Partition] {
+				top[ev.Partition] = ev.Offset
+			}
+		}
+		if opts.FrontierInterval < 0 || time.Since(lastFlush) >= opts.FrontierInterval {
+			if err := flush(ctx); err != nil {
+				return err
+			}
+		}
+		if err := ackBatch(ctx, msgs, outs, opts, func() error { return sink.hookAt(WindowBeforeAck, nil) }); err != nil {
 			return err
 		}
 	}
@@ -169,30 +212,13 @@ func ConsumeTwoPhase[Txn any](ctx context.Context, src Source, tp *TwoPhase[Txn]
 				opts.Logger.Warn("idemstream: event not processed", "id", string(msgs[i].Event.ID), "err", o.Err)
 			}
 		}
-		if err := ackBatch(ctx, msgs, outs, opts, nil, nil); err != nil {
+		if err := ackBatch(ctx, msgs, outs, opts, nil); err != nil {
 			return err
 		}
 	}
 }
 
-func ackBatch(ctx context.Context, msgs []Message, outs []Outcome, opts ConsumeOptions,
-	advance func(context.Context, string, uint64) error, beforeAck func() error) error {
-	if advance != nil {
-		top := map[string]uint64{}
-		for i, o := range outs {
-			if o.Status.Ackable() && msgs[i].Event.Offset > top[msgs[i].Event.Partition] {
-				top[msgs[i].Event.Partition] = msgs[i].Event.Offset
-			}
-		}
-		for p, off := range top {
-			if err := advance(ctx, p, off); err != nil {
-				if fatal(err) {
-					return err
-				}
-				opts.Logger.Warn("idemstream: advancing the frontier failed (it catches up on the next batch)", "partition", p, "err", err)
-			}
-		}
-	}
+func ackBatch(ctx context.Context, msgs []Message, outs []Outcome, opts ConsumeOptions, beforeAck func() error) error {
 	if beforeAck != nil {
 		if err := beforeAck(); err != nil {
 			return err

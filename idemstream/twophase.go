@@ -457,8 +457,8 @@ func (t *TwoPhase[Txn]) recover(ctx context.Context) (RecoveryReport, error) {
 	return rep, nil
 }
 
-// parallel runs fns with up to 64 goroutines (so that their engine records
-// share group commits) and returns the first error.
+// parallel runs fns with up to 256 goroutines (so that their engine
+// records share group commits) and returns the first error.
 func parallel(fns []func() error) error {
 	if len(fns) == 1 {
 		return fns[0]()
@@ -468,7 +468,7 @@ func parallel(fns []func() error) error {
 		mu    sync.Mutex
 		first error
 	)
-	sem := make(chan struct{}, 64)
+	sem := make(chan struct{}, 256)
 	for _, fn := range fns {
 		sem <- struct{}{}
 		wg.Add(1)
