@@ -34,7 +34,8 @@ type ConsumeOptions struct {
 	// ConsumeTwoPhase a batch is one checkpoint.
 	BatchSize int
 	// Concurrency is how many events of a batch Consume applies at once
-	// (default 64; their engine records share group commits).
+	// (default BatchSize: all of them; their engine records share group
+	// commits, so the batch costs about two fsyncs).
 	Concurrency int
 	// Logger receives handler failures (the event is not acknowledged, so
 	// the broker redelivers it) and source errors. Default: discard.
@@ -55,7 +56,7 @@ func (o *ConsumeOptions) defaults() {
 		o.BatchSize = 128
 	}
 	if o.Concurrency <= 0 {
-		o.Concurrency = 64
+		o.Concurrency = o.BatchSize
 	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
