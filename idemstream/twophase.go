@@ -68,6 +68,9 @@ type TwoPhaseOptions struct {
 	CommitRetries int
 	// NoFingerprint turns off the payload check of redelivered events.
 	NoFingerprint bool
+	// TTL is how long the events' dedup entries are kept (as
+	// SinkOptions.TTL); zero keeps them until Retention or Forget.
+	TTL time.Duration
 	// Logger receives recovery decisions. Default: discard.
 	Logger *slog.Logger
 }
@@ -184,6 +187,10 @@ func NewTwoPhase[Txn any](ctx context.Context, e *idem.Engine, name string, sink
 	}
 	if opts.CommitRetries <= 0 {
 		opts.CommitRetries = 3
+	}
+	if opts.TTL < 0 {
+		releaseName(e, "sink", name)
+		return nil, RecoveryReport{}, fmt.Errorf("idemstream: two-phase %q: negative TTL %v", name, opts.TTL)
 	}
 	t := &TwoPhase[Txn]{e: e, name: name, scope: twoPhaseScope(name), escope: sinkScope(name), sink: sink, opts: opts, log: opts.Logger, frontier: map[string]uint64{}}
 	if t.log == nil {
@@ -454,6 +461,7 @@ func (t *TwoPhase[Txn]) recover(ctx context.Context) (RecoveryReport, error) {
 	if err := parallel(append(toCommit, toAbort...)); err != nil {
 		return rep, fmt.Errorf("idemstream: two-phase %q: settling in-doubt events: %w", t.name, err)
 	}
+	t.dropPrevious(ctx, k)
 	return rep, nil
 }
 
@@ -538,6 +546,7 @@ func (t *TwoPhase[Txn]) Checkpoint(ctx context.Context, events []Event) ([]Outco
 			if !t.opts.NoFingerprint {
 				req.Fingerprint = fingerprint(c.ev.Payload)
 			}
+			setTTL(&req, t.opts.TTL)
 			claims[j], errs[j] = t.e.Begin(ctx, req)
 			return nil
 		}
@@ -621,7 +630,10 @@ func (t *TwoPhase[Txn]) Checkpoint(ctx context.Context, events []Event) ([]Outco
 		}
 		releaseAll()
 		if err := t.record(actx, ckptID("a", k), &markerRecord{K: k, Frontier: t.frontier}, nil); err != nil {
-			return fmt.Errorf("%w (and recording the abort: %v)", cause, err)
+			// Without the record, recovery must settle checkpoint k
+			// (from its opening record) before another one opens.
+			t.closed = true
+			return fmt.Errorf("%w: %v (and recording the abort: %v)", ErrNeedsRecovery, cause, err)
 		}
 		t.dropPrevious(actx, k)
 		return cause

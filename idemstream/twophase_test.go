@@ -9,6 +9,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/idemdb/idem"
 )
 
 // ledgerTxn is the transaction handle of txnLedger: what is serialized
@@ -386,3 +388,40 @@ func (s *bigSink) Commit(context.Context, *bigTxn) error           { return nil 
 func (s *bigSink) Abort(context.Context, *bigTxn) error            { s.aborted = true; return nil }
 func (s *bigSink) RecoverAndCommit(context.Context, *bigTxn) error { return nil }
 func (s *bigSink) RecoverAndAbort(context.Context, *bigTxn) error  { return nil }
+
+// TestTwoPhaseRecordsBounded: the coordinator keeps only the last
+// checkpoint's records; event entries expire with the TTL.
+func TestTwoPhaseRecordsBounded(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	clk := newFakeClock()
+	w := newWorld()
+	e := openEngine(t, w.mem, clk.Now)
+	defer e.Close()
+	l := newTxnLedger(w)
+	tp, _, err := NewTwoPhase[*ledgerTxn](ctx, e, "tx", l, TwoPhaseOptions{TTL: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	evs := makeEvents(50, 2, 0)
+	for i := 0; i < 5; i++ {
+		if _, err := tp.Checkpoint(ctx, evs[i*10:i*10+10]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for k := uint64(1); k <= 5; k++ {
+		for _, kind := range []string{"c", "d"} {
+			res, err := e.Lookup(twoPhaseScope("tx"), ckptID(kind, k))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if want := k == 5; (res.Status == idem.Done) != want {
+				t.Fatalf("record %s/%d: %v, kept %v", kind, k, res.Status, want)
+			}
+		}
+	}
+	clk.Advance(2 * time.Hour)
+	if out, _ := tp.Checkpoint(ctx, evs[:1]); out[0].Status != Applied {
+		t.Fatalf("after the TTL the event runs again: %+v", out[0])
+	}
+}
