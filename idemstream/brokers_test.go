@@ -32,11 +32,17 @@ type brokerLedger struct {
 	applied map[string]int
 	slow    map[string]bool
 	delay   time.Duration
+	fail    map[string]int // fail this many first attempts
 }
 
 func (l *brokerLedger) handler(ctx context.Context, ev Event) (Effect, error) {
 	l.mu.Lock()
 	slow := l.slow[string(ev.ID)]
+	if l.fail[string(ev.ID)] > 0 {
+		l.fail[string(ev.ID)]--
+		l.mu.Unlock()
+		return Effect{}, errors.New("ledger: transient failure")
+	}
 	l.mu.Unlock()
 	if slow {
 		select {
@@ -79,7 +85,8 @@ func runBrokerScenario(t *testing.T, ctx context.Context, ids []string, newSourc
 	if err != nil {
 		t.Fatal(err)
 	}
-	l := &brokerLedger{applied: map[string]int{}, slow: map[string]bool{}, delay: 900 * time.Millisecond}
+	l := &brokerLedger{applied: map[string]int{}, slow: map[string]bool{}, delay: 900 * time.Millisecond,
+		fail: map[string]int{ids[150]: 2, ids[190]: 1}} // retried after a failure: not acked, redelivered
 	for _, i := range []int{40, 77, 123} {
 		l.slow[ids[i]] = true
 	}

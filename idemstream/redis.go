@@ -35,9 +35,10 @@ type RedisStreamOptions struct {
 // RedisStreamSource reads a Redis stream through a consumer group with
 // XREADGROUP, acknowledging each entry with XACK only after its effect is
 // committed. It first re-reads its own pending entries (deliveries of a
-// previous run of the same consumer that were not acknowledged), then
-// takes over entries idle on other consumers (XAUTOCLAIM), then reads new
-// ones. Partition is the stream key and Offset the entry id packed by
+// previous run of the same consumer that were not acknowledged; again
+// whenever no new entry arrived within Block, so that failed deliveries
+// are retried), then takes over entries idle on other consumers
+// (XAUTOCLAIM), then reads new ones. Partition is the stream key and Offset the entry id packed by
 // RedisOffset.
 type RedisStreamSource struct {
 	rdb       redis.UniversalClient
@@ -145,12 +146,21 @@ func (s *RedisStreamSource) Fetch(ctx context.Context, n int) ([]Message, error)
 		Streams: []string{s.opts.Stream, ">"}, Count: int64(n), Block: block}).Result()
 	if err != nil {
 		if errors.Is(err, redis.Nil) {
+			s.idle()
 			return nil, nil
 		}
 		return nil, fmt.Errorf("idemstream: XREADGROUP on %q: %w", s.opts.Stream, err)
 	}
-	if len(res) == 0 {
+	if len(res) == 0 || len(res[0].Messages) == 0 {
+		s.idle()
 		return nil, nil
 	}
 	return s.convert(res[0].Messages), nil
+}
+
+// idle: nothing new arrived; the next Fetch re-reads this consumer's own
+// pending entries (deliveries whose handler failed, or that were Busy),
+// so they are retried even with ClaimMinIdle off.
+func (s *RedisStreamSource) idle() {
+	s.ownDone, s.ownCursor = false, "0"
 }
