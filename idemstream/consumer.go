@@ -40,11 +40,15 @@ type ConsumeOptions struct {
 	// Logger receives handler failures (the event is not acknowledged, so
 	// the broker redelivers it) and source errors. Default: discard.
 	Logger *slog.Logger
-	// FrontierInterval: Consume records the partitions' frontiers at most
-	// this often (default 200 ms; negative: after every batch), and when
-	// it returns. The frontier is a resume position, not needed for
-	// exactly once (each event's record carries its offset and the dedup
-	// entry decides), so it need not cost two engine records per batch.
+	// FrontierInterval: by default (zero) Consume records the frontier of
+	// each partition after every batch, before acknowledging it, so the
+	// recorded frontier always covers every acknowledged event. A positive
+	// interval records it at most that often (and when Consume returns):
+	// two engine records fewer per batch and partition, but after a crash
+	// the recorded frontier may be behind events already acknowledged
+	// (still a safe resume point: resuming there replays them). Exactly
+	// once never depends on it: each event's record carries its offset and
+	// the dedup entry decides.
 	FrontierInterval time.Duration
 	// OnBatch, if set, is called after each batch has been acknowledged,
 	// with the outcomes of its deliveries (in fetch order).
@@ -60,9 +64,6 @@ func (o *ConsumeOptions) defaults() {
 	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
-	}
-	if o.FrontierInterval == 0 {
-		o.FrontierInterval = 200 * time.Millisecond
 	}
 }
 
@@ -156,7 +157,7 @@ func Consume(ctx context.Context, src Source, sink *Sink, h Handler, opts Consum
 				top[ev.Partition] = ev.Offset
 			}
 		}
-		if opts.FrontierInterval < 0 || time.Since(lastFlush) >= opts.FrontierInterval {
+		if opts.FrontierInterval <= 0 || time.Since(lastFlush) >= opts.FrontierInterval {
 			if err := flush(ctx); err != nil {
 				return err
 			}
