@@ -303,3 +303,326 @@ func TestRedisOffset(t *testing.T) {
 		}
 	}
 }
+
+// guardedSource: a crashed process cannot ack.
+type guardedSource struct {
+	w   *world
+	src Source
+}
+
+func (g guardedSource) Fetch(ctx context.Context, n int) ([]Message, error) {
+	msgs, err := g.src.Fetch(ctx, n)
+	for i := range msgs {
+		ack := msgs[i].Ack
+		msgs[i].Ack = func(ctx context.Context) error { return g.w.do(func() error { return ack(ctx) }) }
+	}
+	return msgs, err
+}
+
+// runTwoPhaseBrokerScenario: consumer A runs checkpoints against the
+// broker and crashes at win in its second checkpoint (the idem directory
+// keeps only what was synced, the broker never gets A's later acks);
+// after recovery consumers B and C share the stream, getting A's unacked
+// messages again once the broker's redelivery timeout passes. The
+// transactional ledger must hold every event exactly once, with every
+// transaction ended and no protocol violation.
+func runTwoPhaseBrokerScenario(t *testing.T, ctx context.Context, win Window, ids []string, newSource func(name string) Source, done func() bool) {
+	w := newWorld()
+	l := newTxnLedger(w)
+	tp, _, err := newTwoPhaseWithHook(t, ctx, w, l, func(got Window, k uint64) error {
+		if got == win && k == 2 {
+			return w.crash()
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	actx, acancel := context.WithCancel(ctx)
+	dead := w.deadCh()
+	go func() {
+		select {
+		case <-dead:
+			acancel()
+		case <-actx.Done():
+		}
+	}()
+	_ = ConsumeTwoPhase(actx, guardedSource{w, newSource("a")}, tp, ConsumeOptions{BatchSize: 20})
+	acancel()
+	if !w.crashed {
+		t.Fatalf("consumer a did not crash at %s", win)
+	}
+	w.restart()
+	tp, rep, err := newTwoPhaseWithHook(t, ctx, w, l, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	for _, name := range []string{"b", "c"} {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := ConsumeTwoPhase(cctx, guardedSource{w, newSource(name)}, tp, ConsumeOptions{BatchSize: 20}); err != nil && !errors.Is(err, context.Canceled) {
+				t.Errorf("consumer %s: %v", name, err)
+			}
+		}()
+	}
+	distinct := map[string]bool{}
+	for _, id := range ids {
+		distinct[id] = true
+	}
+	committed := func() int {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		return len(l.committed)
+	}
+	for committed() < len(distinct) || !done() {
+		if ctx.Err() != nil {
+			cancel()
+			wg.Wait()
+			t.Fatalf("timed out: %d of %d events committed", committed(), len(distinct))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	cancel()
+	wg.Wait()
+	l.check(t)
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for id := range distinct {
+		if l.committed[id] != 1 {
+			t.Fatalf("event %s committed %d times", id, l.committed[id])
+		}
+	}
+	t.Logf("recovery %+v, %d checkpoints", rep, tp.LastCheckpoint())
+}
+
+var twoPhaseBrokerWindows = []Window{WindowAfterPreCommit, WindowAfterCheckpoint, WindowBeforeAck}
+
+func TestJetStreamTwoPhase(t *testing.T) {
+	for _, win := range twoPhaseBrokerWindows {
+		t.Run(string(win), func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			ns := startNATS(t)
+			nc, err := nats.Connect(ns.ClientURL())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer nc.Close()
+			js, _ := jetstream.New(nc)
+			if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: "ORDERS", Subjects: []string{"orders.>"}}); err != nil {
+				t.Fatal(err)
+			}
+			ids := brokerEvents(120, 8)
+			for _, id := range ids {
+				m := nats.NewMsg("orders.new")
+				m.Header.Set("Event-Id", id)
+				m.Data = []byte("payload-of-" + id)
+				if _, err := js.PublishMsg(ctx, m); err != nil {
+					t.Fatal(err)
+				}
+			}
+			cons, err := js.CreateOrUpdateConsumer(ctx, "ORDERS", jetstream.ConsumerConfig{
+				Durable: "ledger", AckPolicy: jetstream.AckExplicitPolicy, AckWait: 300 * time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			runTwoPhaseBrokerScenario(t, ctx, win, ids, func(string) Source {
+				return NewJetStreamSource(cons, JetStreamOptions{FetchWait: 100 * time.Millisecond, IDHeader: "Event-Id"})
+			}, func() bool {
+				info, err := cons.Info(ctx)
+				return err == nil && info.NumAckPending == 0 && info.NumPending == 0
+			})
+		})
+	}
+}
+
+func TestRedisStreamsTwoPhase(t *testing.T) {
+	rdb := startRedis(t)
+	for _, win := range twoPhaseBrokerWindows {
+		t.Run(string(win), func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			stream := "orders-" + string(win)
+			ids := brokerEvents(120, 8)
+			for _, id := range ids {
+				if err := rdb.XAdd(ctx, &redis.XAddArgs{Stream: stream, Values: map[string]any{"id": id, "data": "payload-of-" + id}}).Err(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			runTwoPhaseBrokerScenario(t, ctx, win, ids, func(name string) Source {
+				src, err := NewRedisStreamSource(ctx, rdb, RedisStreamOptions{Stream: stream, Group: "ledger", Consumer: name,
+					Block: 100 * time.Millisecond, ClaimMinIdle: 300 * time.Millisecond})
+				if err != nil {
+					t.Fatal(err)
+				}
+				return src
+			}, func() bool {
+				p, err := rdb.XPending(ctx, stream, "ledger").Result()
+				if err != nil || p.Count != 0 {
+					return false
+				}
+				groups, err := rdb.XInfoGroups(ctx, stream).Result()
+				return err == nil && len(groups) == 1 && groups[0].Lag == 0
+			})
+		})
+	}
+}
+
+// runSinkBrokerCrash: consumer A applies events through the idempotent
+// sink and its process crashes at win (the idem directory keeps only what
+// was synced; the ledger and the broker nothing A does afterwards); after
+// recovery (the ledger tells which in-doubt events had run) consumers B and
+// C finish the stream from the broker's redeliveries.
+func runSinkBrokerCrash(t *testing.T, ctx context.Context, win Window, ids []string, newSource func(name string) Source, done func() bool) {
+	w := newWorld()
+	l := newLedger(w)
+	e := openEngine(t, w.mem, nil)
+	s, err := NewSink(ctx, e, "ledger", SinkOptions{Recover: l.recoverFn})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var hits atomic.Int32
+	s.hook = func(got Window, _ *Event) error {
+		if got == win && hits.Add(1) == 25 {
+			return w.crash()
+		}
+		return nil
+	}
+	actx, acancel := context.WithCancel(ctx)
+	dead := w.deadCh()
+	go func() {
+		select {
+		case <-dead:
+			acancel()
+		case <-actx.Done():
+		}
+	}()
+	_ = Consume(actx, guardedSource{w, newSource("a")}, s, l.handler, ConsumeOptions{BatchSize: 20})
+	acancel()
+	if !w.crashed {
+		t.Fatalf("consumer a did not crash at %s", win)
+	}
+	s.Close()
+	e.Close()
+	w.restart()
+	e = openEngine(t, w.mem, nil)
+	defer e.Close()
+	s, err = NewSink(ctx, e, "ledger", SinkOptions{Recover: l.recoverFn})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	for _, name := range []string{"b", "c"} {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := Consume(cctx, guardedSource{w, newSource(name)}, s, l.handler, ConsumeOptions{BatchSize: 20}); err != nil && !errors.Is(err, context.Canceled) {
+				t.Errorf("consumer %s: %v", name, err)
+			}
+		}()
+	}
+	distinct := map[string]bool{}
+	for _, id := range ids {
+		distinct[id] = true
+	}
+	applied := func() int {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		return len(l.applied)
+	}
+	for applied() < len(distinct) || !done() {
+		if ctx.Err() != nil {
+			cancel()
+			wg.Wait()
+			t.Fatalf("timed out: %d of %d events applied", applied(), len(distinct))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	cancel()
+	wg.Wait()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for id := range distinct {
+		if l.applied[id] != 1 {
+			t.Fatalf("event %s applied %d times", id, l.applied[id])
+		}
+	}
+	t.Logf("sink after recovery: %+v", s.Stats())
+}
+
+var sinkBrokerWindows = []Window{WindowAfterEffect, WindowAfterCommit}
+
+func TestJetStreamSinkCrash(t *testing.T) {
+	for _, win := range sinkBrokerWindows {
+		t.Run(string(win), func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			ns := startNATS(t)
+			nc, err := nats.Connect(ns.ClientURL())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer nc.Close()
+			js, _ := jetstream.New(nc)
+			if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: "ORDERS", Subjects: []string{"orders.>"}}); err != nil {
+				t.Fatal(err)
+			}
+			ids := brokerEvents(120, 8)
+			for _, id := range ids {
+				m := nats.NewMsg("orders.new")
+				m.Header.Set("Event-Id", id)
+				m.Data = []byte("payload-of-" + id)
+				if _, err := js.PublishMsg(ctx, m); err != nil {
+					t.Fatal(err)
+				}
+			}
+			cons, err := js.CreateOrUpdateConsumer(ctx, "ORDERS", jetstream.ConsumerConfig{
+				Durable: "ledger", AckPolicy: jetstream.AckExplicitPolicy, AckWait: 300 * time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			runSinkBrokerCrash(t, ctx, win, ids, func(string) Source {
+				return NewJetStreamSource(cons, JetStreamOptions{FetchWait: 100 * time.Millisecond, IDHeader: "Event-Id"})
+			}, func() bool {
+				info, err := cons.Info(ctx)
+				return err == nil && info.NumAckPending == 0 && info.NumPending == 0
+			})
+		})
+	}
+}
+
+func TestRedisStreamsSinkCrash(t *testing.T) {
+	rdb := startRedis(t)
+	for _, win := range sinkBrokerWindows {
+		t.Run(string(win), func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			stream := "sink-" + string(win)
+			ids := brokerEvents(120, 8)
+			for _, id := range ids {
+				if err := rdb.XAdd(ctx, &redis.XAddArgs{Stream: stream, Values: map[string]any{"id": id, "data": "payload-of-" + id}}).Err(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			runSinkBrokerCrash(t, ctx, win, ids, func(name string) Source {
+				src, err := NewRedisStreamSource(ctx, rdb, RedisStreamOptions{Stream: stream, Group: "ledger", Consumer: name,
+					Block: 100 * time.Millisecond, ClaimMinIdle: 300 * time.Millisecond})
+				if err != nil {
+					t.Fatal(err)
+				}
+				return src
+			}, func() bool {
+				p, err := rdb.XPending(ctx, stream, "ledger").Result()
+				if err != nil || p.Count != 0 {
+					return false
+				}
+				groups, err := rdb.XInfoGroups(ctx, stream).Result()
+				return err == nil && len(groups) == 1 && groups[0].Lag == 0
+			})
+		})
+	}
+}
