@@ -123,15 +123,12 @@ type TwoPhase[Txn any] struct {
 
 type unfinishedCheckpoint struct {
 	k        uint64
-	txn      Txn0
+	txn      any // the Txn of the coordinator
 	handle   []byte
 	claims   []*eventClaim
 	frontier map[string]uint64
 	stage    int // 1: checkpoint recorded, sink not committed; 2: sink committed, not recorded
 }
-
-// Txn0 is the type-erased transaction of an unfinished checkpoint.
-type Txn0 = any
 
 type eventClaim struct {
 	ev    Event
@@ -344,8 +341,10 @@ func (t *TwoPhase[Txn]) recover(ctx context.Context) (RecoveryReport, error) {
 			}
 		}
 	}
+	// committedEvents lists the events of the last checkpoint if it is
+	// committed; the frontier is that of the last finished checkpoint.
 	var committedEvents map[string]bool
-	finish := func(commit bool, kk uint64, frontier map[string]uint64, listed [][]byte) error {
+	finish := func(commit bool, frontier map[string]uint64, listed [][]byte) {
 		if commit {
 			committedEvents = map[string]bool{}
 			for _, id := range listed {
@@ -355,7 +354,6 @@ func (t *TwoPhase[Txn]) recover(ctx context.Context) (RecoveryReport, error) {
 		if frontier != nil {
 			t.frontier = frontier
 		}
-		return nil
 	}
 	if k > 0 {
 		var open openRecord
@@ -396,10 +394,10 @@ func (t *TwoPhase[Txn]) recover(ctx context.Context) (RecoveryReport, error) {
 			if !hasCkpt {
 				return rep, fmt.Errorf("%w: two-phase %q: checkpoint %d is marked committed but its record is missing", ErrCorruptRecord, t.name, k)
 			}
-			_ = finish(true, k, done.Frontier, ckpt.Events)
+			finish(true, done.Frontier, ckpt.Events)
 		case hasAborted:
 			rep.Action = "finished"
-			_ = finish(false, k, aborted.Frontier, nil)
+			finish(false, aborted.Frontier, nil)
 		case hasCkpt:
 			// The checkpoint with the handle is durable: the sink must
 			// commit it (again: RecoverAndCommit is idempotent).
@@ -418,7 +416,7 @@ func (t *TwoPhase[Txn]) recover(ctx context.Context) (RecoveryReport, error) {
 			}
 			rep.Action = "committed"
 			t.log.Info("idemstream: recovered and committed checkpoint", "name", t.name, "checkpoint", k, "events", len(ckpt.Events))
-			_ = finish(true, k, ckpt.Frontier, ckpt.Events)
+			finish(true, ckpt.Frontier, ckpt.Events)
 		case hasOpen:
 			txn, err := t.decodeHandle(open.Handle, k)
 			if err != nil {
@@ -435,7 +433,7 @@ func (t *TwoPhase[Txn]) recover(ctx context.Context) (RecoveryReport, error) {
 			}
 			rep.Action = "aborted"
 			t.log.Info("idemstream: recovered and aborted checkpoint (not recorded before the crash)", "name", t.name, "checkpoint", k)
-			_ = finish(false, k, open.Frontier, nil)
+			finish(false, open.Frontier, nil)
 		default:
 			return rep, fmt.Errorf("%w: two-phase %q: checkpoint %d has no record", ErrCorruptRecord, t.name, k)
 		}
