@@ -5,12 +5,15 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/idemdb/idem"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 )
 
 // receiver is the external system the outbox delivers to: it dedupes on
@@ -237,5 +240,55 @@ func TestOutboxStatsAndBackoff(t *testing.T) {
 	}
 	if _, ok, _ := s2.Lookup([]byte("b")); ok {
 		t.Fatal("committed without its outbox")
+	}
+}
+
+func TestCollector(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	e := openEngine(t, newWorld().mem, nil)
+	defer e.Close()
+	ob, err := NewOutbox(ctx, e, "mail", OutboxOptions{Deliver: func(context.Context, Delivery) error { return nil }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := NewSink(ctx, e, "orders", SinkOptions{Outbox: ob})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 3; i++ {
+		if _, err := s.Apply(ctx, Event{ID: []byte("a")}, outboxHandler); err != nil {
+			t.Fatal(err)
+		}
+	}
+	reg := prometheus.NewPedanticRegistry()
+	reg.MustRegister(NewCollector([]*Sink{s}, []*Outbox{ob}))
+	want := `
+# HELP idemstream_outbox_pending Outbox messages recorded and not yet delivered (the backlog).
+# TYPE idemstream_outbox_pending gauge
+idemstream_outbox_pending{outbox="mail"} 2
+# HELP idemstream_sink_events_total Events handled by an idempotent sink, by outcome.
+# TYPE idemstream_sink_events_total counter
+idemstream_sink_events_total{sink="orders",status="applied"} 1
+idemstream_sink_events_total{sink="orders",status="busy"} 0
+idemstream_sink_events_total{sink="orders",status="failed"} 0
+idemstream_sink_events_total{sink="orders",status="replayed"} 2
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "idemstream_outbox_pending", "idemstream_sink_events_total"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ob.DeliverPending(ctx); err != nil {
+		t.Fatal(err)
+	}
+	after := `
+# HELP idemstream_outbox_delivered_total Outbox messages delivered and removed.
+# TYPE idemstream_outbox_delivered_total counter
+idemstream_outbox_delivered_total{outbox="mail"} 2
+# HELP idemstream_outbox_pending Outbox messages recorded and not yet delivered (the backlog).
+# TYPE idemstream_outbox_pending gauge
+idemstream_outbox_pending{outbox="mail"} 0
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(after), "idemstream_outbox_pending", "idemstream_outbox_delivered_total"); err != nil {
+		t.Fatal(err)
 	}
 }
