@@ -3,6 +3,7 @@ package idem
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 
 	"github.com/idemdb/idem/compaction"
@@ -43,11 +44,18 @@ func (e *Engine) Compact(ctx context.Context) (CompactStats, error) {
 		return CompactStats{}, err
 	}
 	defer e.leave()
+	removedBefore := e.ix.Forgotten() + e.st.acked.Load() + e.st.ttlRemoved.Load()
+	// The entry range is rewritten whole by a manual compaction: only once
+	// removals since the last one are a quarter of the set, so its cost is
+	// amortized over them (Pebble's own compactions drop tombstones too).
+	pendingRemovals := e.removedSinceEntryCompact + (removedBefore - e.lastRemoved)
+	compactEntries := pendingRemovals > 0 && int64(pendingRemovals) >= e.ix.Count()/4
 	cfg := compaction.Config{
-		Index:        e.ix,
-		WAL:          e.w,
-		WaitApplied:  e.waitApplied,
-		CompactIndex: true,
+		Index:          e.ix,
+		WAL:            e.w,
+		WaitApplied:    e.waitApplied,
+		CompactIndex:   true,
+		CompactEntries: compactEntries,
 	}
 	if e.o.KeepSnapshots > 0 {
 		cfg.WriteSnapshot = e.writeDiskSnapshot
@@ -64,6 +72,11 @@ func (e *Engine) Compact(ctx context.Context) (CompactStats, error) {
 	}
 	if err != nil {
 		return out, e.failure(err)
+	}
+	if compactEntries {
+		e.removedSinceEntryCompact = removed - removedBefore // applied during the run
+	} else {
+		e.removedSinceEntryCompact += removed - e.lastRemoved
 	}
 	e.lastRemoved = removed
 	e.walAfterCompact.Store(e.w.Stats().Bytes)
@@ -224,11 +237,21 @@ func (e *Engine) maintenance() {
 	defer compact.Stop()
 	grown := time.NewTicker(time.Second)
 	defer grown.Stop()
+	ixFailed := e.ix.Failed()
 	for {
 		var err error
 		select {
 		case <-e.stopBg:
 			return
+		case <-ixFailed:
+			// Pebble failed in the background (a full or failing disk):
+			// stop now rather than at the next write.
+			ixFailed = nil
+			ferr := fmt.Errorf("%w: %w", ErrFailed, e.ix.Failure())
+			if e.failed.CompareAndSwap(nil, &ferr) {
+				e.o.Logger.Error("idem: the index failed in the background; the engine stops (reopen to recover from the WAL)", "err", ferr)
+			}
+			continue
 		case <-cleanup.C:
 			e.compactMu.Lock()
 			err = e.retire(context.Background())

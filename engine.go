@@ -61,14 +61,14 @@ func (s Status) String() string {
 }
 
 // Request identifies one request. Give either ID, or Client and Seq
-// (sequence mode, source 002), never both.
+// (sequence mode: per-client sequences), never both.
 type Request struct {
 	// Scope separates independent id spaces (tenants, endpoints). May be empty.
 	Scope string
 	// ID is the request id (for example a UUID, or time + random nonce).
 	ID []byte
 	// Acked lists ids (in Scope) whose replies the client has received and
-	// will never retry; they are removed from the set (source 000).
+	// will never retry; they are removed from the set (acked ids).
 	Acked [][]byte
 	// Fingerprint of the payload (for example its SHA-256). A retry with a
 	// different fingerprint is ErrConflict. Empty means unchecked.
@@ -147,6 +147,9 @@ type Engine struct {
 
 	compactMu   sync.Mutex // one compaction (or retention/eviction pass) at a time
 	lastRemoved uint64     // guarded by compactMu: removals counted by the previous Compact
+	// removedSinceEntryCompact (guarded by compactMu) counts removals since
+	// the entry range was last compacted by hand.
+	removedSinceEntryCompact uint64
 	// walAfterCompact is the WAL's size after the previous Compact (the
 	// size trigger compares with it).
 	walAfterCompact atomic.Int64
@@ -165,6 +168,10 @@ type shard struct {
 	mu    sync.Mutex
 	m     map[string]*slot // guarded by mu
 	bytes int64            // guarded by mu: accounted size of the slots
+	// gen counts the slots evicted from m (guarded by mu): a read of the
+	// index made without the lock may be installed only if no slot of
+	// the shard was evicted meanwhile (see lockSlot).
+	gen uint64
 	// unlock is mu.Unlock bound once, so that lockKeys of one key does not
 	// allocate a method value per call.
 	unlock func()
@@ -209,7 +216,7 @@ func Open(dir string, opts *Options) (*Engine, error) {
 			e.unlockDir()
 		}
 	}()
-	ix, err := index.Open(index.Options{FS: o.FS, Dir: filepath.Join(dir, "index"), CacheSize: o.IndexCacheSize, IngestBytes: o.IndexIngestBytes, FilterBytes: o.IndexFilterBytes, Logger: o.Logger})
+	ix, err := index.Open(index.Options{FS: o.FS, Dir: filepath.Join(dir, "index"), CacheSize: o.IndexCacheSize, MemTableSize: o.memTableSize(), IngestBytes: o.IndexIngestBytes, FilterBytes: o.IndexFilterBytes, Logger: o.Logger})
 	if err != nil {
 		return nil, wrapCorrupt(err)
 	}
@@ -292,8 +299,11 @@ func Open(dir string, opts *Options) (*Engine, error) {
 }
 
 func wrapCorrupt(err error) error {
-	if errors.Is(err, ErrCorrupt) {
+	if errors.Is(err, ErrCorrupt) || errors.Is(err, ErrFailed) {
 		return err
+	}
+	if errors.Is(err, index.ErrBackground) {
+		return fmt.Errorf("%w: %w", ErrFailed, err)
 	}
 	if errors.Is(err, wal.ErrCorrupt) || errors.Is(err, index.ErrCorrupt) || errors.Is(err, wal.ErrBadRecord) || errors.Is(err, index.ErrBadEntry) || errors.Is(err, index.ErrNoClaim) {
 		return fmt.Errorf("%w: %w", ErrCorrupt, err)
@@ -587,6 +597,57 @@ func (e *Engine) slotLocked(key []byte) (*slot, error) {
 	return sl, nil
 }
 
+// lockSlot locks key's shard and returns key's slot and the unlock
+// function. A slot that is not in memory is read from the index without
+// holding the shard's lock, so that a lookup that has to read the disk (a
+// duplicate of an id committed long ago, while Pebble compacts) does not
+// stall every other key of its shard behind it.
+//
+// The read is installed only if the key still has no slot and no slot of
+// the shard was evicted meanwhile. That makes it current: every change to
+// a key goes through its slot, which stays in memory (pinned) until the
+// index has applied it; so if no slot was evicted, no change to the key
+// can have been made and applied during the read. Forget marks change the
+// index without the slots, but readers apply the newest mark to whatever
+// they read (Engine.current). Otherwise the key is read again under the
+// lock.
+func (e *Engine) lockSlot(key []byte) (*slot, func(), error) {
+	sh := e.shardOf(key)
+	sh.mu.Lock()
+	if sl := sh.m[string(key)]; sl != nil {
+		return sl, sh.unlock, nil
+	}
+	gen := sh.gen
+	sh.mu.Unlock()
+	en, err := e.ix.Get(key)
+	if testHookUnlockedRead != nil {
+		testHookUnlockedRead(key)
+	}
+	sh.mu.Lock()
+	if sl := sh.m[string(key)]; sl != nil {
+		return sl, sh.unlock, nil
+	}
+	if err != nil || sh.gen != gen {
+		sl, err := e.slotLocked(key)
+		if err != nil {
+			sh.mu.Unlock()
+			return nil, nil, err
+		}
+		return sl, sh.unlock, nil
+	}
+	sl := &slot{e: en}
+	sl.size = slotSize(key, en)
+	k := string(key)
+	sh.m[k] = sl
+	sh.bytes += sl.size
+	e.evictLocked(sh, k)
+	return sl, sh.unlock, nil
+}
+
+// testHookUnlockedRead, set by tests only, runs after lockSlot read key
+// from the index without the shard's lock, before it takes the lock again.
+var testHookUnlockedRead func(key []byte)
+
 func slotSize(key []byte, en *index.Entry) int64 {
 	n := int64(len(key)) + 160
 	if en != nil {
@@ -619,6 +680,7 @@ func (e *Engine) evictLocked(sh *shard, keep string) {
 			continue
 		}
 		delete(sh.m, k)
+		sh.gen++
 		sh.bytes -= sl.size
 	}
 }
@@ -759,16 +821,22 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 		fp = nil
 	}
 	now := e.o.Clock()
-	var unlock func()
+	var (
+		unlock func()
+		sl     *slot
+	)
 	if len(k.ackKey) == 0 {
-		unlock = e.lockKeys(k.key)
+		sl, unlock, err = e.lockSlot(k.key)
+		if err != nil {
+			return Result{}, k, err
+		}
 	} else {
 		unlock = e.lockKeys(append([][]byte{k.key}, k.ackKey...)...)
-	}
-	sl, err := e.slotLocked(k.key)
-	if err != nil {
-		unlock()
-		return Result{}, k, err
+		sl, err = e.slotLocked(k.key)
+		if err != nil {
+			unlock()
+			return Result{}, k, err
+		}
 	}
 	cur := e.current(sl, k.mode)
 	takeover := false
@@ -785,7 +853,7 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 			e.st.hits.Add(1)
 			return res, k, e.waitDurable(cur.CommitLSN)
 		case cur != nil && cur.Committed:
-			e.st.expired.Add(1) // retention ran out: runs again as new (source 003, T+61m)
+			e.st.expired.Add(1) // retention or TTL ran out: runs again as new (T+61m for a one-hour TTL)
 		case cur != nil && cur.InFlight:
 			if !fpMatch(cur.ClaimFP, fp) {
 				unlock()
@@ -893,7 +961,7 @@ func doneResult(en *index.Entry) Result {
 }
 
 // fpMatch: an unchecked request matches anything; a checked one needs the
-// same fingerprint, and never matches an entry stored without one (source 001).
+// same fingerprint, and never matches an entry stored without one.
 func fpMatch(stored, asked []byte) bool {
 	if asked == nil {
 		return true
@@ -1137,10 +1205,8 @@ func (e *Engine) lookup(k reqKey) (Result, error) {
 		return Result{}, err
 	}
 	defer e.leave()
-	unlock := e.lockKeys(k.key)
-	sl, err := e.slotLocked(k.key)
+	sl, unlock, err := e.lockSlot(k.key)
 	if err != nil {
-		unlock()
 		return Result{}, err
 	}
 	cur := e.current(sl, k.mode)
@@ -1180,8 +1246,8 @@ func (e *Engine) ClientState(scope, client string) (uint64, error) {
 	return sl.e.Seq, nil
 }
 
-// Ack removes committed ids whose replies the client has received (source
-// 000), by a logged record, so that replay removes them too. Unknown and
+// Ack removes committed ids whose replies the client has received, by a
+// logged record, so that replay removes them too. Unknown and
 // in-flight ids are ignored. Durable when it returns (SyncAlways).
 func (e *Engine) Ack(ctx context.Context, scope string, ids ...[]byte) error {
 	if len(ids) == 0 {
@@ -1220,7 +1286,7 @@ func (e *Engine) Ack(ctx context.Context, scope string, ids ...[]byte) error {
 }
 
 // Forget appends the administrator's tombstone "forget every reply
-// committed before before" (source 000). Ids forgotten run again as new;
+// committed before before". Ids forgotten run again as new;
 // sequence-mode clients keep their last sequence number (a retry at or
 // below it is ErrAlreadyCommitted). In-flight claims whose lease ended
 // before before are dropped too (abandoned claims). A forget never moves
@@ -1263,7 +1329,7 @@ func (e *Engine) forget(ctx context.Context, before int64, reason byte) error {
 // owner crashed (or closed) between Begin and Commit, so whether the side
 // effect happened is unknown to idem. Retries see InFlight until the lease
 // runs out. Resolve it with Claim.Commit (recover-and-commit) or
-// Claim.Abort (recover-and-abort), source 004.
+// Claim.Abort (recover-and-abort), as a two-phase-commit sink recovers.
 type InDoubtClaim struct {
 	Scope       string
 	ID          []byte // id mode
@@ -1324,7 +1390,7 @@ func (e *Engine) InDoubt() ([]InDoubtClaim, error) {
 
 // Stats are the engine's counters and sizes.
 type Stats struct {
-	Hits               uint64 // Begin returned Done (source 003 idempotency.hit)
+	Hits               uint64 // Begin returned Done (idempotency.hit)
 	Misses             uint64 // Begin returned Fresh (idempotency.miss)
 	Conflicts          uint64 // ErrConflict (idempotency.conflict)
 	InFlightCollisions uint64 // Begin returned InFlight (idempotency.processing_collision)
@@ -1352,6 +1418,19 @@ type Stats struct {
 	// IndexFilterBuilds counts the key filters built since Open (the first
 	// one, then one each time most of its bits went stale).
 	IndexFilterBuilds int64
+	// Memory is what the engine accounts for against Options.MemoryBudget.
+	Memory MemoryStats
+}
+
+// MemoryStats break down the memory the engine accounts for, in bytes.
+type MemoryStats struct {
+	Budget     int64 // Options.MemoryBudget
+	Cache      int64 // the in-memory table in front of the index (CacheSize)
+	Pending    int64 // applied updates waiting to enter the index (IndexIngestBytes, two sets)
+	Filter     int64 // key filters (IndexFilterBytes; two while one is rebuilt)
+	BlockCache int64 // Pebble's block cache in use (IndexCacheSize)
+	MemTables  int64 // Pebble's memtables (3 x MemoryBudget/32 at most)
+	Total      int64 // the sum of the above
 }
 
 // Stats returns a snapshot of the counters.
@@ -1388,6 +1467,10 @@ func (e *Engine) Stats() Stats {
 	}
 	if !e.closed.Load() {
 		s.IndexBytes = e.ix.DiskUsage()
+		m := e.ix.Memory()
+		s.Memory = MemoryStats{Budget: e.o.MemoryBudget, Cache: s.CacheBytes, Pending: m.Pending, Filter: m.Filter,
+			BlockCache: m.BlockCache, MemTables: m.MemTables}
+		s.Memory.Total = s.Memory.Cache + m.Total()
 	}
 	return s
 }

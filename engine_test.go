@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"runtime"
 	"sort"
 	"strings"
 	"sync"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/cockroachdb/pebble/v2/vfs"
 	"github.com/cockroachdb/pebble/v2/vfs/errorfs"
+	"github.com/idemdb/idem/index"
 	"github.com/idemdb/idem/internal/testclock"
 	"github.com/idemdb/idem/internal/vfstest"
 )
@@ -1058,5 +1060,150 @@ func TestSmallCacheNeverLosesAClaim(t *testing.T) {
 			mustBegin(t, e, r, InFlight)
 		}
 		e.Close()
+	}
+}
+
+// TestUnlockedIndexReadsStayCurrent: with a table so small that slots are
+// evicted all the time, lookups read the index without their shard's lock
+// (lockSlot) while other callers claim, commit, abort and ack the same ids.
+// A stale read would let an id run twice or lose a reply: every id must run
+// exactly once per life (between acks), and every Done must carry its reply.
+func TestUnlockedIndexReadsStayCurrent(t *testing.T) {
+	// A 1-byte table: every insert evicts the shard's other clean slots.
+	e := openMem(t, vfs.NewMem(), &Options{CacheSize: 1})
+	defer e.Close()
+	var hooked atomic.Int64
+	testHookUnlockedRead = func([]byte) { // widen the unlocked window
+		if hooked.Add(1)%4 == 0 {
+			time.Sleep(8 * time.Millisecond) // longer than a claim, commit and apply
+		} else {
+			runtime.Gosched()
+		}
+	}
+	defer func() { testHookUnlockedRead = nil }()
+	const ids, workers, rounds = 1000, 12, 600
+	var mu sync.Mutex
+	runs := map[string]int{}  // executions in the id's current life
+	lives := map[string]int{} // acks seen
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(uint64(w), 7))
+			for range rounds {
+				key := fmt.Sprintf("id-%d", rng.IntN(ids))
+				switch rng.IntN(10) {
+				case 0: // the client has the reply: ack it, a new life starts
+					mu.Lock()
+					if err := e.Ack(bg, "", []byte(key)); err != nil {
+						mu.Unlock()
+						t.Error(err)
+						return
+					}
+					if runs[key] > 0 {
+						runs[key] = 0
+						lives[key]++
+					}
+					mu.Unlock()
+				case 1: // a failed attempt: aborted, runs again later
+					res, err := e.Begin(bg, Request{ID: []byte(key)})
+					if err != nil {
+						t.Error(err)
+						return
+					}
+					if res.Status == Fresh {
+						if err := res.Claim.Abort(bg); err != nil {
+							t.Error(err)
+							return
+						}
+					}
+				default:
+					got, err := e.Do(bg, Request{ID: []byte(key)}, func(context.Context) ([]byte, error) {
+						mu.Lock()
+						runs[key]++
+						n, life := runs[key], lives[key]
+						mu.Unlock()
+						if n > 1 {
+							return nil, fmt.Errorf("%s ran %d times in life %d", key, n, life)
+						}
+						return []byte(key), nil
+					})
+					if err != nil {
+						t.Error(err)
+						return
+					}
+					if string(got) != key {
+						t.Errorf("%s: reply %q", key, got)
+						return
+					}
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	if hooked.Load() == 0 {
+		t.Fatal("no lookup read the index without its lock: the test covers nothing")
+	}
+}
+
+// TestUnlockedReadNotInstalledAfterEviction builds the one interleaving that
+// would make an unlocked index read stale: the read sees a committed reply;
+// before the reader takes the lock again, the id is acked, the ack is
+// applied and its slot evicted. The reader must not install what it read.
+func TestUnlockedReadNotInstalledAfterEviction(t *testing.T) {
+	e := openMem(t, vfs.NewMem(), &Options{CacheSize: 1})
+	defer e.Close()
+	k := []byte("victim")
+	commitID(t, e, Request{ID: k}, "v")
+	// Ids in the victim's shard: loading one evicts the victim's clean slot.
+	shard := e.shardIdx(index.EntryKey(nil, "", index.ModeID, k))
+	n := 0
+	evict := func() {
+		t.Helper()
+		waitApplied(t, e) // an unapplied slot is pinned
+		for ; ; n++ {
+			c := []byte(fmt.Sprint("other-", n))
+			if e.shardIdx(index.EntryKey(nil, "", index.ModeID, c)) == shard {
+				n++
+				if l, err := e.Lookup("", c); err != nil || l.Status != Absent {
+					t.Fatalf("lookup %s: %v %v", c, l.Status, err)
+				}
+				return
+			}
+		}
+	}
+	evict()
+	reached, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	testHookUnlockedRead = func(key []byte) {
+		if bytes.HasSuffix(key, k) {
+			once.Do(func() { close(reached); <-release })
+		}
+	}
+	defer func() { testHookUnlockedRead = nil }()
+	got := make(chan Result, 1)
+	go func() {
+		l, err := e.Lookup("", k)
+		if err != nil {
+			t.Error(err)
+		}
+		got <- l
+	}()
+	select {
+	case <-reached: // the reader has read "done: v" and let go of the lock
+	case <-time.After(10 * time.Second):
+		t.Fatal("the lookup never read the index without its lock (its slot was not evicted)")
+	}
+	if err := e.Ack(bg, "", k); err != nil {
+		t.Fatal(err)
+	}
+	evict()
+	close(release)
+	if l := <-got; l.Status != Absent {
+		t.Fatalf("lookup after the ack: %v %q (a stale read was installed)", l.Status, l.Reply)
+	}
+	if l, _ := e.Lookup("", k); l.Status != Absent {
+		t.Fatalf("second lookup: %v", l.Status)
 	}
 }

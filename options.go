@@ -37,21 +37,34 @@ type Options struct {
 	// Clock returns the current time (default time.Now). Times are written
 	// into records, so replay never reads the clock.
 	Clock func() time.Time
-	// Lease is how long a claim owns its id (default 1 hour, as source 003
-	// keeps "processing" keys). After the lease another Begin may take the
+	// Lease is how long a claim owns its id (default 1 hour, as the Idempotency-Key
+	// service keeps "processing" keys). After the lease another Begin may take the
 	// id over; the old claim's Commit then returns ErrLeaseLost. Choose it
 	// longer than your side effects take.
 	Lease time.Duration
 	// Logger receives warnings (torn tails cut, failures). Default: discard.
 	Logger *slog.Logger
+	// MemoryBudget bounds the memory the engine holds for its data, in
+	// bytes (default 256 MiB, minimum 32 MiB). It is shared out among the
+	// parts below that are left zero: CacheSize 1/8, IndexCacheSize 1/4,
+	// Pebble's memtables 3 x 1/32, IndexIngestBytes 1/16 (two sets: 1/8),
+	// IndexFilterBytes 1/16 (two while one is rebuilt: 1/8), so that what
+	// the engine accounts for (Stats.Memory) stays under 3/4 of the budget
+	// and the rest is headroom for the Go runtime's garbage collector, the
+	// WAL's buffers and requests in flight. A part set explicitly is taken
+	// as given (the total may then exceed the budget). A smaller budget
+	// works, only slower: fewer lookups of committed ids are answered from
+	// memory, and the index writes smaller tables more often. The default
+	// budget gives the defaults listed below.
+	MemoryBudget int64
 	// CacheSize bounds, in bytes, the entries kept in memory in front of
-	// the index (default 32 MiB). In-flight and not yet applied entries are
-	// always kept; the rest are evicted past the bound.
+	// the index (default MemoryBudget/8: 32 MiB). In-flight and not yet
+	// applied entries are always kept; the rest are evicted past the bound.
 	CacheSize int64
-	// IndexCacheSize is Pebble's block cache (default 64 MiB).
+	// IndexCacheSize is Pebble's block cache (default MemoryBudget/4: 64 MiB).
 	IndexCacheSize int64
 	// IndexIngestBytes bounds the memory of applied updates waiting to
-	// enter the index (default 16 MiB). Updates are gathered in memory and
+	// enter the index (default MemoryBudget/16: 16 MiB). Updates are gathered in memory and
 	// written to Pebble as one sorted sstable when this much has
 	// accumulated (see docs/design.md, "Index writes"); up to twice this
 	// is held while one set is being ingested (during Open's replay, sets
@@ -62,7 +75,8 @@ type Options struct {
 	IndexIngestBytes int64
 	// IndexFilterBytes is the memory of the in-memory key filter that
 	// answers most lookups of new ids without asking Pebble (default
-	// 16 MiB, good for about 13 million stored ids at 1% false positives;
+	// MemoryBudget/16: 16 MiB, good for about 13 million stored ids at 1%
+	// false positives;
 	// past that it helps less, and it never grows; twice this while a new
 	// one is built). Negative turns it off.
 	// It is rebuilt in the background from the index when most of its
@@ -75,14 +89,14 @@ type Options struct {
 	// fdatasync skip persisting a new file size, about 2x cheaper on ext4.
 	NoPreallocate bool
 	// Retention, when positive, expires committed replies this long after
-	// their commit: an expired id runs again as new (source 003), and a
+	// their commit: an expired id runs again as new (the Idempotency-Key timing rule), and a
 	// forget record is appended every CleanupInterval so that the log and
 	// the index drop them too. Zero (the default) keeps replies until they
 	// are acked or forgotten: expiry trades exactly-once for bounded
 	// storage, so it is opt-in.
 	Retention time.Duration
 	// CleanupInterval is how often retention forget records are appended
-	// (default 10 minutes, as in source 003).
+	// (default 10 minutes, the Idempotency-Key service's cleanup period).
 	CleanupInterval time.Duration
 	// RelaxedClaims makes Begin return Fresh as soon as the claim is
 	// appended, without waiting for its fsync. Commit still waits. Faster
@@ -90,8 +104,8 @@ type Options struct {
 	// side effect and before the next fsync can lose the claim, and the
 	// side effect may then run again. Off by default.
 	RelaxedClaims bool
-	// MaxEntries, when positive, bounds the number of kept replies (source
-	// 001's bounded capacity): beyond it the oldest committed replies are
+	// MaxEntries, when positive, bounds the number of kept replies (a replay
+	// cache's bounded capacity): beyond it the oldest committed replies are
 	// evicted by a logged forget record (within milliseconds of crossing
 	// it, and at every compaction), counted in Stats.Evictions. An evicted
 	// id runs again if retried; a sequence-mode client keeps its number.
@@ -102,11 +116,20 @@ type Options struct {
 	// CompactWALBytes also triggers a background Compact whenever the WAL
 	// has grown by this much since the previous one (default 128 MiB), so
 	// that a busy engine keeps its disk bounded between CompactIntervals.
-	// The WAL is kept back to the oldest kept snapshot, so it holds about
-	// KeepSnapshots times this much at most. Negative: no size trigger.
+	// A compaction costs what changed since the previous one (it makes the
+	// index durable and removes the WAL before it), so the WAL stays near
+	// this size under load. With KeepSnapshots the WAL is kept back to the
+	// oldest kept snapshot instead. Negative: no size trigger.
 	CompactWALBytes int64
-	// KeepSnapshots is how many on-disk snapshots (<dir>/snapshot/) Compact
-	// keeps (default 2). Negative: Compact writes none.
+	// KeepSnapshots, when positive, makes every Compact write an on-disk
+	// snapshot of the whole live set (<dir>/snapshot/) and keep this many,
+	// with the WAL back to the oldest one, so that Open can rebuild a lost
+	// or deleted index from them. It costs a full copy of the live set per
+	// compaction (time and disk grow with the set, not with what changed),
+	// so it is off by default (0 or negative): the index is then the only
+	// copy of what the removed WAL held. Its sstables are checksummed, so
+	// damage is detected (ErrCorrupt), never read as data; back it up with
+	// Engine.Snapshot or `idem snapshot`, which stream while writes go on.
 	KeepSnapshots int
 	// MaxIDLen bounds ids, scopes, client names and fingerprints (default 1024 bytes).
 	MaxIDLen int
@@ -135,14 +158,22 @@ func (o *Options) withDefaults() Options {
 	if r.Logger == nil {
 		r.Logger = slog.New(slog.DiscardHandler)
 	}
+	if r.MemoryBudget <= 0 {
+		r.MemoryBudget = DefaultMemoryBudget
+	}
+	r.MemoryBudget = max(r.MemoryBudget, minMemoryBudget)
+	b := r.MemoryBudget
 	if r.CacheSize <= 0 {
-		r.CacheSize = 32 << 20
+		r.CacheSize = b / 8
 	}
 	if r.IndexCacheSize <= 0 {
-		r.IndexCacheSize = 64 << 20
+		r.IndexCacheSize = b / 4
 	}
 	if r.IndexIngestBytes <= 0 {
-		r.IndexIngestBytes = 16 << 20
+		r.IndexIngestBytes = b / 16
+	}
+	if r.IndexFilterBytes == 0 {
+		r.IndexFilterBytes = b / 16
 	}
 	if r.SegmentSize <= 0 {
 		r.SegmentSize = 64 << 20
@@ -156,9 +187,6 @@ func (o *Options) withDefaults() Options {
 	if r.CompactWALBytes == 0 {
 		r.CompactWALBytes = 128 << 20
 	}
-	if r.KeepSnapshots == 0 {
-		r.KeepSnapshots = 2
-	}
 	if r.MaxIDLen <= 0 {
 		r.MaxIDLen = 1024
 	}
@@ -167,6 +195,15 @@ func (o *Options) withDefaults() Options {
 	}
 	return r
 }
+
+// DefaultMemoryBudget is Options.MemoryBudget's default.
+const DefaultMemoryBudget = 256 << 20
+
+const minMemoryBudget = 32 << 20
+
+// memTableSize is the size of each of Pebble's memtables (three may be
+// alive at once: the mutable one, one being flushed, one queued).
+func (o *Options) memTableSize() uint64 { return uint64(o.MemoryBudget / 32) }
 
 // maxReplySize leaves room under snapshot.MaxEntrySize for the key and the
 // rest of the entry (ids, scope and fingerprints are bounded by MaxIDLen).

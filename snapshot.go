@@ -206,7 +206,7 @@ func Restore(dir string, r io.Reader, opts *Options) (*Engine, error) {
 		if err != nil {
 			return wrapSnapshotErr(err)
 		}
-		ix, err := index.Open(index.Options{FS: fs, Dir: ixDir, CacheSize: o.IndexCacheSize, IngestBytes: o.IndexIngestBytes, Logger: o.Logger})
+		ix, err := index.Open(index.Options{FS: fs, Dir: ixDir, CacheSize: o.IndexCacheSize, MemTableSize: o.memTableSize(), IngestBytes: o.IndexIngestBytes, FilterBytes: -1, Logger: o.Logger})
 		if err != nil {
 			return err
 		}
@@ -281,7 +281,8 @@ func walFirstLSN(fs vfs.FS, dir string) (wal.LSN, error) {
 func (e *Engine) loadDiskSnapshot(ix *index.Index, first wal.LSN) error {
 	sr, info, closer, err := snapshot.OpenNewestValid(e.fs, e.snapshotDir(), e.o.Logger)
 	if err != nil {
-		return fmt.Errorf("%w: the index is empty and the WAL starts at LSN %d, but no valid snapshot is available: %v", ErrCorrupt, first, err)
+		return fmt.Errorf("%w: the index (%s) is missing or empty and compaction removed the WAL before LSN %d, but no valid snapshot is available to rebuild it from (on-disk snapshots are kept only with Options.KeepSnapshots > 0); restore a backup (idem restore) or move the index back: %v",
+			ErrCorrupt, filepath.Join(e.dir, "index"), first, err)
 	}
 	defer closer.Close()
 	if wal.LSN(info.LSN)+1 < first {

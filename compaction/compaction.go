@@ -4,15 +4,22 @@
 //  2. flushes Pebble, so that the index's applied LSN is durable in its
 //     sstables (Pebble's WAL is off: until a flush, the index lives in
 //     memtables and the WAL is what recovers it);
-//  3. optionally writes an on-disk snapshot of the index (a second copy
-//     that recovery can start from if the index is lost) and prunes old ones;
+//  3. optionally (opt-in: a full copy of the live set each time) writes an
+//     on-disk snapshot of the index, a second copy that recovery can start
+//     from if the index is lost, and prunes old ones;
 //  4. removes the WAL segments whose every record is now durable in the
 //     index and, when snapshots are kept, covered by the oldest kept
 //     snapshot too: if the index is lost and the newest snapshot is
 //     corrupt, recovery falls back to the older one and replays the WAL
 //     from there (as Kafka does with producer-state snapshots);
-//  5. compacts Pebble over the ranges where acks, forgets, expiry and
-//     eviction left tombstones, so their space comes back now.
+//  5. compacts Pebble over the time index below a forget mark that moved,
+//     and over the entries when removals since the last time are a large
+//     part of the set, so their space comes back now.
+//
+// Without snapshots, a run costs what changed since the previous one: the
+// flush writes the pending updates and memtables, the WAL removal deletes
+// files, and the entry range is compacted only after removals of at least a
+// quarter of the set (amortized over them).
 //
 // Removing dead entries themselves is not compaction's job: acks and forget
 // records (admin, retention, capacity) remove entries when they are applied,
@@ -40,8 +47,9 @@ type Config struct {
 	// prunes old ones; it returns the new file, how many were removed and
 	// the LSN of the oldest snapshot kept.
 	WriteSnapshot func(ctx context.Context, img *index.Image) (path string, pruned int, oldest wal.LSN, err error)
-	// CompactIndex asks for a Pebble compaction of the removed ranges.
-	CompactIndex bool
+	// CompactIndex asks for a Pebble compaction of the removed ranges;
+	// CompactEntries includes the whole entry range.
+	CompactIndex, CompactEntries bool
 }
 
 // Stats describe one run.
@@ -91,7 +99,7 @@ func Run(ctx context.Context, c Config) (Stats, error) {
 		return st, fmt.Errorf("compaction: remove WAL segments through LSN %d: %w", through, err)
 	}
 	if c.CompactIndex {
-		if err := c.Index.CompactRemoved(ctx); err != nil {
+		if err := c.Index.CompactRemoved(ctx, c.CompactEntries); err != nil {
 			return st, err
 		}
 	}

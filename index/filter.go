@@ -180,6 +180,7 @@ func (ix *Index) startFilterBuildLocked() {
 		return
 	}
 	ix.building = nf
+	ix.buildingMem.Store(true)
 	ix.filterWG.Add(1)
 	go ix.scanFilter(nf, it)
 }
@@ -213,6 +214,7 @@ func (ix *Index) scanFilter(nf *keyFilter, it *pebble.Iterator) {
 	ix.applyMu.Lock()
 	defer ix.applyMu.Unlock()
 	ix.building = nil
+	ix.buildingMem.Store(false)
 	if err != nil {
 		if err != errFilterStopped {
 			ix.logger.Warn("index: key filter not built; lookups of new ids ask Pebble", "error", err)

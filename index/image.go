@@ -125,7 +125,7 @@ func (ix *Index) Load(lsn wal.LSN, m Mark, next func() (key, value []byte, ok bo
 	ix.replies.Store(replies)
 	ix.mark.Store(&m)
 	ix.applied.Store(uint64(lsn))
-	if err := ix.db.Flush(); err != nil {
+	if err := ix.flushMemtables(); err != nil {
 		return err
 	}
 	ix.memDirty = false
@@ -156,17 +156,27 @@ func (ix *Index) NthOldest(k int64) (int64, bool, error) {
 	return 0, false, it.Error()
 }
 
-// CompactRemoved compacts the key ranges where removals leave tombstones:
-// the entries and the time index below the forget mark (where its range
-// deletes are), so that Pebble reclaims their space now rather than when
-// its own compactions get there.
-func (ix *Index) CompactRemoved(ctx context.Context) error {
-	if err := ix.db.Compact(ctx, []byte{prefixEntry}, []byte{prefixEntry + 1}, false); err != nil {
-		return fmt.Errorf("index: compact entries: %w", err)
+// CompactRemoved compacts the key ranges where removals left tombstones,
+// so that Pebble reclaims their space now rather than when its own
+// compactions get there: the time index below the forget mark (where its
+// range deletes are) when the mark moved since the last call, and, if
+// entries is set, the whole entry range. A manual compaction rewrites every
+// table it overlaps, so the caller asks for the entry range only when
+// removals since the last time are a large part of the set (the cost then
+// stays proportional to what changed, amortized).
+func (ix *Index) CompactRemoved(ctx context.Context, entries bool) error {
+	if entries {
+		if err := ix.db.Compact(ctx, []byte{prefixEntry}, []byte{prefixEntry + 1}, false); err != nil {
+			return fmt.Errorf("index: compact entries: %w", err)
+		}
 	}
-	upper := timeKey(nil, ix.Mark().Before, nil)
-	if err := ix.db.Compact(ctx, []byte{prefixTime}, upper, false); err != nil {
-		return fmt.Errorf("index: compact time index: %w", err)
+	before := ix.Mark().Before
+	if before > ix.compactedMark.Load() {
+		upper := timeKey(nil, before, nil)
+		if err := ix.db.Compact(ctx, []byte{prefixTime}, upper, false); err != nil {
+			return fmt.Errorf("index: compact time index: %w", err)
+		}
+		ix.compactedMark.Store(before)
 	}
 	return nil
 }

@@ -20,6 +20,7 @@ import (
 	"log/slog"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/cockroachdb/pebble/v2"
 	"github.com/cockroachdb/pebble/v2/bloom"
@@ -60,6 +61,16 @@ type Index struct {
 	// forgotten and evicted count replies removed by forget marks since
 	// Open (evicted: marks written for Options.MaxEntries).
 	forgotten, evicted atomic.Uint64
+	// compactedMark is the forget mark's Before when CompactRemoved last
+	// compacted the time index below it.
+	compactedMark atomic.Int64
+	// bg is the first error Pebble reported from its background work (a
+	// failed flush, compaction or MANIFEST write: a full or failing disk).
+	// It is sticky: every later Apply, Get and Flush fails with it, so the
+	// engine stops (ErrFailed) instead of the process.
+	bg      atomic.Pointer[error]
+	bgOnce  sync.Once
+	bgFired chan struct{} // closed when bg is set
 
 	applyMu sync.Mutex // serializes Apply, ingests and the fields below
 
@@ -80,6 +91,7 @@ type Index struct {
 	// The key filter (filter.go).
 	filter       atomic.Pointer[keyFilter] // consulted by Get; nil: ask Pebble
 	building     *keyFilter                // guarded by applyMu: being built, receives every add
+	buildingMem  atomic.Bool               // a filter is being built (for Memory)
 	filterBytes  int64
 	filterSeed   maphash.Seed
 	filterStop   chan struct{}
@@ -122,13 +134,20 @@ func Open(o Options) (*Index, error) {
 		pfs = copyNotLinkFS{o.FS}
 	}
 	cache := pebble.NewCache(o.CacheSize + 3*int64(o.MemTableSize))
+	ix := &Index{mut: newPendingSet(), ingestBytes: o.IngestBytes,
+		fs: o.FS, dir: o.Dir, logger: o.Logger, bgFired: make(chan struct{}),
+		filterBytes: o.FilterBytes, filterSeed: maphash.MakeSeed(), filterStop: make(chan struct{})}
+	plog := &pebbleLogger{l: o.Logger, ix: ix}
 	popts := &pebble.Options{
 		FS:           pfs,
 		Cache:        cache,
 		DisableWAL:   true,
 		MemTableSize: o.MemTableSize,
 		ReadOnly:     o.ReadOnly,
-		Logger:       pebbleLogger{o.Logger},
+		Logger:       plog,
+		EventListener: &pebble.EventListener{
+			BackgroundError: func(err error) { ix.fail(fmt.Errorf("pebble background work: %w", err)) },
+		},
 	}
 	// Most lookups of a fresh id miss: bloom filters on every level let a
 	// miss skip the sstables' blocks.
@@ -141,9 +160,13 @@ func Open(o Options) (*Index, error) {
 		cache.Unref()
 		return nil, fmt.Errorf("index: open %s: %w", o.Dir, err)
 	}
-	ix := &Index{db: db, cache: cache, mut: newPendingSet(), ingestBytes: o.IngestBytes,
-		fs: o.FS, dir: o.Dir, logger: o.Logger,
-		filterBytes: o.FilterBytes, filterSeed: maphash.MakeSeed(), filterStop: make(chan struct{})}
+	plog.opened.Store(true)
+	if err := ix.failure(); err != nil { // reported while opening
+		db.Close()
+		cache.Unref()
+		return nil, fmt.Errorf("index: open %s: %w", o.Dir, err)
+	}
+	ix.db, ix.cache = db, cache
 	ix.writerOpts = popts.MakeWriterOptions(0, db.TableFormat())
 	if !o.ReadOnly {
 		if err := ix.removeIngestLeftovers(); err != nil {
@@ -274,6 +297,9 @@ var getOpts = pebble.IterOptions{UseL6Filters: true}
 // Get returns the entry stored under key, or nil. An entry still pending
 // (not yet in Pebble) is shared: callers must not modify what Get returns.
 func (ix *Index) Get(key []byte) (*Entry, error) {
+	if err := ix.failure(); err != nil {
+		return nil, err
+	}
 	if e, ok := ix.lookupPending(key); ok {
 		return e, nil
 	}
@@ -323,6 +349,9 @@ func (ix *Index) apply(ups []*Update, ingestAt int64) error {
 	defer ix.applyMu.Unlock()
 	if ix.ingestErr != nil {
 		return ix.ingestErr
+	}
+	if err := ix.failure(); err != nil {
+		return err
 	}
 	for len(ups) > 0 {
 		if ups[0].Forget != nil {
@@ -655,12 +684,62 @@ func (ix *Index) Flush() error {
 	}
 	ix.applyMu.Lock()
 	defer ix.applyMu.Unlock()
-	if err := ix.db.Flush(); err != nil {
+	if err := ix.flushMemtables(); err != nil {
 		return err
 	}
 	ix.memDirty = false
 	return nil
 }
+
+// flushMemtables flushes Pebble's memtables and waits for it, or for a
+// background failure: Pebble retries a failed flush (on a full disk) for
+// as long as the disk stays full, and db.Flush would wait as long.
+func (ix *Index) flushMemtables() error {
+	if err := ix.failure(); err != nil {
+		return err
+	}
+	done, err := ix.db.AsyncFlush()
+	if err != nil {
+		return err
+	}
+	select {
+	case <-done:
+		return ix.failure()
+	case <-ix.bgFired:
+		return ix.failure()
+	}
+}
+
+// ErrBackground wraps the failures Pebble reported from its background
+// work: the index stopped and must be reopened.
+var ErrBackground = errors.New("index: stopped after a failure in Pebble's background work")
+
+// fail records err as the index's sticky background failure (the first
+// one wins) and logs it.
+func (ix *Index) fail(err error) {
+	ix.bgOnce.Do(func() {
+		e := fmt.Errorf("%w: %w", ErrBackground, err)
+		ix.bg.Store(&e)
+		close(ix.bgFired)
+		if ix.logger != nil {
+			ix.logger.Error("index: Pebble failed in the background; the index stops", "error", err)
+		}
+	})
+}
+
+// failure returns the sticky background failure, or nil.
+func (ix *Index) failure() error {
+	if p := ix.bg.Load(); p != nil {
+		return *p
+	}
+	return nil
+}
+
+// Failure returns the background failure that stopped the index, or nil.
+func (ix *Index) Failure() error { return ix.failure() }
+
+// Failed returns a channel closed when Pebble reports a background failure.
+func (ix *Index) Failed() <-chan struct{} { return ix.bgFired }
 
 // DB exposes the Pebble store to the packages that snapshot and compact it.
 func (ix *Index) DB() *pebble.DB { return ix.db }
@@ -674,31 +753,70 @@ func (ix *Index) DiskUsage() uint64 { return ix.db.Metrics().DiskSpaceUsage() }
 func (ix *Index) Close(flush bool) error {
 	ix.stopFilter()
 	var err error
-	if flush {
+	if flush && ix.failure() == nil {
 		err = ix.Flush()
 	} else {
 		ix.applyMu.Lock()
 		_ = ix.waitIngestLocked() // never close Pebble under an ingest
 		ix.applyMu.Unlock()
 	}
-	if cerr := ix.db.Close(); err == nil {
-		err = cerr
+	if ix.failure() == nil {
+		if cerr := ix.db.Close(); err == nil {
+			err = cerr
+		}
+		ix.cache.Unref()
+		return err
 	}
-	ix.cache.Unref()
+	// After a background failure Pebble may be retrying a flush or a
+	// compaction that cannot succeed (a full disk), and its Close waits for
+	// it: give it closeAfterFailure, then leave it (its files stay open
+	// until the process exits; a reopen recovers from the WAL).
+	closed := make(chan error, 1)
+	go func() { closed <- ix.db.Close() }()
+	select {
+	case <-closed:
+		ix.cache.Unref()
+	case <-time.After(closeAfterFailure):
+		ix.logger.Error("index: Pebble did not close after its background failure; leaving it", "waited", closeAfterFailure)
+	}
+	if err == nil {
+		err = ix.failure()
+	}
 	return err
 }
 
-type pebbleLogger struct{ l *slog.Logger }
+// closeAfterFailure bounds Close after a background failure.
+const closeAfterFailure = 5 * time.Second
 
-func (p pebbleLogger) Infof(format string, args ...any) {
+// pebbleLogger sends Pebble's messages to the engine's logger. Pebble calls
+// Fatalf when it cannot go on (a MANIFEST write that failed on a full disk,
+// an invariant violation) and expects it not to return. While opening,
+// Fatalf panics (openPebble turns that into Open's error); once open, it
+// stops the index instead (ErrBackground: every later Apply, Get and Flush
+// fails, so the engine stops with ErrFailed) and returns, so that a disk
+// error in a background goroutine never takes down the host process.
+// Pebble's MANIFEST paths return the error after Fatalf; what else Pebble
+// does after a Fatalf that returns is not relied on: the index refuses all
+// further work.
+type pebbleLogger struct {
+	l      *slog.Logger
+	ix     *Index
+	opened atomic.Bool
+}
+
+func (p *pebbleLogger) Infof(format string, args ...any) {
 	p.l.Debug(fmt.Sprintf(format, args...), "component", "pebble")
 }
-func (p pebbleLogger) Errorf(format string, args ...any) {
+func (p *pebbleLogger) Errorf(format string, args ...any) {
 	p.l.Error(fmt.Sprintf(format, args...), "component", "pebble")
 }
-func (p pebbleLogger) Fatalf(format string, args ...any) {
-	p.l.Error(fmt.Sprintf(format, args...), "component", "pebble")
-	panic(fmt.Sprintf(format, args...))
+func (p *pebbleLogger) Fatalf(format string, args ...any) {
+	msg := fmt.Sprintf(format, args...)
+	p.l.Error(msg, "component", "pebble", "fatal", true)
+	if !p.opened.Load() {
+		panic(msg)
+	}
+	p.ix.fail(fmt.Errorf("pebble fatal error: %s", msg))
 }
 
 // copyNotLinkFS makes Pebble copy the sstables it ingests instead of
@@ -714,3 +832,37 @@ func (copyNotLinkFS) Link(oldname, newname string) error { return errNoLink }
 
 // Unwrap returns the wrapped FS.
 func (f copyNotLinkFS) Unwrap() vfs.FS { return f.FS }
+
+// Memory is the memory the index accounts for, in bytes.
+type Memory struct {
+	Pending    int64 // pending sets of applied updates (estimated)
+	Filter     int64 // key filters (two while one is built)
+	BlockCache int64 // Pebble's block cache in use
+	MemTables  int64 // Pebble's memtables
+}
+
+// Total is the sum of the parts.
+func (m Memory) Total() int64 { return m.Pending + m.Filter + m.BlockCache + m.MemTables }
+
+// Memory reports what the index holds in memory now.
+func (ix *Index) Memory() Memory {
+	var m Memory
+	ix.pmu.RLock()
+	if ix.mut != nil {
+		m.Pending += ix.mut.bytes
+	}
+	if ix.frozen != nil {
+		m.Pending += ix.frozen.bytes
+	}
+	ix.pmu.RUnlock()
+	if ix.filter.Load() != nil {
+		m.Filter += ix.filterBytes
+	}
+	if ix.buildingMem.Load() {
+		m.Filter += ix.filterBytes
+	}
+	pm := ix.db.Metrics()
+	m.BlockCache = pm.BlockCache.Size
+	m.MemTables = int64(pm.MemTable.Size)
+	return m
+}

@@ -3,7 +3,9 @@ package index
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
+	iofs "io/fs"
 	"slices"
 	"strings"
 
@@ -144,7 +146,7 @@ func (ix *Index) freezeLocked() error {
 	}
 	if ix.memDirty {
 		// A batch written before this set must reach the sstables first.
-		if err := ix.db.Flush(); err != nil {
+		if err := ix.flushMemtables(); err != nil {
 			return ix.setIngestErr(fmt.Errorf("index: flush before ingest: %w", err))
 		}
 		ix.memDirty = false
@@ -231,8 +233,10 @@ func (ix *Index) ingest(s *pendingSet) error {
 		_ = fs.Remove(path)
 		return fmt.Errorf("index: ingesting LSNs through %d: %w", s.last, err)
 	}
-	// Pebble linked the file under its own name; ours can go.
-	if err := fs.Remove(path); err != nil {
+	// Pebble linked the file under its own name and removes ours once the
+	// ingest is recorded; remove it in case it did not (it is gone either
+	// way: a missing file is what we want).
+	if err := fs.Remove(path); err != nil && !errors.Is(err, iofs.ErrNotExist) {
 		ix.logger.Warn("index: removing an ingested sstable's temporary name", "path", path, "error", err)
 	}
 	return nil

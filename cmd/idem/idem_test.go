@@ -700,3 +700,34 @@ func TestCorruptIndex(t *testing.T) {
 		t.Errorf("verify:\n%s", out)
 	}
 }
+
+func TestScale(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "scale")
+	out, _ := wantCode(t, 0, "scale", "--ids", "3000", "--every", "1000", "--concurrency", "8", "--lookups", "200ms",
+		"--memory-budget", "64MiB", "--dir", dir, "--json")
+	var s scaleOut
+	if err := json.Unmarshal([]byte(out), &s); err != nil {
+		t.Fatalf("scale --json: %v\n%s", err, out)
+	}
+	if s.IDs != 3000 || len(s.Fill) < 3 || s.Fill[len(s.Fill)-1].IDs != 3000 || s.MemoryBudget != 64<<20 {
+		t.Fatalf("scale %+v", s)
+	}
+	if s.IndexBytes <= 0 || s.DiskPerID <= 0 || s.Duplicate.Ops == 0 || s.Duplicate.Errors != 0 || s.ReopenSeconds <= 0 {
+		t.Fatalf("scale %+v", s)
+	}
+	wantCode(t, 0, "verify", dir)
+	seen := map[string]bool{}
+	for i := range uint64(100000) {
+		id := string(scaleID(nil, i))
+		if len(id) != 16 || seen[id] {
+			t.Fatalf("scale id %d: %x repeats or has the wrong size", i, id)
+		}
+		seen[id] = true
+	}
+	if _, errs := wantCode(t, 2, "scale", "--ids", "0"); !strings.Contains(errs, "--ids") {
+		t.Errorf("scale --ids 0: %s", errs)
+	}
+	if _, errs := wantCode(t, 2, "scale", "--memory-budget", "lots"); !strings.Contains(errs, "size") {
+		t.Errorf("scale --memory-budget lots: %s", errs)
+	}
+}

@@ -62,7 +62,7 @@ type command struct {
 var commands []*command
 
 func init() {
-	commands = []*command{demoCmd, dumpCmd, statsCmd, verifyCmd, forgetCmd, compactCmd, snapshotCmd, restoreCmd, benchCmd}
+	commands = []*command{demoCmd, dumpCmd, statsCmd, verifyCmd, forgetCmd, compactCmd, snapshotCmd, restoreCmd, benchCmd, scaleCmd}
 }
 
 func lookupCommand(name string) *command {

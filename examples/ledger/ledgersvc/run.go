@@ -1,0 +1,95 @@
+package ledgersvc
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"net"
+	"path/filepath"
+	"time"
+
+	"github.com/idemdb/idem"
+	"github.com/idemdb/idem/examples/ledger/ledgerpb"
+	"github.com/idemdb/idem/idemgrpc"
+	"github.com/idemdb/idem/idemgrpc/idemgrpcpb"
+	"google.golang.org/grpc"
+)
+
+// Options configure Start.
+type Options struct {
+	// Tokens maps bearer tokens to actors (required).
+	Tokens map[string]string
+	// Engine options (nil: defaults, fsync before acknowledging).
+	Engine *idem.Options
+	// TTL of stored responses (idemgrpc.Config.TTL; 0: kept until the
+	// client's next sequence).
+	TTL time.Duration
+	// InFlightWait (idemgrpc.Config.InFlightWait; 0: its default).
+	InFlightWait time.Duration
+	Logger       *slog.Logger
+	// AfterApply is copied to Ledger.AfterApply.
+	AfterApply func(ctx context.Context)
+	// BeforeApply is copied to Ledger.BeforeApply.
+	BeforeApply func(ctx context.Context) error
+}
+
+// Server is a running ledger: engine, journal and gRPC server.
+type Server struct {
+	Engine *idem.Engine
+	Idem   *idemgrpc.Server
+	Ledger *Ledger
+	GRPC   *grpc.Server
+	done   chan error
+}
+
+// Start opens dir (dir/idem for the engine, dir/ledger for the journal),
+// settles calls left in doubt, and serves the Ledger and ClientState
+// services on lis behind the token check and the idemgrpc interceptor.
+func Start(dir string, lis net.Listener, o Options) (*Server, error) {
+	if len(o.Tokens) == 0 {
+		return nil, errors.New("ledger: no tokens configured")
+	}
+	eng, err := idem.Open(filepath.Join(dir, "idem"), o.Engine)
+	if err != nil {
+		return nil, err
+	}
+	isrv, err := idemgrpc.NewServer(idemgrpc.Config{
+		Engine: eng, Methods: Methods(), TTL: o.TTL, InFlightWait: o.InFlightWait, Logger: o.Logger,
+	})
+	if err != nil {
+		eng.Close()
+		return nil, err
+	}
+	l, err := Open(filepath.Join(dir, "ledger"), isrv, eng)
+	if err != nil {
+		eng.Close()
+		return nil, err
+	}
+	l.BeforeApply, l.AfterApply = o.BeforeApply, o.AfterApply
+	gs := grpc.NewServer(grpc.ChainUnaryInterceptor(TokenAuth(o.Tokens), isrv.UnaryServerInterceptor()))
+	ledgerpb.RegisterLedgerServer(gs, l)
+	idemgrpcpb.RegisterClientStateServer(gs, isrv)
+	s := &Server{Engine: eng, Idem: isrv, Ledger: l, GRPC: gs, done: make(chan error, 1)}
+	go func() { s.done <- gs.Serve(lis) }()
+	return s, nil
+}
+
+// Stop stops serving (waiting for running calls), then closes the journal
+// and the engine.
+func (s *Server) Stop() error {
+	s.GRPC.GracefulStop()
+	err := <-s.done
+	if errors.Is(err, grpc.ErrServerStopped) {
+		err = nil
+	}
+	return errors.Join(err, s.Ledger.Close(), s.Engine.Close())
+}
+
+// Kill stops the gRPC server at once (running calls are cut) and closes
+// the engine and the journal without waiting for handlers: what a crash
+// leaves, minus the lost page cache.
+func (s *Server) Kill() error {
+	s.GRPC.Stop()
+	<-s.done
+	return errors.Join(s.Engine.Close(), s.Ledger.Close())
+}

@@ -1,0 +1,282 @@
+// Command raftkv is a small replicated key-value store of counters with an
+// HTTP API: three processes on one machine form a raft cluster, and every
+// increment runs exactly once however often a client retries it, thanks
+// to idemraft. See README.md for the commands.
+package main
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log"
+	"net/http"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+	"github.com/hashicorp/raft"
+	raftboltdb "github.com/hashicorp/raft-boltdb/v2"
+	"github.com/idemdb/idem"
+	"github.com/idemdb/idem/idemraft"
+)
+
+// peer is one member of the cluster: its raft id, raft address and HTTP address.
+type peer struct {
+	id         raft.ServerID
+	raft, http string
+}
+
+func parsePeers(s string) ([]peer, error) {
+	var ps []peer
+	for _, p := range strings.Split(s, ",") {
+		f := strings.Split(strings.TrimSpace(p), "=")
+		if len(f) != 3 || f[0] == "" || f[1] == "" || f[2] == "" {
+			return nil, fmt.Errorf("peer %q: want id=raftaddr=httpaddr", p)
+		}
+		ps = append(ps, peer{raft.ServerID(f[0]), f[1], f[2]})
+	}
+	return ps, nil
+}
+
+// ---- the application's state machine: named counters ----
+
+type op struct {
+	Key   string `json:"key"`
+	Delta int64  `json:"delta"`
+}
+
+type store struct {
+	mu   sync.Mutex
+	vals map[string]int64
+}
+
+func (s *store) Apply(l *raft.Log) any {
+	var o op
+	if err := json.Unmarshal(l.Data, &o); err != nil {
+		return fmt.Errorf("not an operation: %v", err)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.vals[o.Key] += o.Delta
+	return []byte(strconv.FormatInt(s.vals[o.Key], 10))
+}
+
+func (s *store) get(key string) int64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.vals[key]
+}
+
+func (s *store) Snapshot() (raft.FSMSnapshot, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	b, err := json.Marshal(s.vals)
+	return snapshot(b), err
+}
+
+func (s *store) Restore(rc io.ReadCloser) error {
+	vals := map[string]int64{}
+	if err := json.NewDecoder(rc).Decode(&vals); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	s.vals = vals
+	s.mu.Unlock()
+	return nil
+}
+
+type snapshot []byte
+
+func (b snapshot) Persist(sink raft.SnapshotSink) error {
+	if _, err := sink.Write(b); err != nil {
+		sink.Cancel()
+		return err
+	}
+	return sink.Close()
+}
+func (snapshot) Release() {}
+
+// ---- the node ----
+
+type node struct {
+	self  peer
+	peers []peer
+	r     *raft.Raft
+	fsm   *idemraft.FSM
+	app   *store
+	bolt  *raftboltdb.BoltStore
+}
+
+func start(self raft.ServerID, dir string, peers []peer) (*node, error) {
+	n := &node{peers: peers, app: &store{vals: map[string]int64{}}}
+	for _, p := range peers {
+		if p.id == self {
+			n.self = p
+		}
+	}
+	if n.self.id == "" {
+		return nil, fmt.Errorf("-id %s is not in -peers", self)
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, err
+	}
+	logger := hclog.New(&hclog.LoggerOptions{Name: "raft-" + string(self), Level: hclog.Warn})
+	conf := raft.DefaultConfig()
+	conf.LocalID = self
+	conf.Logger = logger
+	conf.SnapshotThreshold = 1024
+	var err error
+	if n.bolt, err = raftboltdb.New(raftboltdb.Options{Path: filepath.Join(dir, "raft.db")}); err != nil {
+		return nil, err
+	}
+	snaps, err := raft.NewFileSnapshotStoreWithLogger(filepath.Join(dir, "snapshots"), 2, logger)
+	if err != nil {
+		return nil, err
+	}
+	trans, err := raft.NewTCPTransportWithLogger(n.self.raft, nil, 3, 5*time.Second, logger)
+	if err != nil {
+		return nil, err
+	}
+	if n.fsm, err = idemraft.Wrap(n.app, &idemraft.Options{Dir: filepath.Join(dir, "dedup")}); err != nil {
+		return nil, err
+	}
+	has, err := raft.HasExistingState(n.bolt, n.bolt, snaps)
+	if err != nil {
+		return nil, err
+	}
+	if !has {
+		var c raft.Configuration
+		for _, p := range peers {
+			c.Servers = append(c.Servers, raft.Server{ID: p.id, Address: raft.ServerAddress(p.raft)})
+		}
+		if err := raft.BootstrapCluster(conf, n.bolt, n.bolt, snaps, trans, c); err != nil {
+			return nil, err
+		}
+	}
+	if n.r, err = raft.NewRaft(conf, n.fsm, n.bolt, n.bolt, snaps, trans); err != nil {
+		return nil, err
+	}
+	return n, nil
+}
+
+func (n *node) stop() {
+	n.r.Shutdown().Error()
+	n.fsm.Close()
+	n.bolt.Close()
+}
+
+var keyRE = regexp.MustCompile(`^[A-Za-z0-9_-]{1,255}$`) // the Idempotency-Key rules
+
+func (n *node) routes() http.Handler {
+	mux := http.NewServeMux()
+	// POST /kv/{key}?add=N with an Idempotency-Key header: add N, once.
+	mux.HandleFunc("POST /kv/{key}", func(w http.ResponseWriter, req *http.Request) {
+		key := req.PathValue("key")
+		delta, err := strconv.ParseInt(req.URL.Query().Get("add"), 10, 64)
+		if err != nil {
+			http.Error(w, "add=N (an integer) is required", http.StatusBadRequest)
+			return
+		}
+		ik := req.Header.Get("Idempotency-Key")
+		if !keyRE.MatchString(ik) {
+			http.Error(w, "Idempotency-Key header: 1-255 characters of A-Z a-z 0-9 _ -", http.StatusBadRequest)
+			return
+		}
+		body, _ := json.Marshal(op{Key: key, Delta: delta})
+		fp := sha256.Sum256(body)
+		cmd, err := idemraft.Command(idem.Request{Scope: "kv", ID: []byte(ik), Fingerprint: fp[:]}, body)
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		ctx, cancel := context.WithTimeout(req.Context(), 10*time.Second)
+		defer cancel()
+		resp, err := idemraft.Submit(ctx, n.r, n.fsm, cmd)
+		var nl *idemraft.NotLeaderError
+		switch {
+		case errors.As(err, &nl):
+			for _, p := range n.peers {
+				if p.id == nl.Leader {
+					// 307 keeps the method: curl -L and Go's client follow it.
+					http.Redirect(w, req, "http://"+p.http+req.URL.RequestURI(), http.StatusTemporaryRedirect)
+					return
+				}
+			}
+			w.Header().Set("Retry-After", "1")
+			http.Error(w, "no leader yet; retry with the same Idempotency-Key", http.StatusServiceUnavailable)
+			return
+		case err != nil:
+			w.Header().Set("Retry-After", "1")
+			http.Error(w, err.Error()+"; retry with the same Idempotency-Key", http.StatusServiceUnavailable)
+			return
+		case errors.Is(resp.Err, idem.ErrConflict):
+			http.Error(w, "IDEMPOTENCY_KEY_CONFLICT: this key was used with another request", http.StatusConflict)
+			return
+		case resp.Err != nil:
+			http.Error(w, resp.Err.Error(), http.StatusUnprocessableEntity)
+			return
+		}
+		v, _ := strconv.ParseInt(string(resp.Reply), 10, 64)
+		writeJSON(w, map[string]any{"key": key, "value": v, "duplicate": resp.Duplicate, "node": n.self.id})
+	})
+	// GET /kv/{key}: this node's value (a follower's may be a little behind).
+	mux.HandleFunc("GET /kv/{key}", func(w http.ResponseWriter, req *http.Request) {
+		writeJSON(w, map[string]any{"key": req.PathValue("key"), "value": n.app.get(req.PathValue("key")), "node": n.self.id})
+	})
+	mux.HandleFunc("GET /status", func(w http.ResponseWriter, req *http.Request) {
+		_, leader := n.r.LeaderWithID()
+		st := n.fsm.Stats()
+		writeJSON(w, map[string]any{"node": n.self.id, "state": n.r.State().String(), "leader": leader,
+			"applied_index": st.LastIndex, "requests_applied": st.Applied, "duplicates": st.Duplicates, "dedup_entries": st.Engine.LiveEntries})
+	})
+	// The generic idemraft endpoint, for idemraft.HTTPNode clients.
+	mux.Handle("POST /idemraft/apply", idemraft.Handler(n.self.id, n.r, n.fsm))
+	return mux
+}
+
+func writeJSON(w http.ResponseWriter, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	json.NewEncoder(w).Encode(v)
+}
+
+func main() {
+	id := flag.String("id", "", "this node's id, one of -peers (required)")
+	dir := flag.String("dir", "", "this node's data directory (required)")
+	peersFlag := flag.String("peers", "", "the cluster: id=raftaddr=httpaddr,... (required), e.g. n1=127.0.0.1:7001=127.0.0.1:8001,...")
+	flag.Parse()
+	if *id == "" || *dir == "" || *peersFlag == "" {
+		flag.Usage()
+		os.Exit(2)
+	}
+	peers, err := parsePeers(*peersFlag)
+	if err != nil {
+		log.Fatal(err)
+	}
+	n, err := start(raft.ServerID(*id), *dir, peers)
+	if err != nil {
+		log.Fatal(err)
+	}
+	srv := &http.Server{Addr: n.self.http, Handler: n.routes(), ReadHeaderTimeout: 10 * time.Second}
+	go func() {
+		sig := make(chan os.Signal, 1)
+		signal.Notify(sig, os.Interrupt, syscall.SIGTERM)
+		<-sig
+		srv.Close()
+	}()
+	log.Printf("raftkv %s: raft on %s, HTTP on %s", *id, n.self.raft, n.self.http)
+	if err := srv.ListenAndServe(); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		log.Print(err)
+	}
+	n.stop()
+}

@@ -1,0 +1,131 @@
+// Package idemgrpc makes gRPC unary methods exactly-once on an idem engine:
+// per-client sequences (client_id and sequence in the request, per scope,
+// as a ledger's writes carry them) or idempotency keys (metadata), a server
+// interceptor that runs each identity's handler once and replays its stored
+// response to retries, a ClientState service answering a client's last
+// committed sequence, and on the client side a retry interceptor and a
+// sequence tracker.
+//
+// # Server
+//
+//	srv, err := idemgrpc.NewServer(idemgrpc.Config{
+//		Engine: eng, // *idem.Engine
+//		Methods: map[string]idemgrpc.IdentifyFunc{
+//			"/ledger.v1.Ledger/Write": identify, // client_id, sequence, scope fields from the message
+//		},
+//		Actor: idemgrpc.ContextActor, // the default: set by your auth interceptor with WithActor
+//	})
+//	gs := grpc.NewServer(grpc.ChainUnaryInterceptor(auth, srv.UnaryServerInterceptor()))
+//	idemgrpcpb.RegisterClientStateServer(gs, srv) // GetClientState
+//
+// For each listed method the interceptor takes the call's identity
+// (IdentifyFunc: from the message, SequenceFromMessage; or from metadata,
+// KeyFromMetadata) and asks the engine:
+//
+//   - sequence == last committed + 1 (or a new key): the handler runs; its
+//     response is stored (EncodeReply: a google.protobuf.Any with the
+//     message's full type name and deterministic encoding) durably before
+//     it is returned.
+//   - sequence == last committed, response still kept: the stored response
+//     is returned (same type, same content; on the wire gRPC's codec encodes
+//     it, which for messages without map fields gives the same bytes) with
+//     the header idem-replay: true; nothing runs.
+//   - a call with the same identity is running: the call waits for it
+//     (Config.InFlightWait, default 2s, bounded by its deadline) and gets
+//     its response; past the wait it is answered IN_FLIGHT.
+//   - a handler error consumes no sequence and is not stored: the claim is
+//     aborted, the client gets the handler's status unchanged, and the same
+//     sequence (or key) runs again when sent again. A batch handler that
+//     applies all of its writes or none therefore consumes one sequence on
+//     success and none on failure.
+//
+// The engine keeps a client's latest response only: a retry of an older
+// sequence is ALREADY_COMMITTED. Config.TTL bounds how long the latest one
+// is kept (a ledger's five-minute response cache); after it, it too is
+// ALREADY_COMMITTED. The sequence number itself is never forgotten.
+//
+// # Scope and actor
+//
+// The engine scope of a call is EncodeScope(Config.ScopePrefix, actor,
+// Identity.Scope...): each element length-prefixed, so no two distinct
+// (prefix, actor, fields) tuples share a scope. Namespace-level writes
+// ([namespace]) and vault-level writes ([namespace, vault]) are separate
+// sequence streams. The actor comes only from Config.Actor, a function of
+// the authenticated context (ContextActor reads what an auth interceptor
+// stored with WithActor; TLSActor reads the verified client certificate);
+// an actor field or header sent by the client is never read. Since the
+// actor is part of the scope, one actor can neither read (GetClientState)
+// nor advance another's sequences, nor see its stored responses.
+//
+// # Status mapping
+//
+// Statuses the interceptor produces carry an errdetails.ErrorInfo with
+// domain "idem" and the reason below; handler errors pass through
+// untouched.
+//
+//	case                             code                reason                details
+//	sequence > last + 1              FailedPrecondition  SEQUENCE_GAP          last_committed_sequence, sequence, client_id
+//	sequence <= last, reply gone     AlreadyExists       ALREADY_COMMITTED     last_committed_sequence, sequence, client_id
+//	same identity, other payload     AlreadyExists       IDEMPOTENCY_CONFLICT
+//	same identity running            Aborted             IN_FLIGHT             lease_until, RetryInfo
+//	handler outlived the lease       Aborted             LEASE_LOST            RetryInfo
+//	identity missing or malformed    InvalidArgument     INVALID_IDENTITY
+//	no actor (auth failed)           Unauthenticated     (the ActorFunc's status)
+//	engine closed or failed          Unavailable         ENGINE_UNAVAILABLE
+//	ran, response not stored         Unavailable         IN_DOUBT              RetryInfo
+//	response not storable            Internal            REPLY_NOT_STORED
+//
+// Why these codes, following the gRPC status code guide:
+//
+//   - SEQUENCE_GAP is FailedPrecondition: "the system is not in a state
+//     required for the operation; do not retry until the state is fixed".
+//     Nothing ran; the client must resynchronize (GetClientState) and
+//     resend at last_committed_sequence + 1.
+//   - ALREADY_COMMITTED is AlreadyExists: the write the client tries to
+//     create exists (it ran); retrying cannot change that.
+//   - IDEMPOTENCY_CONFLICT is AlreadyExists too: the identity exists, bound
+//     to another request; a retry would fail the same way (the client must
+//     use a new sequence or key). The reason tells it from ALREADY_COMMITTED.
+//   - IN_FLIGHT is Aborted ("a concurrency conflict; retry at a higher
+//     level"), not Unavailable: the server is healthy, so load balancers'
+//     health and outlier detection must not count it, and generic retry
+//     policies keyed on Unavailable do not retry it blindly. RetryInfo says
+//     when to retry; retrying with the same identity is safe.
+//   - INVALID_IDENTITY is InvalidArgument: wrong whatever the server's state.
+//   - ENGINE_UNAVAILABLE and IN_DOUBT are Unavailable: transient from the
+//     client's view (a restart or failover settles them), and a retry with
+//     the same identity is safe, so the standard retryable code fits.
+//
+// UnaryClientInterceptor retries exactly the safe set: Unavailable,
+// DeadlineExceeded (while the call's own context lives), and Aborted with
+// reason IN_FLIGHT or LEASE_LOST. It never retries FailedPrecondition,
+// AlreadyExists, InvalidArgument, or any other handler error: these are
+// final for that identity, and resending a failed call would run it again
+// (a handler's own Unavailable or DeadlineExceeded is retried and runs
+// again, since that failure consumed nothing: the code asks for it).
+//
+// # Client
+//
+// UnaryClientInterceptor resends the same request message (so the same
+// client_id and sequence; an idempotency key in outgoing metadata stays in
+// the context) with exponential backoff and jitter, up to MaxAttempts, never
+// sleeping past the call's deadline, honouring RetryInfo advice.
+//
+// A Tracker numbers a client's requests per scope: Call saves last used + 1
+// in a SequenceStore before sending (FileStore: fsynced file per scope;
+// MemoryStore), handles SEQUENCE_GAP and a lost or corrupt saved state by
+// asking GetClientState and resuming at last committed + 1, gives back the
+// number of a request the server certifies consumed nothing (a handler
+// error), and keeps it when the outcome is unknown (the next request then
+// meets a gap and recovers). Per-client sequences allow one outstanding
+// request per scope; Call serializes them.
+//
+// # Restarts
+//
+// Stored responses are in the engine's log, so a retry after a server
+// restart gets the response of a write that ran before it. A crash while a
+// handler runs leaves its claim in doubt; after reopening, ResolveInDoubt
+// lets the service settle each one from its own state (commit with the
+// response if the effect happened, abort if not) before serving. The
+// ledger example (examples/ledger) does it from its journal.
+package idemgrpc

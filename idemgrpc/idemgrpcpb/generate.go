@@ -1,0 +1,10 @@
+// Package idemgrpcpb holds the generated code of the client-state service
+// (clientstate.proto) used by package idemgrpc.
+package idemgrpcpb
+
+// Regenerate with protoc (Debian: protobuf-compiler) and the plugins
+//
+//	go install google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.12
+//	go install google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.6.2
+//
+//go:generate protoc --go_out=. --go_opt=paths=source_relative --go-grpc_out=. --go-grpc_opt=paths=source_relative clientstate.proto

@@ -1,0 +1,506 @@
+package idemgrpc
+
+import (
+	"context"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"time"
+
+	"github.com/idemdb/idem"
+	"github.com/idemdb/idem/idemgrpc/idemgrpcpb"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+)
+
+// Identity is who a call is, for exactly-once purposes: either a per-client
+// sequence (Client and Seq) or an idempotency key (Key), within the service's
+// scope fields. The actor is added by the server (Config.Actor), never taken
+// from here.
+type Identity struct {
+	// Scope holds the service's scope fields, for example [namespace] or
+	// [namespace, vault]. Each distinct tuple (with the actor) is a separate
+	// sequence stream and key space.
+	Scope []string
+	// Client and Seq select per-client sequences: Seq must be the client's
+	// last committed sequence + 1 to run (sequences start at 1).
+	Client string
+	Seq    uint64
+	// Key is an idempotency key (for example from metadata, KeyFromMetadata).
+	Key string
+}
+
+// IdentifyFunc extracts a call's identity from its request message or its
+// metadata. An error that is a gRPC status is returned as is; any other
+// error becomes InvalidArgument with reason INVALID_IDENTITY. Nothing runs.
+type IdentifyFunc func(ctx context.Context, req proto.Message) (Identity, error)
+
+// Config configures a Server.
+type Config struct {
+	// Engine stores claims and replies (required).
+	Engine *idem.Engine
+	// Methods maps full method names ("/pkg.Service/Method") to the
+	// function giving their identity. Only these methods are exactly-once;
+	// every other method passes through the interceptor untouched.
+	Methods map[string]IdentifyFunc
+	// Actor gives the caller's actor from the authenticated context
+	// (default ContextActor). The actor is part of every scope.
+	Actor ActorFunc
+	// ScopePrefix is the first field of every engine scope this server
+	// builds (default "grpc"), so that other users of the same engine
+	// (an HTTP middleware, another service) never share its ids.
+	ScopePrefix string
+	// Fingerprint returns the payload fingerprint of a request: a retry of
+	// an identity with another fingerprint is IDEMPOTENCY_CONFLICT. Default:
+	// SHA-256 of the full method name and the request's deterministic
+	// protobuf encoding. Returning nil turns the check off for that call;
+	// then nothing stops a retry of another method under the same identity
+	// from getting this method's stored response (of another type), so keep
+	// identities per method when fingerprints are off.
+	Fingerprint func(fullMethod string, req proto.Message) ([]byte, error)
+	// InFlightWait is how long a call whose identity is being run by
+	// another call waits for it to finish (then it gets that call's reply)
+	// before answering IN_FLIGHT (default 2s, always bounded by the call's
+	// deadline). Negative: answer IN_FLIGHT at once.
+	InFlightWait time.Duration
+	// RetryDelay is the RetryInfo advice sent with IN_FLIGHT (default 100ms).
+	RetryDelay time.Duration
+	// MaxReplySize bounds a stored response (default 12 MiB, the engine's
+	// default limit; set it to the engine's Options.MaxReplySize if lower).
+	// A larger response fails the call with Internal REPLY_NOT_STORED and
+	// the claim is aborted.
+	MaxReplySize int
+	// TTL, when positive, is how long a stored response is kept for
+	// retries (idem.Request.TTL: from the call's start; a retry does not
+	// extend it), like a ledger's five-minute response cache. After it a
+	// retry of the last sequence gets ALREADY_COMMITTED (the number is
+	// never reused) and a retried idempotency key runs again. Zero: kept
+	// until the client's next sequence, or for keys until acked, expired
+	// by the engine's Retention, or forgotten.
+	TTL time.Duration
+	// Logger receives warnings (aborts that failed, replies not stored).
+	// Default: discard.
+	Logger *slog.Logger
+}
+
+// Server is the exactly-once layer of a gRPC server: its
+// UnaryServerInterceptor runs each identified call's handler once and
+// replays the stored response to retries, and it implements the
+// ClientState service (GetClientState). Safe for concurrent use.
+type Server struct {
+	idemgrpcpb.UnimplementedClientStateServer
+	cfg Config
+}
+
+// NewServer checks cfg and returns a Server.
+func NewServer(cfg Config) (*Server, error) {
+	if cfg.Engine == nil {
+		return nil, errors.New("idemgrpc: Config.Engine is required")
+	}
+	if cfg.Actor == nil {
+		cfg.Actor = ContextActor
+	}
+	if cfg.ScopePrefix == "" {
+		cfg.ScopePrefix = "grpc"
+	}
+	if cfg.Fingerprint == nil {
+		cfg.Fingerprint = DefaultFingerprint
+	}
+	if cfg.InFlightWait == 0 {
+		cfg.InFlightWait = 2 * time.Second
+	}
+	if cfg.RetryDelay <= 0 {
+		cfg.RetryDelay = 100 * time.Millisecond
+	}
+	if cfg.MaxReplySize <= 0 {
+		cfg.MaxReplySize = 12 << 20
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	m := make(map[string]IdentifyFunc, len(cfg.Methods))
+	for k, f := range cfg.Methods {
+		if f == nil {
+			return nil, fmt.Errorf("idemgrpc: Config.Methods[%q] is nil", k)
+		}
+		m[k] = f
+	}
+	cfg.Methods = m
+	return &Server{cfg: cfg}, nil
+}
+
+// DefaultFingerprint is SHA-256 over the full method name, a zero byte and
+// the request's deterministic protobuf encoding. Deterministic encoding is
+// stable for one binary; if clients in other languages retry through
+// re-encoding proxies, supply a fingerprint over the fields that matter.
+func DefaultFingerprint(fullMethod string, req proto.Message) ([]byte, error) {
+	b, err := deterministic.Marshal(req)
+	if err != nil {
+		return nil, err
+	}
+	h := sha256.New()
+	h.Write([]byte(fullMethod))
+	h.Write([]byte{0})
+	h.Write(b)
+	return h.Sum(nil), nil
+}
+
+// Call describes the exactly-once call a handler is running; handlers read
+// it with CallFromContext (for example to record the actor).
+type Call struct {
+	Method   string
+	Actor    string
+	Identity Identity
+	// Scope is the engine scope (EncodeScope of ScopePrefix, Actor and
+	// Identity.Scope).
+	Scope string
+}
+
+type callKey struct{}
+
+// CallFromContext returns the call the interceptor is running the handler
+// for.
+func CallFromContext(ctx context.Context) (*Call, bool) {
+	c, ok := ctx.Value(callKey{}).(*Call)
+	return c, ok
+}
+
+// ReplayHeader is the response header set to "true" when a response is a
+// replay of a stored one.
+const ReplayHeader = "idem-replay"
+
+// actor runs the ActorFunc and turns its failures into statuses.
+func (s *Server) actor(ctx context.Context) (string, error) {
+	a, err := s.cfg.Actor(ctx)
+	if err != nil {
+		if _, ok := status.FromError(err); ok {
+			return "", err
+		}
+		return "", status.Errorf(codes.Unauthenticated, "idemgrpc: no actor: %v", err)
+	}
+	if a == "" {
+		return "", status.Error(codes.Unauthenticated, "idemgrpc: the actor function returned an empty actor")
+	}
+	return a, nil
+}
+
+func invalidIdentity(format string, args ...any) error {
+	return newStatus(codes.InvalidArgument, ReasonInvalidIdentity, nil, 0, "idemgrpc: invalid identity: "+fmt.Sprintf(format, args...))
+}
+
+func checkIdentity(id Identity) error {
+	switch {
+	case id.Key != "" && (id.Client != "" || id.Seq != 0):
+		return invalidIdentity("both an idempotency key and a client sequence were given")
+	case id.Key != "":
+		return nil
+	case id.Client == "" && id.Seq == 0:
+		return invalidIdentity("no client_id and sequence, and no idempotency key")
+	case id.Client == "":
+		return invalidIdentity("sequence %d without a client_id", id.Seq)
+	case id.Seq == 0:
+		return invalidIdentity("client_id %q without a sequence (sequences start at 1)", id.Client)
+	}
+	return nil
+}
+
+// UnaryServerInterceptor returns the interceptor. Chain it after the
+// authentication interceptor (grpc.ChainUnaryInterceptor(auth,
+// s.UnaryServerInterceptor())) so that the actor is known.
+func (s *Server) UnaryServerInterceptor() grpc.UnaryServerInterceptor {
+	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+		identify, ok := s.cfg.Methods[info.FullMethod]
+		if !ok {
+			return handler(ctx, req)
+		}
+		msg, ok := req.(proto.Message)
+		if !ok {
+			return nil, status.Errorf(codes.Internal, "idemgrpc: request of %s is %T, not a protobuf message", info.FullMethod, req)
+		}
+		actor, err := s.actor(ctx)
+		if err != nil {
+			return nil, err
+		}
+		id, err := identify(ctx, msg)
+		if err != nil {
+			if _, ok := status.FromError(err); ok {
+				return nil, err
+			}
+			return nil, invalidIdentity("%v", err)
+		}
+		if err := checkIdentity(id); err != nil {
+			return nil, err
+		}
+		call := &Call{Method: info.FullMethod, Actor: actor, Identity: id, Scope: EncodeScope(s.cfg.ScopePrefix, actor, id.Scope...)}
+		fp, err := s.cfg.Fingerprint(info.FullMethod, msg)
+		if err != nil {
+			return nil, status.Errorf(codes.Internal, "idemgrpc: fingerprint of %s: %v", info.FullMethod, err)
+		}
+		r := idem.Request{Scope: call.Scope, Client: id.Client, Seq: id.Seq, Fingerprint: fp, TTL: s.cfg.TTL}
+		if id.Key != "" {
+			r.ID = []byte(id.Key)
+		}
+		return s.serve(ctx, call, r, req, handler)
+	}
+}
+
+func (s *Server) serve(ctx context.Context, call *Call, r idem.Request, req any, handler grpc.UnaryHandler) (any, error) {
+	e := s.cfg.Engine
+	waitUntil := time.Now().Add(s.cfg.InFlightWait)
+	for {
+		res, err := e.Begin(ctx, r)
+		if err != nil {
+			return nil, s.engineStatus(err, r)
+		}
+		switch res.Status {
+		case idem.Done:
+			m, err := DecodeReply(res.Reply)
+			if err != nil {
+				return nil, status.Errorf(codes.Internal, "idemgrpc: %v", err)
+			}
+			_ = grpc.SetHeader(ctx, metadata.Pairs(ReplayHeader, "true"))
+			return m, nil
+		case idem.Fresh:
+			return s.run(ctx, call, res.Claim, req, handler)
+		case idem.InFlight:
+			if s.cfg.InFlightWait < 0 || !time.Now().Before(waitUntil) {
+				return nil, s.inFlight(call, res.LeaseUntil)
+			}
+			if err := s.wait(ctx, r, waitUntil, res.LeaseUntil); err != nil {
+				return nil, status.FromContextError(err).Err()
+			}
+		default:
+			return nil, status.Errorf(codes.Internal, "idemgrpc: unexpected engine status %v", res.Status)
+		}
+	}
+}
+
+// wait blocks until r is no longer in flight, its owner's lease ends (Begin
+// then takes it over), until, or ctx's end (the only error).
+func (s *Server) wait(ctx context.Context, r idem.Request, until, leaseUntil time.Time) error {
+	e := s.cfg.Engine
+	if len(r.ID) > 0 {
+		wctx, cancel := context.WithDeadline(ctx, until)
+		_, err := e.Wait(wctx, r.Scope, r.ID)
+		cancel()
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		_ = err // a deadline of wctx: the loop answers IN_FLIGHT
+		return nil
+	}
+	// Sequence mode: the engine has no public wait for a client's sequence,
+	// so poll its state, backing off from 1ms to 20ms.
+	d := time.Millisecond
+	t := time.NewTimer(d)
+	defer t.Stop()
+	for {
+		left := time.Until(until)
+		if left <= 0 {
+			return nil
+		}
+		t.Reset(min(d, left))
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-t.C:
+		}
+		res, err := e.LookupSeq(r.Scope, r.Client, r.Seq)
+		if err != nil || res.Status != idem.InFlight || !e.Now().Before(leaseUntil) {
+			return nil // Begin again says what it is
+		}
+		d = min(2*d, 20*time.Millisecond)
+	}
+}
+
+func (s *Server) inFlight(call *Call, leaseUntil time.Time) error {
+	meta := map[string]string{}
+	if !leaseUntil.IsZero() {
+		meta[MetaLeaseUntil] = leaseUntil.UTC().Format(time.RFC3339Nano)
+	}
+	what := "idempotency key"
+	if call.Identity.Client != "" {
+		what = fmt.Sprintf("client %q sequence %d", call.Identity.Client, call.Identity.Seq)
+		meta[MetaClient] = call.Identity.Client
+		meta[MetaSequence] = strconv.FormatUint(call.Identity.Seq, 10)
+	}
+	return newStatus(codes.Aborted, ReasonInFlight, meta, s.cfg.RetryDelay,
+		fmt.Sprintf("idemgrpc: %s is being processed by another call; retry with the same identity", what))
+}
+
+// run calls the handler for a fresh claim and commits its response, or
+// aborts the claim when the handler fails (the failure consumes nothing and
+// is not replayed) or panics (the panic goes on).
+func (s *Server) run(ctx context.Context, call *Call, c *idem.Claim, req any, handler grpc.UnaryHandler) (any, error) {
+	finished := false
+	abort := func() {
+		finished = true
+		if err := c.Abort(context.WithoutCancel(ctx)); err != nil {
+			s.cfg.Logger.Warn("idemgrpc: abort of a failed call failed; its identity stays claimed until the lease ends",
+				"method", call.Method, "client", call.Identity.Client, "seq", call.Identity.Seq, "err", err)
+		}
+	}
+	defer func() {
+		if !finished {
+			abort() // the handler panicked
+		}
+	}()
+	resp, err := handler(context.WithValue(ctx, callKey{}, call), req)
+	if err != nil {
+		abort()
+		return nil, err
+	}
+	m, ok := resp.(proto.Message)
+	if !ok || m == nil {
+		abort()
+		return nil, newStatus(codes.Internal, ReasonReplyNotStored, nil, 0, fmt.Sprintf("idemgrpc: %s returned %T, not a protobuf message", call.Method, resp))
+	}
+	b, err := EncodeReply(m)
+	if err == nil && len(b) > s.cfg.MaxReplySize {
+		err = fmt.Errorf("response of %d bytes exceeds MaxReplySize %d", len(b), s.cfg.MaxReplySize)
+	}
+	if err != nil {
+		s.cfg.Logger.Error("idemgrpc: response not stored; call aborted (its side effect may run again on retry)", "method", call.Method, "err", err)
+		abort()
+		return nil, newStatus(codes.Internal, ReasonReplyNotStored, nil, 0, fmt.Sprintf("idemgrpc: %v", err))
+	}
+	finished = true
+	if err := c.Commit(context.WithoutCancel(ctx), b); err != nil {
+		if errors.Is(err, idem.ErrLeaseLost) {
+			return nil, newStatus(codes.Aborted, ReasonLeaseLost, nil, s.cfg.RetryDelay,
+				"idemgrpc: the handler outlasted the engine's lease and another call took the request over; retry with the same identity for its reply")
+		}
+		// The side effect happened but its reply is not durable: the claim
+		// stays in doubt (Server.ResolveInDoubt after a restart).
+		s.cfg.Logger.Error("idemgrpc: commit failed; the call stays in doubt until the server restarts and resolves it",
+			"method", call.Method, "client", call.Identity.Client, "seq", call.Identity.Seq, "err", err)
+		return nil, newStatus(codes.Unavailable, ReasonInDoubt, nil, s.cfg.RetryDelay,
+			fmt.Sprintf("idemgrpc: the call ran but its response could not be stored (%v); retry with the same identity", err))
+	}
+	return resp, nil
+}
+
+// engineStatus maps an engine error to a status (the table in doc.go).
+func (s *Server) engineStatus(err error, r idem.Request) error {
+	var gap *idem.SequenceGapError
+	switch {
+	case errors.As(err, &gap):
+		return newStatus(codes.FailedPrecondition, ReasonSequenceGap, map[string]string{
+			MetaLastCommitted: strconv.FormatUint(gap.Last, 10),
+			MetaSequence:      strconv.FormatUint(gap.Seq, 10),
+			MetaClient:        gap.Client,
+		}, 0, fmt.Sprintf("idemgrpc: sequence gap: client %q sent sequence %d but its last committed sequence is %d; resume at %d (GetClientState)",
+			gap.Client, gap.Seq, gap.Last, gap.Last+1))
+	case errors.Is(err, idem.ErrAlreadyCommitted):
+		last, lerr := s.cfg.Engine.ClientState(r.Scope, r.Client)
+		meta := map[string]string{MetaSequence: strconv.FormatUint(r.Seq, 10), MetaClient: r.Client}
+		if lerr == nil {
+			meta[MetaLastCommitted] = strconv.FormatUint(last, 10)
+		}
+		return newStatus(codes.AlreadyExists, ReasonAlreadyCommitted, meta, 0,
+			fmt.Sprintf("idemgrpc: client %q sequence %d was already committed and its response is no longer kept", r.Client, r.Seq))
+	case errors.Is(err, idem.ErrConflict):
+		what := "the idempotency key"
+		if r.Client != "" {
+			what = fmt.Sprintf("client %q sequence %d", r.Client, r.Seq)
+		}
+		return newStatus(codes.AlreadyExists, ReasonConflict, nil, 0,
+			fmt.Sprintf("idemgrpc: %s was already used by a request with a different payload", what))
+	case errors.Is(err, idem.ErrInvalidRequest):
+		return newStatus(codes.InvalidArgument, ReasonInvalidIdentity, nil, 0, err.Error())
+	case errors.Is(err, idem.ErrClosed), errors.Is(err, idem.ErrFailed), errors.Is(err, idem.ErrLocked):
+		return newStatus(codes.Unavailable, ReasonUnavailable, nil, 0, err.Error())
+	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
+		return status.FromContextError(err).Err()
+	}
+	return status.Errorf(codes.Internal, "idemgrpc: %v", err)
+}
+
+// ClientState returns the caller's last committed sequence of client in the
+// scope fields (the actor comes from ctx through Config.Actor). Errors are
+// gRPC statuses. Services with their own GetClientState message (per
+// namespace, per vault) call it.
+func (s *Server) ClientState(ctx context.Context, client string, scope ...string) (uint64, error) {
+	actor, err := s.actor(ctx)
+	if err != nil {
+		return 0, err
+	}
+	if client == "" {
+		return 0, invalidIdentity("empty client_id")
+	}
+	last, err := s.cfg.Engine.ClientState(EncodeScope(s.cfg.ScopePrefix, actor, scope...), client)
+	if err != nil {
+		return 0, s.engineStatus(err, idem.Request{})
+	}
+	return last, nil
+}
+
+// GetClientState implements the ClientState service
+// (idemgrpcpb.RegisterClientStateServer(grpcServer, s)).
+func (s *Server) GetClientState(ctx context.Context, req *idemgrpcpb.GetClientStateRequest) (*idemgrpcpb.GetClientStateResponse, error) {
+	last, err := s.ClientState(ctx, req.GetClientId(), req.GetScope()...)
+	if err != nil {
+		return nil, err
+	}
+	return &idemgrpcpb.GetClientStateResponse{LastCommittedSequence: last}, nil
+}
+
+// InDoubt is a call whose claim a crash (or Close) left in flight: the
+// handler may or may not have made its side effect.
+type InDoubt struct {
+	Actor string
+	Scope []string
+	// Client and Seq, or Key: the call's identity.
+	Client string
+	Seq    uint64
+	Key    string
+	// ClaimedAt is when the call began.
+	ClaimedAt time.Time
+	// EngineScope is the engine scope (Call.Scope when the call ran).
+	EngineScope string
+}
+
+// ResolveInDoubt settles this server's claims left in doubt by a crash
+// (claims of other scope prefixes are left alone). decide looks in the
+// service's own state: if the call's effect happened it returns its
+// response and true (the claim is committed with it, so retries get it);
+// if not, false (the claim is aborted and a retry runs the call). Call it
+// after Open, before serving. An error from decide stops it.
+func (s *Server) ResolveInDoubt(ctx context.Context, decide func(InDoubt) (proto.Message, bool, error)) (committed, aborted int, err error) {
+	claims, err := s.cfg.Engine.InDoubt()
+	if err != nil {
+		return 0, 0, err
+	}
+	for _, c := range claims {
+		prefix, actor, fields, derr := DecodeScope(c.Scope)
+		if derr != nil || prefix != s.cfg.ScopePrefix {
+			continue
+		}
+		d := InDoubt{Actor: actor, Scope: fields, Client: c.Client, Seq: c.Seq, Key: string(c.ID), ClaimedAt: c.ClaimedAt, EngineScope: c.Scope}
+		reply, ran, err := decide(d)
+		if err != nil {
+			return committed, aborted, err
+		}
+		if !ran {
+			if err := c.Claim.Abort(ctx); err != nil {
+				return committed, aborted, err
+			}
+			aborted++
+			continue
+		}
+		b, err := EncodeReply(reply)
+		if err != nil {
+			return committed, aborted, err
+		}
+		if err := c.Claim.Commit(ctx, b); err != nil {
+			return committed, aborted, err
+		}
+		committed++
+	}
+	return committed, aborted, nil
+}

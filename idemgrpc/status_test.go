@@ -1,0 +1,100 @@
+package idemgrpc_test
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/idemdb/idem"
+	"github.com/idemdb/idem/examples/ledger/ledgerpb"
+	"github.com/idemdb/idem/examples/ledger/ledgersvc"
+	"github.com/idemdb/idem/idemgrpc"
+	"github.com/idemdb/idem/idemgrpc/idemgrpcpb"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+)
+
+// TestLeaseLost: a handler that outlives the engine's lease loses its claim
+// to a retry; its late response is not stored and it answers Aborted
+// LEASE_LOST (retryable: the retry gets the other call's response).
+func TestLeaseLost(t *testing.T) {
+	var calls atomic.Int64
+	started := make(chan struct{})
+	env := startLedger(t, ledgersvc.Options{Engine: &idem.Options{Lease: 150 * time.Millisecond}, BeforeApply: func(context.Context) error {
+		if calls.Add(1) == 1 {
+			close(started)
+			time.Sleep(600 * time.Millisecond)
+		}
+		return nil
+	}})
+	ctx := as(testCtx(t), "tok-alice")
+	c := ledgerpb.NewLedgerClient(dial(t, env.addr))
+	first := make(chan error, 1)
+	go func() { _, err := c.Write(ctx, write("c", "ns", "", 1, "a", 1)); first <- err }()
+	<-started
+	// waits for the first until its lease ends, then takes it over and runs.
+	second, err := c.Write(ctx, write("c", "ns", "", 1, "a", 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = <-first
+	wantStatus(t, err, codes.Aborted, idemgrpc.ReasonLeaseLost)
+	if !idemgrpc.Retryable(ctx, err) {
+		t.Fatal("LEASE_LOST not retryable")
+	}
+	again, err := c.Write(ctx, write("c", "ns", "", 1, "a", 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	sameReply(t, second, again)
+}
+
+// TestEngineClosed: a closed engine answers Unavailable ENGINE_UNAVAILABLE
+// (retryable), and nothing runs.
+func TestEngineClosed(t *testing.T) {
+	env := startLedger(t, ledgersvc.Options{})
+	ctx := as(testCtx(t), "tok-alice")
+	c := ledgerpb.NewLedgerClient(dial(t, env.addr))
+	if err := env.server().Engine.Close(); err != nil {
+		t.Fatal(err)
+	}
+	_, err := c.Write(ctx, write("c", "ns", "", 1, "a", 1))
+	wantStatus(t, err, codes.Unavailable, idemgrpc.ReasonUnavailable)
+	if !idemgrpc.Retryable(ctx, err) || env.server().Ledger.ApplyCount() != 0 {
+		t.Fatal("not retryable, or the handler ran")
+	}
+	_, err = idemgrpc.ServiceState(dial(t, env.addr))(ctx, "c", []string{"ns"})
+	wantStatus(t, err, codes.Unavailable, idemgrpc.ReasonUnavailable)
+}
+
+// TestReplyNotStored: a response larger than MaxReplySize fails the call
+// with Internal REPLY_NOT_STORED and consumes nothing.
+func TestReplyNotStored(t *testing.T) {
+	eng, err := idem.Open(t.TempDir(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { eng.Close() })
+	isrv, err := idemgrpc.NewServer(idemgrpc.Config{Engine: eng, Methods: ledgersvc.Methods(), MaxReplySize: 16})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var runs atomic.Int64
+	gs := grpc.NewServer(grpc.ChainUnaryInterceptor(ledgersvc.TokenAuth(tokens), isrv.UnaryServerInterceptor()))
+	ledgerpb.RegisterLedgerServer(gs, &keyLedger{runs: &runs})
+	idemgrpcpb.RegisterClientStateServer(gs, isrv)
+	lis := listen(t)
+	go gs.Serve(lis)
+	t.Cleanup(gs.Stop)
+	ctx := as(testCtx(t), "tok-alice")
+	cc := dial(t, lis.Addr().String())
+	_, err = ledgerpb.NewLedgerClient(cc).Write(ctx, write("c", "ns", "", 1, "a", 1))
+	wantStatus(t, err, codes.Internal, idemgrpc.ReasonReplyNotStored)
+	if last, err := idemgrpc.ServiceState(cc)(ctx, "c", []string{"ns"}); err != nil || last != 0 {
+		t.Fatalf("state %d, %v", last, err)
+	}
+	if _, err := idemgrpc.NewServer(idemgrpc.Config{}); err == nil {
+		t.Fatal("NewServer without an engine succeeded")
+	}
+}

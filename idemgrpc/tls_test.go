@@ -1,0 +1,116 @@
+package idemgrpc_test
+
+import (
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"math/big"
+	"net"
+	"net/url"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/idemdb/idem"
+	"github.com/idemdb/idem/examples/ledger/ledgerpb"
+	"github.com/idemdb/idem/examples/ledger/ledgersvc"
+	"github.com/idemdb/idem/idemgrpc"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+)
+
+type testCA struct {
+	cert *x509.Certificate
+	key  *ecdsa.PrivateKey
+	pool *x509.CertPool
+}
+
+func newCA(t *testing.T) *testCA {
+	key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "test CA"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cert, _ := x509.ParseCertificate(der)
+	pool := x509.NewCertPool()
+	pool.AddCert(cert)
+	return &testCA{cert: cert, key: key, pool: pool}
+}
+
+var serial atomic.Int64
+
+func (ca *testCA) issue(t *testing.T, cn string, uri string, server bool) tls.Certificate {
+	key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(serial.Add(1) + 1), Subject: pkix.Name{CommonName: cn},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour), KeyUsage: x509.KeyUsageDigitalSignature}
+	if server {
+		tmpl.IPAddresses = []net.IP{net.ParseIP("127.0.0.1")}
+		tmpl.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}
+	} else {
+		tmpl.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}
+	}
+	if uri != "" {
+		u, _ := url.Parse(uri)
+		tmpl.URIs = []*url.URL{u}
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}
+}
+
+// TestTLSActor: with mutual TLS the actor is the verified client
+// certificate's URI SAN or common name.
+func TestTLSActor(t *testing.T) {
+	ca := newCA(t)
+	eng, err := idem.Open(t.TempDir(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { eng.Close() })
+	isrv, err := idemgrpc.NewServer(idemgrpc.Config{Engine: eng, Actor: idemgrpc.TLSActor, Methods: ledgersvc.Methods()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var runs atomic.Int64
+	creds := credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{ca.issue(t, "server", "", true)},
+		ClientCAs: ca.pool, ClientAuth: tls.RequireAndVerifyClientCert, MinVersion: tls.VersionTLS13})
+	gs := grpc.NewServer(grpc.Creds(creds), grpc.UnaryInterceptor(isrv.UnaryServerInterceptor()))
+	ledgerpb.RegisterLedgerServer(gs, &keyLedger{runs: &runs})
+	lis := listen(t)
+	go gs.Serve(lis)
+	t.Cleanup(gs.Stop)
+	ctx := testCtx(t)
+	for _, tc := range []struct{ cn, uri, want string }{
+		{"alice", "", "cert:alice"},
+		{"bob", "spiffe://example.org/bob", "cert:spiffe://example.org/bob"},
+	} {
+		cc, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{
+			Certificates: []tls.Certificate{ca.issue(t, tc.cn, tc.uri, false)}, RootCAs: ca.pool, MinVersion: tls.VersionTLS13})))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { cc.Close() })
+		req := write("c", "ns", "", 1, "a", 1)
+		req.Actor = "user:root" // ignored
+		r, err := ledgerpb.NewLedgerClient(cc).Write(ctx, req)
+		if err != nil || r.GetActor() != tc.want {
+			t.Fatalf("%s: %v, %v; want actor %q", tc.cn, r, err, tc.want)
+		}
+	}
+	// alice's and bob's sequence 1 are separate identities: both ran.
+	if runs.Load() != 2 {
+		t.Fatalf("runs %d", runs.Load())
+	}
+	// without TLS the actor function refuses.
+	_, err = idemgrpc.TLSActor(ctx)
+	wantStatus(t, err, codes.Unauthenticated, "")
+}

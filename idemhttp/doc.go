@@ -1,0 +1,172 @@
+// Package idemhttp is the Idempotency-Key middleware and client for
+// net/http, built on the idem engine: a POST with an Idempotency-Key header
+// is handled at most once per key, its response is stored durably before it
+// is sent, and retries get that response back, byte for byte, even after a
+// restart or a crash of the server.
+//
+//	e, err := idem.Open("/var/lib/orders/idem", nil)
+//	...
+//	mux.Handle("POST /orders", idemhttp.Middleware(e, nil)(ordersHandler))
+//
+// and on the client side
+//
+//	client := &http.Client{Transport: &idemhttp.Transport{}}
+//
+// Middleware has the usual shape func(http.Handler) http.Handler, so it works
+// with net/http, chi (r.Use), alice and the like.
+//
+// # Server behaviour
+//
+// Requests whose method is not in Options.Methods (default POST only) and
+// requests without an Idempotency-Key header pass through untouched (with
+// Options.RequireKey a missing key is a 400 instead). For the others:
+//
+//	key not 1-255 characters of [A-Za-z0-9_-],   400 INVALID_IDEMPOTENCY_KEY
+//	or the header sent twice
+//	new key                                      the handler runs; its response is stored, then sent
+//	same key, same request                       the stored response, with "Idempotent-Replayed: true";
+//	                                             the handler does not run
+//	same key, another request                    409 IDEMPOTENCY_KEY_CONFLICT (422 with Options.ConflictStatus)
+//	same key while the first is being handled    409 IDEMPOTENCY_KEY_PROCESSING with Retry-After
+//	                                             (Options.WaitInFlight: wait for the first instead)
+//	request body over Options.MaxRequestBytes    413 REQUEST_BODY_TOO_LARGE (the key is not used)
+//	Principal fails                              401 UNAUTHENTICATED
+//	engine closed or failed                      503 IDEMPOTENCY_STORE_UNAVAILABLE with Retry-After
+//
+// Every response the middleware makes itself has a JSON body with detail,
+// error_code and idempotency_key (ErrorBody; the codes are the Code*
+// constants), for example
+//
+//	{"detail":"Idempotency key already used with different request body","error_code":"IDEMPOTENCY_KEY_CONFLICT","idempotency_key":"new-key-123"}
+//
+// "The same request" means the same fingerprint: the SHA-256 of the method,
+// the escaped path, the raw query and the body, each framed by its length, so
+// a key reused on another endpoint (or with another query or body) is a
+// conflict, never the replay of another request's response. Every decision
+// is the engine's (Engine.Begin with that fingerprint), so the engine's Stats
+// count hits, misses, conflicts and processing collisions.
+//
+// # What is stored
+//
+// A response with a status below 500 is stored: the status, the header the
+// handler had set when it wrote the status, the body and the trailers (the
+// StoredResponse type, msgpack-encoded). It is committed (fsynced, with the
+// engine's default durability) before the first byte goes to the client, so
+// the first client and every retry get the same bytes; the middleware adds a
+// Content-Length when the handler set none, to both. Headers that middleware
+// outside this one sets on the ResponseWriter are not stored (they are that
+// middleware's to set again). Informational responses (1xx) are not sent.
+//
+// # Where to mount it
+//
+// Put authentication, rate limiting and http.TimeoutHandler outside the
+// middleware (they wrap it), and the handler that makes the side effect
+// inside: every response below 500 that reaches the middleware is stored and
+// replayed, so a 401 or a 429 made inside it would be replayed to the
+// retries too. Options.Principal then reads the identity the authentication
+// middleware put in the request's context.
+//
+// # Failures
+//
+//   - A 5xx from the handler releases the key (the engine claim is
+//     aborted): the 5xx is sent, and a retry runs the handler again.
+//   - A panic in the handler releases the key and goes on to net/http
+//     (which drops the connection; http.ErrAbortHandler included).
+//   - The client goes away or the request's context ends: the handler keeps
+//     running (as net/http handlers do); if it still writes a response, that
+//     response is stored and retries get it. If it returns without writing
+//     anything after its context ended, it is treated as failed: the key is
+//     released (503 REQUEST_CANCELED, which nobody may read).
+//   - Timeouts: put http.TimeoutHandler outside the middleware, never inside
+//     (inside, its 503 would release the key while the handler still runs).
+//   - Storing fails (the engine failed, or the claim's lease ran out and
+//     another request took the key over): the response is sent anyway and the
+//     failure is logged with the key; the key stays as the engine has it.
+//
+// # Sizes and streaming
+//
+// The request body is read (up to Options.MaxRequestBytes, default 4 MiB) to
+// fingerprint it, then handed to the handler again. The stored body is
+// bounded by Options.MaxResponseBytes (default 4 MiB): the response is
+// buffered until the handler returns, and Flush (http.Flusher,
+// http.ResponseController) does nothing meanwhile. A handler that writes more
+// than the limit makes the middleware give up storing it: what is buffered is
+// sent and the rest streams to the client as written (Flush then works); when
+// the handler returns the key is committed as "not stored", and retries get
+// 409 IDEMPOTENCY_RESPONSE_NOT_STORED (the request was handled; its response
+// cannot be replayed). Never a silent truncation. Hijacking is not
+// supported on requests with a key.
+//
+// # Expiry
+//
+// A completed key is replayed for Options.TTL (default 1 hour) after it was
+// first claimed: expires_at = created_at + TTL, and a request when
+// expires_at < now runs as new (the Idempotency-Key service's timing table:
+// T+60m replays, T+61m runs again). Retries do not extend it. Times are the
+// engine's clock (idem.Options.Clock), never time.Now, so a test with a fake
+// clock sees exactly that table. The engine removes expired keys by its
+// periodic cleanup (idem.Options.CleanupInterval, default 10 minutes; the
+// count is logged and counted in Stats.Cleanups). The TTL is the
+// middleware's own: middlewares with different TTLs can share one engine
+// opened with default options.
+//
+// # Key spaces and security
+//
+// With Options.Principal every principal (the authenticated caller, taken
+// from authentication, never from anything the client chooses) has its own
+// key space: two users sending the same key never see each other's
+// responses or conflicts. Keys live in the engine scope
+// ScopeFor(Options.Scope, principal), an encoding in which no two (prefix,
+// principal) pairs meet (see ScopeFor); middlewares with different
+// Options.Scope never meet either.
+//
+// Without Principal all clients share one space: a client that sends another
+// client's key with the same method, path, query and body gets that client's
+// response, and a different body reveals (by the conflict) that the key is in
+// use. That is fine when keys are unguessable (idem.NewRequestID has 64
+// random bits) or all clients are one party; otherwise set Principal.
+//
+// The request body is never logged; logs carry the method, the path and the
+// key.
+//
+// # Acked keys
+//
+// A client may list, in the Idempotency-Acked-Keys header, keys whose
+// responses it has received and will never retry: a comma-separated list
+// (the header may be repeated), at most Options.MaxAckedKeys (default 64)
+// keys, each a valid key. With a Principal the middleware removes them from
+// that principal's space at once (in the claim's own log record for a new
+// key), long before their TTL; an invalid list is a 400
+// INVALID_IDEMPOTENCY_ACKED_KEYS. Without a Principal the header is ignored
+// (anyone could free anyone's key), as it is on requests without a key.
+//
+// # Crashes: keys in doubt
+//
+// If the server dies while a request is being handled, its key is in doubt
+// after the restart: retries get 409 IDEMPOTENCY_KEY_PROCESSING until the
+// claim's lease (idem.Options.Lease, default 1 hour) runs out, after which a
+// retry runs the handler again. Resolve such keys at start-up, before
+// serving: Engine.InDoubt lists them, ParseKey tells the key and principal,
+// and the application, which should keep the key with the records its
+// handler writes, commits the response (StoredResponse.Encode, then
+// Claim.Commit) if the effect happened, or aborts (Claim.Abort) so that the
+// retry runs again. See ExampleParseKey and examples/httpapi.
+//
+// # Metrics
+//
+// The engine's Stats count the Idempotency-Key service's metrics: Hits
+// (idempotency.hit), Misses (.miss), Conflicts (.conflict),
+// InFlightCollisions (.processing_collision) and Cleanups (.cleanup.count);
+// the hit rate is Hits / (Hits + Misses). Package idemprom exports them to
+// Prometheus with the engine's other counters and sizes.
+//
+// # Client
+//
+// Transport gives each POST an Idempotency-Key (idem.NewRequestID: 26
+// characters, sortable by time) unless the caller set one, replays bodies,
+// and retries network errors, attempt timeouts, 5xx (but 501 and 505) and
+// IDEMPOTENCY_KEY_PROCESSING with the same key, with exponential backoff and
+// jitter, honouring Retry-After, bounded by the request's context. It never
+// retries 400, 409 IDEMPOTENCY_KEY_CONFLICT, 422 or 429. It acks the keys
+// whose responses it has read in Idempotency-Acked-Keys (see Transport).
+package idemhttp

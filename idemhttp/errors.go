@@ -1,0 +1,111 @@
+package idemhttp
+
+import (
+	"encoding/json"
+	"net/http"
+	"strconv"
+	"time"
+)
+
+// Header names.
+const (
+	// HeaderKey carries the client's idempotency key.
+	HeaderKey = "Idempotency-Key"
+	// HeaderReplayed is "true" on a response that is the replay of a
+	// stored one (the handler did not run).
+	HeaderReplayed = "Idempotent-Replayed"
+	// HeaderAckedKeys carries keys (of the same principal) whose responses
+	// the client has received and will never retry: a comma-separated list
+	// of keys (HTTP list syntax; the header may also be repeated), at most
+	// Options.MaxAckedKeys of them (64 by default) per request.
+	HeaderAckedKeys = "Idempotency-Acked-Keys"
+)
+
+// The error_code values of the middleware's JSON error bodies.
+const (
+	// 400: the Idempotency-Key header is not 1-255 characters of
+	// [A-Za-z0-9_-], or it was sent more than once.
+	CodeInvalidKey = "INVALID_IDEMPOTENCY_KEY"
+	// 400: Options.RequireKey is set and the request has no key.
+	CodeMissingKey = "MISSING_IDEMPOTENCY_KEY"
+	// 400: the Idempotency-Acked-Keys header holds an invalid key or more
+	// keys than Options.MaxAckedKeys.
+	CodeInvalidAckedKeys = "INVALID_IDEMPOTENCY_ACKED_KEYS"
+	// 409 (or 422, Options.ConflictStatus): the key was used for another
+	// request (other method, path, query or body).
+	CodeConflict = "IDEMPOTENCY_KEY_CONFLICT"
+	// 409 with Retry-After: the first request with this key is still being
+	// handled (or was in flight when the server crashed; see the package
+	// documentation).
+	CodeProcessing = "IDEMPOTENCY_KEY_PROCESSING"
+	// 409: the request with this key was handled, but its response was
+	// larger than Options.MaxResponseBytes and only went to the first
+	// client; it cannot be replayed.
+	CodeResponseNotStored = "IDEMPOTENCY_RESPONSE_NOT_STORED"
+	// 413: the request body is larger than Options.MaxRequestBytes.
+	CodeRequestTooLarge = "REQUEST_BODY_TOO_LARGE"
+	// 400: the request body could not be read (the client went away or
+	// sent a malformed body).
+	CodeBodyUnreadable = "REQUEST_BODY_UNREADABLE"
+	// 401: Options.Principal returned an error (or an empty principal).
+	CodeUnauthenticated = "UNAUTHENTICATED"
+	// 503 with Retry-After: the engine is closed, failed, or the request's
+	// context ended before the key could be looked up.
+	CodeStoreUnavailable = "IDEMPOTENCY_STORE_UNAVAILABLE"
+	// 503 with Retry-After: the request ended (the client went away, a
+	// timeout) and the handler returned without writing anything; the key
+	// was released.
+	CodeCanceled = "REQUEST_CANCELED"
+	// 500: anything else that went wrong in the middleware (logged).
+	CodeInternal = "IDEMPOTENCY_INTERNAL_ERROR"
+)
+
+// ErrorBody is the JSON body of every response the middleware makes itself
+// (the Idempotency-Key service's error format):
+//
+//	{"detail": "...", "error_code": "IDEMPOTENCY_KEY_CONFLICT", "idempotency_key": "client-key-123"}
+type ErrorBody struct {
+	Detail         string `json:"detail"`
+	ErrorCode      string `json:"error_code"`
+	IdempotencyKey string `json:"idempotency_key"`
+}
+
+// Details of the error bodies.
+const (
+	detailInvalidKey  = "Invalid idempotency key format. Key must be 1-255 characters long and contain only letters, numbers, hyphens, and underscores"
+	detailDuplicate   = "Invalid idempotency key: the Idempotency-Key header was sent more than once"
+	detailMissingKey  = "This endpoint requires an Idempotency-Key header"
+	detailConflict    = "Idempotency key already used with different request body"
+	detailProcessing  = "Request with this idempotency key is already being processed"
+	detailNotStored   = "Request with this idempotency key was processed, but its response was too large to store and cannot be replayed"
+	detailTooLarge    = "Request body is larger than the limit of %d bytes"
+	detailUnreadable  = "Request body could not be read"
+	detailUnauth      = "Authentication required: the request's principal could not be determined"
+	detailUnavailable = "The idempotency store is unavailable; retry later"
+	detailInternal    = "Internal error while handling the idempotency key"
+	detailCanceled    = "The request ended before the handler produced a response; retry with the same key"
+)
+
+// maxErrorKey bounds the idempotency_key echoed in an error body (an
+// invalid key can be as long as the server's header limit).
+const maxErrorKey = 1024
+
+func writeError(w http.ResponseWriter, status int, code, detail, key string, retryAfter time.Duration) {
+	if len(key) > maxErrorKey {
+		key = key[:maxErrorKey] + "..."
+	}
+	body, err := json.Marshal(ErrorBody{Detail: detail, ErrorCode: code, IdempotencyKey: key})
+	if err != nil { // cannot happen: three strings
+		body = []byte(`{"detail":"error","error_code":"` + code + `","idempotency_key":""}`)
+	}
+	body = append(body, '\n')
+	h := w.Header()
+	h.Set("Content-Type", "application/json")
+	h.Set("X-Content-Type-Options", "nosniff")
+	h.Set("Content-Length", strconv.Itoa(len(body)))
+	if retryAfter > 0 {
+		h.Set("Retry-After", strconv.FormatInt(int64((retryAfter+time.Second-1)/time.Second), 10))
+	}
+	w.WriteHeader(status)
+	_, _ = w.Write(body)
+}

@@ -1,0 +1,183 @@
+package idemhttp
+
+import (
+	"fmt"
+	"log/slog"
+	"net/http"
+	"time"
+)
+
+// Options configure the middleware. The zero value (or nil) gives the
+// defaults of the Idempotency-Key service: POST only, a 1 hour TTL, one
+// shared key space.
+type Options struct {
+	// TTL is how long a completed key is replayed: it expires at
+	// created_at + TTL (created_at is when the first request claimed it; a
+	// retry does not extend it), and a request after that, when
+	// expires_at < now by the engine's clock, runs as new. Default 1 hour.
+	// It is this middleware's own: middlewares with different TTLs can
+	// share one engine.
+	TTL time.Duration
+
+	// Methods the middleware handles (default POST only). Requests with
+	// other methods pass through untouched.
+	Methods []string
+
+	// Principal returns the authenticated identity of the request's caller
+	// (a user id, an API client id: taken from authentication, never from
+	// anything the client chooses). When set, every principal has its own
+	// key space: two users sending the same key never see each other's
+	// responses, and keys listed in Idempotency-Acked-Keys are acked. An
+	// error, or an empty principal, is a 401 (for requests with a key).
+	// When nil, all clients share one key space (see the package
+	// documentation) and acked keys are ignored.
+	Principal func(*http.Request) (string, error)
+
+	// Scope separates this middleware's keys from those of other
+	// middlewares sharing the engine (for example one per API version). At
+	// most 512 bytes. Default empty.
+	Scope string
+
+	// RequireKey makes the key mandatory: a request (with a method in
+	// Methods) without it is a 400 MISSING_IDEMPOTENCY_KEY, as the IETF
+	// Idempotency-Key draft specifies. Default: requests without a key
+	// pass through untouched.
+	RequireKey bool
+
+	// ConflictStatus is the status of IDEMPOTENCY_KEY_CONFLICT: 409 (the
+	// default, the Idempotency-Key service) or 422 (the IETF draft).
+	ConflictStatus int
+
+	// MaxRequestBytes bounds the request body read to fingerprint it
+	// (default 4 MiB); a larger body is a 413 REQUEST_BODY_TOO_LARGE and
+	// the key is not used.
+	MaxRequestBytes int64
+
+	// MaxResponseBytes bounds the stored response body (default 4 MiB; at
+	// most 12 MiB minus 64 KiB, what the engine stores). A handler that
+	// writes more streams its response to the first client and the key is
+	// stored as "not stored": retries get 409 IDEMPOTENCY_RESPONSE_NOT_STORED.
+	MaxResponseBytes int
+
+	// RetryAfter is the Retry-After sent with IDEMPOTENCY_KEY_PROCESSING
+	// and IDEMPOTENCY_STORE_UNAVAILABLE (whole seconds, rounded up;
+	// default 1 second).
+	RetryAfter time.Duration
+
+	// WaitInFlight, when positive, makes a request whose key is being
+	// handled by another request wait up to this long for it (and replay
+	// its response) before answering IDEMPOTENCY_KEY_PROCESSING. Default 0:
+	// answer at once, as the Idempotency-Key service does.
+	WaitInFlight time.Duration
+
+	// MaxAckedKeys bounds the keys accepted in one Idempotency-Acked-Keys
+	// header (default 64, at most 4096; more keys in a request is a 400).
+	// Negative: the header is ignored.
+	MaxAckedKeys int
+
+	// Logger receives the middleware's warnings and errors (a response that
+	// could not be stored, engine failures). Never the request body.
+	// Default slog.Default().
+	Logger *slog.Logger
+}
+
+const (
+	defaultTTL          = time.Hour
+	defaultMaxRequest   = 4 << 20
+	defaultMaxResponse  = 4 << 20
+	maxResponseLimit    = 12<<20 - 64<<10
+	defaultRetryAfter   = time.Second
+	defaultMaxAckedKeys = 64
+	maxScopePrefix      = 512
+	maxAckedLimit       = 4096
+)
+
+type config struct {
+	ttl            time.Duration
+	methods        map[string]bool
+	principal      func(*http.Request) (string, error)
+	prefix         string
+	shared         string // scope of the shared space
+	requireKey     bool
+	conflictStatus int
+	maxRequest     int64
+	maxResponse    int
+	retryAfter     time.Duration
+	waitInFlight   time.Duration
+	maxAcked       int
+	log            *slog.Logger
+}
+
+// newConfig applies the defaults and checks the options; a bad option is a
+// programming error, reported by a panic when the middleware is built (as
+// net/http does for a bad pattern), never at request time.
+func newConfig(o *Options) *config {
+	if o == nil {
+		o = &Options{}
+	}
+	c := &config{
+		ttl:            o.TTL,
+		methods:        make(map[string]bool),
+		principal:      o.Principal,
+		prefix:         o.Scope,
+		requireKey:     o.RequireKey,
+		conflictStatus: o.ConflictStatus,
+		maxRequest:     o.MaxRequestBytes,
+		maxResponse:    o.MaxResponseBytes,
+		retryAfter:     o.RetryAfter,
+		waitInFlight:   o.WaitInFlight,
+		maxAcked:       o.MaxAckedKeys,
+		log:            o.Logger,
+	}
+	switch {
+	case c.ttl < 0:
+		panic(fmt.Sprintf("idemhttp: Options.TTL %v is negative", c.ttl))
+	case c.ttl == 0:
+		c.ttl = defaultTTL
+	}
+	if len(o.Methods) == 0 {
+		c.methods[http.MethodPost] = true
+	}
+	for _, m := range o.Methods {
+		if m == "" {
+			panic("idemhttp: Options.Methods holds an empty method")
+		}
+		c.methods[m] = true
+	}
+	if len(c.prefix) > maxScopePrefix {
+		panic(fmt.Sprintf("idemhttp: Options.Scope of %d bytes exceeds %d", len(c.prefix), maxScopePrefix))
+	}
+	c.shared = ScopeFor(c.prefix, "")
+	switch c.conflictStatus {
+	case 0:
+		c.conflictStatus = http.StatusConflict
+	case http.StatusConflict, http.StatusUnprocessableEntity:
+	default:
+		panic(fmt.Sprintf("idemhttp: Options.ConflictStatus %d: want 409 or 422", c.conflictStatus))
+	}
+	switch {
+	case c.maxRequest < 0:
+		panic(fmt.Sprintf("idemhttp: Options.MaxRequestBytes %d is negative", c.maxRequest))
+	case c.maxRequest == 0:
+		c.maxRequest = defaultMaxRequest
+	}
+	switch {
+	case c.maxResponse < 0 || c.maxResponse > maxResponseLimit:
+		panic(fmt.Sprintf("idemhttp: Options.MaxResponseBytes %d: want 0..%d", c.maxResponse, maxResponseLimit))
+	case c.maxResponse == 0:
+		c.maxResponse = defaultMaxResponse
+	}
+	if c.retryAfter <= 0 {
+		c.retryAfter = defaultRetryAfter
+	}
+	switch {
+	case c.maxAcked == 0:
+		c.maxAcked = defaultMaxAckedKeys
+	case c.maxAcked > maxAckedLimit:
+		panic(fmt.Sprintf("idemhttp: Options.MaxAckedKeys %d exceeds %d (the engine's bound)", c.maxAcked, maxAckedLimit))
+	}
+	if c.log == nil {
+		c.log = slog.Default()
+	}
+	return c
+}

@@ -1,0 +1,142 @@
+package idemprom_test
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/idemdb/idem"
+	"github.com/idemdb/idem/idemprom"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+)
+
+// openWithTraffic opens an engine and makes 2 misses, 3 hits, 1 conflict
+// and 1 in-flight collision.
+func openWithTraffic(t *testing.T) *idem.Engine {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	t.Cleanup(cancel)
+	e, err := idem.Open(t.TempDir(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = e.Close() })
+	fp := []byte("fp-a")
+	for _, id := range []string{"a", "b"} {
+		res, err := e.Begin(ctx, idem.Request{ID: []byte(id), Fingerprint: fp})
+		if err != nil || res.Status != idem.Fresh {
+			t.Fatalf("begin %s: %v %v", id, res.Status, err)
+		}
+		if id == "a" {
+			if err := res.Claim.Commit(ctx, []byte("reply")); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	for range 3 {
+		if res, err := e.Begin(ctx, idem.Request{ID: []byte("a"), Fingerprint: fp}); err != nil || res.Status != idem.Done {
+			t.Fatalf("hit: %v %v", res.Status, err)
+		}
+	}
+	if _, err := e.Begin(ctx, idem.Request{ID: []byte("a"), Fingerprint: []byte("fp-other")}); !errors.Is(err, idem.ErrConflict) {
+		t.Fatalf("conflict: %v", err)
+	}
+	if res, err := e.Begin(ctx, idem.Request{ID: []byte("b"), Fingerprint: fp}); err != nil || res.Status != idem.InFlight {
+		t.Fatalf("collision: %v %v", res.Status, err)
+	}
+	return e
+}
+
+func TestCollectorCounters(t *testing.T) {
+	e := openWithTraffic(t)
+	c := idemprom.NewCollector(e, &idemprom.Options{ConstLabels: prometheus.Labels{"engine": "orders"}})
+	want := `
+# HELP idem_hits_total Begin calls that found the id committed and returned its stored reply (idempotency.hit).
+# TYPE idem_hits_total counter
+idem_hits_total{engine="orders"} 3
+# HELP idem_misses_total Begin calls that claimed a new id (idempotency.miss).
+# TYPE idem_misses_total counter
+idem_misses_total{engine="orders"} 2
+# HELP idem_conflicts_total Begin calls refused because the id was used with another fingerprint (idempotency.conflict).
+# TYPE idem_conflicts_total counter
+idem_conflicts_total{engine="orders"} 1
+# HELP idem_inflight_collisions_total Begin calls that found the id in flight (idempotency.processing_collision).
+# TYPE idem_inflight_collisions_total counter
+idem_inflight_collisions_total{engine="orders"} 1
+# HELP idem_live_entries Entries in the index: ids and sequence-mode clients.
+# TYPE idem_live_entries gauge
+idem_live_entries{engine="orders"} 2
+`
+	// LiveEntries is as of the applied LSN: wait for the applier.
+	deadline := time.Now().Add(10 * time.Second)
+	for e.Stats().AppliedLSN < e.Stats().DurableLSN && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond)
+	}
+	if err := testutil.CollectAndCompare(c, strings.NewReader(want),
+		"idem_hits_total", "idem_misses_total", "idem_conflicts_total", "idem_inflight_collisions_total", "idem_live_entries"); err != nil {
+		t.Fatal(err)
+	}
+	if n := testutil.CollectAndCount(c); n != 30 {
+		t.Fatalf("%d metrics, want 30", n)
+	}
+	problems, err := testutil.CollectAndLint(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range problems {
+		t.Errorf("lint: %s: %s", p.Metric, p.Text)
+	}
+}
+
+// A real scrape of /metrics over loopback.
+func TestScrapeOverHTTP(t *testing.T) {
+	e := openWithTraffic(t)
+	reg := prometheus.NewPedanticRegistry()
+	reg.MustRegister(idemprom.NewCollector(e, nil))
+	srv := httptest.NewServer(promhttp.HandlerFor(reg, promhttp.HandlerOpts{ErrorHandling: promhttp.HTTPErrorOnError}))
+	t.Cleanup(srv.Close)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, srv.URL+"/metrics", nil)
+	resp, err := srv.Client().Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("scrape: %d %v\n%s", resp.StatusCode, err, b)
+	}
+	text := string(b)
+	st := e.Stats()
+	for _, line := range []string{
+		"idem_hits_total 3",
+		"idem_misses_total 2",
+		"idem_conflicts_total 1",
+		"idem_inflight_collisions_total 1",
+		"idem_cleanups_total 0",
+		"# TYPE idem_wal_bytes gauge",
+		"# TYPE idem_last_lsn gauge",
+		"# TYPE idem_durable_lsn gauge",
+		"# TYPE idem_memory_bytes gauge",
+	} {
+		if !strings.Contains(text, line+"\n") {
+			t.Errorf("scrape lacks %q", line)
+		}
+	}
+	if st.WALBytes <= 0 || !strings.Contains(text, "idem_wal_bytes ") {
+		t.Errorf("wal bytes %d not exported", st.WALBytes)
+	}
+	for _, part := range []string{"cache", "pending", "filter", "block_cache", "memtables"} {
+		if !strings.Contains(text, `idem_memory_bytes{part="`+part+`"} `) {
+			t.Errorf("memory part %s not exported", part)
+		}
+	}
+}

@@ -1,0 +1,226 @@
+package idemraft
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"time"
+
+	"github.com/hashicorp/raft"
+	"github.com/idemdb/idem"
+)
+
+// NotLeaderError: the node asked is not the leader. Leader is the leader's
+// id when the node knows it (empty during an election).
+type NotLeaderError struct {
+	Node, Leader raft.ServerID
+}
+
+func (e *NotLeaderError) Error() string {
+	if e.Leader == "" {
+		return fmt.Sprintf("idemraft: node %s is not the leader (leader unknown)", e.Node)
+	}
+	return fmt.Sprintf("idemraft: node %s is not the leader (leader: %s)", e.Node, e.Leader)
+}
+
+// Is makes errors.Is(err, raft.ErrNotLeader) true.
+func (e *NotLeaderError) Is(target error) bool { return target == raft.ErrNotLeader }
+
+// Submit handles one command (built by Command) on the node r whose FSM is
+// f, as a leader does:
+//
+//   - not the leader: *NotLeaderError, nothing appended;
+//   - a committed request with the same fingerprint: its stored reply from
+//     f's local set (Response.Duplicate), without a log append (see the
+//     package documentation, "Answering from the local set");
+//   - otherwise the command is appended with raft's Apply and the Response
+//     of its application is returned.
+//
+// Errors other than a *Response's Err mean the outcome is unknown (the
+// entry may or may not be committed: raft.ErrLeadershipLost, a timeout):
+// retry the same command, on the leader, until a Response comes back.
+// Client does that.
+func Submit(ctx context.Context, r *raft.Raft, f *FSM, cmd []byte) (*Response, error) {
+	d, err := decodeCommand(cmd)
+	if err != nil {
+		return nil, err
+	}
+	if r.State() != raft.Leader {
+		_, id := r.LeaderWithID()
+		return nil, &NotLeaderError{Leader: id}
+	}
+	if d.kind == kindCommand {
+		if resp, ok := f.Lookup(d.req); ok {
+			return resp, nil
+		}
+	}
+	timeout := 10 * time.Second
+	if dl, ok := ctx.Deadline(); ok {
+		timeout = time.Until(dl)
+		if timeout <= 0 {
+			return nil, context.DeadlineExceeded
+		}
+	}
+	fut := r.Apply(cmd, timeout)
+	// raft's timeout bounds only the enqueueing, and a future whose node is
+	// shut down between commit and apply is never answered: wait under ctx.
+	done := make(chan error, 1)
+	go func() { done <- fut.Error() }()
+	select {
+	case err = <-done:
+	case <-ctx.Done():
+		return nil, fmt.Errorf("idemraft: waiting for the entry to be applied: %w (outcome unknown: retry the same command)", ctx.Err())
+	}
+	if err != nil {
+		if errors.Is(err, raft.ErrNotLeader) {
+			_, id := r.LeaderWithID()
+			return nil, &NotLeaderError{Leader: id}
+		}
+		return nil, err
+	}
+	switch v := fut.Response().(type) {
+	case *Response:
+		return v, nil
+	case error:
+		return nil, v
+	default:
+		return nil, fmt.Errorf("idemraft: unexpected apply response %T (is the FSM wrapped?)", v)
+	}
+}
+
+// Node is one raft server as a Client reaches it: in this process
+// (LocalNode) or over HTTP (HTTPNode).
+type Node interface {
+	// ID is the node's raft server id.
+	ID() raft.ServerID
+	// Submit handles a command as the package-level Submit does. A
+	// *NotLeaderError says where to go; any other error is retried.
+	Submit(ctx context.Context, cmd []byte) (*Response, error)
+}
+
+// LocalNode is a Node for a raft server in this process.
+func LocalNode(id raft.ServerID, r *raft.Raft, f *FSM) Node { return &localNode{id, r, f} }
+
+type localNode struct {
+	id raft.ServerID
+	r  *raft.Raft
+	f  *FSM
+}
+
+func (n *localNode) ID() raft.ServerID { return n.id }
+func (n *localNode) Submit(ctx context.Context, cmd []byte) (*Response, error) {
+	resp, err := Submit(ctx, n.r, n.f, cmd)
+	var nl *NotLeaderError
+	if errors.As(err, &nl) {
+		nl.Node = n.id
+	}
+	return resp, err
+}
+
+// Client sends requests to the leader of a cluster, follows leader
+// changes and retries with the same request until it gets the reply: a
+// retry of a request that was applied already gets the stored reply, so
+// the operation runs once however often it is sent. It is safe for
+// concurrent use.
+type Client struct {
+	nodes []Node
+	byID  map[raft.ServerID]int
+
+	// Attempt bounds one attempt at one node (default 5 s); Do as a whole
+	// is bounded by its context only.
+	Attempt time.Duration
+	// MinBackoff and MaxBackoff bound the pause between attempts
+	// (defaults 5 ms and 500 ms; it doubles, with jitter, while no node
+	// answers).
+	MinBackoff, MaxBackoff time.Duration
+
+	mu     sync.Mutex
+	leader int
+}
+
+// NewClient returns a Client for the given nodes.
+func NewClient(nodes ...Node) *Client {
+	c := &Client{nodes: nodes, byID: map[raft.ServerID]int{}}
+	for i, n := range nodes {
+		c.byID[n.ID()] = i
+	}
+	return c
+}
+
+// Do sends req with op and returns the Response of its (single)
+// application. It retries, with the same command, until a node answers
+// or ctx ends; then it returns ctx's error together with the last error
+// seen. ErrInvalidCommand and idem.ErrInvalidRequest are not retried.
+func (c *Client) Do(ctx context.Context, req idem.Request, op []byte) (*Response, error) {
+	cmd, err := Command(req, op)
+	if err != nil {
+		return nil, err
+	}
+	return c.DoCommand(ctx, cmd)
+}
+
+// DoCommand is Do for a command built already (by Command or
+// ForgetCommand).
+func (c *Client) DoCommand(ctx context.Context, cmd []byte) (*Response, error) {
+	if len(c.nodes) == 0 {
+		return nil, errors.New("idemraft: Client has no nodes")
+	}
+	attempt := c.Attempt
+	if attempt <= 0 {
+		attempt = 5 * time.Second
+	}
+	minB, maxB := c.MinBackoff, c.MaxBackoff
+	if minB <= 0 {
+		minB = 5 * time.Millisecond
+	}
+	if maxB < minB {
+		maxB = max(500*time.Millisecond, minB)
+	}
+	backoff := minB
+	var last error
+	c.mu.Lock()
+	i := c.leader
+	c.mu.Unlock()
+	for {
+		if err := ctx.Err(); err != nil {
+			if last == nil {
+				return nil, err
+			}
+			return nil, fmt.Errorf("%w (last error: %v)", err, last)
+		}
+		actx, cancel := context.WithTimeout(ctx, attempt)
+		resp, err := c.nodes[i].Submit(actx, cmd)
+		cancel()
+		if err == nil {
+			c.mu.Lock()
+			c.leader = i
+			c.mu.Unlock()
+			return resp, nil
+		}
+		if errors.Is(err, ErrInvalidCommand) || errors.Is(err, idem.ErrInvalidRequest) {
+			return nil, err
+		}
+		last = err
+		var nl *NotLeaderError
+		if errors.As(err, &nl) && nl.Leader != "" {
+			if j, ok := c.byID[nl.Leader]; ok && j != i {
+				i = j // go straight to the leader it names
+				backoff = minB
+			} else {
+				i = (i + 1) % len(c.nodes)
+			}
+		} else {
+			i = (i + 1) % len(c.nodes)
+		}
+		pause := backoff/2 + rand.N(backoff/2+1)
+		backoff = min(backoff*2, maxB)
+		t := time.NewTimer(pause)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+		case <-t.C:
+		}
+	}
+}

@@ -1,0 +1,277 @@
+package idemraft
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+	"github.com/hashicorp/raft"
+	"github.com/idemdb/idem"
+)
+
+// tnode is one raft server of an in-process test cluster. Its stores
+// survive restarts; its FSM, raft and transport are made anew.
+type tnode struct {
+	id    raft.ServerID
+	addr  raft.ServerAddress
+	store *raft.InmemStore // log and stable store
+	snaps raft.SnapshotStore
+	dir   string
+
+	mu      sync.Mutex // guards the fields below
+	trans   *raft.InmemTransport
+	app     *counterFSM
+	fsm     *FSM
+	r       *raft.Raft
+	up      bool
+	restart int // incarnations
+}
+
+type clusterOpts struct {
+	wrap              bool // wrap the FSM (false: the bare application, for the benchmark)
+	snapshotThreshold uint64
+	trailingLogs      uint64
+	timeout           time.Duration // heartbeat and election timeout (default 150 ms)
+	engine            *idem.Options // dedup engine options (default: small, for tests)
+}
+
+type cluster struct {
+	t     testing.TB
+	o     clusterOpts
+	base  string
+	mu    sync.Mutex // guards nodes and the transports' connections
+	nodes []*tnode
+	cut   map[raft.ServerID]bool // partitioned nodes
+}
+
+func raftConfig(id raft.ServerID, o clusterOpts) *raft.Config {
+	c := raft.DefaultConfig()
+	c.LocalID = id
+	c.HeartbeatTimeout = 150 * time.Millisecond
+	if o.timeout > 0 {
+		c.HeartbeatTimeout = o.timeout
+	}
+	c.ElectionTimeout = c.HeartbeatTimeout
+	c.LeaderLeaseTimeout = c.HeartbeatTimeout * 2 / 3
+	c.CommitTimeout = 2 * time.Millisecond
+	c.SnapshotInterval = 200 * time.Millisecond
+	c.SnapshotThreshold = o.snapshotThreshold
+	if c.SnapshotThreshold == 0 {
+		c.SnapshotThreshold = 1 << 40
+	}
+	c.TrailingLogs = o.trailingLogs
+	if c.TrailingLogs == 0 {
+		c.TrailingLogs = 10240
+	}
+	c.Logger = hclog.New(&hclog.LoggerOptions{Name: string(id), Output: io.Discard, Level: hclog.Off})
+	return c
+}
+
+// newCluster starts n voters and waits for a leader.
+func newCluster(t testing.TB, n int, o clusterOpts) *cluster {
+	c := &cluster{t: t, o: o, base: t.TempDir(), cut: map[raft.ServerID]bool{}}
+	var servers []raft.Server
+	for i := 0; i < n; i++ {
+		nd := c.addNode()
+		servers = append(servers, raft.Server{ID: nd.id, Address: nd.addr})
+	}
+	for _, nd := range c.nodes {
+		if err := raft.BootstrapCluster(raftConfig(nd.id, o), nd.store, nd.store, nd.snaps, nd.trans, raft.Configuration{Servers: servers}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, nd := range c.nodes {
+		c.start(nd)
+	}
+	t.Cleanup(c.shutdown)
+	c.waitLeader(10 * time.Second)
+	return c
+}
+
+// addNode makes a node with empty stores, connected, not started.
+func (c *cluster) addNode() *tnode {
+	i := len(c.nodes) + 1
+	nd := &tnode{id: raft.ServerID(fmt.Sprintf("n%d", i)), addr: raft.ServerAddress(fmt.Sprintf("inmem-n%d", i)), store: raft.NewInmemStore()}
+	nd.dir = filepath.Join(c.base, string(nd.id), "dedup")
+	snaps, err := raft.NewFileSnapshotStoreWithLogger(filepath.Join(c.base, string(nd.id), "snapshots"), 2, hclog.NewNullLogger())
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	nd.snaps = snaps
+	_, nd.trans = raft.NewInmemTransport(nd.addr)
+	c.mu.Lock()
+	for _, o := range c.nodes {
+		o.mu.Lock()
+		nd.trans.Connect(o.addr, o.trans)
+		o.trans.Connect(nd.addr, nd.trans)
+		o.mu.Unlock()
+	}
+	c.nodes = append(c.nodes, nd)
+	c.mu.Unlock()
+	return nd
+}
+
+// start runs a new incarnation of nd on its stores.
+func (c *cluster) start(nd *tnode) {
+	nd.mu.Lock()
+	defer nd.mu.Unlock()
+	app := newCounterFSM()
+	var fsm raft.FSM = app
+	var w *FSM
+	if c.o.wrap {
+		var err error
+		eo := testEngineOptions()
+		if c.o.engine != nil {
+			eo = *c.o.engine
+		}
+		w, err = Wrap(app, &Options{Dir: nd.dir, Engine: eo})
+		if err != nil {
+			c.t.Fatal(err)
+		}
+		fsm = w
+	}
+	r, err := raft.NewRaft(raftConfig(nd.id, c.o), fsm, nd.store, nd.store, nd.snaps, nd.trans)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	nd.app, nd.fsm, nd.r, nd.up = app, w, r, true
+	nd.restart++
+}
+
+// stop shuts nd down (its stores stay) and gives it a fresh transport,
+// connected, for its next start.
+func (c *cluster) stop(nd *tnode) {
+	nd.mu.Lock()
+	if !nd.up {
+		nd.mu.Unlock()
+		return
+	}
+	nd.up = false
+	r, w := nd.r, nd.fsm
+	nd.mu.Unlock()
+	if err := r.Shutdown().Error(); err != nil {
+		c.t.Errorf("shutdown %s: %v", nd.id, err)
+	}
+	if w != nil {
+		if err := w.Close(); err != nil {
+			c.t.Errorf("close %s: %v", nd.id, err)
+		}
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	nd.mu.Lock()
+	nd.trans.Close()
+	_, nd.trans = raft.NewInmemTransport(nd.addr)
+	nd.mu.Unlock()
+	for _, o := range c.nodes {
+		if o == nd {
+			continue
+		}
+		o.mu.Lock()
+		if !c.cut[o.id] && !c.cut[nd.id] {
+			nd.trans.Connect(o.addr, o.trans)
+			o.trans.Connect(nd.addr, nd.trans)
+		}
+		o.mu.Unlock()
+	}
+}
+
+// partition cuts nd off from every other node (both directions), or heals it.
+func (c *cluster) partition(nd *tnode, cut bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.cut[nd.id] = cut
+	for _, o := range c.nodes {
+		if o == nd {
+			continue
+		}
+		nd.mu.Lock()
+		o.mu.Lock()
+		if cut {
+			nd.trans.Disconnect(o.addr)
+			o.trans.Disconnect(nd.addr)
+		} else if !c.cut[o.id] {
+			nd.trans.Connect(o.addr, o.trans)
+			o.trans.Connect(nd.addr, nd.trans)
+		}
+		o.mu.Unlock()
+		nd.mu.Unlock()
+	}
+}
+
+func (c *cluster) shutdown() {
+	c.mu.Lock()
+	nodes := append([]*tnode(nil), c.nodes...)
+	c.mu.Unlock()
+	for _, nd := range nodes {
+		c.stop(nd)
+	}
+}
+
+func (nd *tnode) current() (*raft.Raft, *FSM, *counterFSM, bool) {
+	nd.mu.Lock()
+	defer nd.mu.Unlock()
+	return nd.r, nd.fsm, nd.app, nd.up
+}
+
+// leader returns the node that is leader now, or nil.
+func (c *cluster) leader() *tnode {
+	c.mu.Lock()
+	nodes := append([]*tnode(nil), c.nodes...)
+	c.mu.Unlock()
+	for _, nd := range nodes {
+		if r, _, _, up := nd.current(); up && r.State() == raft.Leader && !c.isCut(nd) {
+			return nd
+		}
+	}
+	return nil
+}
+
+func (c *cluster) isCut(nd *tnode) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.cut[nd.id]
+}
+
+func (c *cluster) waitLeader(d time.Duration) *tnode {
+	deadline := time.Now().Add(d)
+	for time.Now().Before(deadline) {
+		if l := c.leader(); l != nil {
+			return l
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	c.t.Fatalf("no leader within %v", d)
+	return nil
+}
+
+// clusterNode is the Client's view of a test node: the incarnation that
+// runs now, or an error while it is down.
+type clusterNode struct{ nd *tnode }
+
+var errNodeDown = errors.New("node is down")
+
+func (n clusterNode) ID() raft.ServerID { return n.nd.id }
+func (n clusterNode) Submit(ctx context.Context, cmd []byte) (*Response, error) {
+	r, f, _, up := n.nd.current()
+	if !up {
+		return nil, errNodeDown
+	}
+	return LocalNode(n.nd.id, r, f).Submit(ctx, cmd)
+}
+
+func (c *cluster) client() *Client {
+	var nodes []Node
+	for _, nd := range c.nodes {
+		nodes = append(nodes, clusterNode{nd})
+	}
+	cl := NewClient(nodes...)
+	cl.Attempt = 2 * time.Second
+	return cl
+}

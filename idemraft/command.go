@@ -1,0 +1,179 @@
+package idemraft
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/idemdb/idem"
+	"github.com/vmihailenco/msgpack/v5"
+)
+
+// commandMagic starts the data of every log entry written by Command or
+// ForgetCommand. 0xC1 is the one byte msgpack never uses, and no JSON, text
+// or common binary format starts with these eight bytes: an application's
+// own entries pass through untouched unless they begin with exactly this.
+const commandMagic = "\xc1idemraf"
+
+const (
+	kindCommand byte = 1
+	kindForget  byte = 2
+)
+
+// MaxCommandSize bounds a log entry built by Command (64 MiB), far above
+// what a raft entry should carry, so that a corrupt length can never make
+// the decoder allocate without bound.
+const MaxCommandSize = 64 << 20
+
+var (
+	// ErrInvalidCommand: a log entry starts like an idemraft command but
+	// cannot be decoded (wrong version, truncated, malformed). The wrapped
+	// FSM is not called; every replica returns the same error.
+	ErrInvalidCommand = errors.New("idemraft: invalid command entry")
+	// ErrReplyTooLarge: the wrapped FSM's reply exceeded the engine's reply
+	// limit (idem.Options.MaxReplySize). The operation ran and counts as
+	// done; its reply is not kept, and retries get this error.
+	ErrReplyTooLarge = errors.New("idemraft: reply too large to keep")
+	// ErrUnsupportedResult: the wrapped FSM's Apply returned something other
+	// than []byte, string, nil or an error for a command. The operation ran
+	// and counts as done; retries get this error.
+	ErrUnsupportedResult = errors.New("idemraft: FSM.Apply returned an unsupported result type")
+)
+
+// wireCommand is the body of a command entry (a msgpack array; fields are
+// only ever appended).
+type wireCommand struct {
+	_msgpack    struct{} `msgpack:",as_array"`
+	Scope       string
+	ID          []byte
+	Client      string
+	Seq         uint64
+	Fingerprint []byte
+	Acked       [][]byte
+	TTL         int64 // nanoseconds
+	Op          []byte
+}
+
+// Command returns the data of a raft log entry that carries req (id or
+// client and sequence number, scope, fingerprint, acked ids, TTL) and the
+// application's operation op. Submit it with raft's Apply; the wrapped
+// FSM's Apply receives op as Log.Data the first time the request is
+// applied, and never again.
+//
+// It refuses requests the engine would refuse whatever its state (neither
+// or both of ID and Client/Seq), so a malformed request never costs a log
+// append.
+func Command(req idem.Request, op []byte) ([]byte, error) {
+	if err := checkRequest(req); err != nil {
+		return nil, err
+	}
+	c := wireCommand{
+		Scope: req.Scope, ID: req.ID, Client: req.Client, Seq: req.Seq,
+		Fingerprint: req.Fingerprint, Acked: req.Acked, TTL: int64(req.TTL), Op: op,
+	}
+	var buf bytes.Buffer
+	buf.Grow(len(commandMagic) + 1 + len(op) + len(req.ID) + 64)
+	buf.WriteString(commandMagic)
+	buf.WriteByte(kindCommand)
+	if err := msgpack.NewEncoder(&buf).Encode(&c); err != nil {
+		return nil, fmt.Errorf("idemraft: encode command: %w", err)
+	}
+	if buf.Len() > MaxCommandSize {
+		return nil, fmt.Errorf("%w: command of %d bytes exceeds %d", idem.ErrInvalidRequest, buf.Len(), MaxCommandSize)
+	}
+	return buf.Bytes(), nil
+}
+
+func checkRequest(req idem.Request) error {
+	hasID := len(req.ID) > 0
+	hasSeq := req.Client != "" || req.Seq != 0
+	switch {
+	case hasID && hasSeq:
+		return fmt.Errorf("%w: give either ID or Client and Seq, not both", idem.ErrInvalidRequest)
+	case !hasID && !hasSeq:
+		return fmt.Errorf("%w: give ID, or Client and Seq", idem.ErrInvalidRequest)
+	case hasSeq && (req.Client == "" || req.Seq == 0):
+		return fmt.Errorf("%w: sequence mode needs both Client and Seq (>= 1)", idem.ErrInvalidRequest)
+	case req.TTL < 0:
+		return fmt.Errorf("%w: negative TTL", idem.ErrInvalidRequest)
+	}
+	return nil
+}
+
+// ForgetCommand returns the data of a log entry holding the
+// administrator's tombstone "forget every reply committed before before"
+// (idem.Engine.Forget). Every replica applies it at the same point of the
+// log, so they all drop the same ids. The times compared are the log
+// entries' AppendedAt, never a replica's clock.
+func ForgetCommand(before time.Time) []byte {
+	b := make([]byte, 0, len(commandMagic)+1+9)
+	b = append(b, commandMagic...)
+	b = append(b, kindForget)
+	enc, _ := msgpack.Marshal(before.UnixNano()) // an int64 always encodes
+	return append(b, enc...)
+}
+
+// IsCommand reports whether data is a log entry written by Command or
+// ForgetCommand (its first bytes; it is not decoded).
+func IsCommand(data []byte) bool {
+	return len(data) > len(commandMagic) && string(data[:len(commandMagic)]) == commandMagic
+}
+
+// decoded is a command entry after decoding.
+type decoded struct {
+	kind   byte
+	req    idem.Request
+	op     []byte
+	before time.Time
+}
+
+func decodeCommand(data []byte) (decoded, error) {
+	if !IsCommand(data) {
+		return decoded{}, fmt.Errorf("%w: missing the idemraft prefix", ErrInvalidCommand)
+	}
+	if len(data) > MaxCommandSize+1024 {
+		return decoded{}, fmt.Errorf("%w: %d bytes", ErrInvalidCommand, len(data))
+	}
+	kind := data[len(commandMagic)]
+	body := data[len(commandMagic)+1:]
+	switch kind {
+	case kindCommand:
+		var c wireCommand
+		if err := unmarshalStrict(body, &c); err != nil {
+			return decoded{}, fmt.Errorf("%w: %v", ErrInvalidCommand, err)
+		}
+		req := idem.Request{Scope: c.Scope, ID: c.ID, Client: c.Client, Seq: c.Seq, Fingerprint: c.Fingerprint, Acked: c.Acked}
+		req.TTL = time.Duration(c.TTL)
+		if err := checkRequest(req); err != nil {
+			return decoded{}, fmt.Errorf("%w: %v", ErrInvalidCommand, err)
+		}
+		return decoded{kind: kind, req: req, op: c.Op}, nil
+	case kindForget:
+		var ns int64
+		if err := unmarshalStrict(body, &ns); err != nil {
+			return decoded{}, fmt.Errorf("%w: forget: %v", ErrInvalidCommand, err)
+		}
+		return decoded{kind: kind, before: time.Unix(0, ns)}, nil
+	default:
+		return decoded{}, fmt.Errorf("%w: unknown kind %d (written by a newer idemraft?)", ErrInvalidCommand, kind)
+	}
+}
+
+// unmarshalStrict decodes exactly one msgpack value filling all of b.
+func unmarshalStrict(b []byte, v any) (err error) {
+	defer func() {
+		if r := recover(); r != nil { // the decoder must never take a replica down
+			err = fmt.Errorf("decoder panic: %v", r)
+		}
+	}()
+	r := bytes.NewReader(b)
+	d := msgpack.NewDecoder(r)
+	if err := d.Decode(v); err != nil {
+		return err
+	}
+	if r.Len() != 0 {
+		return fmt.Errorf("%d trailing bytes", r.Len())
+	}
+	return nil
+}

@@ -1,0 +1,139 @@
+// Package idemraft adds exactly-once request handling to any
+// github.com/hashicorp/raft state machine.
+//
+// Every operation is logged with its request id (or its client and
+// sequence number) and the ids of the client's earlier requests whose
+// replies it has received; each replica keeps the set of committed ids, in
+// an idem engine beside the application's FSM and in the raft snapshots;
+// an administrator appends "forget every id older than T" to the log. An
+// existing raft application adopts it by wrapping its FSM:
+//
+//	fsm, err := idemraft.Wrap(myFSM, &idemraft.Options{Dir: "/var/lib/app/dedup"})
+//	r, err := raft.NewRaft(conf, fsm, logStore, stableStore, snapshots, transport)
+//
+//	cmd, err := idemraft.Command(idem.Request{ID: requestID, Acked: ackedIDs}, op)
+//	resp := r.Apply(cmd, timeout).Response().(*idemraft.Response)
+//
+// or, following leader changes and retrying until the reply comes back:
+//
+//	client := idemraft.NewClient(nodes...) // LocalNode, HTTPNode
+//	resp, err := client.Do(ctx, idem.Request{ID: requestID}, op)
+//
+// # Applying a command
+//
+// The wrapped FSM's Apply runs on raft's FSM goroutine, one entry at a
+// time. For a Command entry it calls the engine's Begin with the request;
+// a new request runs the application's Apply with the operation as
+// Log.Data (index, term, type and times of the original entry), and the
+// result ([]byte, a string, nil or an error) is committed as the request's
+// reply in the same Apply. A request committed already gets its stored
+// reply (Response.Duplicate) and the application is not called: two
+// appends of one request (a retry that reached the log before the first
+// was applied) run once. Acked ids are removed in the same Apply. In
+// sequence mode (Client and Seq) the engine's rules and errors apply:
+// *idem.SequenceGapError, idem.ErrAlreadyCommitted, idem.ErrConflict come
+// back in Response.Err. Entries that are not commands (their data does not
+// start with the command prefix) go to the application untouched.
+//
+// An error returned by the application is committed as the reply, not
+// aborted: the operation ran (a deterministic FSM fails the same way on
+// every replica, maybe after changing its state), so a retry must get the
+// same error rather than run again. It comes back as *AppError.
+//
+// No claim stays open across entries, so a request is never "in flight"
+// between Applies, and nothing is ever in doubt after a crash.
+//
+// # Time
+//
+// Every time decision (commit time, per-request TTL and Retention expiry,
+// the forget tombstone, leases) is made with the engine clock
+// (idem.Options.Clock), and idemraft gives the engine a clock that returns
+// the AppendedAt of the entry being applied: the largest AppendedAt seen
+// so far, so that a new leader whose clock is behind never moves it back.
+// Its value is part of the snapshot. Every replica therefore sees the
+// same times after the same entries and keeps the same set; the local
+// clock decides nothing. (Raft calls Apply, Snapshot and Restore from one
+// goroutine; the clock is an atomic so that the engine's background work
+// and Lookup read it safely.)
+//
+// # The dedup directory is derived state
+//
+// Raft rebuilds a restarted node's state from its snapshot store and log:
+// it restores the newest snapshot (or starts from an empty FSM if there is
+// none) and applies the log after it. The dedup set must follow the same
+// path, or a request already in the node's dedup directory would not reach
+// the fresh application FSM during the replay. So Wrap empties Options.Dir
+// (refusing a directory it did not create) and starts an empty engine; a
+// snapshot's Restore replaces it. The directory is never read at start, so
+// no fsync of it protects anything: the raft log store is what makes a
+// committed entry durable. Claims are relaxed (RelaxedClaims), and the
+// engine's WAL is fsynced once a second in the background
+// (idem.SyncInterval) only because the engine holds entries in memory
+// until their record is fsynced and then moves them into its index in one
+// batch: with idem.SyncNever a whole WAL segment's worth would stay in
+// memory (measured: 1 s costs no more per Apply than SyncNever, 100 ms
+// costs 2.5x). A dedup set larger than memory is fine: the
+// engine keeps it in Pebble, snapshots stream it out chunk by chunk, and
+// Restore streams it back in (idem.Restore); it is never read whole into
+// memory. The cost is that a restart rebuilds the set from the snapshot,
+// as raft rebuilds the application's state.
+//
+// # Snapshots
+//
+// Snapshot (between two Applies) takes the application's FSMSnapshot and a
+// point-in-time image of the dedup set (idem.Engine.SnapshotImage: the
+// engine writes out its last records and takes a Pebble snapshot, no copy)
+// at the same log index. Persist, concurrent with later
+// Applies, streams one container: a header, a meta section (log index,
+// clock), the dedup set in idem's checksummed snapshot format, and exactly
+// the bytes the application's Persist wrote; each section is framed in
+// crc32c-checked chunks with a length and checksum at its end. Restore
+// discards everything and loads both, all or nothing: the dedup set is
+// restored into a new directory beside the current one, the application's
+// part is copied to a temporary file while every chunk is checked, and only
+// when the whole snapshot is verified does the application's Restore read
+// exactly its bytes and the new directory replace the old one. A truncated
+// or damaged snapshot returns ErrCorruptSnapshot (or idem.ErrCorrupt) and
+// changes nothing.
+//
+// # Answering from the local set
+//
+// Submit (and so Handler and Client) answers a request that the leader's
+// set holds as committed, with a matching fingerprint, from that set
+// without appending anything to the log. This is safe without a read
+// barrier (raft.VerifyLeader) or a lease, and on a deposed leader too:
+//
+//   - the set only ever holds requests whose entries were committed by the
+//     cluster and applied in log order: a node's applied state is a prefix
+//     of the one committed log, whatever it believes about its leadership;
+//   - a committed request's reply never changes afterwards; every replica
+//     computed the same one at the same log position;
+//   - the request took effect at that log position, which lies after the
+//     client first sent it and before this answer: a linearization point
+//     inside the operation's interval. Reads of other state are not what
+//     is answered here; only the request's own outcome.
+//
+// What a stale node can do is miss a change that removed the id (an ack,
+// a forget, a TTL): it then returns the reply of the one execution instead
+// of running the request again, which the removal allows but never
+// requires; it never runs anything twice. A request it does not hold as
+// committed (unknown, other fingerprint, no kept reply) goes through the
+// log, where the answer is decided in order.
+//
+// # Failures
+//
+// A failure of the dedup engine (a disk error) stops the FSM: that entry
+// and all later ones return the error (Err reports it) and the application
+// is not called, so its state stays a prefix of the log rather than
+// diverging. Restart the node: Wrap rebuilds the set from raft's snapshot
+// and log.
+//
+// Every replica must use the same Options.Engine limits that decide
+// answers (Retention, MaxIDLen, MaxReplySize); MaxEntries is refused,
+// because capacity eviction is timed by each node, not by the log.
+//
+// raft.Config.NoSnapshotRestoreOnStart is not supported: it is meant for
+// applications whose state survives restarts on its own, while the dedup
+// set is rebuilt from the snapshot at every start, so the two would
+// disagree. The default (restore on start) is what idemraft needs.
+package idemraft

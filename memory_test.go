@@ -1,0 +1,88 @@
+package idem
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/cockroachdb/pebble/v2/vfs"
+)
+
+// TestMemoryBudgetHonoured: with a 64 MiB budget, the memory the engine
+// accounts for (Stats.Memory) never exceeds the budget while 100,000 fresh
+// requests fill every part (in-memory table, pending sets, key filter,
+// block cache, memtables), and a smaller budget still serves every request.
+func TestMemoryBudgetHonoured(t *testing.T) {
+	const budget = 64 << 20
+	e := openMem(t, vfs.NewMem(), &Options{MemoryBudget: budget})
+	defer e.Close()
+	var (
+		peak    atomic.Int64
+		peakAt  atomic.Pointer[MemoryStats]
+		stop    = make(chan struct{})
+		sampler sync.WaitGroup
+	)
+	sample := func() {
+		m := e.Stats().Memory
+		if m.Budget != budget {
+			t.Errorf("Stats.Memory.Budget %d", m.Budget)
+		}
+		if m.Total > peak.Load() {
+			peak.Store(m.Total)
+			peakAt.Store(&m)
+		}
+	}
+	sampler.Add(1)
+	go func() {
+		defer sampler.Done()
+		for {
+			select {
+			case <-stop:
+				return
+			case <-time.After(5 * time.Millisecond):
+				sample()
+			}
+		}
+	}()
+	const n, workers = 100_000, 16
+	reply := make([]byte, 128)
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := w; i < n; i += workers {
+				r := Request{ID: []byte(fmt.Sprintf("budget-%010d", i))}
+				if _, err := e.Do(bg, r, func(context.Context) ([]byte, error) { return reply, nil }); err != nil {
+					t.Error(err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	// Lookups of committed ids fill the block cache and the table.
+	for i := 0; i < n; i += 7 {
+		if l, err := e.Lookup("", []byte(fmt.Sprintf("budget-%010d", i))); err != nil || l.Status != Done {
+			t.Fatalf("lookup %d: %v %v", i, l.Status, err)
+		}
+	}
+	waitApplied(t, e)
+	sample()
+	close(stop)
+	sampler.Wait()
+	m := peakAt.Load()
+	t.Logf("peak accounted memory %d MiB of a %d MiB budget: %+v", peak.Load()>>20, budget>>20, *m)
+	if peak.Load() > budget {
+		t.Fatalf("accounted memory %d exceeds the budget %d: %+v", peak.Load(), budget, *m)
+	}
+	if m.Cache > budget/8+(1<<20) {
+		t.Fatalf("in-memory table %d over its share %d", m.Cache, budget/8)
+	}
+	if st := e.Stats(); st.LiveEntries != n {
+		t.Fatalf("live entries %d", st.LiveEntries)
+	}
+}
