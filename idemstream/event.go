@@ -193,7 +193,7 @@ func encodeEventRecord(r *eventRecord) ([]byte, error) {
 
 func decodeEventRecord(scope string, id, b []byte) (*eventRecord, error) {
 	var r eventRecord
-	if err := msgpack.Unmarshal(b, &r); err != nil {
+	if err := unmarshal(b, &r); err != nil {
 		return nil, fmt.Errorf("%w: event %q in scope %q: %v", ErrCorruptRecord, id, scope, err)
 	}
 	if r.Version != eventRecordVersion {
@@ -247,7 +247,7 @@ func unseal(b []byte, maxBody int, v any) error {
 	if crc32.Checksum(body, castagnoli) != binary.BigEndian.Uint32(b[9:13]) {
 		return fmt.Errorf("%w: record checksum mismatch", ErrCorruptRecord)
 	}
-	if err := msgpack.Unmarshal(body, v); err != nil {
+	if err := unmarshal(body, v); err != nil {
 		return fmt.Errorf("%w: record body: %v", ErrCorruptRecord, err)
 	}
 	return nil

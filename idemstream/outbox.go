@@ -111,7 +111,7 @@ func outboxID(sink string, id []byte, i int) ([]byte, string) {
 
 func parseOutboxID(b []byte) (sink string, id []byte, i int, err error) {
 	var v []any
-	if err := msgpack.Unmarshal(b, &v); err != nil || len(v) != 3 {
+	if err := unmarshal(b, &v); err != nil || len(v) != 3 {
 		return "", nil, 0, fmt.Errorf("%w: outbox id %q", ErrCorruptRecord, b)
 	}
 	sink, ok1 := v[0].(string)

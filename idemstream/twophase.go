@@ -254,7 +254,7 @@ func (t *TwoPhase[Txn]) decodeHandle(h []byte, k uint64) (Txn, error) {
 	if len(h) > t.opts.MaxHandleSize {
 		return txn, fmt.Errorf("%w: two-phase %q: checkpoint %d: transaction handle of %d bytes exceeds the bound %d", ErrCorruptRecord, t.name, k, len(h), t.opts.MaxHandleSize)
 	}
-	if err := msgpack.Unmarshal(h, &txn); err != nil {
+	if err := unmarshal(h, &txn); err != nil {
 		return txn, fmt.Errorf("%w: two-phase %q: checkpoint %d: transaction handle: %v", ErrCorruptRecord, t.name, k, err)
 	}
 	return txn, nil
