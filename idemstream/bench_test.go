@@ -1,0 +1,160 @@
+package idemstream
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/idemdb/idem"
+)
+
+// The benchmarks move b.N events from an in-memory stream into an
+// in-memory ledger, acknowledging each after its effect: without idem, through
+// the idempotent sink, and through the two-phase path (one checkpoint per
+// batch), with idem on disk (b.TempDir) and fsync before acknowledging
+// (SyncAlways, the default). They report events/s.
+
+func benchEvents(n int) []Event {
+	evs := make([]Event, n)
+	for i := range evs {
+		evs[i] = Event{ID: []byte(fmt.Sprintf("bench-%09d", i)), Partition: "p", Offset: uint64(i + 1), Payload: []byte("amount=100")}
+	}
+	return evs
+}
+
+func reportRate(b *testing.B, start time.Time) {
+	b.ReportMetric(float64(b.N)/time.Since(start).Seconds(), "events/s")
+}
+
+// reportRecords reports the engine records (each fsynced, shared through
+// group commit) written per event: a figure that does not depend on the
+// disk.
+func reportRecords(b *testing.B, e *idem.Engine, before uint64) {
+	b.ReportMetric(float64(e.Stats().LastLSN-before)/float64(b.N), "records/event")
+}
+
+func benchEngine(b *testing.B) *idem.Engine {
+	e, err := idem.Open(b.TempDir(), nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { e.Close() })
+	return e
+}
+
+// BenchmarkConsumeNoIdem: the same loop (fetch, run the effect, ack) with
+// no idem at all: at-least-once.
+func BenchmarkConsumeNoIdem(b *testing.B) {
+	w := newWorld()
+	br := newMemBroker(w, benchEvents(b.N))
+	l := newLedger(w)
+	ctx := context.Background()
+	b.ResetTimer()
+	start := time.Now()
+	for !br.allAcked() {
+		msgs, _ := br.Fetch(ctx, 64)
+		for _, m := range msgs {
+			if _, err := l.handler(ctx, m.Event); err != nil {
+				b.Fatal(err)
+			}
+		}
+		for _, m := range msgs {
+			_ = m.Ack(ctx)
+		}
+	}
+	reportRate(b, start)
+}
+
+func benchSink(b *testing.B, batch, conc int, frontierEvery time.Duration) {
+	w := newWorld()
+	br := newMemBroker(w, benchEvents(b.N))
+	l := newLedger(w)
+	e := benchEngine(b)
+	ctx := context.Background()
+	s, err := NewSink(ctx, e, "bench", SinkOptions{TTL: time.Hour})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.ResetTimer()
+	start := time.Now()
+	if err := runUntilAcked(ctx, br, func(ctx context.Context, o ConsumeOptions) error {
+		o.BatchSize, o.Concurrency, o.FrontierInterval = batch, conc, frontierEvery
+		return Consume(ctx, br, s, l.handler, o)
+	}); err != nil {
+		b.Fatal(err)
+	}
+	reportRate(b, start)
+	reportRecords(b, e, 0)
+}
+
+// BenchmarkConsumeSink: the idempotent sink with the default options (128
+// events per batch applied at once: claim and commit per event, sharing
+// group commits; the frontier recorded after every batch, before its acks).
+func BenchmarkConsumeSink(b *testing.B) { benchSink(b, 128, 128, 0) }
+
+// BenchmarkConsumeSinkLazyFrontier: the frontier recorded every 200 ms.
+func BenchmarkConsumeSinkLazyFrontier(b *testing.B) { benchSink(b, 128, 128, 200*time.Millisecond) }
+
+// BenchmarkEngineDo64: the engine alone, 64 goroutines each running Do of
+// fresh ids (the same two fsynced records per event): what the disk allows
+// right now, to put the sink's figure in perspective.
+func BenchmarkEngineDo64(b *testing.B) {
+	e := benchEngine(b)
+	ctx := context.Background()
+	var next atomic.Int64
+	b.ResetTimer()
+	start := time.Now()
+	var wg sync.WaitGroup
+	for g := 0; g < 64; g++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				i := next.Add(1)
+				if i > int64(b.N) {
+					return
+				}
+				if _, err := e.Do(ctx, idem.Request{Scope: "bench", ID: []byte(fmt.Sprintf("bench-%09d", i))}, func(context.Context) ([]byte, error) {
+					return []byte("ok"), nil
+				}); err != nil {
+					b.Error(err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	reportRate(b, start)
+	reportRecords(b, e, 0)
+}
+
+func benchTwoPhase(b *testing.B, batch int) {
+	w := newWorld()
+	br := newMemBroker(w, benchEvents(b.N))
+	l := newTxnLedger(w)
+	e := benchEngine(b)
+	ctx := context.Background()
+	tp, _, err := NewTwoPhase[*ledgerTxn](ctx, e, "bench", l, TwoPhaseOptions{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.ResetTimer()
+	start := time.Now()
+	if err := runUntilAcked(ctx, br, func(ctx context.Context, o ConsumeOptions) error {
+		o.BatchSize = batch
+		return ConsumeTwoPhase(ctx, br, tp, o)
+	}); err != nil {
+		b.Fatal(err)
+	}
+	reportRate(b, start)
+	reportRecords(b, e, 0)
+}
+
+// BenchmarkConsumeTwoPhase256: one checkpoint per 256 events.
+func BenchmarkConsumeTwoPhase256(b *testing.B) { benchTwoPhase(b, 256) }
+
+// BenchmarkConsumeTwoPhase1024: one checkpoint per 1024 events.
+func BenchmarkConsumeTwoPhase1024(b *testing.B) { benchTwoPhase(b, 1024) }

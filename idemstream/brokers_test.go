@@ -1,0 +1,628 @@
+package idemstream
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/cockroachdb/pebble/v2/vfs"
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/redis/go-redis/v9"
+)
+
+var errKilled = errors.New("test: consumer killed")
+
+// brokerLedger is the effect target of the broker tests: it counts
+// applications per event id; some events are slow (longer than the
+// broker's redelivery timeout), so the broker hands them to another
+// consumer while the first still runs.
+type brokerLedger struct {
+	mu      sync.Mutex
+	applied map[string]int
+	slow    map[string]bool
+	delay   time.Duration
+	fail    map[string]int // fail this many first attempts
+}
+
+func (l *brokerLedger) handler(ctx context.Context, ev Event) (Effect, error) {
+	l.mu.Lock()
+	slow := l.slow[string(ev.ID)]
+	if l.fail[string(ev.ID)] > 0 {
+		l.fail[string(ev.ID)]--
+		l.mu.Unlock()
+		return Effect{}, errors.New("ledger: transient failure")
+	}
+	l.mu.Unlock()
+	if slow {
+		select {
+		case <-time.After(l.delay):
+		case <-ctx.Done():
+			return Effect{}, ctx.Err()
+		}
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.applied[string(ev.ID)]++
+	return Effect{Result: []byte("ok")}, nil
+}
+
+func (l *brokerLedger) count() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return len(l.applied)
+}
+
+func brokerEvents(n, dups int) (ids []string) {
+	for i := 0; i < n; i++ {
+		ids = append(ids, fmt.Sprintf("order-%04d", i))
+	}
+	for d := 0; d < dups; d++ {
+		ids = append(ids, ids[d*3]) // producer retries: same event id, new position
+	}
+	return ids
+}
+
+// runBrokerScenario runs the forced-redelivery scenario against a broker:
+// consumer A commits a batch and is killed before it acks it; consumers B
+// and C then share the stream, some events are slower than the
+// redelivery timeout so they are handed to the other consumer while still
+// running. done reports when the broker has nothing pending.
+func runBrokerScenario(t *testing.T, ctx context.Context, ids []string, newSource func(name string) Source, done func() bool) {
+	e := openEngine(t, vfs.NewMem(), nil)
+	defer e.Close()
+	s, err := NewSink(ctx, e, "ledger", SinkOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := &brokerLedger{applied: map[string]int{}, slow: map[string]bool{}, delay: 900 * time.Millisecond,
+		fail: map[string]int{ids[150]: 2, ids[190]: 1}} // retried after a failure: not acked, redelivered
+	for _, i := range []int{40, 77, 123} {
+		l.slow[ids[i]] = true
+	}
+	// Consumer A: killed after committing its second batch, before acking.
+	var batches atomic.Int32
+	s.hook = func(w Window, ev *Event) error {
+		if w == WindowBeforeAck && batches.Add(1) == 2 {
+			return errKilled
+		}
+		return nil
+	}
+	err = Consume(ctx, newSource("a"), s, l.handler, ConsumeOptions{BatchSize: 10})
+	if !errors.Is(err, errKilled) {
+		t.Fatalf("consumer a: %v", err)
+	}
+	s.hook = nil
+	t.Logf("consumer a killed with %d events committed and 10 of them unacked", l.count())
+
+	cctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	for _, name := range []string{"b", "c"} {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := Consume(cctx, newSource(name), s, l.handler, ConsumeOptions{BatchSize: 10}); err != nil && !errors.Is(err, context.Canceled) {
+				t.Errorf("consumer %s: %v", name, err)
+			}
+		}()
+	}
+	distinct := map[string]bool{}
+	for _, id := range ids {
+		distinct[id] = true
+	}
+	for {
+		if l.count() == len(distinct) && done() {
+			break
+		}
+		if ctx.Err() != nil {
+			cancel()
+			wg.Wait()
+			t.Fatalf("timed out: %d of %d events applied; stats %+v", l.count(), len(distinct), s.Stats())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	cancel()
+	wg.Wait()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for id := range distinct {
+		if l.applied[id] != 1 {
+			t.Fatalf("event %s applied %d times", id, l.applied[id])
+		}
+	}
+	st := s.Stats()
+	t.Logf("sink stats %+v", st)
+	if st.Replayed < 10 {
+		t.Fatalf("the unacked batch of the killed consumer was not replayed (%d replays)", st.Replayed)
+	}
+	if st.Busy == 0 {
+		t.Fatal("no delivery found its event in progress elsewhere: the redelivery timeout was not forced")
+	}
+}
+
+func startNATS(t *testing.T) *server.Server {
+	t.Helper()
+	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, JetStream: true, StoreDir: t.TempDir(), NoLog: true, NoSigs: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go ns.Start()
+	if !ns.ReadyForConnections(10 * time.Second) {
+		t.Fatal("nats-server did not start")
+	}
+	t.Cleanup(func() { ns.Shutdown(); ns.WaitForShutdown() })
+	return ns
+}
+
+// TestJetStreamExactlyOnce: a real (embedded) NATS server with JetStream,
+// a durable pull consumer with a short AckWait, forced redeliveries (a
+// consumer killed between commit and ack; events slower than AckWait), and
+// every event applied exactly once with nothing left pending.
+func TestJetStreamExactlyOnce(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 45*time.Second)
+	defer cancel()
+	ns := startNATS(t)
+	nc, err := nats.Connect(ns.ClientURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: "ORDERS", Subjects: []string{"orders.>"}}); err != nil {
+		t.Fatal(err)
+	}
+	ids := brokerEvents(200, 10)
+	for i, id := range ids {
+		m := nats.NewMsg("orders.new")
+		m.Header.Set("Event-Id", id)
+		m.Data = []byte("payload-of-" + id)
+		if _, err := js.PublishMsg(ctx, m); err != nil {
+			t.Fatalf("publish %d: %v", i, err)
+		}
+	}
+	cons, err := js.CreateOrUpdateConsumer(ctx, "ORDERS", jetstream.ConsumerConfig{
+		Durable: "ledger", AckPolicy: jetstream.AckExplicitPolicy, AckWait: 300 * time.Millisecond, MaxAckPending: 1000,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	runBrokerScenario(t, ctx, ids, func(string) Source {
+		return NewJetStreamSource(cons, JetStreamOptions{FetchWait: 100 * time.Millisecond, IDHeader: "Event-Id"})
+	}, func() bool {
+		info, err := cons.Info(ctx)
+		return err == nil && info.NumAckPending == 0 && info.NumPending == 0
+	})
+	info, err := cons.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("consumer: delivered %d, ack floor %d, redelivered %d", info.Delivered.Stream, info.AckFloor.Stream, info.NumRedelivered)
+	if info.AckFloor.Stream != uint64(len(ids)) {
+		t.Fatalf("ack floor %d, want %d", info.AckFloor.Stream, len(ids))
+	}
+}
+
+// startRedis starts a real redis-server on a free loopback port, with no
+// persistence, in a temp dir, and stops it by its pid at cleanup.
+func startRedis(t *testing.T) *redis.Client {
+	t.Helper()
+	bin, err := exec.LookPath("redis-server")
+	if err != nil {
+		t.Fatalf("redis-server is not installed: the Redis Streams tests need it (Debian/Ubuntu: apt-get install redis-server): %v", err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := ln.Addr().(*net.TCPAddr).Port
+	ln.Close()
+	dir := t.TempDir()
+	cmd := exec.Command(bin, "--port", strconv.Itoa(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+		"--dir", dir, "--logfile", filepath.Join(dir, "redis.log"))
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("starting redis-server: %v", err)
+	}
+	t.Cleanup(func() {
+		_ = cmd.Process.Signal(os.Kill)
+		_ = cmd.Wait()
+	})
+	rdb := redis.NewClient(&redis.Options{Addr: "127.0.0.1:" + strconv.Itoa(port)})
+	t.Cleanup(func() { rdb.Close() })
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		err := rdb.Ping(ctx).Err()
+		cancel()
+		if err == nil {
+			return rdb
+		}
+		if time.Now().After(deadline) {
+			log, _ := os.ReadFile(filepath.Join(dir, "redis.log"))
+			t.Fatalf("redis-server on port %d not answering: %v\n%s", port, err, log)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// TestRedisStreamsExactlyOnce: a real redis-server, a consumer group read
+// with XREADGROUP, acks (XACK) only after commit, a consumer killed
+// between commit and ack whose pending entries the others take over with
+// XAUTOCLAIM after their idle time, events slower than that idle time
+// taken over while still running, and every event applied exactly once
+// with nothing left pending.
+func TestRedisStreamsExactlyOnce(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 45*time.Second)
+	defer cancel()
+	rdb := startRedis(t)
+	ids := brokerEvents(200, 10)
+	for _, id := range ids {
+		if err := rdb.XAdd(ctx, &redis.XAddArgs{Stream: "orders", Values: map[string]any{"id": id, "data": "payload-of-" + id}}).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	runBrokerScenario(t, ctx, ids, func(name string) Source {
+		src, err := NewRedisStreamSource(ctx, rdb, RedisStreamOptions{Stream: "orders", Group: "ledger", Consumer: name,
+			Block: 100 * time.Millisecond, ClaimMinIdle: 300 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return src
+	}, func() bool {
+		p, err := rdb.XPending(ctx, "orders", "ledger").Result()
+		if err != nil || p.Count != 0 {
+			return false
+		}
+		groups, err := rdb.XInfoGroups(ctx, "orders").Result()
+		return err == nil && len(groups) == 1 && groups[0].Lag == 0
+	})
+}
+
+func TestRedisOffset(t *testing.T) {
+	a, err1 := RedisOffset("1700000000000-0")
+	b, err2 := RedisOffset("1700000000000-5")
+	c, err3 := RedisOffset("1700000000001-0")
+	if err1 != nil || err2 != nil || err3 != nil || !(a < b && b < c) {
+		t.Fatalf("%d %d %d %v %v %v", a, b, c, err1, err2, err3)
+	}
+	for _, bad := range []string{"", "x", "1-", "-1", "1-2000000", "99999999999999999-0"} {
+		if _, err := RedisOffset(bad); err == nil {
+			t.Errorf("%q accepted", bad)
+		}
+	}
+}
+
+// guardedSource: a crashed process cannot ack.
+type guardedSource struct {
+	w   *world
+	src Source
+}
+
+func (g guardedSource) Fetch(ctx context.Context, n int) ([]Message, error) {
+	msgs, err := g.src.Fetch(ctx, n)
+	for i := range msgs {
+		ack := msgs[i].Ack
+		msgs[i].Ack = func(ctx context.Context) error { return g.w.do(func() error { return ack(ctx) }) }
+	}
+	return msgs, err
+}
+
+// runTwoPhaseBrokerScenario: consumer A runs checkpoints against the
+// broker and crashes at win in its second checkpoint (the idem directory
+// keeps only what was synced, the broker never gets A's later acks);
+// after recovery consumers B and C share the stream, getting A's unacked
+// messages again once the broker's redelivery timeout passes. The
+// transactional ledger must hold every event exactly once, with every
+// transaction ended and no protocol violation.
+func runTwoPhaseBrokerScenario(t *testing.T, ctx context.Context, win Window, ids []string, newSource func(name string) Source, done func() bool) {
+	w := newWorld()
+	l := newTxnLedger(w)
+	tp, _, err := newTwoPhaseWithHook(t, ctx, w, l, func(got Window, k uint64) error {
+		if got == win && k == 2 {
+			return w.crash()
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	actx, acancel := context.WithCancel(ctx)
+	dead := w.deadCh()
+	go func() {
+		select {
+		case <-dead:
+			acancel()
+		case <-actx.Done():
+		}
+	}()
+	_ = ConsumeTwoPhase(actx, guardedSource{w, newSource("a")}, tp, ConsumeOptions{BatchSize: 20})
+	acancel()
+	if !w.crashed {
+		t.Fatalf("consumer a did not crash at %s", win)
+	}
+	w.restart()
+	tp, rep, err := newTwoPhaseWithHook(t, ctx, w, l, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	for _, name := range []string{"b", "c"} {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := ConsumeTwoPhase(cctx, guardedSource{w, newSource(name)}, tp, ConsumeOptions{BatchSize: 20}); err != nil && !errors.Is(err, context.Canceled) {
+				t.Errorf("consumer %s: %v", name, err)
+			}
+		}()
+	}
+	distinct := map[string]bool{}
+	for _, id := range ids {
+		distinct[id] = true
+	}
+	committed := func() int {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		return len(l.committed)
+	}
+	for committed() < len(distinct) || !done() {
+		if ctx.Err() != nil {
+			cancel()
+			wg.Wait()
+			t.Fatalf("timed out: %d of %d events committed", committed(), len(distinct))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	cancel()
+	wg.Wait()
+	l.check(t)
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for id := range distinct {
+		if l.committed[id] != 1 {
+			t.Fatalf("event %s committed %d times", id, l.committed[id])
+		}
+	}
+	t.Logf("recovery %+v, %d checkpoints", rep, tp.LastCheckpoint())
+}
+
+var twoPhaseBrokerWindows = []Window{WindowAfterPreCommit, WindowAfterCheckpoint, WindowBeforeAck}
+
+func TestJetStreamTwoPhase(t *testing.T) {
+	for _, win := range twoPhaseBrokerWindows {
+		t.Run(string(win), func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			ns := startNATS(t)
+			nc, err := nats.Connect(ns.ClientURL())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer nc.Close()
+			js, _ := jetstream.New(nc)
+			if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: "ORDERS", Subjects: []string{"orders.>"}}); err != nil {
+				t.Fatal(err)
+			}
+			ids := brokerEvents(120, 8)
+			for _, id := range ids {
+				m := nats.NewMsg("orders.new")
+				m.Header.Set("Event-Id", id)
+				m.Data = []byte("payload-of-" + id)
+				if _, err := js.PublishMsg(ctx, m); err != nil {
+					t.Fatal(err)
+				}
+			}
+			cons, err := js.CreateOrUpdateConsumer(ctx, "ORDERS", jetstream.ConsumerConfig{
+				Durable: "ledger", AckPolicy: jetstream.AckExplicitPolicy, AckWait: 300 * time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			runTwoPhaseBrokerScenario(t, ctx, win, ids, func(string) Source {
+				return NewJetStreamSource(cons, JetStreamOptions{FetchWait: 100 * time.Millisecond, IDHeader: "Event-Id"})
+			}, func() bool {
+				info, err := cons.Info(ctx)
+				return err == nil && info.NumAckPending == 0 && info.NumPending == 0
+			})
+		})
+	}
+}
+
+func TestRedisStreamsTwoPhase(t *testing.T) {
+	rdb := startRedis(t)
+	for _, win := range twoPhaseBrokerWindows {
+		t.Run(string(win), func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			stream := "orders-" + string(win)
+			ids := brokerEvents(120, 8)
+			for _, id := range ids {
+				if err := rdb.XAdd(ctx, &redis.XAddArgs{Stream: stream, Values: map[string]any{"id": id, "data": "payload-of-" + id}}).Err(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			runTwoPhaseBrokerScenario(t, ctx, win, ids, func(name string) Source {
+				src, err := NewRedisStreamSource(ctx, rdb, RedisStreamOptions{Stream: stream, Group: "ledger", Consumer: name,
+					Block: 100 * time.Millisecond, ClaimMinIdle: 300 * time.Millisecond})
+				if err != nil {
+					t.Fatal(err)
+				}
+				return src
+			}, func() bool {
+				p, err := rdb.XPending(ctx, stream, "ledger").Result()
+				if err != nil || p.Count != 0 {
+					return false
+				}
+				groups, err := rdb.XInfoGroups(ctx, stream).Result()
+				return err == nil && len(groups) == 1 && groups[0].Lag == 0
+			})
+		})
+	}
+}
+
+// runSinkBrokerCrash: consumer A applies events through the idempotent
+// sink and its process crashes at win (the idem directory keeps only what
+// was synced; the ledger and the broker nothing A does afterwards); after
+// recovery (the ledger tells which in-doubt events had run) consumers B and
+// C finish the stream from the broker's redeliveries.
+func runSinkBrokerCrash(t *testing.T, ctx context.Context, win Window, ids []string, newSource func(name string) Source, done func() bool) {
+	w := newWorld()
+	l := newLedger(w)
+	e := openEngine(t, w.mem, nil)
+	s, err := NewSink(ctx, e, "ledger", SinkOptions{Recover: l.recoverFn})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var hits atomic.Int32
+	s.hook = func(got Window, _ *Event) error {
+		if got == win && hits.Add(1) == 25 {
+			return w.crash()
+		}
+		return nil
+	}
+	actx, acancel := context.WithCancel(ctx)
+	dead := w.deadCh()
+	go func() {
+		select {
+		case <-dead:
+			acancel()
+		case <-actx.Done():
+		}
+	}()
+	_ = Consume(actx, guardedSource{w, newSource("a")}, s, l.handler, ConsumeOptions{BatchSize: 20})
+	acancel()
+	if !w.crashed {
+		t.Fatalf("consumer a did not crash at %s", win)
+	}
+	s.Close()
+	e.Close()
+	w.restart()
+	e = openEngine(t, w.mem, nil)
+	defer e.Close()
+	s, err = NewSink(ctx, e, "ledger", SinkOptions{Recover: l.recoverFn})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	for _, name := range []string{"b", "c"} {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := Consume(cctx, guardedSource{w, newSource(name)}, s, l.handler, ConsumeOptions{BatchSize: 20}); err != nil && !errors.Is(err, context.Canceled) {
+				t.Errorf("consumer %s: %v", name, err)
+			}
+		}()
+	}
+	distinct := map[string]bool{}
+	for _, id := range ids {
+		distinct[id] = true
+	}
+	applied := func() int {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		return len(l.applied)
+	}
+	for applied() < len(distinct) || !done() {
+		if ctx.Err() != nil {
+			cancel()
+			wg.Wait()
+			t.Fatalf("timed out: %d of %d events applied", applied(), len(distinct))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	cancel()
+	wg.Wait()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for id := range distinct {
+		if l.applied[id] != 1 {
+			t.Fatalf("event %s applied %d times", id, l.applied[id])
+		}
+	}
+	t.Logf("sink after recovery: %+v", s.Stats())
+}
+
+var sinkBrokerWindows = []Window{WindowAfterEffect, WindowAfterCommit}
+
+func TestJetStreamSinkCrash(t *testing.T) {
+	for _, win := range sinkBrokerWindows {
+		t.Run(string(win), func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			ns := startNATS(t)
+			nc, err := nats.Connect(ns.ClientURL())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer nc.Close()
+			js, _ := jetstream.New(nc)
+			if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: "ORDERS", Subjects: []string{"orders.>"}}); err != nil {
+				t.Fatal(err)
+			}
+			ids := brokerEvents(120, 8)
+			for _, id := range ids {
+				m := nats.NewMsg("orders.new")
+				m.Header.Set("Event-Id", id)
+				m.Data = []byte("payload-of-" + id)
+				if _, err := js.PublishMsg(ctx, m); err != nil {
+					t.Fatal(err)
+				}
+			}
+			cons, err := js.CreateOrUpdateConsumer(ctx, "ORDERS", jetstream.ConsumerConfig{
+				Durable: "ledger", AckPolicy: jetstream.AckExplicitPolicy, AckWait: 300 * time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			runSinkBrokerCrash(t, ctx, win, ids, func(string) Source {
+				return NewJetStreamSource(cons, JetStreamOptions{FetchWait: 100 * time.Millisecond, IDHeader: "Event-Id"})
+			}, func() bool {
+				info, err := cons.Info(ctx)
+				return err == nil && info.NumAckPending == 0 && info.NumPending == 0
+			})
+		})
+	}
+}
+
+func TestRedisStreamsSinkCrash(t *testing.T) {
+	rdb := startRedis(t)
+	for _, win := range sinkBrokerWindows {
+		t.Run(string(win), func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			stream := "sink-" + string(win)
+			ids := brokerEvents(120, 8)
+			for _, id := range ids {
+				if err := rdb.XAdd(ctx, &redis.XAddArgs{Stream: stream, Values: map[string]any{"id": id, "data": "payload-of-" + id}}).Err(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			runSinkBrokerCrash(t, ctx, win, ids, func(name string) Source {
+				src, err := NewRedisStreamSource(ctx, rdb, RedisStreamOptions{Stream: stream, Group: "ledger", Consumer: name,
+					Block: 100 * time.Millisecond, ClaimMinIdle: 300 * time.Millisecond})
+				if err != nil {
+					t.Fatal(err)
+				}
+				return src
+			}, func() bool {
+				p, err := rdb.XPending(ctx, stream, "ledger").Result()
+				if err != nil || p.Count != 0 {
+					return false
+				}
+				groups, err := rdb.XInfoGroups(ctx, stream).Result()
+				return err == nil && len(groups) == 1 && groups[0].Lag == 0
+			})
+		})
+	}
+}

@@ -1,0 +1,157 @@
+package idemstream
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/idemdb/idem"
+)
+
+// runUntilAcked runs a consumer until the broker has every message acked
+// (or the process crashes, or the time runs out).
+func runUntilAcked(ctx context.Context, b *memBroker, run func(ctx context.Context, opts ConsumeOptions) error) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	dead := b.w.deadCh()
+	go func() {
+		select {
+		case <-dead:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	opts := ConsumeOptions{BatchSize: 8, Concurrency: 4, OnBatch: func([]Message, []Outcome) {
+		if b.allAcked() {
+			cancel()
+		}
+	}}
+	err := run(ctx, opts)
+	if errors.Is(err, context.Canceled) && b.allAcked() {
+		return nil
+	}
+	return err
+}
+
+// TestSinkCrashWindows crashes the idempotent-sink consumer at each of its
+// windows (the in-memory FS keeps only what was synced; the broker and the
+// ledger keep everything the process did before the crash and nothing
+// after), restarts it on the crash image, and checks after the stream is
+// consumed that every event's effect happened exactly once, nothing was
+// lost, the frontier is each partition's highest offset and redeliveries
+// replay the stored result. A crash during recovery is tested too.
+func TestSinkCrashWindows(t *testing.T) {
+	windows := []Window{WindowAfterClaim, WindowAfterEffect, WindowAfterCommit, WindowBeforeAck, WindowDuringRecovery}
+	for _, win := range windows {
+		for _, at := range []int{1, 5} {
+			t.Run(fmt.Sprintf("%s/%d", win, at), func(t *testing.T) {
+				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+				defer cancel()
+				w := newWorld()
+				evs := makeEvents(60, 3, 10)
+				b := newMemBroker(w, evs)
+				l := newLedger(w)
+				crashAt := win
+				if win == WindowDuringRecovery {
+					crashAt = WindowAfterEffect // leaves events in doubt for recovery
+				}
+				var hits atomic.Int32
+				hook := func(got Window, ev *Event) error {
+					if got == crashAt && hits.Add(1) == int32(at) {
+						return w.crash()
+					}
+					return nil
+				}
+				e := openEngine(t, w.mem, nil)
+				s, err := NewSink(ctx, e, "ledger", SinkOptions{Recover: l.recoverFn})
+				if err != nil {
+					t.Fatal(err)
+				}
+				s.hook = hook
+				err = runUntilAcked(ctx, b, func(ctx context.Context, o ConsumeOptions) error {
+					return Consume(ctx, b, s, l.handler, o)
+				})
+				if !w.crashed {
+					t.Fatalf("the crash at %s never happened (consumer returned %v)", crashAt, err)
+				}
+				s.Close()
+				e.Close()
+				if win == WindowDuringRecovery {
+					// Crash again in the middle of recovery's decisions.
+					w.restart()
+					e = openEngine(t, w.mem, nil)
+					if len(mustInDoubt(t, e)) == 0 {
+						t.Fatal("no event in doubt after a crash after the effect")
+					}
+					var n atomic.Int32
+					_, err := newSinkWithHook(ctx, e, "ledger", SinkOptions{Recover: l.recoverFn}, func(got Window, _ *Event) error {
+						if got == WindowDuringRecovery && n.Add(1) == 1 {
+							return w.crash()
+						}
+						return nil
+					})
+					if !errors.Is(err, errCrashed) {
+						t.Fatalf("recovery did not crash: %v", err)
+					}
+					e.Close()
+				}
+				w.restart()
+				e = openEngine(t, w.mem, nil)
+				defer e.Close()
+				s, err = NewSink(ctx, e, "ledger", SinkOptions{Recover: l.recoverFn})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if left := mustInDoubt(t, e); len(left) != 0 {
+					t.Fatalf("%d claims still in doubt after recovery", len(left))
+				}
+				if err := runUntilAcked(ctx, b, func(ctx context.Context, o ConsumeOptions) error {
+					return Consume(ctx, b, s, l.handler, o)
+				}); err != nil {
+					t.Fatal(err)
+				}
+				checkExactlyOnce(t, l.applied, evs)
+				for p, want := range maxOffsets(evs) {
+					if got, ok, err := s.Frontier(p); err != nil || got != want || !ok {
+						t.Fatalf("frontier of %s: %d %v %v, want %d", p, got, ok, err, want)
+					}
+				}
+				// Every event redelivered now replays the ledger's result.
+				for _, ev := range evs[:10] {
+					out, err := s.Apply(ctx, ev, l.handler)
+					if err != nil || out.Status != Replayed || string(out.Result) != l.results[string(ev.ID)] {
+						t.Fatalf("redelivery of %s: %+v %v (ledger says %q)", ev.ID, out, err, l.results[string(ev.ID)])
+					}
+				}
+				checkExactlyOnce(t, l.applied, evs)
+				t.Logf("deliveries %d, acks %d, recovered %+v", b.deliveries, b.acks, s.Stats())
+			})
+		}
+	}
+}
+
+func newSinkWithHook(ctx context.Context, e *idem.Engine, name string, opts SinkOptions, hook func(Window, *Event) error) (*Sink, error) {
+	if err := takeName(e, "sink", name); err != nil {
+		return nil, err
+	}
+	s := &Sink{e: e, name: name, scope: sinkScope(name), fscope: frontierScope(name), opts: opts, frontiers: map[string]*frontier{}, hook: hook}
+	s.opts.MaxRecordSize = 1 << 20
+	s.log = discardLogger()
+	if err := s.recover(ctx); err != nil {
+		releaseName(e, "sink", name)
+		return nil, err
+	}
+	return s, nil
+}
+
+func mustInDoubt(t *testing.T, e *idem.Engine) []idem.InDoubtClaim {
+	t.Helper()
+	d, err := e.InDoubt()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return d
+}

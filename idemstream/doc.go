@@ -1,0 +1,123 @@
+// Package idemstream gives stream consumers exactly-once side effects with
+// idem as the durable, local piece: an idempotent sink, a commit frontier,
+// a two-phase-commit coordinator and a transactional outbox, plus sources
+// for NATS JetStream and Redis Streams that acknowledge a message only
+// after its effect is committed.
+//
+// "Exactly once" here means the effect of each event happens once, not that
+// each message is delivered once: brokers deliver at least once, and every
+// redelivery is recognised by its stable event id.
+//
+// # The windows
+//
+// A consumer that applies an effect and acknowledges the message can crash
+// in between, in one of three ways: the checkpoint is written but the sink
+// has not committed; the sink has committed but the message is not acked;
+// the message is acked but the sink has not committed. The last one loses
+// an effect and must never happen: every consumer here acknowledges only
+// after the effect is durably committed. The other two are closed by
+// recovery, as follows.
+//
+// # Idempotent sink (Sink)
+//
+// Sink.Apply claims the event id in idem (durably), runs the handler,
+// and commits one record holding the handler's result, the event's
+// partition and offset, and its outbox messages (a small msgpack
+// envelope), so that one Claim.Commit makes them durable together. A
+// redelivery of a committed id returns the stored result (Replayed) and
+// runs nothing; a redelivery while the first delivery still runs is Busy
+// (do not ack it); a redelivery with another payload is ErrConflict (the
+// payload's SHA-256 is the fingerprint). Each sink has its own TTL
+// (SinkOptions.TTL, the engine's Request.TTL): after it, a redelivery runs
+// again, on an engine opened with default options.
+//
+// A crash between the claim and the commit leaves the claim in doubt:
+// whether the effect happened is known only to its target. NewSink lists
+// those claims (Engine.InDoubt) and asks SinkOptions.Recover, which looks
+// at the target (the ledger has a row with the event id) and answers
+// applied (the claim is committed with the result) or not (it is released
+// and the redelivery runs the effect). Without Recover the claims are
+// released: exactly once when the handler's only effects are its Effect
+// (result and outbox messages), at least once for an external effect in
+// that window.
+//
+// # Commit frontier
+//
+// Each event record carries the event's partition and offset, so the
+// durable truth "the effect of offset O is committed" is in the same record
+// as the effect. Sink.AdvanceFrontier also records, per partition, the
+// highest committed offset (a sequence-mode client per partition whose
+// reply is the offset; Consume does it once per batch, before acking):
+// after a restart a consumer resumes at Frontier+1. The frontier record is
+// written after the event records, so it may lag behind them after a crash;
+// the events between are redelivered and replayed (their records say they
+// are committed), and the frontier catches up. An interrupted frontier
+// update (claim durable, commit not) is completed by NewSink: its offset is
+// the claim's fingerprint and was committed with its event first. Offsets
+// may have gaps. The engine has no atomic multi-key commit, which is what
+// recording the frontier in the very record of each effect would take; see
+// the package README.
+//
+// # Two-phase commit (TwoPhase)
+//
+// TwoPhase coordinates a TwoPhaseCommitSink (BeginTransaction,
+// Invoke, PreCommit, Commit, Abort, RecoverAndCommit, RecoverAndAbort)
+// with idem as its log. Checkpoint k runs: claim every event of the batch
+// (redeliveries of committed events are Replayed, events in progress
+// elsewhere Busy); record the opening of k with the transaction handle;
+// Invoke each new event; PreCommit; record the checkpoint (the
+// pre-committed handle, the event ids and the frontier: "state + offsets
+// + txn handle"); Commit; record that the sink committed; commit the
+// events' claims; and only then may the consumer ack the batch.
+// Transaction handles are serialized with msgpack, bounded
+// (TwoPhaseOptions.MaxHandleSize) and sealed (magic, version, length,
+// CRC-32C); a record that fails validation stops recovery with
+// ErrCorruptRecord instead of committing garbage.
+//
+// Recovery (NewTwoPhase) reads the last checkpoint: if its record with the
+// handle is durable and the sink's commit is not recorded, it calls
+// RecoverAndCommit (which must be idempotent) and records the commit; if
+// only its opening is durable, it calls RecoverAndAbort; a checkpoint
+// begun without a durable handle is aborted through CheckpointAborter if
+// the sink implements it. Events left in doubt are committed if the
+// recovered checkpoint lists them, and released otherwise, so that their
+// redelivery runs them in a later checkpoint. A crash during recovery is
+// recovered the same way (every step is idempotent).
+//
+// # Outbox (Outbox)
+//
+// A handler may return outbox messages instead of performing an external
+// effect: they are committed in the event's record, so they exist exactly
+// when the event is committed. Each is then registered as a pending
+// delivery (an idem claim on its delivery key, left in flight), and the
+// dispatcher (Outbox.Run) delivers it with retries and exponential
+// backoff, then releases the claim, which removes it. Every attempt
+// carries the same Delivery.Key, so the receiver drops repeats (a crash
+// after the send resends). After a crash, the pending deliveries are the
+// claims idem lists as in doubt, and their payloads are read back from the
+// event records. Outbox.Stats reports the backlog.
+//
+// # Brokers
+//
+// JetStreamSource reads a durable JetStream pull consumer (AckExplicit):
+// a message is double-acked after its effect is committed; until then
+// JetStream redelivers it after AckWait, to this or another subscriber.
+// RedisStreamSource reads a consumer group with XREADGROUP, acknowledges
+// with XACK after the commit, re-reads its own pending entries after a
+// restart and takes over entries idle on other consumers with XAUTOCLAIM.
+// A redelivered or claimed message whose event is committed is replayed
+// and acked; one whose first delivery is still running is Busy and left
+// pending. Consumers that share effects share one engine (one process):
+// idem is an embedded engine.
+//
+// Consume and ConsumeTwoPhase drive a Source through a Sink or a TwoPhase.
+//
+// # Records
+//
+//	scope "idemstream/<sink>"            id = event id -> envelope [version, result, partition, offset, checkpoint, outbox]
+//	scope "idemstream.frontier/<sink>"   client "p:<partition>", seq n -> offset (8 bytes); fingerprint = offset
+//	scope "idemstream.2pc/<name>"        client "ckpt", seq k -> sealed {k, handle, frontier}
+//	                                     id "c/<k>" -> sealed {k, handle, event ids, frontier}
+//	                                     id "d/<k>" / "a/<k>" -> sealed {k, frontier} (sink committed / aborted)
+//	scope "idemstream.outbox/<outbox>"   id = msgpack [sink, event id, index] (in flight while pending)
+package idemstream

@@ -1,0 +1,254 @@
+package idemstream
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"time"
+
+	"github.com/vmihailenco/msgpack/v5"
+)
+
+// Event is one message of a stream, as the sinks see it.
+type Event struct {
+	// ID is the stable event id: the same for every delivery of the event
+	// (a producer-assigned id such as NATS's Nats-Msg-Id, a business key,
+	// or else "<stream>/<position>"). It is the dedup key. Required,
+	// 1..MaxEventIDLen bytes.
+	ID []byte
+	// Partition names the ordered log the event comes from (a NATS stream,
+	// a Redis stream key, a Kafka topic-partition). Frontiers are kept per
+	// partition. May be empty (one partition).
+	Partition string
+	// Offset is the event's position in its partition (a JetStream stream
+	// sequence, a Redis stream id packed by RedisOffset, a Kafka offset).
+	// Offsets grow along a partition and may have gaps. Zero means "no
+	// position": the frontier is not advanced for the event.
+	Offset uint64
+	// Payload is the event's body. Its SHA-256 is the fingerprint: a
+	// redelivery of the same id with another payload is ErrConflict.
+	Payload []byte
+}
+
+// MaxEventIDLen bounds Event.ID (the engine's default MaxIDLen, 1024, minus
+// room for the delivery keys derived from it).
+const MaxEventIDLen = 512
+
+func (ev *Event) validate() error {
+	if len(ev.ID) == 0 {
+		return fmt.Errorf("%w: event has no id (partition %q, offset %d)", ErrInvalidEvent, ev.Partition, ev.Offset)
+	}
+	if len(ev.ID) > MaxEventIDLen {
+		return fmt.Errorf("%w: event id is %d bytes, more than %d (partition %q, offset %d)", ErrInvalidEvent, len(ev.ID), MaxEventIDLen, ev.Partition, ev.Offset)
+	}
+	if len(ev.Partition) > MaxEventIDLen {
+		return fmt.Errorf("%w: partition name is %d bytes, more than %d", ErrInvalidEvent, len(ev.Partition), MaxEventIDLen)
+	}
+	return nil
+}
+
+func fingerprint(payload []byte) []byte {
+	s := sha256.Sum256(payload)
+	return s[:]
+}
+
+// OutboxMessage is a side effect recorded in idem together with the event's
+// dedup entry and delivered later by an Outbox's dispatcher.
+type OutboxMessage struct {
+	// Destination tells the Deliver function where the message goes (a
+	// URL, a topic); free form.
+	Destination string `msgpack:"d"`
+	Payload     []byte `msgpack:"p"`
+}
+
+// Effect is what a Handler returns for an event: the result to store and
+// replay for redeliveries, and the outbox messages to record with it.
+type Effect struct {
+	Result []byte
+	Outbox []OutboxMessage
+}
+
+// Status says what a sink did with an event.
+type Status int
+
+const (
+	// Applied: the event's effect ran now and is committed.
+	Applied Status = iota + 1
+	// Replayed: the event was committed before (a redelivery); its stored
+	// result is returned and nothing ran.
+	Replayed
+	// Busy: another delivery of the same event is being processed right
+	// now (in this process, or left in doubt by a crash and not resolved
+	// yet). Do not acknowledge this delivery: the one in progress will be
+	// acknowledged, or the source redelivers it later.
+	Busy
+	// Failed: the event was not processed (Outcome.Err says why: an
+	// invalid event, or ErrConflict); it is not acknowledgeable. Only
+	// TwoPhase.Checkpoint reports it (Sink.Apply returns the error).
+	Failed
+)
+
+func (s Status) String() string {
+	switch s {
+	case Applied:
+		return "applied"
+	case Replayed:
+		return "replayed"
+	case Busy:
+		return "busy"
+	case Failed:
+		return "failed"
+	}
+	return fmt.Sprintf("status(%d)", int(s))
+}
+
+// Ackable reports whether the delivery may be acknowledged to the source:
+// its effect is durably committed.
+func (s Status) Ackable() bool { return s == Applied || s == Replayed }
+
+// Outcome is what a sink did with an event.
+type Outcome struct {
+	Status Status
+	// Result is the handler's result (Applied) or the stored one (Replayed).
+	Result []byte
+	// Partition and Offset are those committed with the event (for a
+	// replay, those of the delivery that ran it).
+	Partition string
+	Offset    uint64
+	// Checkpoint is the two-phase-commit checkpoint that committed the
+	// event (TwoPhase only).
+	Checkpoint uint64
+	// ExpiresAt is when the event's dedup entry expires (zero: never).
+	ExpiresAt time.Time
+	// BusyUntil is when the claim of the delivery in progress runs out (Busy).
+	BusyUntil time.Time
+	// Err is why the event Failed.
+	Err error
+}
+
+// Window names a point of the exactly-once protocols where a crash is
+// possible; the fault-injection tests crash at each one.
+type Window string
+
+const (
+	// Idempotent sink (and each event of a two-phase checkpoint).
+	WindowAfterClaim  Window = "after-claim"  // event claimed durably, effect not run
+	WindowAfterEffect Window = "after-effect" // effect ran, not committed
+	WindowAfterCommit Window = "after-commit" // event committed, frontier and outbox not recorded
+	// Two-phase commit, in protocol order.
+	WindowBeforePreCommit Window = "before-pre-commit"  // events invoked into the transaction
+	WindowAfterPreCommit  Window = "after-pre-commit"   // pre-committed, checkpoint not durable
+	WindowAfterCheckpoint Window = "after-checkpoint"   // checkpoint with the handle durable, sink not committed
+	WindowAfterSinkCommit Window = "after-sink-commit"  // sink committed, not recorded
+	WindowBeforeAck       Window = "before-ack"         // everything committed and recorded, source not acked
+	WindowDuringRecovery  Window = "during-recovery"    // recovery re-committed the sink, not recorded yet
+	WindowBeforeDelivery  Window = "outbox-before-send" // outbox message pending, not sent
+	WindowAfterDelivery   Window = "outbox-after-send"  // outbox message sent, not marked delivered
+)
+
+// Errors of the package; match them with errors.Is.
+var (
+	// ErrInvalidEvent: the event cannot be processed (no id, too long).
+	ErrInvalidEvent = errors.New("idemstream: invalid event")
+	// ErrConflict: the event id was committed with another payload.
+	ErrConflict = errors.New("idemstream: event id already committed with a different payload")
+	// ErrCorruptRecord: a record read back from idem failed validation
+	// (version, checksum, size bound); the message says which.
+	ErrCorruptRecord = errors.New("idemstream: corrupt record")
+	// ErrTooLarge: a result, outbox or transaction handle exceeds its bound.
+	ErrTooLarge = errors.New("idemstream: record too large")
+	// ErrNeedsRecovery: a step whose outcome is unknown failed (the engine
+	// failed while recording a checkpoint, or the sink's commit of a
+	// recorded checkpoint kept failing). Nothing more is done until the
+	// coordinator is recreated, which runs recovery.
+	ErrNeedsRecovery = errors.New("idemstream: coordinator must be recovered (recreate it)")
+	// ErrClosed: the component was closed.
+	ErrClosed = errors.New("idemstream: closed")
+	// ErrInUse: another component of the same name is open on the engine.
+	ErrInUse = errors.New("idemstream: name already in use on this engine")
+)
+
+// eventRecord is the reply committed for an event: the effect's result,
+// the position it came from (the frontier) and its outbox messages, in one
+// record so that one Claim.Commit makes them durable together.
+type eventRecord struct {
+	_          struct{}        `msgpack:",as_array"`
+	Version    uint8           // 1
+	Result     []byte          //
+	Partition  string          //
+	Offset     uint64          //
+	Checkpoint uint64          // two-phase commit: the checkpoint that committed it
+	Outbox     []OutboxMessage //
+}
+
+const eventRecordVersion = 1
+
+func encodeEventRecord(r *eventRecord) ([]byte, error) {
+	r.Version = eventRecordVersion
+	return msgpack.Marshal(r)
+}
+
+func decodeEventRecord(scope string, id, b []byte) (*eventRecord, error) {
+	var r eventRecord
+	if err := unmarshal(b, &r); err != nil {
+		return nil, fmt.Errorf("%w: event %q in scope %q: %v", ErrCorruptRecord, id, scope, err)
+	}
+	if r.Version != eventRecordVersion {
+		return nil, fmt.Errorf("%w: event %q in scope %q: record version %d, want %d", ErrCorruptRecord, id, scope, r.Version, eventRecordVersion)
+	}
+	return &r, nil
+}
+
+// Sealed records (checkpoints and transaction handles): magic, version,
+// length and CRC-32C of the msgpack body, so that a record read back is
+// checked before anything in it is trusted.
+//
+//	"ISCK" | version u8 | length u32 | crc32c u32 | body
+var sealMagic = []byte("ISCK")
+
+const sealVersion = 1
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+func seal(v any, maxBody int) ([]byte, error) {
+	body, err := msgpack.Marshal(v)
+	if err != nil {
+		return nil, err
+	}
+	if len(body) > maxBody {
+		return nil, fmt.Errorf("%w: %d bytes, bound %d", ErrTooLarge, len(body), maxBody)
+	}
+	out := make([]byte, 0, 13+len(body))
+	out = append(out, sealMagic...)
+	out = append(out, sealVersion)
+	out = binary.BigEndian.AppendUint32(out, uint32(len(body)))
+	out = binary.BigEndian.AppendUint32(out, crc32.Checksum(body, castagnoli))
+	return append(out, body...), nil
+}
+
+func unseal(b []byte, maxBody int, v any) error {
+	if len(b) < 13 || !bytes.Equal(b[:4], sealMagic) {
+		return fmt.Errorf("%w: no record header (%d bytes)", ErrCorruptRecord, len(b))
+	}
+	if b[4] != sealVersion {
+		return fmt.Errorf("%w: record version %d, this build reads %d", ErrCorruptRecord, b[4], sealVersion)
+	}
+	n := binary.BigEndian.Uint32(b[5:9])
+	if int64(n) > int64(maxBody) {
+		return fmt.Errorf("%w: record body of %d bytes exceeds the bound %d", ErrCorruptRecord, n, maxBody)
+	}
+	body := b[13:]
+	if uint32(len(body)) != n {
+		return fmt.Errorf("%w: record body is %d bytes, header says %d", ErrCorruptRecord, len(body), n)
+	}
+	if crc32.Checksum(body, castagnoli) != binary.BigEndian.Uint32(b[9:13]) {
+		return fmt.Errorf("%w: record checksum mismatch", ErrCorruptRecord)
+	}
+	if err := unmarshal(body, v); err != nil {
+		return fmt.Errorf("%w: record body: %v", ErrCorruptRecord, err)
+	}
+	return nil
+}

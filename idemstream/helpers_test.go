@@ -1,0 +1,270 @@
+package idemstream
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sort"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/cockroachdb/pebble/v2/vfs"
+	"github.com/idemdb/idem"
+)
+
+// errCrashed is what every external action returns once the simulated
+// process has crashed: a dead process changes nothing anywhere.
+var errCrashed = errors.New("test: process crashed")
+
+// world is the simulated process and its crash: the idem directory is on a
+// crashable in-memory FS; the external systems (broker, ledger) survive
+// the crash, but reject anything the dead process tries after it.
+type world struct {
+	mu      sync.Mutex
+	crashed bool
+	mem     *vfs.MemFS
+	clone   *vfs.MemFS
+	crashes int
+	dead    chan struct{} // closed by crash
+}
+
+func newWorld() *world { return &world{mem: vfs.NewCrashableMem(), dead: make(chan struct{})} }
+
+// deadCh is closed when the current process crashes.
+func (w *world) deadCh() chan struct{} {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.dead
+}
+
+// do runs fn as one external action of the live process.
+func (w *world) do(fn func() error) error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.crashed {
+		return errCrashed
+	}
+	return fn()
+}
+
+// crash takes the crash image (what was synced) and kills the process.
+func (w *world) crash() error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if !w.crashed {
+		w.crashed = true
+		w.clone = w.mem.CrashClone(vfs.CrashCloneCfg{})
+		w.crashes++
+		close(w.dead)
+	}
+	return errCrashed
+}
+
+// restart starts a new process on the crash image.
+func (w *world) restart() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.crashed {
+		w.mem, w.clone, w.crashed = w.clone, nil, false
+		w.dead = make(chan struct{})
+	}
+}
+
+func openEngine(t testing.TB, fs vfs.FS, clock func() time.Time) *idem.Engine {
+	t.Helper()
+	e, err := idem.Open("db", &idem.Options{FS: fs, Clock: clock, KeepSnapshots: -1, Lease: time.Hour})
+	if err != nil {
+		t.Fatalf("open engine: %v", err)
+	}
+	return e
+}
+
+// memBroker is an in-memory stream with at-least-once delivery: Fetch
+// hands out unacknowledged messages in order, wrapping around, so every
+// delivery not acknowledged comes again.
+type memBroker struct {
+	w          *world
+	mu         sync.Mutex
+	events     []Event
+	acked      []bool
+	cursor     int
+	deliveries int
+	acks       int
+	nacked     int // distinct messages acked
+}
+
+func newMemBroker(w *world, events []Event) *memBroker {
+	return &memBroker{w: w, events: events, acked: make([]bool, len(events))}
+}
+
+func (b *memBroker) Fetch(ctx context.Context, n int) ([]Message, error) {
+	var out []Message
+	err := b.w.do(func() error {
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		for scanned := 0; scanned < len(b.events) && len(out) < n; scanned++ {
+			i := b.cursor
+			b.cursor = (b.cursor + 1) % len(b.events)
+			if b.acked[i] {
+				continue
+			}
+			b.deliveries++
+			out = append(out, Message{Event: b.events[i], Ack: func(context.Context) error {
+				return b.w.do(func() error {
+					b.mu.Lock()
+					defer b.mu.Unlock()
+					if !b.acked[i] {
+						b.acked[i] = true
+						b.nacked++
+					}
+					b.acks++
+					return nil
+				})
+			}})
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	if len(out) == 0 {
+		select {
+		case <-time.After(time.Millisecond):
+		case <-ctx.Done():
+		}
+	}
+	return out, nil
+}
+
+func (b *memBroker) allAcked() bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.nacked == len(b.events)
+}
+
+// makeEvents builds n distinct events over parts partitions with offsets
+// that have gaps, plus dups producer-side duplicates (same id and payload
+// at a later offset).
+func makeEvents(n, parts, dups int) []Event {
+	var evs []Event
+	next := make([]uint64, parts)
+	for i := 0; i < n; i++ {
+		p := i % parts
+		next[p] += uint64(1 + i%3) // gaps
+		evs = append(evs, Event{ID: []byte(fmt.Sprintf("ev-%04d", i)), Partition: fmt.Sprintf("p%d", p), Offset: next[p], Payload: []byte(fmt.Sprintf("amount=%d", i))})
+	}
+	for d := 0; d < dups; d++ {
+		src := evs[(d*7)%n]
+		p := int(src.Partition[1] - '0')
+		next[p]++
+		evs = append(evs, Event{ID: src.ID, Partition: src.Partition, Offset: next[p], Payload: src.Payload})
+	}
+	return evs
+}
+
+// ledger is an external system with an effect per event (plan A): it
+// counts applications per id, so a double effect is visible.
+type ledger struct {
+	w       *world
+	mu      sync.Mutex
+	applied map[string]int
+	results map[string]string
+}
+
+func newLedger(w *world) *ledger {
+	return &ledger{w: w, applied: map[string]int{}, results: map[string]string{}}
+}
+
+func (l *ledger) handler(ctx context.Context, ev Event) (Effect, error) {
+	var res string
+	err := l.w.do(func() error {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		l.applied[string(ev.ID)]++
+		res = fmt.Sprintf("posted %s #%d", ev.Payload, len(l.applied))
+		if l.results[string(ev.ID)] == "" {
+			l.results[string(ev.ID)] = res
+		}
+		return nil
+	})
+	return Effect{Result: []byte(res)}, err
+}
+
+// recoverFn asks the ledger whether an in-doubt event was applied.
+func (l *ledger) recoverFn(ctx context.Context, d InDoubtEvent) (Resolution, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.applied[string(d.ID)] > 0 {
+		return Resolution{Applied: true, Result: []byte(l.results[string(d.ID)])}, nil
+	}
+	return Resolution{}, nil
+}
+
+func checkExactlyOnce(t *testing.T, counts map[string]int, evs []Event) {
+	t.Helper()
+	want := map[string]bool{}
+	for _, ev := range evs {
+		want[string(ev.ID)] = true
+	}
+	var bad []string
+	for id := range want {
+		if counts[id] != 1 {
+			bad = append(bad, fmt.Sprintf("%s x%d", id, counts[id]))
+		}
+	}
+	for id, n := range counts {
+		if !want[id] && n > 0 {
+			bad = append(bad, fmt.Sprintf("unknown %s x%d", id, n))
+		}
+	}
+	sort.Strings(bad)
+	if len(bad) > 0 {
+		t.Fatalf("effects not exactly once (%d of %d ids wrong): %v", len(bad), len(want), bad)
+	}
+}
+
+func maxOffsets(evs []Event) map[string]uint64 {
+	m := map[string]uint64{}
+	for _, ev := range evs {
+		if ev.Offset > m[ev.Partition] {
+			m[ev.Partition] = ev.Offset
+		}
+	}
+	return m
+}
+
+// fakeClock is a manual clock for the engine.
+type fakeClock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func newFakeClock() *fakeClock { return &fakeClock{t: time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)} }
+func (c *fakeClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.t
+}
+func (c *fakeClock) Advance(d time.Duration) {
+	c.mu.Lock()
+	c.t = c.t.Add(d)
+	c.mu.Unlock()
+}
+
+// waitApplied waits until the index has applied every record (cleanup
+// reads the index).
+func waitApplied(t testing.TB, e *idem.Engine) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		st := e.Stats()
+		if st.AppliedLSN >= st.LastLSN {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("index stuck at LSN %d of %d", st.AppliedLSN, st.LastLSN)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}

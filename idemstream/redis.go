@@ -1,0 +1,166 @@
+package idemstream
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// RedisStreamOptions configure a RedisStreamSource.
+type RedisStreamOptions struct {
+	Stream   string // the stream key (required)
+	Group    string // the consumer group (required; created from the start of the stream if missing)
+	Consumer string // this consumer's name in the group (required)
+	// Block bounds how long Fetch waits for new entries (default 1 s).
+	Block time.Duration
+	// ClaimMinIdle: entries pending on other consumers for longer than
+	// this are taken over with XAUTOCLAIM (a consumer that died or
+	// stalls). Zero turns claiming off. Choose it longer than a batch
+	// takes; a claimed entry whose first delivery is still running is
+	// reported Busy by the sink and left pending, never run twice.
+	ClaimMinIdle time.Duration
+	// IDField names the entry field holding the stable event id (default
+	// "id"); entries without it get "<stream>/<entry id>".
+	IDField string
+	// PayloadField names the entry field holding the payload (default
+	// "data").
+	PayloadField string
+}
+
+// RedisStreamSource reads a Redis stream through a consumer group with
+// XREADGROUP, acknowledging each entry with XACK only after its effect is
+// committed. It first re-reads its own pending entries (deliveries of a
+// previous run of the same consumer that were not acknowledged; again
+// whenever no new entry arrived within Block, so that failed deliveries
+// are retried), then takes over entries idle on other consumers
+// (XAUTOCLAIM), then reads new ones. Partition is the stream key and Offset the entry id packed by
+// RedisOffset.
+type RedisStreamSource struct {
+	rdb       redis.UniversalClient
+	opts      RedisStreamOptions
+	ownDone   bool
+	ownCursor string
+	cursor    string
+}
+
+// NewRedisStreamSource creates the group if it does not exist yet (reading
+// from the start of the stream, MKSTREAM) and returns the source.
+func NewRedisStreamSource(ctx context.Context, rdb redis.UniversalClient, opts RedisStreamOptions) (*RedisStreamSource, error) {
+	if opts.Stream == "" || opts.Group == "" || opts.Consumer == "" {
+		return nil, fmt.Errorf("idemstream: redis stream source needs Stream, Group and Consumer (got %q, %q, %q)", opts.Stream, opts.Group, opts.Consumer)
+	}
+	if opts.Block <= 0 {
+		opts.Block = time.Second
+	}
+	if opts.IDField == "" {
+		opts.IDField = "id"
+	}
+	if opts.PayloadField == "" {
+		opts.PayloadField = "data"
+	}
+	err := rdb.XGroupCreateMkStream(ctx, opts.Stream, opts.Group, "0").Err()
+	if err != nil && !strings.HasPrefix(err.Error(), "BUSYGROUP") {
+		return nil, fmt.Errorf("idemstream: creating group %q on stream %q: %w", opts.Group, opts.Stream, err)
+	}
+	return &RedisStreamSource{rdb: rdb, opts: opts, ownCursor: "0", cursor: "0-0"}, nil
+}
+
+// RedisOffset packs a stream entry id "ms-seq" into an offset (ms << 20 |
+// seq), ordered as the ids are. It fails for ids beyond year 2527 or with
+// seq >= 2^20.
+func RedisOffset(id string) (uint64, error) {
+	msS, seqS, ok := strings.Cut(id, "-")
+	if !ok {
+		return 0, fmt.Errorf("idemstream: stream entry id %q is not ms-seq", id)
+	}
+	ms, err1 := strconv.ParseUint(msS, 10, 64)
+	seq, err2 := strconv.ParseUint(seqS, 10, 64)
+	if err1 != nil || err2 != nil || ms >= 1<<44 || seq >= 1<<20 {
+		return 0, fmt.Errorf("idemstream: stream entry id %q cannot be packed into an offset", id)
+	}
+	return ms<<20 | seq, nil
+}
+
+func (s *RedisStreamSource) convert(msgs []redis.XMessage) []Message {
+	out := make([]Message, 0, len(msgs))
+	for _, m := range msgs {
+		id := s.opts.Stream + "/" + m.ID
+		if v, ok := m.Values[s.opts.IDField].(string); ok && v != "" {
+			id = v
+		}
+		payload, _ := m.Values[s.opts.PayloadField].(string)
+		off, _ := RedisOffset(m.ID) // zero (no frontier) for an unpackable id
+		entry := m.ID
+		out = append(out, Message{
+			Event: Event{ID: []byte(id), Partition: s.opts.Stream, Offset: off, Payload: []byte(payload)},
+			Ack: func(ctx context.Context) error {
+				return s.rdb.XAck(ctx, s.opts.Stream, s.opts.Group, entry).Err()
+			},
+		})
+	}
+	return out
+}
+
+// Fetch implements Source.
+func (s *RedisStreamSource) Fetch(ctx context.Context, n int) ([]Message, error) {
+	if !s.ownDone {
+		// Our own pending entries from a previous run.
+		res, err := s.rdb.XReadGroup(ctx, &redis.XReadGroupArgs{Group: s.opts.Group, Consumer: s.opts.Consumer,
+			Streams: []string{s.opts.Stream, s.ownCursor}, Count: int64(n)}).Result()
+		if err != nil && !errors.Is(err, redis.Nil) {
+			return nil, fmt.Errorf("idemstream: XREADGROUP own pending of %q: %w", s.opts.Stream, err)
+		}
+		if len(res) > 0 && len(res[0].Messages) > 0 {
+			msgs := res[0].Messages
+			s.ownCursor = msgs[len(msgs)-1].ID
+			return s.convert(msgs), nil
+		}
+		s.ownDone = true
+	}
+	if s.opts.ClaimMinIdle > 0 {
+		msgs, next, err := s.rdb.XAutoClaim(ctx, &redis.XAutoClaimArgs{Stream: s.opts.Stream, Group: s.opts.Group,
+			Consumer: s.opts.Consumer, MinIdle: s.opts.ClaimMinIdle, Start: s.cursor, Count: int64(n)}).Result()
+		if err != nil && !errors.Is(err, redis.Nil) {
+			return nil, fmt.Errorf("idemstream: XAUTOCLAIM on %q: %w", s.opts.Stream, err)
+		}
+		s.cursor = next
+		if s.cursor == "" {
+			s.cursor = "0-0"
+		}
+		if len(msgs) > 0 {
+			return s.convert(msgs), nil
+		}
+	}
+	block := s.opts.Block
+	if dl, ok := ctx.Deadline(); ok {
+		if left := time.Until(dl); left < block {
+			block = max(left, time.Millisecond)
+		}
+	}
+	res, err := s.rdb.XReadGroup(ctx, &redis.XReadGroupArgs{Group: s.opts.Group, Consumer: s.opts.Consumer,
+		Streams: []string{s.opts.Stream, ">"}, Count: int64(n), Block: block}).Result()
+	if err != nil {
+		if errors.Is(err, redis.Nil) {
+			s.idle()
+			return nil, nil
+		}
+		return nil, fmt.Errorf("idemstream: XREADGROUP on %q: %w", s.opts.Stream, err)
+	}
+	if len(res) == 0 || len(res[0].Messages) == 0 {
+		s.idle()
+		return nil, nil
+	}
+	return s.convert(res[0].Messages), nil
+}
+
+// idle: nothing new arrived; the next Fetch re-reads this consumer's own
+// pending entries (deliveries whose handler failed, or that were Busy),
+// so they are retried even with ClaimMinIdle off.
+func (s *RedisStreamSource) idle() {
+	s.ownDone, s.ownCursor = false, "0"
+}

@@ -1,0 +1,254 @@
+package idemstream
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/cockroachdb/pebble/v2/vfs"
+)
+
+func TestSinkAppliesOnceAndReplays(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	e := openEngine(t, vfs.NewMem(), nil)
+	defer e.Close()
+	s, err := NewSink(ctx, e, "ledger", SinkOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if _, err := NewSink(ctx, e, "ledger", SinkOptions{}); !errors.Is(err, ErrInUse) {
+		t.Fatalf("second sink of the same name: %v, want ErrInUse", err)
+	}
+	var runs atomic.Int32
+	h := func(ctx context.Context, ev Event) (Effect, error) {
+		runs.Add(1)
+		return Effect{Result: []byte("ok:" + string(ev.Payload))}, nil
+	}
+	ev := Event{ID: []byte("e1"), Partition: "p", Offset: 7, Payload: []byte("x")}
+	out, err := s.Apply(ctx, ev, h)
+	if err != nil || out.Status != Applied || string(out.Result) != "ok:x" {
+		t.Fatalf("first apply: %+v %v", out, err)
+	}
+	redelivered := ev
+	redelivered.Offset = 9 // a redelivery at another position replays the original
+	out, err = s.Apply(ctx, redelivered, h)
+	if err != nil || out.Status != Replayed || string(out.Result) != "ok:x" || out.Offset != 7 || out.Partition != "p" {
+		t.Fatalf("redelivery: %+v %v", out, err)
+	}
+	if runs.Load() != 1 {
+		t.Fatalf("handler ran %d times", runs.Load())
+	}
+	// Same id, different payload: a conflict, never a silent replay.
+	bad := ev
+	bad.Payload = []byte("y")
+	if _, err := s.Apply(ctx, bad, h); !errors.Is(err, ErrConflict) {
+		t.Fatalf("conflicting payload: %v", err)
+	}
+	// A failing handler releases the claim: the next delivery runs it.
+	fails := true
+	h2 := func(ctx context.Context, ev Event) (Effect, error) {
+		runs.Add(1)
+		if fails {
+			return Effect{}, errors.New("target down")
+		}
+		return Effect{Result: []byte("late")}, nil
+	}
+	ev2 := Event{ID: []byte("e2"), Payload: []byte("z")}
+	if _, err := s.Apply(ctx, ev2, h2); err == nil {
+		t.Fatal("failing handler: no error")
+	}
+	fails = false
+	if out, err := s.Apply(ctx, ev2, h2); err != nil || out.Status != Applied || string(out.Result) != "late" {
+		t.Fatalf("retry after failure: %+v %v", out, err)
+	}
+	// A panicking handler releases the claim too, and the panic goes on.
+	ev3 := Event{ID: []byte("e3")}
+	func() {
+		defer func() {
+			if recover() == nil {
+				t.Fatal("panic swallowed")
+			}
+		}()
+		_, _ = s.Apply(ctx, ev3, func(context.Context, Event) (Effect, error) { panic("boom") })
+	}()
+	if out, err := s.Apply(ctx, ev3, h); err != nil || out.Status != Applied {
+		t.Fatalf("after panic: %+v %v", out, err)
+	}
+	// Invalid events are refused with a clear error, nothing claimed.
+	if _, err := s.Apply(ctx, Event{}, h); !errors.Is(err, ErrInvalidEvent) {
+		t.Fatalf("empty id: %v", err)
+	}
+	if _, err := s.Apply(ctx, Event{ID: make([]byte, MaxEventIDLen+1)}, h); !errors.Is(err, ErrInvalidEvent) {
+		t.Fatalf("long id: %v", err)
+	}
+	// A result over the bound is refused and the claim released.
+	big := Event{ID: []byte("big")}
+	if _, err := s.Apply(ctx, big, func(context.Context, Event) (Effect, error) {
+		return Effect{Result: make([]byte, 2<<20)}, nil
+	}); !errors.Is(err, ErrTooLarge) {
+		t.Fatalf("huge result: %v", err)
+	}
+	if _, ok, _ := s.Lookup(big.ID); ok {
+		t.Fatal("huge result was committed")
+	}
+	st := s.Stats()
+	if st.Applied != 3 || st.Replayed != 1 {
+		t.Fatalf("stats %+v", st)
+	}
+}
+
+func TestSinkConcurrentDeliveriesRunOnce(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	e := openEngine(t, vfs.NewMem(), nil)
+	defer e.Close()
+	s, err := NewSink(ctx, e, "s", SinkOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	release := make(chan struct{})
+	var runs atomic.Int32
+	h := func(ctx context.Context, ev Event) (Effect, error) {
+		runs.Add(1)
+		<-release
+		return Effect{Result: []byte("r")}, nil
+	}
+	ev := Event{ID: []byte("same")}
+	first := make(chan Outcome)
+	go func() {
+		out, err := s.Apply(ctx, ev, h)
+		if err != nil {
+			t.Error(err)
+		}
+		first <- out
+	}()
+	for runs.Load() == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	out, err := s.Apply(ctx, ev, h) // a second delivery while the first runs
+	if err != nil || out.Status != Busy || out.Status.Ackable() {
+		t.Fatalf("concurrent delivery: %+v %v", out, err)
+	}
+	close(release)
+	if o := <-first; o.Status != Applied {
+		t.Fatalf("first: %+v", o)
+	}
+	if out, _ := s.Apply(ctx, ev, h); out.Status != Replayed {
+		t.Fatalf("after: %+v", out)
+	}
+	if runs.Load() != 1 {
+		t.Fatalf("ran %d times", runs.Load())
+	}
+}
+
+// TestSinkTTL: each sink has its own TTL on one engine opened with default
+// options; within it a redelivery replays, after it the event runs again.
+func TestSinkTTL(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	clk := newFakeClock()
+	e := openEngine(t, vfs.NewMem(), clk.Now)
+	defer e.Close()
+	short, err := NewSink(ctx, e, "short", SinkOptions{TTL: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	long, err := NewSink(ctx, e, "long", SinkOptions{TTL: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	runs := map[string]int{}
+	var mu sync.Mutex
+	h := func(name string) Handler {
+		return func(ctx context.Context, ev Event) (Effect, error) {
+			mu.Lock()
+			defer mu.Unlock()
+			runs[name]++
+			return Effect{Result: []byte(fmt.Sprint(runs[name]))}, nil
+		}
+	}
+	ev := Event{ID: []byte("e")}
+	out, err := short.Apply(ctx, ev, h("short"))
+	if err != nil || !out.ExpiresAt.Equal(clk.Now().Add(time.Minute)) {
+		t.Fatalf("short: %+v %v", out, err)
+	}
+	if _, err := long.Apply(ctx, ev, h("long")); err != nil {
+		t.Fatal(err)
+	}
+	clk.Advance(30 * time.Second)
+	if out, _ := short.Apply(ctx, ev, h("short")); out.Status != Replayed || string(out.Result) != "1" {
+		t.Fatalf("within TTL: %+v", out)
+	}
+	clk.Advance(31 * time.Second)
+	if out, _ := short.Apply(ctx, ev, h("short")); out.Status != Applied || string(out.Result) != "2" {
+		t.Fatalf("after the short TTL: %+v", out)
+	}
+	if out, _ := long.Apply(ctx, ev, h("long")); out.Status != Replayed {
+		t.Fatalf("long TTL not over: %+v", out)
+	}
+	clk.Advance(2 * time.Hour)
+	waitApplied(t, e)
+	n, err := e.CleanupExpired(ctx)
+	if err != nil || n < 2 {
+		t.Fatalf("cleanup removed %d: %v", n, err)
+	}
+	if _, ok, _ := long.Lookup(ev.ID); ok {
+		t.Fatal("expired entry still there")
+	}
+}
+
+func TestFrontierAdvancesAndSurvivesReopen(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	w := newWorld()
+	e := openEngine(t, w.mem, nil)
+	s, err := NewSink(ctx, e, "f", SinkOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, ok, err := s.Frontier("p"); ok || err != nil {
+		t.Fatalf("empty frontier: %v %v", ok, err)
+	}
+	for _, off := range []uint64{5, 3, 9, 9, 12} {
+		if err := s.AdvanceFrontier(ctx, "p", off); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if off, ok, _ := s.Frontier("p"); !ok || off != 12 {
+		t.Fatalf("frontier %d %v", off, ok)
+	}
+	if st := s.Stats(); st.FrontierWrites != 3 {
+		t.Fatalf("frontier writes %d, want 3 (lower offsets write nothing)", st.FrontierWrites)
+	}
+	// Crash in the middle of an update (claim durable, commit not): the
+	// update is completed on recovery.
+	s.hook = nil
+	f := s.frontierOf("p")
+	f.mu.Lock()
+	res, err := e.Begin(ctx, frontierReq(s, "p", f.seq+1, 20))
+	f.mu.Unlock()
+	if err != nil || res.Claim == nil {
+		t.Fatal(err)
+	}
+	w.crash()
+	e.Close()
+	w.restart()
+	e = openEngine(t, w.mem, nil)
+	defer e.Close()
+	s, err = NewSink(ctx, e, "f", SinkOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if off, ok, _ := s.Frontier("p"); !ok || off != 20 {
+		t.Fatalf("frontier after recovery %d %v, want 20", off, ok)
+	}
+	if err := s.AdvanceFrontier(ctx, "p", 21); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -1,0 +1,427 @@
+package idemstream
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/idemdb/idem"
+)
+
+// ledgerTxn is the transaction handle of txnLedger: what is serialized
+// into the checkpoint.
+type ledgerTxn struct {
+	ID         uint64
+	Checkpoint uint64
+}
+
+type txnState int
+
+const (
+	txOpen txnState = iota
+	txPrepared
+	txCommitted
+	txAborted
+)
+
+// txnLedger is an external transactional system (plan B): writes of a
+// transaction become visible only when it commits. It records every
+// protocol violation: committing what was not pre-committed, aborting
+// what was committed, writing into a closed transaction.
+type txnLedger struct {
+	w          *world
+	mu         sync.Mutex
+	nextID     uint64
+	txns       map[uint64]*ltxn
+	committed  map[string]int // event id -> times made visible
+	violations []string
+	failCommit int // Commit fails this many more times
+}
+
+type ltxn struct {
+	ckpt   uint64
+	events []string
+	state  txnState
+}
+
+func newTxnLedger(w *world) *txnLedger {
+	return &txnLedger{w: w, txns: map[uint64]*ltxn{}, committed: map[string]int{}}
+}
+
+func (l *txnLedger) violate(f string, a ...any) {
+	l.violations = append(l.violations, fmt.Sprintf(f, a...))
+}
+
+func (l *txnLedger) act(fn func() error) error {
+	return l.w.do(func() error {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		return fn()
+	})
+}
+
+func (l *txnLedger) BeginTransaction(ctx context.Context, k uint64) (*ledgerTxn, error) {
+	var t *ledgerTxn
+	err := l.act(func() error {
+		l.nextID++
+		l.txns[l.nextID] = &ltxn{ckpt: k}
+		t = &ledgerTxn{ID: l.nextID, Checkpoint: k}
+		return nil
+	})
+	return t, err
+}
+
+func (l *txnLedger) Invoke(ctx context.Context, t *ledgerTxn, ev Event) error {
+	return l.act(func() error {
+		x := l.txns[t.ID]
+		if x == nil || x.state != txOpen {
+			l.violate("invoke into txn %d in state %v", t.ID, x)
+			return errors.New("txn not open")
+		}
+		x.events = append(x.events, string(ev.ID))
+		return nil
+	})
+}
+
+func (l *txnLedger) PreCommit(ctx context.Context, t *ledgerTxn) error {
+	return l.act(func() error {
+		x := l.txns[t.ID]
+		if x == nil || x.state != txOpen {
+			l.violate("pre-commit of txn %d not open", t.ID)
+			return errors.New("txn not open")
+		}
+		x.state = txPrepared
+		return nil
+	})
+}
+
+func (l *txnLedger) commitLocked(t *ledgerTxn, recovering bool) error {
+	x := l.txns[t.ID]
+	switch {
+	case x == nil:
+		l.violate("commit of unknown txn %d", t.ID)
+		return errors.New("unknown txn")
+	case x.state == txCommitted && recovering:
+		return nil // idempotent
+	case x.state != txPrepared:
+		l.violate("commit of txn %d (checkpoint %d) in state %d", t.ID, x.ckpt, x.state)
+		return errors.New("txn not prepared")
+	}
+	if l.failCommit > 0 {
+		l.failCommit--
+		return errors.New("ledger unavailable")
+	}
+	x.state = txCommitted
+	for _, id := range x.events {
+		l.committed[id]++
+	}
+	return nil
+}
+
+func (l *txnLedger) Commit(ctx context.Context, t *ledgerTxn) error {
+	return l.act(func() error { return l.commitLocked(t, false) })
+}
+
+func (l *txnLedger) RecoverAndCommit(ctx context.Context, t *ledgerTxn) error {
+	return l.act(func() error { return l.commitLocked(t, true) })
+}
+
+func (l *txnLedger) abortLocked(t *ledgerTxn) error {
+	x := l.txns[t.ID]
+	if x == nil {
+		return nil
+	}
+	if x.state == txCommitted {
+		l.violate("abort of committed txn %d", t.ID)
+		return errors.New("txn committed")
+	}
+	x.state = txAborted
+	return nil
+}
+
+func (l *txnLedger) Abort(ctx context.Context, t *ledgerTxn) error {
+	return l.act(func() error { return l.abortLocked(t) })
+}
+
+func (l *txnLedger) RecoverAndAbort(ctx context.Context, t *ledgerTxn) error {
+	return l.act(func() error { return l.abortLocked(t) })
+}
+
+func (l *txnLedger) AbortCheckpoint(ctx context.Context, k uint64) error {
+	return l.act(func() error {
+		for id, x := range l.txns {
+			if x.ckpt == k && x.state == txOpen {
+				_ = l.abortLocked(&ledgerTxn{ID: id})
+			}
+		}
+		return nil
+	})
+}
+
+// check: no violation, and every transaction ended (committed or aborted).
+func (l *txnLedger) check(t *testing.T) {
+	t.Helper()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if len(l.violations) > 0 {
+		t.Fatalf("protocol violations: %s", strings.Join(l.violations, "; "))
+	}
+	for id, x := range l.txns {
+		if x.state == txOpen || x.state == txPrepared {
+			t.Fatalf("txn %d (checkpoint %d) left in state %d", id, x.ckpt, x.state)
+		}
+	}
+}
+
+func newTwoPhaseWithHook(t *testing.T, ctx context.Context, w *world, l *txnLedger, hook func(Window, uint64) error) (*TwoPhase[*ledgerTxn], RecoveryReport, error) {
+	e := openEngine(t, w.mem, nil)
+	t.Cleanup(func() { e.Close() })
+	// The hook is in place before recovery runs.
+	if err := takeName(e, "sink", "tx"); err != nil {
+		return nil, RecoveryReport{}, err
+	}
+	tp := &TwoPhase[*ledgerTxn]{e: e, name: "tx", scope: twoPhaseScope("tx"), escope: sinkScope("tx"), sink: l,
+		opts: TwoPhaseOptions{MaxHandleSize: 64 << 10, CommitRetries: 3}, log: discardLogger(), frontier: map[string]uint64{}, hook: hook}
+	rep, err := tp.recover(ctx)
+	if err != nil {
+		releaseName(e, "sink", "tx")
+		e.Close()
+		return nil, rep, err
+	}
+	return tp, rep, nil
+}
+
+// TestTwoPhaseCrashWindows crashes the two-phase consumer at every window
+// of the protocol (before pre-commit, after pre-commit, after the
+// checkpoint with the handle is durable, after the sink's commit, before
+// the source's ack, and during recovery after a durable checkpoint or an
+// unrecorded one), restarts it on the crash image and checks: the
+// recovery decision (commit exactly the recorded checkpoints, abort the
+// rest), no protocol violation, every transaction ended, every event's
+// effect visible exactly once and nothing lost.
+func TestTwoPhaseCrashWindows(t *testing.T) {
+	type tc struct {
+		crash      Window
+		recovery   Window // also crash during recovery
+		wantAction string
+	}
+	cases := []tc{
+		{WindowBeforePreCommit, "", "aborted"},
+		{WindowAfterPreCommit, "", "aborted"},
+		{WindowAfterCheckpoint, "", "committed"},
+		{WindowAfterSinkCommit, "", "committed"},
+		{WindowBeforeAck, "", "finished"},
+		{WindowAfterCheckpoint, WindowDuringRecovery, "committed"},
+		{WindowBeforePreCommit, WindowDuringRecovery, "aborted"},
+	}
+	for _, c := range cases {
+		for _, at := range []uint64{1, 4} {
+			name := fmt.Sprintf("%s/ckpt%d", c.crash, at)
+			if c.recovery != "" {
+				name = fmt.Sprintf("%s+%s/ckpt%d", c.crash, c.recovery, at)
+			}
+			t.Run(name, func(t *testing.T) {
+				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+				defer cancel()
+				w := newWorld()
+				evs := makeEvents(80, 3, 12)
+				b := newMemBroker(w, evs)
+				l := newTxnLedger(w)
+				tp, _, err := newTwoPhaseWithHook(t, ctx, w, l, func(got Window, k uint64) error {
+					if got == c.crash && k == at {
+						return w.crash()
+					}
+					return nil
+				})
+				if err != nil {
+					t.Fatal(err)
+				}
+				err = runUntilAcked(ctx, b, func(ctx context.Context, o ConsumeOptions) error {
+					return ConsumeTwoPhase(ctx, b, tp, o)
+				})
+				if !w.crashed {
+					t.Fatalf("no crash at %s (consumer: %v)", c.crash, err)
+				}
+				if c.recovery != "" {
+					w.restart()
+					var n atomic.Int32
+					_, _, err := newTwoPhaseWithHook(t, ctx, w, l, func(got Window, k uint64) error {
+						if got == c.recovery && n.Add(1) == 1 {
+							return w.crash()
+						}
+						return nil
+					})
+					if !errors.Is(err, errCrashed) {
+						t.Fatalf("recovery did not crash: %v", err)
+					}
+				}
+				w.restart()
+				tp, rep, err := newTwoPhaseWithHook(t, ctx, w, l, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if rep.LastCheckpoint != at || rep.Action != c.wantAction {
+					t.Fatalf("recovery %+v, want checkpoint %d %s", rep, at, c.wantAction)
+				}
+				if left := mustInDoubt(t, tp.e); len(left) != 0 {
+					t.Fatalf("%d claims in doubt after recovery", len(left))
+				}
+				if err := runUntilAcked(ctx, b, func(ctx context.Context, o ConsumeOptions) error {
+					return ConsumeTwoPhase(ctx, b, tp, o)
+				}); err != nil {
+					t.Fatal(err)
+				}
+				l.check(t)
+				checkExactlyOnce(t, l.committed, evs)
+				// The frontier is the highest offset a checkpoint committed:
+				// at least every original event's, at most the stream's end
+				// (a redelivered duplicate that is only replayed does not
+				// move it).
+				lo, hi := maxOffsets(evs[:80]), maxOffsets(evs)
+				for p := range hi {
+					if got, ok := tp.Frontier(p); !ok || got < lo[p] || got > hi[p] {
+						t.Fatalf("frontier of %s: %d, want %d..%d", p, got, lo[p], hi[p])
+					}
+				}
+				t.Logf("recovery %+v; checkpoints %d, deliveries %d", rep, tp.LastCheckpoint(), b.deliveries)
+			})
+		}
+	}
+}
+
+// TestTwoPhaseSinkCommitFailure: a sink whose commit fails after the
+// checkpoint is recorded is retried (RecoverAndCommit) and never aborted;
+// nothing is acked until it commits.
+func TestTwoPhaseSinkCommitFailure(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	w := newWorld()
+	l := newTxnLedger(w)
+	l.failCommit = 10 // more than one Checkpoint call retries
+	tp, _, err := newTwoPhaseWithHook(t, ctx, w, l, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	evs := makeEvents(10, 1, 0)
+	if _, err := tp.Checkpoint(ctx, evs); err == nil {
+		t.Fatal("no error while the sink cannot commit")
+	}
+	l.mu.Lock()
+	l.failCommit = 0
+	l.mu.Unlock()
+	// The next call finishes checkpoint 1 first; its events replay.
+	outs, err := tp.Checkpoint(ctx, evs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, o := range outs {
+		if o.Status != Replayed || o.Checkpoint != 1 {
+			t.Fatalf("event %d: %+v", i, o)
+		}
+	}
+	l.check(t)
+	checkExactlyOnce(t, l.committed, evs)
+}
+
+// TestTwoPhaseHandleValidation: handles over the bound are refused before
+// anything is recorded; a damaged checkpoint record fails recovery with
+// ErrCorruptRecord instead of committing garbage.
+func TestTwoPhaseHandleValidation(t *testing.T) {
+	b, err := seal(&checkpointRecord{K: 3, Handle: []byte("h")}, 1<<10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var r checkpointRecord
+	if err := unseal(b, 1<<10, &r); err != nil || r.K != 3 {
+		t.Fatalf("round trip: %v %+v", err, r)
+	}
+	for name, bad := range map[string][]byte{
+		"flipped byte": func() []byte { c := append([]byte(nil), b...); c[len(c)-1] ^= 1; return c }(),
+		"truncated":    b[:len(b)-1],
+		"version":      func() []byte { c := append([]byte(nil), b...); c[4] = 9; return c }(),
+		"magic":        append([]byte("XXXX"), b[4:]...),
+		"empty":        nil,
+	} {
+		if err := unseal(bad, 1<<10, &r); !errors.Is(err, ErrCorruptRecord) {
+			t.Errorf("%s: %v", name, err)
+		}
+	}
+	if err := unseal(b, 4, &r); !errors.Is(err, ErrCorruptRecord) {
+		t.Errorf("over the size bound: %v", err)
+	}
+	if _, err := seal(&checkpointRecord{Handle: make([]byte, 100)}, 50); !errors.Is(err, ErrTooLarge) {
+		t.Errorf("seal over bound: %v", err)
+	}
+
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	w := newWorld()
+	e := openEngine(t, w.mem, nil)
+	defer e.Close()
+	big := &bigSink{}
+	tp, _, err := NewTwoPhase[*bigTxn](ctx, e, "big", big, TwoPhaseOptions{MaxHandleSize: 128})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tp.Checkpoint(ctx, makeEvents(3, 1, 0)); !errors.Is(err, ErrTooLarge) {
+		t.Fatalf("oversized handle: %v", err)
+	}
+	if !big.aborted {
+		t.Fatal("the transaction with the oversized handle was not aborted")
+	}
+}
+
+type bigTxn struct{ Pad []byte }
+type bigSink struct{ aborted bool }
+
+func (s *bigSink) BeginTransaction(context.Context, uint64) (*bigTxn, error) {
+	return &bigTxn{Pad: make([]byte, 1000)}, nil
+}
+func (s *bigSink) Invoke(context.Context, *bigTxn, Event) error    { return nil }
+func (s *bigSink) PreCommit(context.Context, *bigTxn) error        { return nil }
+func (s *bigSink) Commit(context.Context, *bigTxn) error           { return nil }
+func (s *bigSink) Abort(context.Context, *bigTxn) error            { s.aborted = true; return nil }
+func (s *bigSink) RecoverAndCommit(context.Context, *bigTxn) error { return nil }
+func (s *bigSink) RecoverAndAbort(context.Context, *bigTxn) error  { return nil }
+
+// TestTwoPhaseRecordsBounded: the coordinator keeps only the last
+// checkpoint's records; event entries expire with the TTL.
+func TestTwoPhaseRecordsBounded(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	clk := newFakeClock()
+	w := newWorld()
+	e := openEngine(t, w.mem, clk.Now)
+	defer e.Close()
+	l := newTxnLedger(w)
+	tp, _, err := NewTwoPhase[*ledgerTxn](ctx, e, "tx", l, TwoPhaseOptions{TTL: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	evs := makeEvents(50, 2, 0)
+	for i := 0; i < 5; i++ {
+		if _, err := tp.Checkpoint(ctx, evs[i*10:i*10+10]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for k := uint64(1); k <= 5; k++ {
+		for _, kind := range []string{"c", "d"} {
+			res, err := e.Lookup(twoPhaseScope("tx"), ckptID(kind, k))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if want := k == 5; (res.Status == idem.Done) != want {
+				t.Fatalf("record %s/%d: %v, kept %v", kind, k, res.Status, want)
+			}
+		}
+	}
+	clk.Advance(2 * time.Hour)
+	if out, _ := tp.Checkpoint(ctx, evs[:1]); out[0].Status != Applied {
+		t.Fatalf("after the TTL the event runs again: %+v", out[0])
+	}
+}
