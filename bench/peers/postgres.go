@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -61,23 +62,27 @@ func openPostgres(ctx context.Context, cfg Config) (Peer, error) {
 			return nil, fmt.Errorf("postgres: %s: %w", q, err)
 		}
 	}
-	// Open every connection of the pool now, not during the measurement.
-	conns := make([]*pgxpool.Conn, 0, pc.MaxConns)
-	var aerr error
-	for range pc.MaxConns {
-		c, err := pool.Acquire(ctx)
-		if err != nil {
-			aerr = fmt.Errorf("postgres: opening connection %d of %d: %w", len(conns)+1, pc.MaxConns, err)
-			break
-		}
-		conns = append(conns, c)
+	// Open every connection of the pool now (concurrently: 512 of them
+	// one after another take seconds), not during the measurement.
+	conns := make([]*pgxpool.Conn, pc.MaxConns)
+	errs := make([]error, pc.MaxConns)
+	var wg sync.WaitGroup
+	for i := range conns {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			conns[i], errs[i] = pool.Acquire(ctx)
+		}()
 	}
+	wg.Wait()
 	for _, c := range conns {
-		c.Release() // back to the pool (Close waits for them)
+		if c != nil {
+			c.Release() // back to the pool (Close waits for them)
+		}
 	}
-	if aerr != nil {
+	if err := errors.Join(errs...); err != nil {
 		pool.Close()
-		return nil, aerr
+		return nil, fmt.Errorf("postgres: opening %d connections: %w", pc.MaxConns, err)
 	}
 	return p, nil
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 
 	"github.com/redis/go-redis/v9"
 )
@@ -41,20 +42,26 @@ func openRedis(ctx context.Context, cfg Config) (Peer, error) {
 		c.Close()
 		return nil, fmt.Errorf("redis %s: appendfsync is %q, want always", cfg.RedisAddr, got["appendfsync"])
 	}
-	// Open every connection of the pool now, not during the measurement.
+	// Open every connection of the pool now (concurrently), not during
+	// the measurement.
 	conns := make([]*redis.Conn, cfg.Concurrency)
+	errs := make([]error, cfg.Concurrency)
+	var wg sync.WaitGroup
 	for i := range conns {
-		conns[i] = c.Conn()
-		if err := conns[i].Ping(ctx).Err(); err != nil {
-			for _, cn := range conns[:i+1] {
-				cn.Close()
-			}
-			c.Close()
-			return nil, fmt.Errorf("redis %s: opening connection %d of %d: %w", cfg.RedisAddr, i+1, len(conns), err)
-		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			conns[i] = c.Conn()
+			errs[i] = conns[i].Ping(ctx).Err()
+		}()
 	}
+	wg.Wait()
 	for _, cn := range conns {
 		cn.Close() // back to the pool
+	}
+	if err := errors.Join(errs...); err != nil {
+		c.Close()
+		return nil, fmt.Errorf("redis %s: opening %d connections: %w", cfg.RedisAddr, len(conns), err)
 	}
 	return p, nil
 }

@@ -93,13 +93,21 @@ func draw2(in, envPath, out string) error {
 		rounds = max(rounds, m.Rounds)
 	}
 
-	fresh, err := panel(ms, "fresh", "Fresh requests/s (claim and reply on disk)", true)
-	if err != nil {
-		return err
+	var panels []*plot.Plot
+	for _, ph := range []struct{ phase, title string }{
+		{"fresh", "Fresh requests/s (claim and reply on disk)"},
+		{"duplicate", "Duplicate hits/s (the stored reply returned)"},
+	} {
+		p, err := panel(ms, ph.phase, ph.title, len(panels) == 0)
+		if err != nil {
+			return err
+		}
+		if p != nil {
+			panels = append(panels, p)
+		}
 	}
-	dup, err := panel(ms, "duplicate", "Duplicate hits/s (the stored reply returned)", false)
-	if err != nil {
-		return err
+	if len(panels) == 0 {
+		return fmt.Errorf("%s: no rows with requests", in)
 	}
 
 	caption := fmt.Sprintf("Median of %d rounds; 16-byte random ids, 128-byte replies; every peer waits for the disk (fsync) before going on.", rounds)
@@ -125,12 +133,13 @@ func draw2(in, envPath, out string) error {
 	dc.FillPolygon(color.White, []vg.Point{{X: dc.Min.X, Y: dc.Min.Y}, {X: dc.Max.X, Y: dc.Min.Y}, {X: dc.Max.X, Y: dc.Max.Y}, {X: dc.Min.X, Y: dc.Max.Y}})
 	const captionH = 1.2 * vg.Centimeter
 	charts := draw.Crop(dc, 0, 0, captionH, 0)
-	tiles := draw.Tiles{Rows: 1, Cols: 2, PadX: vg.Centimeter, PadTop: vg.Points(6), PadBottom: vg.Points(4), PadLeft: vg.Points(4), PadRight: vg.Points(8)}
-	cs := plot.Align([][]*plot.Plot{{fresh, dup}}, tiles, charts)
-	fresh.Draw(cs[0][0])
-	dup.Draw(cs[0][1])
+	tiles := draw.Tiles{Rows: 1, Cols: len(panels), PadX: vg.Centimeter, PadTop: vg.Points(6), PadBottom: vg.Points(4), PadLeft: vg.Points(4), PadRight: vg.Points(8)}
+	cs := plot.Align([][]*plot.Plot{panels}, tiles, charts)
+	for i, p := range panels {
+		p.Draw(cs[0][i])
+	}
 
-	sty := fresh.X.Label.TextStyle
+	sty := panels[0].X.Label.TextStyle
 	sty.Font.Size = vg.Points(8.5)
 	sty.XAlign, sty.YAlign = draw.XLeft, draw.YTop
 	dc.FillText(sty, vg.Point{X: dc.Min.X + vg.Points(8), Y: dc.Min.Y + captionH - vg.Points(4)}, caption)
@@ -146,7 +155,8 @@ func draw2(in, envPath, out string) error {
 	return of.Close()
 }
 
-// panel is one chart: requests/s of every peer against callers.
+// panel is one chart: requests/s of every peer against callers (nil if
+// no peer has a row of the phase).
 func panel(ms []peers.Median, phase, title string, legend bool) (*plot.Plot, error) {
 	p := plot.New()
 	p.Title.Text = title
@@ -175,7 +185,7 @@ func panel(ms []peers.Median, phase, title string, legend bool) (*plot.Plot, err
 		lo, hi = min(lo, m.PerSec), max(hi, m.PerSec)
 	}
 	if len(order) == 0 {
-		return nil, fmt.Errorf("no %s rows", phase)
+		return nil, nil
 	}
 	slices.Sort(xs)
 	var xt []plot.Tick
