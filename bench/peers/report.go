@@ -243,9 +243,11 @@ func WriteMediansCSV(w io.Writer, ms []Median) error {
 	return cw.Error()
 }
 
-// WriteMarkdown writes the medians as markdown tables: one per phase, a
-// row per peer and concurrency.
+// WriteMarkdown writes the medians as markdown tables: for each phase a
+// summary (a row per peer, a column per concurrency: requests/s and the
+// ratio to idem), then the details (a row per peer and concurrency).
 func WriteMarkdown(w io.Writer, ms []Median) error {
+	writePivot(w, ms)
 	for _, phase := range []string{"fresh", "duplicate"} {
 		var rows []Median
 		for _, m := range ms {
@@ -256,13 +258,13 @@ func WriteMarkdown(w io.Writer, ms []Median) error {
 		if len(rows) == 0 {
 			continue
 		}
-		fmt.Fprintf(w, "\n%s requests (medians of %d rounds):\n\n", strings.ToUpper(phase[:1])+phase[1:], rows[0].Rounds)
+		fmt.Fprintf(w, "\n%s requests, medians of %d rounds:\n\n", strings.ToUpper(phase[:1])+phase[1:], rows[0].Rounds)
 		fmt.Fprintln(w, "| peer | callers | req/s (min - max) | ratio to idem | p50 | p99 | p99.9 | CPU µs/req |")
 		fmt.Fprintln(w, "|---|---:|---:|---:|---:|---:|---:|---:|")
 		for _, m := range rows {
 			ratio := "-"
 			if m.Ratio > 0 {
-				ratio = fmt.Sprintf("%.3g", m.Ratio)
+				ratio = ratioStr(m.Ratio)
 			}
 			errs := ""
 			if m.Errors > 0 {
@@ -274,6 +276,70 @@ func WriteMarkdown(w io.Writer, ms []Median) error {
 		}
 	}
 	return nil
+}
+
+// writePivot writes, per phase, requests/s (ratio to idem) with a row per
+// peer and a column per concurrency.
+func writePivot(w io.Writer, ms []Median) {
+	for _, phase := range []string{"fresh", "duplicate"} {
+		var concs []int
+		var names []string
+		cell := map[string]map[int]Median{}
+		for _, m := range ms {
+			if m.Phase != phase {
+				continue
+			}
+			if !slices.Contains(concs, m.Concurrency) {
+				concs = append(concs, m.Concurrency)
+			}
+			if cell[m.Peer] == nil {
+				cell[m.Peer] = map[int]Median{}
+				names = append(names, m.Peer)
+			}
+			cell[m.Peer][m.Concurrency] = m
+		}
+		if len(names) == 0 {
+			continue
+		}
+		slices.Sort(concs)
+		title := map[string]string{"fresh": "Fresh requests/s", "duplicate": "Duplicate hits/s"}[phase]
+		fmt.Fprintf(w, "\n%s, median (ratio to idem), by concurrent callers:\n\n| peer |", title)
+		for _, c := range concs {
+			fmt.Fprintf(w, " %d |", c)
+		}
+		fmt.Fprint(w, "\n|---|")
+		for range concs {
+			fmt.Fprint(w, "---:|")
+		}
+		fmt.Fprintln(w)
+		for _, n := range names {
+			fmt.Fprintf(w, "| %s |", n)
+			for _, c := range concs {
+				m, ok := cell[n][c]
+				switch {
+				case !ok:
+					fmt.Fprint(w, " - |")
+				case n == "idem" || m.Ratio == 0:
+					fmt.Fprintf(w, " %s |", group(m.PerSec))
+				default:
+					fmt.Fprintf(w, " %s (%s) |", group(m.PerSec), ratioStr(m.Ratio))
+				}
+			}
+			fmt.Fprintln(w)
+		}
+	}
+}
+
+// ratioStr formats a ratio: two decimals, or two significant digits
+// below 0.1.
+func ratioStr(r float64) string {
+	switch {
+	case r >= 10:
+		return fmt.Sprintf("%.0f×", r)
+	case r >= 0.1:
+		return fmt.Sprintf("%.2f×", r)
+	}
+	return fmt.Sprintf("%.2g×", r)
 }
 
 // group formats v rounded to an integer with thousands separators.

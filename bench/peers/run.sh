@@ -3,11 +3,11 @@
 # SQLite, Redis, PostgreSQL, the file-append limit), several rounds at
 # several concurrencies, and writes the figures as CSV plus the chart.
 #
-#   bash bench/peers/run.sh                      # the full run (~14 min)
+#   bash bench/peers/run.sh                      # the full run (~14 min on 2 cores)
 #   ROUNDS=1 CALLERS="1 64" FRESH=500ms DUP=300ms OUT=/tmp/smoke bash bench/peers/run.sh
 #
 # Settings (environment):
-#   ROUNDS   rounds (default 3); every round runs every peer at every concurrency
+#   ROUNDS   rounds (default 5); every round runs every peer at every concurrency
 #   CALLERS  concurrent callers (default "1 8 64 512")
 #   FRESH    length of each fresh phase (default 3s)
 #   DUP      length of each duplicate phase (default 2s)
@@ -25,7 +25,7 @@ set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)
-ROUNDS=${ROUNDS:-3}
+ROUNDS=${ROUNDS:-5}
 CALLERS=${CALLERS:-"1 8 64 512"}
 FRESH=${FRESH:-3s}
 DUP=${DUP:-2s}
