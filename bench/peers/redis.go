@@ -20,10 +20,13 @@ import (
 // 10 per core, which would queue the callers in the client).
 type redisPeer struct{ c *redis.Client }
 
+// RedisMaxConns bounds the pool.
+var RedisMaxConns = 512
+
 func openRedis(ctx context.Context, cfg Config) (Peer, error) {
 	c := redis.NewClient(&redis.Options{
 		Addr:            cfg.RedisAddr,
-		PoolSize:        cfg.Concurrency,
+		PoolSize:        min(cfg.Concurrency, RedisMaxConns),
 		Protocol:        2,
 		DisableIdentity: true,
 	})
@@ -44,8 +47,9 @@ func openRedis(ctx context.Context, cfg Config) (Peer, error) {
 	}
 	// Open every connection of the pool now (concurrently), not during
 	// the measurement.
-	conns := make([]*redis.Conn, cfg.Concurrency)
-	errs := make([]error, cfg.Concurrency)
+	n := min(cfg.Concurrency, RedisMaxConns)
+	conns := make([]*redis.Conn, n)
+	errs := make([]error, n)
 	var wg sync.WaitGroup
 	for i := range conns {
 		wg.Add(1)

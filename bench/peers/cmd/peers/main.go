@@ -74,7 +74,9 @@ func run(args []string) error {
 	pgURL := fs.String("postgres", "", "PostgreSQL connection `URL`")
 	pgPID := fs.Int("postgres-pid", 0, "PostgreSQL postmaster process id (its and its backends' CPU time is counted)")
 	pgMax := fs.Int("postgres-max-conns", peers.PostgresMaxConns, "PostgreSQL pool size bound")
+	redisMax := fs.Int("redis-max-conns", peers.RedisMaxConns, "Redis pool size bound")
 	_ = fs.Parse(args)
+	peers.RedisMaxConns = *redisMax
 	if *names == "" {
 		return errors.New("run: -peer is required")
 	}
