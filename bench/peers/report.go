@@ -258,7 +258,7 @@ func WriteMarkdown(w io.Writer, ms []Median) error {
 		if len(rows) == 0 {
 			continue
 		}
-		fmt.Fprintf(w, "\n%s requests, medians of %d rounds:\n\n", strings.ToUpper(phase[:1])+phase[1:], rows[0].Rounds)
+		fmt.Fprintf(w, "\n%s requests, medians over %d round(s):\n\n", strings.ToUpper(phase[:1])+phase[1:], rows[0].Rounds)
 		fmt.Fprintln(w, "| peer | callers | req/s (min - max) | ratio to idem | p50 | p99 | p99.9 | CPU µs/req |")
 		fmt.Fprintln(w, "|---|---:|---:|---:|---:|---:|---:|---:|")
 		for _, m := range rows {

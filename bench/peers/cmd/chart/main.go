@@ -11,6 +11,7 @@ package main
 
 import (
 	"bufio"
+	"bytes"
 	"errors"
 	"flag"
 	"fmt"
@@ -21,6 +22,7 @@ import (
 	"strings"
 
 	"gonum.org/v1/plot"
+	"gonum.org/v1/plot/font"
 	"gonum.org/v1/plot/plotter"
 	"gonum.org/v1/plot/vg"
 	"gonum.org/v1/plot/vg/draw"
@@ -35,6 +37,10 @@ func main() {
 	env := flag.String("env", "", "peers-env.txt written by run.sh (date and machine, shown under the chart)")
 	out := flag.String("out", "peers.svg", "output `file` (.svg or .png)")
 	flag.Parse()
+	// Liberation Sans has the metrics of Arial and Helvetica: the SVG
+	// names those as fallbacks (see fontFallbacks), so text drawn by a
+	// browser without Liberation fits the layout computed here.
+	plot.DefaultFont = font.Font{Typeface: "Liberation", Variant: "Sans"}
 	if err := draw2(*in, *env, *out); err != nil {
 		fmt.Fprintln(os.Stderr, "chart:", err)
 		os.Exit(1)
@@ -110,7 +116,11 @@ func draw2(in, envPath, out string) error {
 		return fmt.Errorf("%s: no rows with requests", in)
 	}
 
-	caption := fmt.Sprintf("Median of %d rounds; 16-byte random ids, 128-byte replies; every peer waits for the disk (fsync) before going on.", rounds)
+	plural := "s"
+	if rounds == 1 {
+		plural = ""
+	}
+	caption := fmt.Sprintf("Median of %d round%s; 16-byte random ids, 128-byte replies; every peer waits for the disk (fsync) before going on.", rounds, plural)
 	if envPath != "" {
 		date, machine, err := readEnv(envPath)
 		if err != nil {
@@ -144,15 +154,22 @@ func draw2(in, envPath, out string) error {
 	sty.XAlign, sty.YAlign = draw.XLeft, draw.YTop
 	dc.FillText(sty, vg.Point{X: dc.Min.X + vg.Points(8), Y: dc.Min.Y + captionH - vg.Points(4)}, caption)
 
-	of, err := os.Create(out)
-	if err != nil {
+	var buf bytes.Buffer
+	if _, err := c.WriteTo(&buf); err != nil {
 		return err
 	}
-	if _, err := c.WriteTo(of); err != nil {
-		of.Close()
-		return err
+	img := buf.Bytes()
+	if strings.HasSuffix(out, ".svg") {
+		img = fontFallbacks(img)
 	}
-	return of.Close()
+	return os.WriteFile(out, img, 0o644)
+}
+
+// fontFallbacks names Arial, Helvetica and sans-serif after Liberation Sans
+// in the SVG's font-family properties.
+func fontFallbacks(svg []byte) []byte {
+	return bytes.ReplaceAll(svg, []byte("font-family:Liberation Sans"),
+		[]byte("font-family:'Liberation Sans',Arial,Helvetica,sans-serif"))
 }
 
 // panel is one chart: requests/s of every peer against callers (nil if
