@@ -166,14 +166,14 @@ func (ix *Index) NthOldest(k int64) (int64, bool, error) {
 // stays proportional to what changed, amortized).
 func (ix *Index) CompactRemoved(ctx context.Context, entries bool) error {
 	if entries {
-		if err := ix.db.Compact(ctx, []byte{prefixEntry}, []byte{prefixEntry + 1}, false); err != nil {
+		if err := ix.guard(func() error { return ix.db.Compact(ctx, []byte{prefixEntry}, []byte{prefixEntry + 1}, false) }); err != nil {
 			return fmt.Errorf("index: compact entries: %w", err)
 		}
 	}
 	before := ix.Mark().Before
 	if before > ix.compactedMark.Load() {
 		upper := timeKey(nil, before, nil)
-		if err := ix.db.Compact(ctx, []byte{prefixTime}, upper, false); err != nil {
+		if err := ix.guard(func() error { return ix.db.Compact(ctx, []byte{prefixTime}, upper, false) }); err != nil {
 			return fmt.Errorf("index: compact time index: %w", err)
 		}
 		ix.compactedMark.Store(before)

@@ -18,6 +18,7 @@ import (
 	"fmt"
 	"hash/maphash"
 	"log/slog"
+	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -156,15 +157,21 @@ func Open(o Options) (*Index, error) {
 		popts.Levels[i].FilterPolicy = bloom.FilterPolicy(10)
 	}
 	popts.EnsureDefaults() // MakeWriterOptions below needs the defaults filled in
+	plog.opener.Store(goroutineID())
 	db, err := openPebble(o.Dir, popts)
 	if err != nil {
 		cache.Unref()
 		return nil, fmt.Errorf("index: open %s: %w", o.Dir, err)
 	}
 	plog.opened.Store(true)
+	plog.opener.Store(-1)
 	if err := ix.failure(); err != nil { // reported while opening
-		db.Close()
-		cache.Unref()
+		closed := make(chan struct{})
+		go func() { db.Close(); cache.Unref(); close(closed) }()
+		select {
+		case <-closed:
+		case <-time.After(closeAfterFailure): // parked by Fatalf: leave it
+		}
 		return nil, fmt.Errorf("index: open %s: %w", o.Dir, err)
 	}
 	ix.db, ix.cache = db, cache
@@ -699,13 +706,34 @@ func (ix *Index) flushMemtables() error {
 	if err := ix.failure(); err != nil {
 		return err
 	}
-	done, err := ix.db.AsyncFlush()
-	if err != nil {
+	var done <-chan struct{}
+	if err := ix.guard(func() (err error) {
+		done, err = ix.db.AsyncFlush()
+		return err
+	}); err != nil {
 		return err
 	}
 	select {
 	case <-done:
 		return ix.failure()
+	case <-ix.bgFired:
+		return ix.failure()
+	}
+}
+
+// guard runs f, a call into Pebble that may block on Pebble's locks, and
+// returns its error, or the background failure as soon as there is one: a
+// Pebble goroutine parked by Fatalf may hold those locks for good. f then
+// stays blocked in its own goroutine.
+func (ix *Index) guard(f func() error) error {
+	if err := ix.failure(); err != nil {
+		return err
+	}
+	done := make(chan error, 1)
+	go func() { done <- f() }()
+	select {
+	case err := <-done:
+		return err
 	case <-ix.bgFired:
 		return ix.failure()
 	}
@@ -746,7 +774,12 @@ func (ix *Index) Failed() <-chan struct{} { return ix.bgFired }
 func (ix *Index) DB() *pebble.DB { return ix.db }
 
 // DiskUsage returns the bytes Pebble uses on disk.
-func (ix *Index) DiskUsage() uint64 { return ix.db.Metrics().DiskSpaceUsage() }
+func (ix *Index) DiskUsage() uint64 {
+	if ix.failure() != nil {
+		return 0 // Pebble may hold its locks for good (see guard)
+	}
+	return ix.db.Metrics().DiskSpaceUsage()
+}
 
 // Close flushes (if flush is set: everything applied is then in the
 // sstables) and closes the store. Without flush, pending updates are
@@ -805,6 +838,7 @@ type pebbleLogger struct {
 	l      *slog.Logger
 	ix     *Index
 	opened atomic.Bool
+	opener atomic.Int64 // the goroutine running pebble.Open (its id)
 }
 
 func (p *pebbleLogger) Infof(format string, args ...any) {
@@ -816,8 +850,8 @@ func (p *pebbleLogger) Errorf(format string, args ...any) {
 func (p *pebbleLogger) Fatalf(format string, args ...any) {
 	msg := fmt.Sprintf(format, args...)
 	p.l.Error(msg, "component", "pebble", "fatal", true)
-	if !p.opened.Load() || iteratorInvariant(msg) {
-		panic(msg)
+	if (!p.opened.Load() && goroutineID() == p.opener.Load()) || iteratorInvariant(msg) {
+		panic(msg) // openPebble recovers it; an iterator bug panics its caller
 	}
 	p.ix.fail(fmt.Errorf("pebble fatal error: %s", msg))
 	// Pebble must not go on: after a MANIFEST write or sync that failed it
@@ -827,6 +861,22 @@ func (p *pebbleLogger) Fatalf(format string, args ...any) {
 	// and Close gives Pebble a bounded time. The files on disk stay as a
 	// crash would leave them, which Open recovers.
 	select {}
+}
+
+// goroutineID is the current goroutine's id, read from its stack header
+// ("goroutine 123 [..."); only the fatal path uses it.
+func goroutineID() int64 {
+	var buf [64]byte
+	b := buf[:runtime.Stack(buf[:], false)]
+	b = bytes.TrimPrefix(b, []byte("goroutine "))
+	var id int64
+	for _, c := range b {
+		if c < '0' || c > '9' {
+			break
+		}
+		id = id*10 + int64(c-'0')
+	}
+	return id
 }
 
 // iteratorInvariant says whether a fatal message is one of Pebble's
@@ -882,6 +932,9 @@ func (ix *Index) Memory() Memory {
 	}
 	if ix.buildingMem.Load() {
 		m.Filter += ix.filterBytes
+	}
+	if ix.failure() != nil {
+		return m // Pebble may hold its locks for good (see guard)
 	}
 	pm := ix.db.Metrics()
 	m.BlockCache = pm.BlockCache.Size

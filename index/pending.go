@@ -181,7 +181,13 @@ type ingestJob struct {
 // is sticky: the frozen set stays readable, and every later Apply fails.
 func (ix *Index) waitIngestLocked() error {
 	if job := ix.job; job != nil {
-		<-job.done
+		select {
+		case <-job.done:
+		case <-ix.bgFired:
+			// The ingest is stuck in Pebble (parked by a fatal failure):
+			// it will never finish.
+			return ix.setIngestErr(ix.failure())
+		}
 		ix.job = nil
 		if job.err != nil {
 			return ix.setIngestErr(job.err)
