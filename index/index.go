@@ -149,6 +149,13 @@ func Open(o Options) (*Index, error) {
 		Logger:       plog,
 		EventListener: &pebble.EventListener{
 			BackgroundError: func(err error) { ix.fail(fmt.Errorf("pebble background work: %w", err)) },
+			// Pebble's default handler calls Fatalf on the reader's own
+			// goroutine; the read returns the corruption error anyway
+			// (ErrCorrupt for the engine's caller, a PROBLEM line for
+			// idem verify), so log it and let the read fail.
+			DataCorruption: func(info pebble.DataCorruptionInfo) {
+				o.Logger.Error("index: Pebble found corrupt data", "info", info.String())
+			},
 		},
 	}
 	// Most lookups of a fresh id miss: bloom filters on every level let a
