@@ -71,7 +71,13 @@ func (e *Engine) Compact(ctx context.Context) (CompactStats, error) {
 		Duration:        st.Duration,
 	}
 	if err != nil {
-		return out, e.failure(err)
+		// ErrFailed only when the engine did stop (the WAL or the index
+		// failed); a snapshot that could not be written, or a cancelled
+		// context, leaves it serving, and the error says so.
+		if e.failed.Load() != nil || errors.Is(err, wal.ErrFailed) || errors.Is(err, wal.ErrClosed) || errors.Is(err, index.ErrBackground) {
+			return out, e.failure(err)
+		}
+		return out, fmt.Errorf("idem: compaction did not finish (the engine goes on): %w", err)
 	}
 	if compactEntries {
 		e.removedSinceEntryCompact = removed - removedBefore // applied during the run

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/cockroachdb/pebble/v2/vfs"
+	"github.com/cockroachdb/pebble/v2/vfs/errorfs"
 	"github.com/idemdb/idem/internal/testclock"
 	"github.com/idemdb/idem/internal/vfstest"
 	"github.com/idemdb/idem/snapshot"
@@ -580,5 +581,30 @@ func TestCompactionCostsWhatChanged(t *testing.T) {
 	}
 	if large > largeIndex/4 {
 		t.Fatalf("compaction at 100k ids wrote %d bytes, more than a quarter of the index (%d)", large, largeIndex)
+	}
+}
+
+// TestCompactSnapshotFailureIsNotEngineFailure: a Compact whose on-disk
+// snapshot cannot be written (a full snapshot directory) returns an error
+// that is not ErrFailed, and the engine goes on serving.
+func TestCompactSnapshotFailureIsNotEngineFailure(t *testing.T) {
+	var full atomic.Bool
+	fs := errorfs.Wrap(vfs.NewMem(), errorfs.InjectorFunc(func(op errorfs.Op) error {
+		if full.Load() && strings.Contains(op.Path, "snapshot") && op.Kind.ReadOrWrite() == errorfs.OpIsWrite {
+			return errorfs.ErrInjected
+		}
+		return nil
+	}))
+	e := openMem(t, fs, &Options{KeepSnapshots: 1})
+	defer e.Close()
+	commitID(t, e, Request{ID: id("a")}, "r")
+	full.Store(true)
+	if _, err := e.Compact(bg); err == nil || errors.Is(err, ErrFailed) {
+		t.Fatalf("compact with a failing snapshot write: %v (want an error, not ErrFailed)", err)
+	}
+	full.Store(false)
+	commitID(t, e, Request{ID: id("b")}, "r")
+	if _, err := e.Compact(bg); err != nil {
+		t.Fatalf("compact after the snapshot directory recovered: %v", err)
 	}
 }
