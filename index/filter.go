@@ -188,6 +188,8 @@ func (ix *Index) startFilterBuildLocked() {
 // scanFilter adds every entry key of it to nf and installs nf.
 func (ix *Index) scanFilter(nf *keyFilter, it *pebble.Iterator) {
 	defer ix.filterWG.Done()
+	ix.inPebble.Add(1)
+	defer ix.inPebble.Add(-1)
 	start := time.Now()
 	n := 0
 	var err error

@@ -73,6 +73,10 @@ type Index struct {
 	bg      atomic.Pointer[error]
 	bgOnce  sync.Once
 	bgFired chan struct{} // closed when bg is set
+	// inPebble counts the calls into Pebble that a wait may have stopped
+	// waiting for (guard, ingests, the filter scan): Close after a failure
+	// must not close Pebble under them.
+	inPebble atomic.Int64
 
 	applyMu sync.Mutex // serializes Apply, ingests and the fields below
 
@@ -737,7 +741,11 @@ func (ix *Index) guard(f func() error) error {
 		return err
 	}
 	done := make(chan error, 1)
-	go func() { done <- f() }()
+	ix.inPebble.Add(1)
+	go func() {
+		defer ix.inPebble.Add(-1)
+		done <- f()
+	}()
 	select {
 	case err := <-done:
 		return err
@@ -792,7 +800,13 @@ func (ix *Index) DiskUsage() uint64 {
 // sstables) and closes the store. Without flush, pending updates are
 // dropped; replay redoes them.
 func (ix *Index) Close(flush bool) error {
-	ix.stopFilter()
+	if ix.failure() == nil {
+		ix.stopFilter()
+	} else {
+		// The filter's scan may be blocked inside a parked Pebble: ask it
+		// to stop, and count it among the calls still in Pebble below.
+		go ix.stopFilter()
+	}
 	var err error
 	if flush && ix.failure() == nil {
 		err = ix.Flush()
@@ -814,13 +828,26 @@ func (ix *Index) Close(flush bool) error {
 	// Its files, and its lock on the directory, stay held until the process
 	// exits: the index can then be reopened only by a new process (which
 	// recovers from the WAL what the index lacks).
-	closed := make(chan error, 1)
-	go func() { closed <- ix.db.Close() }()
-	select {
-	case <-closed:
-		ix.cache.Unref()
-	case <-time.After(closeAfterFailure):
-		ix.logger.Error("index: Pebble did not close after its background failure; leaving it", "waited", closeAfterFailure)
+	//
+	// Pebble must not be closed under a call still running in it (an
+	// ingest, a compaction or a scan the guards stopped waiting for):
+	// closing frees memory that call still reads. Wait for them within the
+	// same bound, and leave Pebble open if they do not return.
+	deadline := time.Now().Add(closeAfterFailure)
+	for ix.inPebble.Load() > 0 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	if n := ix.inPebble.Load(); n > 0 {
+		ix.logger.Error("index: calls still inside Pebble after its background failure; leaving it open", "calls", n, "waited", closeAfterFailure)
+	} else {
+		closed := make(chan error, 1)
+		go func() { closed <- ix.db.Close() }()
+		select {
+		case <-closed:
+			ix.cache.Unref()
+		case <-time.After(time.Until(deadline) + 100*time.Millisecond):
+			ix.logger.Error("index: Pebble did not close after its background failure; leaving it", "waited", closeAfterFailure)
+		}
 	}
 	if err == nil {
 		err = ix.failure()

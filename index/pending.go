@@ -235,7 +235,10 @@ func (ix *Index) ingest(s *pendingSet) error {
 		_ = fs.Remove(path)
 		return fmt.Errorf("index: writing the sstable of LSNs through %d: %w", s.last, err)
 	}
-	if err := ix.db.Ingest(context.Background(), []string{path}); err != nil {
+	ix.inPebble.Add(1)
+	err := ix.db.Ingest(context.Background(), []string{path})
+	ix.inPebble.Add(-1)
+	if err != nil {
 		_ = fs.Remove(path)
 		return fmt.Errorf("index: ingesting LSNs through %d: %w", s.last, err)
 	}
