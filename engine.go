@@ -598,13 +598,18 @@ func (e *Engine) slotLocked(key []byte) (*slot, error) {
 	if err != nil {
 		return nil, wrapCorrupt(err)
 	}
-	sl := &slot{e: en}
-	sl.size = slotSize(key, en)
+	return e.installLocked(sh, key, en), nil
+}
+
+// installLocked puts a slot holding en, as read from the index, into sh
+// (whose lock is held) and evicts past the shard's share, never that slot.
+func (e *Engine) installLocked(sh *shard, key []byte, en *index.Entry) *slot {
+	sl := &slot{e: en, size: slotSize(key, en)}
 	k := string(key)
 	sh.m[k] = sl
 	sh.bytes += sl.size
 	e.evictLocked(sh, k)
-	return sl, nil
+	return sl
 }
 
 // lockSlot locks key's shard and returns key's slot and the unlock
@@ -645,13 +650,7 @@ func (e *Engine) lockSlot(key []byte) (*slot, func(), error) {
 		}
 		return sl, sh.unlock, nil
 	}
-	sl := &slot{e: en}
-	sl.size = slotSize(key, en)
-	k := string(key)
-	sh.m[k] = sl
-	sh.bytes += sl.size
-	e.evictLocked(sh, k)
-	return sl, sh.unlock, nil
+	return e.installLocked(sh, key, en), sh.unlock, nil
 }
 
 // testHookUnlockedRead, set by tests only, runs after lockSlot read key

@@ -15,6 +15,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/idemdb/idem/internal/latency"
 )
 
 // The job's shape, as in idem's root benchmarks and `idem bench`.
@@ -115,7 +117,7 @@ func phase(ctx context.Context, name string, cfg RunConfig, d time.Duration, op 
 		errs     atomic.Uint64
 		firstErr atomic.Pointer[error]
 		mu       sync.Mutex
-		hist     latencies
+		hist     latency.Histogram
 		wg       sync.WaitGroup
 	)
 	cpu0, srv0 := selfCPU(), serverCPU(cfg.ServerPIDs)
@@ -128,14 +130,14 @@ func phase(ctx context.Context, name string, cfg RunConfig, d time.Duration, op 
 			var seed [32]byte
 			_, _ = crand.Read(seed[:])
 			rng := rand.NewChaCha8(seed)
-			h := &latencies{}
+			h := &latency.Histogram{}
 			for ctx.Err() == nil {
 				t0 := time.Now()
 				if !t0.Before(deadline) {
 					break
 				}
 				err := op(w, rng)
-				h.record(time.Since(t0))
+				h.Record(time.Since(t0))
 				if err != nil {
 					if errs.Add(1) == 1 {
 						firstErr.Store(&err)
@@ -146,7 +148,7 @@ func phase(ctx context.Context, name string, cfg RunConfig, d time.Duration, op 
 				}
 			}
 			mu.Lock()
-			hist.merge(h)
+			hist.Merge(h)
 			mu.Unlock()
 		}()
 	}
@@ -157,14 +159,14 @@ func phase(ctx context.Context, name string, cfg RunConfig, d time.Duration, op 
 	us := func(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) }
 	r := Result{
 		Date: start.UTC().Format(time.RFC3339), Peer: "", Concurrency: cfg.Concurrency, Phase: name,
-		Requests: hist.n, Errors: errs.Load(), Seconds: el.Seconds(),
-		PerSec: float64(hist.n) / el.Seconds(),
-		P50us:  us(hist.quantile(0.50)), P99us: us(hist.quantile(0.99)),
-		P999us: us(hist.quantile(0.999)), MaxUs: us(hist.max),
+		Requests: hist.N(), Errors: errs.Load(), Seconds: el.Seconds(),
+		PerSec: float64(hist.N()) / el.Seconds(),
+		P50us:  us(hist.Quantile(0.50)), P99us: us(hist.Quantile(0.99)),
+		P999us: us(hist.Quantile(0.999)), MaxUs: us(hist.Max()),
 		ClientCPU: cpu.Seconds(), ServerCPU: srv.Seconds(),
 	}
-	if hist.n > 0 {
-		r.CPUusPerReq = us(cpu+srv) / float64(hist.n)
+	if hist.N() > 0 {
+		r.CPUusPerReq = us(cpu+srv) / float64(hist.N())
 	}
 	if f := firstErr.Load(); f != nil {
 		r.FirstError = (*f).Error()

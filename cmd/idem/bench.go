@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/idemdb/idem"
+	"github.com/idemdb/idem/internal/latency"
 )
 
 var benchCmd = &command{
@@ -241,7 +242,7 @@ func (o *benchOpts) phase(c *cli, name string, op func(worker int, rng *rand.Cha
 		stop       atomic.Bool
 		firstErr   atomic.Pointer[error]
 		mu         sync.Mutex
-		hist       latencies
+		hist       latency.Histogram
 		wg         sync.WaitGroup
 	)
 	var span time.Duration
@@ -258,7 +259,7 @@ func (o *benchOpts) phase(c *cli, name string, op func(worker int, rng *rand.Cha
 			var seed [32]byte
 			_, _ = crand.Read(seed[:])
 			rng := rand.NewChaCha8(seed)
-			h := &latencies{}
+			h := &latency.Histogram{}
 			for !stop.Load() {
 				if o.requests > 0 {
 					if next.Add(1) > o.requests {
@@ -270,7 +271,7 @@ func (o *benchOpts) phase(c *cli, name string, op func(worker int, rng *rand.Cha
 					break
 				}
 				err := op(w, rng)
-				h.record(time.Since(t0))
+				h.Record(time.Since(t0))
 				if !o.noYield {
 					// A server's goroutine parks between requests (it
 					// waits for the next one); without this, callers that
@@ -292,7 +293,7 @@ func (o *benchOpts) phase(c *cli, name string, op func(worker int, rng *rand.Cha
 				}
 			}
 			mu.Lock()
-			hist.merge(h)
+			hist.Merge(h)
 			mu.Unlock()
 		}()
 	}
@@ -300,10 +301,10 @@ func (o *benchOpts) phase(c *cli, name string, op func(worker int, rng *rand.Cha
 	el := time.Since(start)
 	p.finish()
 	us := func(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) }
-	r := phaseResult{Phase: name, Ops: hist.n, Errors: errs.Load(), Seconds: el.Seconds(),
-		OpsPerSec: float64(hist.n) / el.Seconds(),
-		P50us:     us(hist.quantile(0.50)), P99us: us(hist.quantile(0.99)),
-		P999us: us(hist.quantile(0.999)), MaxUs: us(hist.max)}
+	r := phaseResult{Phase: name, Ops: hist.N(), Errors: errs.Load(), Seconds: el.Seconds(),
+		OpsPerSec: float64(hist.N()) / el.Seconds(),
+		P50us:     us(hist.Quantile(0.50)), P99us: us(hist.Quantile(0.99)),
+		P999us: us(hist.Quantile(0.999)), MaxUs: us(hist.Max())}
 	if f := firstErr.Load(); f != nil {
 		r.FirstErr = (*f).Error()
 	}

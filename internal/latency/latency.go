@@ -1,19 +1,27 @@
-package peers
+// Package latency is the log-linear latency histogram of `idem bench`,
+// `idem scale` and the peer benchmark (bench/peers).
+package latency
 
 import (
 	"math/bits"
 	"time"
 )
 
-// latencies is a log-linear histogram of durations (the one `idem bench`
-// uses): values below 64ns are exact, and every power of two above is split
-// into 64 buckets, so a percentile is off by less than 1/64 (1.6%).
-// Fixed size, no allocation per sample, merged across workers.
-type latencies struct {
+// Histogram is a log-linear histogram of durations: values below 64ns are
+// exact, and every power of two above is split into 64 buckets, so a
+// percentile is off by less than 1/64 (1.6%). Fixed size, no allocation per
+// sample, merged across workers.
+type Histogram struct {
 	counts [histBuckets]uint64
 	n      uint64
 	max    time.Duration
 }
+
+// N is the number of samples.
+func (h *Histogram) N() uint64 { return h.n }
+
+// Max is the largest sample.
+func (h *Histogram) Max() time.Duration { return h.max }
 
 const (
 	histSubBits = 6
@@ -38,13 +46,15 @@ func histLow(b int) time.Duration {
 	return time.Duration(uint64(b%histSub+histSub) << uint(e))
 }
 
-func (h *latencies) record(v time.Duration) {
+// Record adds one sample.
+func (h *Histogram) Record(v time.Duration) {
 	h.counts[histBucket(v)]++
 	h.n++
 	h.max = max(h.max, v)
 }
 
-func (h *latencies) merge(o *latencies) {
+// Merge adds o's samples.
+func (h *Histogram) Merge(o *Histogram) {
 	for i, c := range o.counts {
 		h.counts[i] += c
 	}
@@ -52,8 +62,8 @@ func (h *latencies) merge(o *latencies) {
 	h.max = max(h.max, o.max)
 }
 
-// quantile returns the q-quantile (0 < q <= 1), the middle of its bucket.
-func (h *latencies) quantile(q float64) time.Duration {
+// Quantile returns the q-quantile (0 < q <= 1), the middle of its bucket.
+func (h *Histogram) Quantile(q float64) time.Duration {
 	if h.n == 0 {
 		return 0
 	}
