@@ -1423,7 +1423,11 @@ type Stats struct {
 	DurableLSN   uint64 // last record fsynced
 	AppliedLSN   uint64 // last record applied to the index
 	TornTailsCut int
-	IndexBytes   uint64
+	// WALSyncs counts the group commit's fdatasyncs and WALSyncTime their
+	// total duration (WALSyncTime / WALSyncs is the mean fsync latency).
+	WALSyncs    uint64
+	WALSyncTime time.Duration
+	IndexBytes  uint64
 	// IndexFilterBuilds counts the key filters built since Open (the first
 	// one, then one each time most of its bits went stale).
 	IndexFilterBuilds int64
@@ -1465,6 +1469,7 @@ func (e *Engine) Stats() Stats {
 	ws := e.w.Stats()
 	s.WALBytes, s.WALSegments = ws.Bytes, ws.Segments
 	s.LastLSN, s.DurableLSN, s.TornTailsCut = uint64(ws.LastLSN), uint64(ws.SyncedLSN), ws.TornTailsCut
+	s.WALSyncs, s.WALSyncTime = ws.Syncs, ws.SyncTime
 	for i := range e.shards {
 		sh := &e.shards[i]
 		sh.mu.Lock()

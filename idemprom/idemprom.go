@@ -104,6 +104,10 @@ func NewCollector(e *idem.Engine, opts *Options) *Collector {
 		func(s *idem.Stats) float64 { return float64(s.TornTailsCut) })
 	counter("index_filter_builds_total", "In-memory key filters built.",
 		func(s *idem.Stats) float64 { return float64(s.IndexFilterBuilds) })
+	counter("wal_syncs_total", "Group-commit fdatasyncs of the WAL.",
+		func(s *idem.Stats) float64 { return float64(s.WALSyncs) })
+	counter("wal_sync_seconds_total", "Time spent in the WAL's group-commit fdatasyncs; divided by idem_wal_syncs_total, the mean fsync latency.",
+		func(s *idem.Stats) float64 { return s.WALSyncTime.Seconds() })
 	gauge("live_entries", "Entries in the index: ids and sequence-mode clients.",
 		func(s *idem.Stats) float64 { return float64(s.LiveEntries) })
 	gauge("replies", "Entries keeping a reply.",

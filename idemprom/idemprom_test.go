@@ -83,8 +83,20 @@ idem_live_entries{engine="orders"} 2
 		"idem_hits_total", "idem_misses_total", "idem_conflicts_total", "idem_inflight_collisions_total", "idem_live_entries"); err != nil {
 		t.Fatal(err)
 	}
-	if n := testutil.CollectAndCount(c); n != 30 {
-		t.Fatalf("%d metrics, want 30", n)
+	if n := testutil.CollectAndCount(c); n != 32 {
+		t.Fatalf("%d metrics, want 32", n)
+	}
+	if n := testutil.ToFloat64(prometheus.CollectorFunc(func(ch chan<- prometheus.Metric) {
+		all := make(chan prometheus.Metric, 64)
+		c.Collect(all)
+		close(all)
+		for m := range all {
+			if strings.Contains(m.Desc().String(), `"idem_wal_syncs_total"`) {
+				ch <- m
+			}
+		}
+	})); n < 1 {
+		t.Fatalf("idem_wal_syncs_total %v after fsynced requests", n)
 	}
 	problems, err := testutil.CollectAndLint(c)
 	if err != nil {

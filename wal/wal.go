@@ -117,6 +117,7 @@ type Stats struct {
 	SyncedLSN      LSN // last covered by an fsync
 	TornTailsCut   int // torn tails cut by Open
 	Syncs          uint64
+	SyncTime       time.Duration // total time in the group commit's fdatasyncs
 	Writes         uint64
 }
 
@@ -149,7 +150,9 @@ type WAL struct {
 	synced  atomic.Uint64 // last LSN covered by a successful fsync; <= written
 	failed  atomic.Bool   // mirrors mu.err != nil
 	syncs   atomic.Uint64
-	writes  atomic.Uint64
+	// syncNanos is the time spent in the group commit's fdatasyncs.
+	syncNanos atomic.Uint64
+	writes    atomic.Uint64
 
 	tornTailsCut int // set by Open, immutable afterwards
 
@@ -645,6 +648,7 @@ func (w *WAL) Stats() Stats {
 		SyncedLSN:    LSN(w.synced.Load()),
 		TornTailsCut: w.tornTailsCut,
 		Syncs:        w.syncs.Load(),
+		SyncTime:     time.Duration(w.syncNanos.Load()),
 		Writes:       w.writes.Load(),
 	}
 	w.segMu.Lock()
@@ -947,10 +951,12 @@ func (w *WAL) flush() (exit bool) {
 		// fsynced zeros, so no metadata needs to be committed; when a batch
 		// extended the file, fdatasync commits the new size too (it is
 		// needed to read the data back).
+		t0 := time.Now()
 		if err := w.fl.active.f.SyncData(); err != nil {
 			w.fail("sync", err)
 			return closing
 		}
+		w.syncNanos.Add(uint64(time.Since(t0)))
 		w.syncs.Add(1)
 		w.synced.Store(w.written.Load())
 		w.fl.lastSync = time.Now()
