@@ -1002,16 +1002,79 @@ func (c *Claim) Commit(ctx context.Context, reply []byte) error {
 	if reply == nil {
 		reply = []byte{}
 	}
-	return c.finish(ctx, wal.OpCommit, reply)
+	return c.finish(ctx, wal.OpCommit, reply, nil, nil)
 }
 
 // Abort releases the id: it is unknown again (a sequence number is not
 // consumed). Use it when the side effect failed and did not happen.
 func (c *Claim) Abort(ctx context.Context) error {
-	return c.finish(ctx, wal.OpAbort, nil)
+	return c.finish(ctx, wal.OpAbort, nil, nil, nil)
 }
 
-func (c *Claim) finish(ctx context.Context, typ byte, reply []byte) error {
+// Advance names a sequence-mode client (Scope, Client) whose last
+// committed sequence number a commit raises to at least Seq, in the commit's
+// own record (Claim.CommitAdvance). Numbers never go down: an advance to a
+// number at or below the client's is a no-op. ClientState returns the
+// number, which survives Forget, Ack, retention and TTL cleanup as every
+// client's number does.
+type Advance struct {
+	Scope  string
+	Client string
+	Seq    uint64
+}
+
+// maxAdvances bounds the advances of one commit.
+const maxAdvances = 1024
+
+// CommitAdvance is Commit that also advances the sequence-mode clients adv
+// in the same WAL record: after a crash either the reply and every advance
+// are there, or none is. A stream consumer keeps its commit frontier this
+// way (the client is the partition, Seq its offset): the offset is durable
+// exactly when the event's effect is.
+//
+// Each advance needs a client name (1..MaxIDLen bytes), Seq >= 1, and a
+// distinct client that is not the claim's own key. A client with a claim in
+// flight cannot be advanced: CommitAdvance returns ErrInFlight, writes
+// nothing and leaves the claim open (Commit, Abort or CommitAdvance it again).
+// A raised client's kept reply is dropped, as a claim of a later number
+// drops it.
+func (c *Claim) CommitAdvance(ctx context.Context, reply []byte, adv ...Advance) error {
+	if len(adv) == 0 {
+		return c.Commit(ctx, reply)
+	}
+	if len(reply) > c.e.o.MaxReplySize {
+		return invalid("reply of %d bytes exceeds %d", len(reply), c.e.o.MaxReplySize)
+	}
+	if len(adv) > maxAdvances {
+		return invalid("%d advances exceed %d", len(adv), maxAdvances)
+	}
+	keys := make([][]byte, 0, len(adv)+1)
+	keys = append(keys, c.k.key)
+	seen := make(map[string]bool, len(adv)+1)
+	seen[string(c.k.key)] = true
+	wadv := make([]wal.Advance, len(adv))
+	for i, a := range adv {
+		if a.Client == "" || len(a.Client) > c.e.o.MaxIDLen || len(a.Scope) > c.e.o.MaxIDLen {
+			return invalid("advance %d: client name must be 1..%d bytes and scope at most %d (client %d bytes, scope %d)", i, c.e.o.MaxIDLen, c.e.o.MaxIDLen, len(a.Client), len(a.Scope))
+		}
+		if a.Seq == 0 {
+			return invalid("advance %d: client %q to sequence number 0 (numbers start at 1)", i, a.Client)
+		}
+		k := index.EntryKey(nil, a.Scope, index.ModeClient, []byte(a.Client))
+		if seen[string(k)] {
+			return invalid("advance %d: client %q in scope %q is named twice or is the committed key", i, a.Client, a.Scope)
+		}
+		seen[string(k)] = true
+		keys = append(keys, k)
+		wadv[i] = wal.Advance{Scope: a.Scope, Client: a.Client, Seq: a.Seq}
+	}
+	if reply == nil {
+		reply = []byte{}
+	}
+	return c.finish(ctx, wal.OpCommitAdvance, reply, wadv, keys)
+}
+
+func (c *Claim) finish(ctx context.Context, typ byte, reply []byte, adv []wal.Advance, keys [][]byte) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -1024,7 +1087,10 @@ func (c *Claim) finish(ctx context.Context, typ byte, reply []byte) error {
 		return fmt.Errorf("%w: claim on %s was already finished", ErrLeaseLost, printable(c.k.ident))
 	}
 	k := c.k
-	unlock := e.lockKeys(k.key)
+	if keys == nil {
+		keys = [][]byte{k.key}
+	}
+	unlock := e.lockKeys(keys...)
 	sl, err := e.slotLocked(k.key)
 	if err != nil {
 		unlock()
@@ -1036,7 +1102,20 @@ func (c *Claim) finish(ctx context.Context, typ byte, reply []byte) error {
 		e.st.leaseLost.Add(1)
 		return fmt.Errorf("%w: scope %q %s", ErrLeaseLost, k.scope, printable(k.ident))
 	}
-	op := &wal.Op{Type: typ, Scope: k.scope, ClaimLSN: c.lsn, Time: e.o.Clock().UnixNano(), Reply: reply}
+	for i, a := range adv {
+		asl, err := e.slotLocked(keys[i+1])
+		if err != nil {
+			unlock()
+			c.finished.Store(false)
+			return err
+		}
+		if en := e.current(asl, index.ModeClient); en != nil && en.InFlight {
+			unlock()
+			c.finished.Store(false)
+			return fmt.Errorf("%w: cannot advance client %q in scope %q to %d: its sequence number %d is claimed", ErrInFlight, a.Client, a.Scope, a.Seq, en.ClaimSeq)
+		}
+	}
+	op := &wal.Op{Type: typ, Scope: k.scope, ClaimLSN: c.lsn, Time: e.o.Clock().UnixNano(), Reply: reply, Advances: adv}
 	if k.mode == index.ModeID {
 		op.ID = k.ident
 	} else {

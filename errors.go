@@ -20,6 +20,9 @@ var (
 	// ErrLeaseLost: the claim's lease ran out and another caller took the
 	// id over, or the claim was finished already; the Commit changed nothing.
 	ErrLeaseLost = errors.New("idem: claim lost (lease expired and taken over, or already finished)")
+	// ErrInFlight: Claim.CommitAdvance named a client whose next sequence
+	// number is claimed by a caller still running it; nothing was written.
+	ErrInFlight = errors.New("idem: a claim is in flight")
 	// ErrInvalidRequest: the request is malformed (see the message).
 	ErrInvalidRequest = errors.New("idem: invalid request")
 	// ErrClosed: the engine was closed.

@@ -108,6 +108,14 @@ func makeSample() (sample, error) {
 			return s, err
 		}
 	}
+	// A commit that advances two clients (a commit-advance record).
+	res, err := e.Begin(ctx, idem.Request{Scope: "s", ID: []byte("id-adv")})
+	if err != nil {
+		return s, err
+	}
+	if err := res.Claim.CommitAdvance(ctx, []byte("reply-adv"), idem.Advance{Scope: "f", Client: "p0", Seq: 41}, idem.Advance{Scope: "f", Client: "p1", Seq: 7}); err != nil {
+		return s, err
+	}
 	if err := e.Ack(ctx, "s", []byte("id-3")); err != nil {
 		return s, err
 	}
@@ -241,7 +249,7 @@ func FuzzWALDecode(f *testing.F) {
 				decodeOp(t, typ, payload)
 			}
 			if len(data) > 0 {
-				decodeOp(t, data[0]%7, data[1:])
+				decodeOp(t, data[0]%8, data[1:])
 			}
 		})
 	})

@@ -203,7 +203,7 @@ func Transitions(op *wal.Op, lsn wal.LSN, get func(key []byte, mode byte) (*Entr
 		n.ClaimExpires = op.ExpiresAt
 		n.LSN = lsn
 		next = &n
-	case wal.OpCommit:
+	case wal.OpCommit, wal.OpCommitAdvance:
 		if prev == nil || !prev.InFlight || prev.ClaimLSN != op.ClaimLSN {
 			return nil, fmt.Errorf("%w: commit at LSN %d names claim %d", ErrNoClaim, lsn, op.ClaimLSN)
 		}
@@ -236,6 +236,45 @@ func Transitions(op *wal.Op, lsn wal.LSN, get func(key []byte, mode byte) (*Entr
 		return nil, fmt.Errorf("index: cannot apply record kind %d", op.Type)
 	}
 	out = append(out, Transition{Key: k, Mode: mode, Prev: prev, Next: next})
+	if op.Type == wal.OpCommitAdvance {
+		return advanceTransitions(out, op, lsn, k, get)
+	}
+	return out, nil
+}
+
+// ErrBadAdvance is returned by Transitions for a commit-advance record
+// whose advances cannot apply: one names the committed key itself or a
+// client twice, or a client with a claim in flight. The engine checks
+// this before appending, so in the log it only appears through corruption.
+var ErrBadAdvance = errors.New("index: advance cannot apply")
+
+// advanceTransitions appends the advances of a commit-advance record:
+// each named client's last committed number becomes max(its number, seq).
+// A client raised past its number loses its kept reply (starting at N
+// promises that N-1 is never retried, as a claim does); one already at or
+// past seq is unchanged (no transition).
+func advanceTransitions(out []Transition, op *wal.Op, lsn wal.LSN, committed []byte, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, error) {
+	seen := make(map[string]bool, len(op.Advances))
+	seen[string(committed)] = true
+	for _, a := range op.Advances {
+		k := EntryKey(nil, a.Scope, ModeClient, []byte(a.Client))
+		if a.Client == "" || a.Seq == 0 || seen[string(k)] {
+			return nil, fmt.Errorf("%w: commit at LSN %d: advance of client %q in scope %q to %d (empty, zero, repeated or the committed key)", ErrBadAdvance, lsn, a.Client, a.Scope, a.Seq)
+		}
+		seen[string(k)] = true
+		prev, err := get(k, ModeClient)
+		if err != nil {
+			return nil, err
+		}
+		if prev != nil && prev.InFlight {
+			return nil, fmt.Errorf("%w: commit at LSN %d: client %q in scope %q has a claim in flight", ErrBadAdvance, lsn, a.Client, a.Scope)
+		}
+		if prev != nil && prev.Committed && prev.Seq >= a.Seq {
+			continue
+		}
+		next := &Entry{Committed: true, Seq: a.Seq, CommitTime: op.Time, CommitLSN: lsn, LSN: lsn}
+		out = append(out, Transition{Key: k, Mode: ModeClient, Prev: prev, Next: next})
+	}
 	return out, nil
 }
 
@@ -411,7 +450,7 @@ func Stamp(ts []Transition, typ byte, lsn wal.LSN) {
 		switch typ {
 		case wal.OpClaim:
 			n.ClaimLSN = lsn
-		case wal.OpCommit:
+		case wal.OpCommit, wal.OpCommitAdvance:
 			n.CommitLSN = lsn
 		}
 	}

@@ -13,11 +13,20 @@ package wal
 //	OpAck    (4): [scope, ids[], time]
 //	OpForget (5): [before, time, reason]
 //	OpExpire (6): [keys[], time]
+//	OpCommitAdvance (7): [scope, id, client, seq, claimLSN, time, replyCodec, reply, advances[]]
+//	                     advance = [scope, client, seq]
 //
 // A claim's expiresAt (appended in format 2; absent or 0 = never) is when
 // the request's per-request TTL runs out. An expire record names the index
 // entry keys (opaque to this package) whose TTL ran out: each loses its
 // reply, as a forget would remove it.
+//
+// A commit-advance record is a commit that also raises, in the same record
+// and so atomically with it, the last committed sequence number of each
+// named sequence-mode client to at least its seq (a commit frontier kept
+// with the effect). It has its own kind, not a field appended to commit,
+// so that a version that does not know it refuses the log instead of
+// skipping the advances.
 //
 // Times are Unix nanoseconds taken from the engine's clock when the record was
 // appended, so that replay never consults the clock. An id-mode request has a
@@ -48,6 +57,8 @@ const (
 	OpAck    byte = 4
 	OpForget byte = 5
 	OpExpire byte = 6
+	// OpCommitAdvance is a commit that also advances sequence-mode clients.
+	OpCommitAdvance byte = 7
 )
 
 // Forget reasons. Frozen.
@@ -80,6 +91,7 @@ const CompressThreshold = 1024
 const (
 	maxFieldLen   = 64 << 20 // any single byte string
 	maxAckedIDs   = 1 << 16  // acked ids in one record
+	maxAdvances   = 1 << 16  // advances in one record
 	maxReplyBytes = 64 << 20 // decompressed reply
 )
 
@@ -93,17 +105,26 @@ type Op struct {
 	ID          []byte
 	Client      string
 	Seq         uint64
-	Fingerprint []byte   // claim: nil when the request carried none
-	Acked       [][]byte // claim, ack: ids removed from the dedup set
-	Time        int64    // unix nanoseconds, from the engine clock
-	LeaseUntil  int64    // claim: unix nanoseconds
-	Flags       uint64   // claim: ClaimFlag*
-	ClaimLSN    LSN      // commit, abort: the claim being finished
-	Reply       []byte   // commit
-	Before      int64    // forget: entries committed before this time go
-	Reason      byte     // forget: ForgetAdmin, ForgetRetention or ForgetCapacity
-	ExpiresAt   int64    // claim: unix nanoseconds when the entry's TTL runs out; 0 = never
-	Keys        [][]byte // expire: index entry keys whose TTL ran out
+	Fingerprint []byte    // claim: nil when the request carried none
+	Acked       [][]byte  // claim, ack: ids removed from the dedup set
+	Time        int64     // unix nanoseconds, from the engine clock
+	LeaseUntil  int64     // claim: unix nanoseconds
+	Flags       uint64    // claim: ClaimFlag*
+	ClaimLSN    LSN       // commit, abort: the claim being finished
+	Reply       []byte    // commit
+	Before      int64     // forget: entries committed before this time go
+	Reason      byte      // forget: ForgetAdmin, ForgetRetention or ForgetCapacity
+	ExpiresAt   int64     // claim: unix nanoseconds when the entry's TTL runs out; 0 = never
+	Keys        [][]byte  // expire: index entry keys whose TTL ran out
+	Advances    []Advance // commit-advance: clients raised with the commit
+}
+
+// Advance raises a sequence-mode client's last committed number to at
+// least Seq (it never lowers it).
+type Advance struct {
+	Scope  string
+	Client string
+	Seq    uint64
 }
 
 // OpName is the readable name of an operation kind.
@@ -121,6 +142,8 @@ func OpName(t byte) string {
 		return "forget"
 	case OpExpire:
 		return "expire"
+	case OpCommitAdvance:
+		return "commit-advance"
 	}
 	return fmt.Sprintf("unknown(%d)", t)
 }
@@ -145,14 +168,27 @@ func EncodeOp(dst []byte, op *Op) ([]byte, error) {
 		if op.ExpiresAt != 0 {
 			dst = msgp.AppendInt(dst, op.ExpiresAt)
 		}
-	case OpCommit:
-		dst = msgp.AppendArrayLen(dst, 8)
+	case OpCommit, OpCommitAdvance:
+		n := 8
+		if op.Type == OpCommitAdvance {
+			n = 9
+		}
+		dst = msgp.AppendArrayLen(dst, n)
 		dst = appendKey(dst, op)
 		dst = msgp.AppendUint(dst, uint64(op.ClaimLSN))
 		dst = msgp.AppendInt(dst, op.Time)
 		reply, codec := compressReply(op.Reply)
 		dst = msgp.AppendUint(dst, uint64(codec))
 		dst = msgp.AppendBytes(dst, reply)
+		if op.Type == OpCommitAdvance {
+			dst = msgp.AppendArrayLen(dst, len(op.Advances))
+			for _, a := range op.Advances {
+				dst = msgp.AppendArrayLen(dst, 3)
+				dst = msgp.AppendString(dst, a.Scope)
+				dst = msgp.AppendString(dst, a.Client)
+				dst = msgp.AppendUint(dst, a.Seq)
+			}
+		}
 	case OpAbort:
 		dst = msgp.AppendArrayLen(dst, 6)
 		dst = appendKey(dst, op)
@@ -230,6 +266,8 @@ func DecodeOp(typ byte, payload []byte) (op *Op, err error) {
 		want = 3
 	case OpExpire:
 		want = 2
+	case OpCommitAdvance:
+		want = 9
 	default:
 		return nil, fmt.Errorf("%w: unknown kind %d", ErrBadRecord, typ)
 	}
@@ -249,7 +287,7 @@ func DecodeOp(typ byte, payload []byte) (op *Op, err error) {
 			op.ExpiresAt = r.int()
 			want = 10
 		}
-	case OpCommit:
+	case OpCommit, OpCommitAdvance:
 		r.key(op)
 		op.ClaimLSN = LSN(r.uint())
 		op.Time = r.int()
@@ -257,6 +295,9 @@ func DecodeOp(typ byte, payload []byte) (op *Op, err error) {
 		reply := r.bytes()
 		if r.err == nil {
 			op.Reply, r.err = decompressReply(reply, codec)
+		}
+		if typ == OpCommitAdvance {
+			op.Advances = r.advances()
 		}
 	case OpAbort:
 		r.key(op)
@@ -457,4 +498,24 @@ func (r *reader) ids() [][]byte {
 		ids = append(ids, r.bytes())
 	}
 	return ids
+}
+
+func (r *reader) advances() []Advance {
+	n := r.arrayLen()
+	if r.err != nil || n == 0 {
+		return nil
+	}
+	if n > maxAdvances {
+		r.err = fmt.Errorf("%d advances exceed limit", n)
+		return nil
+	}
+	out := make([]Advance, 0, n)
+	for i := 0; i < n && r.err == nil; i++ {
+		if m := r.arrayLen(); r.err == nil && m != 3 {
+			r.err = fmt.Errorf("advance has %d fields, want 3", m)
+			return nil
+		}
+		out = append(out, Advance{Scope: r.string(), Client: r.string(), Seq: r.uint()})
+	}
+	return out
 }

@@ -49,7 +49,7 @@ and on the LSN of their last change.`,
 		o := &dumpOpts{}
 		o.f.register(fs)
 		fs.BoolVar(&o.json, "json", false, "one JSON object per line")
-		fs.StringVar(&o.types, "type", "", "WAL: only these record `types`, comma-separated (claim,commit,abort,ack,forget)")
+		fs.StringVar(&o.types, "type", "", "WAL: only these record `types`, comma-separated (claim,commit,abort,ack,forget,expire,commit-advance)")
 		fs.StringVar(&o.state, "state", "", "index: only entries in this `state` (in-flight or committed)")
 		fs.BoolVar(&o.stored, "stored", false, "index: show the index files as they are, without replaying the WAL records they have not applied")
 		return o.run
@@ -122,7 +122,7 @@ func forgetReason(r byte) string {
 }
 
 func opByName(s string) (byte, bool) {
-	for t := wal.OpClaim; t <= wal.OpExpire; t++ {
+	for t := wal.OpClaim; t <= wal.OpCommitAdvance; t++ {
 		if wal.OpName(t) == s {
 			return t, true
 		}
@@ -145,6 +145,7 @@ type recordOut struct {
 	LeaseUntil  string   `json:"lease_until,omitempty"`
 	ExpiresAt   string   `json:"expires_at,omitempty"`
 	Expired     []string `json:"expired,omitempty"`
+	Advanced    []string `json:"advanced,omitempty"`
 	New         bool     `json:"new,omitempty"`
 	ClaimLSN    uint64   `json:"claim_lsn,omitempty"`
 	ReplySize   *int     `json:"reply_size,omitempty"`
@@ -199,9 +200,12 @@ func (o *dumpOpts) dumpWAL(c *cli, w *bufio.Writer, dir string) error {
 			for _, k := range op.Keys {
 				out.Expired = append(out.Expired, describeKey(k))
 			}
-		case wal.OpCommit:
+		case wal.OpCommit, wal.OpCommitAdvance:
 			n := len(op.Reply)
 			out.ClaimLSN, out.ReplySize = uint64(op.ClaimLSN), &n
+			for _, a := range op.Advances {
+				out.Advanced = append(out.Advanced, fmt.Sprintf("scope %s client %s to %d", readableText([]byte(a.Scope)), readableText([]byte(a.Client)), a.Seq))
+			}
 		case wal.OpAbort:
 			out.ClaimLSN = uint64(op.ClaimLSN)
 		case wal.OpForget:
@@ -262,6 +266,9 @@ func writeRecord(w io.Writer, asJSON bool, r *recordOut) error {
 		}
 		if len(r.Expired) > 0 {
 			fmt.Fprintf(&b, " expired=[%s]", strings.Join(r.Expired, "; "))
+		}
+		if len(r.Advanced) > 0 {
+			fmt.Fprintf(&b, " advanced=[%s]", strings.Join(r.Advanced, "; "))
 		}
 		if r.ClaimLSN != 0 {
 			fmt.Fprintf(&b, " claim_lsn=%d", r.ClaimLSN)
