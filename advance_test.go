@@ -226,3 +226,39 @@ func TestCommitAdvanceAtomicAtEverySyncPoint(t *testing.T) {
 	}
 	t.Logf("checked %d crash images", len(images))
 }
+
+// Engine.Advance raises clients alone: max-only, durable, replayed, no
+// record when nothing rises, ErrInFlight for a client with a claim running.
+func TestEngineAdvance(t *testing.T) {
+	fs := vfs.NewMem()
+	e := openMem(t, fs, nil)
+	if err := e.Advance(bg, Advance{Scope: "f", Client: "p", Seq: 4}, Advance{Scope: "f", Client: "q", Seq: 2}); err != nil {
+		t.Fatal(err)
+	}
+	last := e.Stats().LastLSN
+	if err := e.Advance(bg, Advance{Scope: "f", Client: "p", Seq: 3}); err != nil {
+		t.Fatal(err)
+	}
+	if got := e.Stats().LastLSN; got != last {
+		t.Fatalf("an advance that raises nothing wrote a record (LSN %d -> %d)", last, got)
+	}
+	if err := e.Advance(bg, Advance{Scope: "f", Client: "p", Seq: 0}); !errors.Is(err, ErrInvalidRequest) {
+		t.Fatalf("seq 0: %v", err)
+	}
+	res := mustBegin(t, e, Request{Scope: "f", Client: "q", Seq: 3}, Fresh)
+	if err := e.Advance(bg, Advance{Scope: "f", Client: "q", Seq: 9}); !errors.Is(err, ErrInFlight) {
+		t.Fatalf("client in flight: %v", err)
+	}
+	if err := res.Claim.Commit(bg, id("q3")); err != nil {
+		t.Fatal(err)
+	}
+	e.Close()
+	if err := fs.RemoveAll("db/index"); err != nil {
+		t.Fatal(err)
+	}
+	e = openMem(t, fs, nil)
+	defer e.Close()
+	if p, q := clientState(t, e, "f", "p"), clientState(t, e, "f", "q"); p != 4 || q != 3 {
+		t.Fatalf("after replay: p %d q %d, want 4 3", p, q)
+	}
+}

@@ -1045,33 +1045,117 @@ func (c *Claim) CommitAdvance(ctx context.Context, reply []byte, adv ...Advance)
 	if len(reply) > c.e.o.MaxReplySize {
 		return invalid("reply of %d bytes exceeds %d", len(reply), c.e.o.MaxReplySize)
 	}
-	if len(adv) > maxAdvances {
-		return invalid("%d advances exceed %d", len(adv), maxAdvances)
-	}
-	keys := make([][]byte, 0, len(adv)+1)
-	keys = append(keys, c.k.key)
-	seen := make(map[string]bool, len(adv)+1)
-	seen[string(c.k.key)] = true
-	wadv := make([]wal.Advance, len(adv))
-	for i, a := range adv {
-		if a.Client == "" || len(a.Client) > c.e.o.MaxIDLen || len(a.Scope) > c.e.o.MaxIDLen {
-			return invalid("advance %d: client name must be 1..%d bytes and scope at most %d (client %d bytes, scope %d)", i, c.e.o.MaxIDLen, c.e.o.MaxIDLen, len(a.Client), len(a.Scope))
-		}
-		if a.Seq == 0 {
-			return invalid("advance %d: client %q to sequence number 0 (numbers start at 1)", i, a.Client)
-		}
-		k := index.EntryKey(nil, a.Scope, index.ModeClient, []byte(a.Client))
-		if seen[string(k)] {
-			return invalid("advance %d: client %q in scope %q is named twice or is the committed key", i, a.Client, a.Scope)
-		}
-		seen[string(k)] = true
-		keys = append(keys, k)
-		wadv[i] = wal.Advance{Scope: a.Scope, Client: a.Client, Seq: a.Seq}
+	wadv, keys, err := c.e.checkAdvances(adv, c.k.key)
+	if err != nil {
+		return err
 	}
 	if reply == nil {
 		reply = []byte{}
 	}
 	return c.finish(ctx, wal.OpCommitAdvance, reply, wadv, keys)
+}
+
+// checkAdvances validates adv and returns them for the WAL with the keys
+// to lock: own (the committed key; nil for none) first, then one per
+// advance.
+func (e *Engine) checkAdvances(adv []Advance, own []byte) ([]wal.Advance, [][]byte, error) {
+	if len(adv) > maxAdvances {
+		return nil, nil, invalid("%d advances exceed %d", len(adv), maxAdvances)
+	}
+	keys := make([][]byte, 0, len(adv)+1)
+	seen := make(map[string]bool, len(adv)+1)
+	if own != nil {
+		keys = append(keys, own)
+		seen[string(own)] = true
+	}
+	wadv := make([]wal.Advance, len(adv))
+	for i, a := range adv {
+		if a.Client == "" || len(a.Client) > e.o.MaxIDLen || len(a.Scope) > e.o.MaxIDLen {
+			return nil, nil, invalid("advance %d: client name must be 1..%d bytes and scope at most %d (client %d bytes, scope %d)", i, e.o.MaxIDLen, e.o.MaxIDLen, len(a.Client), len(a.Scope))
+		}
+		if a.Seq == 0 {
+			return nil, nil, invalid("advance %d: client %q to sequence number 0 (numbers start at 1)", i, a.Client)
+		}
+		k := index.EntryKey(nil, a.Scope, index.ModeClient, []byte(a.Client))
+		if seen[string(k)] {
+			return nil, nil, invalid("advance %d: client %q in scope %q is named twice or is the committed key", i, a.Client, a.Scope)
+		}
+		seen[string(k)] = true
+		keys = append(keys, k)
+		wadv[i] = wal.Advance{Scope: a.Scope, Client: a.Client, Seq: a.Seq}
+	}
+	return wadv, keys, nil
+}
+
+// advancesInFlightLocked returns ErrInFlight if a client of adv (whose keys
+// are locked) has a claim in flight.
+func (e *Engine) advancesInFlightLocked(adv []wal.Advance, keys [][]byte) error {
+	for i, a := range adv {
+		sl, err := e.slotLocked(keys[i])
+		if err != nil {
+			return err
+		}
+		if en := e.current(sl, index.ModeClient); en != nil && en.InFlight {
+			return fmt.Errorf("%w: cannot advance client %q in scope %q to %d: its sequence number %d is claimed", ErrInFlight, a.Client, a.Scope, a.Seq, en.ClaimSeq)
+		}
+	}
+	return nil
+}
+
+// Advance raises the sequence-mode clients adv, without a commit, in one
+// WAL record, durable when it returns (SyncAlways): a position whose
+// effect was committed earlier by another record (a stream consumer that
+// replays a redelivered event found at a new offset). Same rules as
+// Claim.CommitAdvance: ErrInvalidRequest, or ErrInFlight (nothing written)
+// for a client with a claim in flight; an advance to a number at or below
+// the client's changes nothing, and when every one is such, no record is
+// written.
+func (e *Engine) Advance(ctx context.Context, adv ...Advance) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if len(adv) == 0 {
+		return nil
+	}
+	wadv, keys, err := e.checkAdvances(adv, nil)
+	if err != nil {
+		return err
+	}
+	if err := e.enter(); err != nil {
+		return err
+	}
+	defer e.leave()
+	unlock := e.lockKeys(keys...)
+	if err := e.advancesInFlightLocked(wadv, keys); err != nil {
+		unlock()
+		return err
+	}
+	op := &wal.Op{Type: wal.OpAdvance, Time: e.o.Clock().UnixNano(), Advances: wadv}
+	ts, err := index.Transitions(op, 0, e.getLocked)
+	if err != nil {
+		unlock()
+		return err
+	}
+	var lsn wal.LSN
+	if len(ts) == 0 {
+		// Nothing to raise: wait for the records that raised them.
+		for _, k := range keys {
+			if sl, err := e.slotLocked(k); err == nil && sl.e != nil && sl.e.CommitLSN > lsn {
+				lsn = sl.e.CommitLSN
+			}
+		}
+		unlock()
+		if lsn == 0 {
+			return nil
+		}
+		return e.waitDurable(lsn)
+	}
+	lsn, err = e.appendOp(op, ts)
+	unlock()
+	if err != nil {
+		return err
+	}
+	return e.waitDurable(lsn)
 }
 
 func (c *Claim) finish(ctx context.Context, typ byte, reply []byte, adv []wal.Advance, keys [][]byte) error {
@@ -1102,17 +1186,11 @@ func (c *Claim) finish(ctx context.Context, typ byte, reply []byte, adv []wal.Ad
 		e.st.leaseLost.Add(1)
 		return fmt.Errorf("%w: scope %q %s", ErrLeaseLost, k.scope, printable(k.ident))
 	}
-	for i, a := range adv {
-		asl, err := e.slotLocked(keys[i+1])
-		if err != nil {
+	if len(adv) > 0 {
+		if err := e.advancesInFlightLocked(adv, keys[1:]); err != nil {
 			unlock()
 			c.finished.Store(false)
 			return err
-		}
-		if en := e.current(asl, index.ModeClient); en != nil && en.InFlight {
-			unlock()
-			c.finished.Store(false)
-			return fmt.Errorf("%w: cannot advance client %q in scope %q to %d: its sequence number %d is claimed", ErrInFlight, a.Client, a.Scope, a.Seq, en.ClaimSeq)
 		}
 	}
 	op := &wal.Op{Type: typ, Scope: k.scope, ClaimLSN: c.lsn, Time: e.o.Clock().UnixNano(), Reply: reply, Advances: adv}

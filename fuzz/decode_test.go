@@ -116,6 +116,9 @@ func makeSample() (sample, error) {
 	if err := res.Claim.CommitAdvance(ctx, []byte("reply-adv"), idem.Advance{Scope: "f", Client: "p0", Seq: 41}, idem.Advance{Scope: "f", Client: "p1", Seq: 7}); err != nil {
 		return s, err
 	}
+	if err := e.Advance(ctx, idem.Advance{Scope: "f", Client: "p1", Seq: 9}); err != nil {
+		return s, err
+	}
 	if err := e.Ack(ctx, "s", []byte("id-3")); err != nil {
 		return s, err
 	}
@@ -249,7 +252,7 @@ func FuzzWALDecode(f *testing.F) {
 				decodeOp(t, typ, payload)
 			}
 			if len(data) > 0 {
-				decodeOp(t, data[0]%8, data[1:])
+				decodeOp(t, data[0]%9, data[1:])
 			}
 		})
 	})

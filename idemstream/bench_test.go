@@ -68,7 +68,7 @@ func BenchmarkConsumeNoIdem(b *testing.B) {
 	reportRate(b, start)
 }
 
-func benchSink(b *testing.B, batch, conc int, frontierEvery time.Duration) {
+func benchSink(b *testing.B, batch, conc int) {
 	w := newWorld()
 	br := newMemBroker(w, benchEvents(b.N))
 	l := newLedger(w)
@@ -81,7 +81,7 @@ func benchSink(b *testing.B, batch, conc int, frontierEvery time.Duration) {
 	b.ResetTimer()
 	start := time.Now()
 	if err := runUntilAcked(ctx, br, func(ctx context.Context, o ConsumeOptions) error {
-		o.BatchSize, o.Concurrency, o.FrontierInterval = batch, conc, frontierEvery
+		o.BatchSize, o.Concurrency = batch, conc
 		return Consume(ctx, br, s, l.handler, o)
 	}); err != nil {
 		b.Fatal(err)
@@ -92,11 +92,8 @@ func benchSink(b *testing.B, batch, conc int, frontierEvery time.Duration) {
 
 // BenchmarkConsumeSink: the idempotent sink with the default options (128
 // events per batch applied at once: claim and commit per event, sharing
-// group commits; the frontier recorded after every batch, before its acks).
-func BenchmarkConsumeSink(b *testing.B) { benchSink(b, 128, 128, 0) }
-
-// BenchmarkConsumeSinkLazyFrontier: the frontier recorded every 200 ms.
-func BenchmarkConsumeSinkLazyFrontier(b *testing.B) { benchSink(b, 128, 128, 200*time.Millisecond) }
+// group commits; each commit carries its partition's frontier).
+func BenchmarkConsumeSink(b *testing.B) { benchSink(b, 128, 128) }
 
 // BenchmarkEngineDo64: the engine alone, 64 goroutines each running Do of
 // fresh ids (the same two fsynced records per event): what the disk allows

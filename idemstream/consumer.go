@@ -40,16 +40,6 @@ type ConsumeOptions struct {
 	// Logger receives handler failures (the event is not acknowledged, so
 	// the broker redelivers it) and source errors. Default: discard.
 	Logger *slog.Logger
-	// FrontierInterval: by default (zero) Consume records the frontier of
-	// each partition after every batch, before acknowledging it, so the
-	// recorded frontier always covers every acknowledged event. A positive
-	// interval records it at most that often (and when Consume returns):
-	// two engine records fewer per batch and partition, but after a crash
-	// the recorded frontier may be behind events already acknowledged
-	// (still a safe resume point: resuming there replays them). Exactly
-	// once never depends on it: each event's record carries its offset and
-	// the dedup entry decides.
-	FrontierInterval time.Duration
 	// OnBatch, if set, is called after each batch has been acknowledged,
 	// with the outcomes of its deliveries (in fetch order).
 	OnBatch func(msgs []Message, outs []Outcome)
@@ -76,34 +66,13 @@ func fatal(err error) bool {
 
 // Consume moves events from src through sink with h until ctx ends (it
 // then returns ctx's error) or a fatal error (engine closed or failed).
-// For each batch: every delivery is applied (concurrently), the frontier
-// of each partition is advanced to the highest committed offset, and only
-// then are the committed deliveries acknowledged. A delivery whose handler
-// failed, or that is Busy, is not acknowledged: the broker redelivers it.
-func Consume(ctx context.Context, src Source, sink *Sink, h Handler, opts ConsumeOptions) (err error) {
+// For each batch: every delivery is applied (concurrently; each commit
+// raises its partition's frontier in the same record), and only then are
+// the committed deliveries acknowledged. A delivery whose handler failed,
+// or that is Busy, is not acknowledged: the broker redelivers it.
+func Consume(ctx context.Context, src Source, sink *Sink, h Handler, opts ConsumeOptions) error {
 	opts.defaults()
 	backoff := newBackoff()
-	top := map[string]uint64{} // highest committed offsets not recorded yet
-	lastFlush := time.Now()
-	flush := func(ctx context.Context) error {
-		for p, off := range top {
-			if err := sink.AdvanceFrontier(ctx, p, off); err != nil {
-				if fatal(err) {
-					return err
-				}
-				opts.Logger.Warn("idemstream: recording the frontier failed (retried with the next batch)", "partition", p, "err", err)
-				continue
-			}
-			delete(top, p)
-		}
-		lastFlush = time.Now()
-		return nil
-	}
-	defer func() {
-		if ferr := flush(context.WithoutCancel(ctx)); ferr != nil && (err == nil || errors.Is(err, context.Canceled)) {
-			err = ferr
-		}
-	}()
 	for {
 		if err := ctx.Err(); err != nil {
 			return err
@@ -121,11 +90,6 @@ func Consume(ctx context.Context, src Source, sink *Sink, h Handler, opts Consum
 		}
 		backoff.reset()
 		if len(msgs) == 0 {
-			if len(top) > 0 && time.Since(lastFlush) >= opts.FrontierInterval {
-				if err := flush(ctx); err != nil {
-					return err
-				}
-			}
 			continue
 		}
 		outs := make([]Outcome, len(msgs))
@@ -151,16 +115,6 @@ func Consume(ctx context.Context, src Source, sink *Sink, h Handler, opts Consum
 			}
 			outs[i] = Outcome{Status: Failed, Err: err}
 			opts.Logger.Warn("idemstream: event not processed; it will be redelivered", "id", string(msgs[i].Event.ID), "err", err)
-		}
-		for i, o := range outs {
-			if ev := msgs[i].Event; o.Status.Ackable() && ev.Offset > top[ev.Partition] {
-				top[ev.Partition] = ev.Offset
-			}
-		}
-		if opts.FrontierInterval <= 0 || time.Since(lastFlush) >= opts.FrontierInterval {
-			if err := flush(ctx); err != nil {
-				return err
-			}
 		}
 		if err := ackBatch(ctx, msgs, outs, opts, func() error { return sink.hookAt(WindowBeforeAck, nil) }); err != nil {
 			return err

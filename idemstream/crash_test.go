@@ -79,6 +79,20 @@ func TestSinkCrashWindows(t *testing.T) {
 				}
 				s.Close()
 				e.Close()
+				// The crash image: each partition's frontier is exactly its
+				// highest committed offset, before recovery and after it.
+				w.restart()
+				e = openEngine(t, w.mem, nil)
+				checkFrontierExact(t, e, "ledger", evs)
+				if win != WindowDuringRecovery { // that one crashes in the recovery below
+					s, err = NewSink(ctx, e, "ledger", SinkOptions{Recover: l.recoverFn})
+					if err != nil {
+						t.Fatal(err)
+					}
+					checkFrontierExact(t, e, "ledger", evs)
+					s.Close()
+				}
+				e.Close()
 				if win == WindowDuringRecovery {
 					// Crash again in the middle of recovery's decisions.
 					w.restart()
@@ -96,6 +110,10 @@ func TestSinkCrashWindows(t *testing.T) {
 					if !errors.Is(err, errCrashed) {
 						t.Fatalf("recovery did not crash: %v", err)
 					}
+					e.Close()
+					w.restart()
+					e = openEngine(t, w.mem, nil)
+					checkFrontierExact(t, e, "ledger", evs)
 					e.Close()
 				}
 				w.restart()
@@ -133,11 +151,57 @@ func TestSinkCrashWindows(t *testing.T) {
 	}
 }
 
+// checkFrontierExact checks the commit frontier of every partition of evs
+// against the events the engine holds as committed: it is at or above the
+// offset in every committed event's record (no effect above it), and it is
+// the offset of a delivery of a committed event (never ahead of an effect;
+// 0 when none is committed).
+func checkFrontierExact(t *testing.T, e *idem.Engine, name string, evs []Event) {
+	t.Helper()
+	scope := sinkScope(name)
+	committed := map[string]bool{}
+	lo := map[string]uint64{}
+	for _, ev := range evs {
+		res, err := e.Lookup(scope, ev.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.Status != idem.Done {
+			continue
+		}
+		committed[string(ev.ID)] = true
+		rec, err := decodeEventRecord(scope, ev.ID, res.Reply)
+		if err != nil {
+			t.Fatal(err)
+		}
+		lo[rec.Partition] = max(lo[rec.Partition], rec.Offset)
+	}
+	for p := range maxOffsets(evs) {
+		f, err := e.ClientState(frontierScope(name), frontierClient(p))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if f < lo[p] {
+			t.Fatalf("partition %s: frontier %d below the committed offset %d", p, f, lo[p])
+		}
+		if f == 0 {
+			continue
+		}
+		ok := false
+		for _, ev := range evs {
+			ok = ok || (ev.Partition == p && ev.Offset == f && committed[string(ev.ID)])
+		}
+		if !ok {
+			t.Fatalf("partition %s: frontier %d is not the offset of a committed event", p, f)
+		}
+	}
+}
+
 func newSinkWithHook(ctx context.Context, e *idem.Engine, name string, opts SinkOptions, hook func(Window, *Event) error) (*Sink, error) {
 	if err := takeName(e, "sink", name); err != nil {
 		return nil, err
 	}
-	s := &Sink{e: e, name: name, scope: sinkScope(name), fscope: frontierScope(name), opts: opts, frontiers: map[string]*frontier{}, hook: hook}
+	s := &Sink{e: e, name: name, scope: sinkScope(name), fscope: frontierScope(name), opts: opts, hook: hook}
 	s.opts.MaxRecordSize = 1 << 20
 	s.log = discardLogger()
 	if err := s.recover(ctx); err != nil {

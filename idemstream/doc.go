@@ -43,20 +43,16 @@
 //
 // # Commit frontier
 //
-// Each event record carries the event's partition and offset, so the
-// durable truth "the effect of offset O is committed" is in the same record
-// as the effect. Sink.AdvanceFrontier also records, per partition, the
-// highest committed offset (a sequence-mode client per partition whose
-// reply is the offset; Consume does it once per batch, before acking):
-// after a restart a consumer resumes at Frontier+1. The frontier record is
-// written after the event records, so it may lag behind them after a crash;
-// the events between are redelivered and replayed (their records say they
-// are committed), and the frontier catches up. An interrupted frontier
-// update (claim durable, commit not) is completed by NewSink: its offset is
-// the claim's fingerprint and was committed with its event first. Offsets
-// may have gaps. The engine has no atomic multi-key commit, which is what
-// recording the frontier in the very record of each effect would take; see
-// the package README.
+// Each event's commit raises its partition's frontier in the same engine
+// record (idem's Claim.CommitAdvance: the partition is a sequence-mode
+// client of the sink's frontier scope, the offset its number, and numbers
+// only go up), so after any crash Sink.Frontier is exactly the highest
+// committed offset: no effect above it, no offset without its effect. A
+// consumer resumes at Frontier+1. A redelivery of a committed event found
+// at a higher offset (the event published again) is replayed and moves the
+// frontier past it (Engine.Advance); a plain redelivery writes nothing.
+// Offsets may have gaps. The frontier is the highest committed offset, not
+// the end of a contiguous run: see Sink.Frontier for concurrent batches.
 //
 // # Two-phase commit (TwoPhase)
 //
@@ -115,7 +111,7 @@
 // # Records
 //
 //	scope "idemstream/<sink>"            id = event id -> envelope [version, result, partition, offset, checkpoint, outbox]
-//	scope "idemstream.frontier/<sink>"   client "p:<partition>", seq n -> offset (8 bytes); fingerprint = offset
+//	scope "idemstream.frontier/<sink>"   client "p:<partition>": its number is the frontier (raised by the event commits)
 //	scope "idemstream.2pc/<name>"        client "ckpt", seq k -> sealed {k, handle, frontier}
 //	                                     id "c/<k>" -> sealed {k, handle, event ids, frontier}
 //	                                     id "d/<k>" / "a/<k>" -> sealed {k, frontier} (sink committed / aborted)

@@ -137,7 +137,7 @@ const (
 	// Idempotent sink (and each event of a two-phase checkpoint).
 	WindowAfterClaim  Window = "after-claim"  // event claimed durably, effect not run
 	WindowAfterEffect Window = "after-effect" // effect ran, not committed
-	WindowAfterCommit Window = "after-commit" // event committed, frontier and outbox not recorded
+	WindowAfterCommit Window = "after-commit" // event and frontier committed, outbox not registered
 	// Two-phase commit, in protocol order.
 	WindowBeforePreCommit Window = "before-pre-commit"  // events invoked into the transaction
 	WindowAfterPreCommit  Window = "after-pre-commit"   // pre-committed, checkpoint not durable

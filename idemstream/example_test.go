@@ -47,8 +47,8 @@ func ExampleSink() {
 		if err != nil {
 			panic(err)
 		}
-		// Acknowledge the delivery to the broker only now.
-		_ = sink.AdvanceFrontier(ctx, ev.Partition, ev.Offset)
+		// Acknowledge the delivery to the broker only now. The frontier
+		// moved with the commit.
 		fmt.Printf("%s: %s (%s)\n", ev.ID, out.Status, out.Result)
 	}
 	front, _, _ := sink.Frontier("payments")

@@ -25,7 +25,7 @@ func NewCollector(sinks []*Sink, outboxes []*Outbox) prometheus.Collector {
 var (
 	descSinkEvents    = prometheus.NewDesc("idemstream_sink_events_total", "Events handled by an idempotent sink, by outcome.", []string{"sink", "status"}, nil)
 	descSinkRecovered = prometheus.NewDesc("idemstream_sink_recovered_events_total", "Events left in doubt by a crash and settled at start-up.", []string{"sink", "decision"}, nil)
-	descSinkFrontier  = prometheus.NewDesc("idemstream_sink_frontier_writes_total", "Frontier records written.", []string{"sink"}, nil)
+	descSinkFrontier  = prometheus.NewDesc("idemstream_sink_frontier_writes_total", "Records that carried a partition frontier (event commits with an offset, advances past replays).", []string{"sink"}, nil)
 	descObPending     = prometheus.NewDesc("idemstream_outbox_pending", "Outbox messages recorded and not yet delivered (the backlog).", []string{"outbox"}, nil)
 	descObOldest      = prometheus.NewDesc("idemstream_outbox_oldest_pending_seconds", "Age of the oldest undelivered outbox message.", []string{"outbox"}, nil)
 	descObDelivered   = prometheus.NewDesc("idemstream_outbox_delivered_total", "Outbox messages delivered and removed.", []string{"outbox"}, nil)

@@ -2,7 +2,6 @@ package idemstream
 
 import (
 	"context"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -82,19 +81,9 @@ type Sink struct {
 	hook   func(Window, *Event) error // fault injection (tests)
 	closed atomic.Bool
 
-	fmu       sync.Mutex
-	frontiers map[string]*frontier
-
 	applied, replayed, busy, failed      atomic.Uint64
 	recoveredCommitted, recoveredAborted atomic.Uint64
 	frontierWrites                       atomic.Uint64
-}
-
-type frontier struct {
-	mu     sync.Mutex
-	loaded bool
-	seq    uint64 // the frontier client's last committed sequence number
-	offset uint64
 }
 
 // SinkStats are a sink's counters since NewSink.
@@ -104,7 +93,11 @@ type SinkStats struct {
 	// doubt by a crash that NewSink committed (Recover said applied) or
 	// released.
 	RecoveredCommitted, RecoveredAborted uint64
-	FrontierWrites                       uint64
+	// FrontierWrites counts the records that carried a partition's
+	// frontier: every commit of an event with an offset (the frontier
+	// goes with the effect), and advances past replayed deliveries found
+	// at a higher offset.
+	FrontierWrites uint64
 }
 
 func sinkScope(name string) string     { return "idemstream/" + name }
@@ -161,8 +154,7 @@ func NewSink(ctx context.Context, e *idem.Engine, name string, opts SinkOptions)
 	}
 	s := &Sink{
 		e: e, name: name, scope: sinkScope(name), fscope: frontierScope(name), opts: opts,
-		log:       opts.Logger,
-		frontiers: map[string]*frontier{},
+		log: opts.Logger,
 	}
 	if s.log == nil {
 		s.log = discardLogger()
@@ -193,20 +185,14 @@ func (s *Sink) recover(ctx context.Context) error {
 	for _, d := range doubts {
 		switch d.Scope {
 		case s.fscope:
-			// A frontier update claims seq n+1 with the new offset as its
-			// fingerprint, then commits it. The offset was committed with
-			// its event before the update began, so finishing it is right.
-			if len(d.Fingerprint) != 8 {
-				s.log.Warn("idemstream: frontier claim without an offset, released", "sink", s.name, "client", d.Client, "seq", d.Seq)
-				if err := d.Claim.Abort(ctx); err != nil {
-					return fmt.Errorf("idemstream: sink %q: releasing frontier claim %s/%d: %w", s.name, d.Client, d.Seq, err)
-				}
-				continue
+			// Frontiers are advanced inside event commits, never claimed:
+			// a claim here was left by a version that recorded the
+			// frontier in records of its own. Release it; the frontier
+			// is at least what that version had committed.
+			s.log.Warn("idemstream: released a frontier claim left by an earlier version", "sink", s.name, "client", d.Client, "seq", d.Seq)
+			if err := d.Claim.Abort(ctx); err != nil {
+				return fmt.Errorf("idemstream: sink %q: releasing frontier claim %s/%d: %w", s.name, d.Client, d.Seq, err)
 			}
-			if err := d.Claim.Commit(ctx, d.Fingerprint); err != nil {
-				return fmt.Errorf("idemstream: sink %q: completing frontier update %s/%d: %w", s.name, d.Client, d.Seq, err)
-			}
-			s.log.Info("idemstream: completed interrupted frontier update", "sink", s.name, "partition", strings.TrimPrefix(d.Client, "p:"), "offset", binary.BigEndian.Uint64(d.Fingerprint))
 		case s.scope:
 			if err := s.hookAt(WindowDuringRecovery, nil); err != nil {
 				return err
@@ -248,7 +234,7 @@ func (s *Sink) resolve(ctx context.Context, d idem.InDoubtClaim) error {
 	if len(r.Outbox) > 0 && s.opts.Outbox == nil {
 		return fmt.Errorf("idemstream: sink %q: in-doubt event %q has outbox messages and the sink has no Outbox", s.name, d.ID)
 	}
-	if err := d.Claim.Commit(ctx, b); err != nil {
+	if err := s.commit(ctx, d.Claim, b, r.Partition, r.Offset); err != nil {
 		return fmt.Errorf("idemstream: sink %q: committing in-doubt event %q: %w", s.name, d.ID, err)
 	}
 	s.recoveredCommitted.Add(1)
@@ -331,6 +317,10 @@ func (s *Sink) Apply(ctx context.Context, ev Event, h Handler) (out Outcome, err
 				return Outcome{}, err
 			}
 		}
+		if err := s.advanceReplayed(ctx, &ev); err != nil {
+			s.failed.Add(1)
+			return Outcome{}, err
+		}
 		s.replayed.Add(1)
 		return Outcome{Status: Replayed, Result: rec.Result, Partition: rec.Partition, Offset: rec.Offset, Checkpoint: rec.Checkpoint, ExpiresAt: expiresAt(res)}, nil
 	case idem.InFlight:
@@ -372,7 +362,7 @@ func (s *Sink) Apply(ctx context.Context, ev Event, h Handler) (out Outcome, err
 	finished = true
 	// The effect ran: commit even if ctx ended meanwhile (a claim left
 	// in flight would make the redeliveries Busy until its lease ends).
-	if err := claim.Commit(context.WithoutCancel(ctx), b); err != nil {
+	if err := s.commit(context.WithoutCancel(ctx), claim, b, ev.Partition, ev.Offset); err != nil {
 		s.failed.Add(1)
 		return Outcome{}, fmt.Errorf("idemstream: sink %q: committing event %q: %w", s.name, ev.ID, err)
 	}
@@ -417,94 +407,60 @@ func (s *Sink) Stats() SinkStats {
 	}
 }
 
-// Frontier returns the partition's commit frontier: the highest offset
-// recorded as committed (ok false if none). Every event at or below it
-// whose effect ran is committed; events above it may be committed too
-// (the frontier is recorded after the events' own records, which carry
-// their offsets): a consumer resuming at Frontier+1 gets those again and
-// the sink replays them, which moves the frontier up.
-func (s *Sink) Frontier(partition string) (offset uint64, ok bool, err error) {
-	f := s.frontierOf(partition)
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if err := s.loadFrontier(partition, f); err != nil {
-		return 0, false, err
-	}
-	return f.offset, f.seq > 0, nil
-}
-
-func (s *Sink) frontierOf(partition string) *frontier {
-	s.fmu.Lock()
-	defer s.fmu.Unlock()
-	f := s.frontiers[partition]
-	if f == nil {
-		f = &frontier{}
-		s.frontiers[partition] = f
-	}
-	return f
-}
-
-func (s *Sink) loadFrontier(partition string, f *frontier) error {
-	if f.loaded {
-		return nil
-	}
-	client := frontierClient(partition)
-	n, err := s.e.ClientState(s.fscope, client)
-	if err != nil {
-		return fmt.Errorf("idemstream: sink %q: frontier of partition %q: %w", s.name, partition, err)
-	}
-	f.seq, f.offset = n, 0
-	if n > 0 {
-		res, err := s.e.LookupSeq(s.fscope, client, n)
-		if err != nil {
-			return fmt.Errorf("idemstream: sink %q: frontier of partition %q (update %d): %w", s.name, partition, n, err)
-		}
-		if res.Status != idem.Done || len(res.Reply) != 8 {
-			return fmt.Errorf("%w: sink %q: frontier of partition %q (update %d): status %v, %d-byte record", ErrCorruptRecord, s.name, partition, n, res.Status, len(res.Reply))
-		}
-		f.offset = binary.BigEndian.Uint64(res.Reply)
-	}
-	f.loaded = true
-	return nil
-}
-
-// AdvanceFrontier records offset as the partition's frontier if it is
-// higher than the recorded one. Call it only for offsets whose events are
-// committed (Apply returned Applied or Replayed); the consumers do, once
-// per batch, before acknowledging the batch.
-func (s *Sink) AdvanceFrontier(ctx context.Context, partition string, offset uint64) error {
+// commit commits the event's record and, when the event has a position,
+// raises its partition's frontier in the same engine record.
+func (s *Sink) commit(ctx context.Context, c *idem.Claim, rec []byte, partition string, offset uint64) error {
 	if offset == 0 {
+		return c.Commit(ctx, rec)
+	}
+	err := c.CommitAdvance(ctx, rec, idem.Advance{Scope: s.fscope, Client: frontierClient(partition), Seq: offset})
+	if err == nil {
+		s.frontierWrites.Add(1)
+	}
+	return err
+}
+
+// advanceReplayed moves the frontier past a replayed delivery: its event
+// was committed by an earlier record, perhaps at a lower offset (the same
+// event published again). Nothing is written when the frontier is there
+// already, as it is for a plain redelivery.
+func (s *Sink) advanceReplayed(ctx context.Context, ev *Event) error {
+	if ev.Offset == 0 {
 		return nil
 	}
-	f := s.frontierOf(partition)
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if err := s.loadFrontier(partition, f); err != nil {
-		return err
+	client := frontierClient(ev.Partition)
+	n, err := s.e.ClientState(s.fscope, client)
+	if err == nil && n < ev.Offset {
+		if err = s.e.Advance(ctx, idem.Advance{Scope: s.fscope, Client: client, Seq: ev.Offset}); err == nil {
+			s.frontierWrites.Add(1)
+		}
 	}
-	if f.seq > 0 && offset <= f.offset {
-		return nil
-	}
-	var enc [8]byte
-	binary.BigEndian.PutUint64(enc[:], offset)
-	client := frontierClient(partition)
-	res, err := s.e.Begin(ctx, idem.Request{Scope: s.fscope, Client: client, Seq: f.seq + 1, Fingerprint: enc[:]})
 	if err != nil {
-		f.loaded = false
-		return fmt.Errorf("idemstream: sink %q: advancing the frontier of partition %q to %d: %w", s.name, partition, offset, err)
+		return fmt.Errorf("idemstream: sink %q: advancing the frontier of partition %q past replayed event %q (offset %d): %w", s.name, ev.Partition, ev.ID, ev.Offset, err)
 	}
-	if res.Status != idem.Fresh {
-		f.loaded = false
-		return fmt.Errorf("idemstream: sink %q: advancing the frontier of partition %q to %d: update %d is %v (another writer?)", s.name, partition, offset, f.seq+1, res.Status)
-	}
-	if err := res.Claim.Commit(ctx, enc[:]); err != nil {
-		f.loaded = false
-		return fmt.Errorf("idemstream: sink %q: advancing the frontier of partition %q to %d: %w", s.name, partition, offset, err)
-	}
-	f.seq++
-	f.offset = offset
-	s.frontierWrites.Add(1)
 	return nil
+}
+
+// Frontier returns the partition's commit frontier: the highest offset
+// whose event's effect is committed (ok false if none). It is raised in
+// the very engine record that commits each event, so after a crash it is
+// exactly the highest committed offset: never ahead of an effect, never
+// behind one. A consumer that resumes from positions (a Kafka-style
+// partition reader) resumes at Frontier+1.
+//
+// It is the highest committed offset, not the end of a contiguous run:
+// with Consume applying a batch's events concurrently, an event below the
+// frontier may have failed (its handler returned an error) and is then
+// not committed. Brokers that track unacknowledged messages (JetStream,
+// Redis Streams) redeliver it regardless; a source that resumes from the
+// frontier alone should apply each partition's events in order
+// (ConsumeOptions.Concurrency 1, or one consumer per partition).
+func (s *Sink) Frontier(partition string) (offset uint64, ok bool, err error) {
+	n, err := s.e.ClientState(s.fscope, frontierClient(partition))
+	if err != nil {
+		return 0, false, fmt.Errorf("idemstream: sink %q: frontier of partition %q: %w", s.name, partition, err)
+	}
+	return n, n > 0, nil
 }
 
 func discardLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }

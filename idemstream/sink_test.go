@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/idemdb/idem"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -215,25 +216,37 @@ func TestFrontierAdvancesAndSurvivesReopen(t *testing.T) {
 	if _, ok, err := s.Frontier("p"); ok || err != nil {
 		t.Fatalf("empty frontier: %v %v", ok, err)
 	}
-	for _, off := range []uint64{5, 3, 9, 9, 12} {
-		if err := s.AdvanceFrontier(ctx, "p", off); err != nil {
-			t.Fatal(err)
+	noop := func(context.Context, Event) (Effect, error) { return Effect{}, nil }
+	apply := func(id string, off uint64, want Status) {
+		t.Helper()
+		out, err := s.Apply(ctx, Event{ID: []byte(id), Partition: "p", Offset: off}, noop)
+		if err != nil || out.Status != want {
+			t.Fatalf("apply %s at %d: %v %v, want %v", id, off, out.Status, err, want)
 		}
 	}
-	if off, ok, _ := s.Frontier("p"); !ok || off != 12 {
-		t.Fatalf("frontier %d %v", off, ok)
+	apply("a", 5, Applied)
+	apply("b", 3, Applied) // a lower offset commits but does not lower the frontier
+	apply("c", 9, Applied)
+	apply("c", 9, Replayed) // a plain redelivery writes nothing
+	apply("d", 0, Applied)  // no position
+	if off, ok, _ := s.Frontier("p"); !ok || off != 9 {
+		t.Fatalf("frontier %d %v, want 9", off, ok)
 	}
 	if st := s.Stats(); st.FrontierWrites != 3 {
-		t.Fatalf("frontier writes %d, want 3 (lower offsets write nothing)", st.FrontierWrites)
+		t.Fatalf("frontier writes %d, want 3 (the commits of a, b, c)", st.FrontierWrites)
 	}
-	// Crash in the middle of an update (claim durable, commit not): the
-	// update is completed on recovery.
-	s.hook = nil
-	f := s.frontierOf("p")
-	f.mu.Lock()
-	res, err := e.Begin(ctx, frontierReq(s, "p", f.seq+1, 20))
-	f.mu.Unlock()
-	if err != nil || res.Claim == nil {
+	apply("a", 12, Replayed) // the same event published again, at 12
+	if off, _, _ := s.Frontier("p"); off != 12 {
+		t.Fatalf("frontier %d after a replay at 12", off)
+	}
+	// A crash with an event in doubt whose Recover says it ran at offset
+	// 20, and a frontier claim left by a version that recorded frontiers
+	// in records of their own: recovery commits the event with its offset
+	// and releases the old claim.
+	if _, err := e.Begin(ctx, idem.Request{Scope: s.scope, ID: []byte("e")}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.Begin(ctx, frontierReq(s, "old", 1, 7)); err != nil {
 		t.Fatal(err)
 	}
 	w.crash()
@@ -241,14 +254,19 @@ func TestFrontierAdvancesAndSurvivesReopen(t *testing.T) {
 	w.restart()
 	e = openEngine(t, w.mem, nil)
 	defer e.Close()
-	s, err = NewSink(ctx, e, "f", SinkOptions{})
+	s, err = NewSink(ctx, e, "f", SinkOptions{Recover: func(ctx context.Context, d InDoubtEvent) (Resolution, error) {
+		return Resolution{Applied: true, Partition: "p", Offset: 20}, nil
+	}})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if off, ok, _ := s.Frontier("p"); !ok || off != 20 {
 		t.Fatalf("frontier after recovery %d %v, want 20", off, ok)
 	}
-	if err := s.AdvanceFrontier(ctx, "p", 21); err != nil {
-		t.Fatal(err)
+	if left := mustInDoubt(t, e); len(left) != 0 {
+		t.Fatalf("%d claims left in doubt", len(left))
+	}
+	if _, ok, _ := s.Frontier("old"); ok {
+		t.Fatal("the released old-format claim raised a frontier")
 	}
 }

@@ -172,6 +172,9 @@ func Transitions(op *wal.Op, lsn wal.LSN, get func(key []byte, mode byte) (*Entr
 	if op.Type == wal.OpAck || op.Type == wal.OpForget {
 		return out, nil
 	}
+	if op.Type == wal.OpAdvance {
+		return advanceTransitions(out, op, lsn, nil, get)
+	}
 	mode, ident := ModeID, op.ID
 	if op.Client != "" {
 		mode, ident = ModeClient, []byte(op.Client)
@@ -242,8 +245,8 @@ func Transitions(op *wal.Op, lsn wal.LSN, get func(key []byte, mode byte) (*Entr
 	return out, nil
 }
 
-// ErrBadAdvance is returned by Transitions for a commit-advance record
-// whose advances cannot apply: one names the committed key itself or a
+// ErrBadAdvance is returned by Transitions for a commit-advance or advance
+// record whose advances cannot apply: one names the committed key itself or a
 // client twice, or a client with a claim in flight. The engine checks
 // this before appending, so in the log it only appears through corruption.
 var ErrBadAdvance = errors.New("index: advance cannot apply")
@@ -254,12 +257,14 @@ var ErrBadAdvance = errors.New("index: advance cannot apply")
 // promises that N-1 is never retried, as a claim does); one already at or
 // past seq is unchanged (no transition).
 func advanceTransitions(out []Transition, op *wal.Op, lsn wal.LSN, committed []byte, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, error) {
-	seen := make(map[string]bool, len(op.Advances))
-	seen[string(committed)] = true
+	seen := make(map[string]bool, len(op.Advances)+1)
+	if committed != nil {
+		seen[string(committed)] = true
+	}
 	for _, a := range op.Advances {
 		k := EntryKey(nil, a.Scope, ModeClient, []byte(a.Client))
 		if a.Client == "" || a.Seq == 0 || seen[string(k)] {
-			return nil, fmt.Errorf("%w: commit at LSN %d: advance of client %q in scope %q to %d (empty, zero, repeated or the committed key)", ErrBadAdvance, lsn, a.Client, a.Scope, a.Seq)
+			return nil, fmt.Errorf("%w: %s at LSN %d: advance of client %q in scope %q to %d (empty, zero, repeated or the committed key)", ErrBadAdvance, wal.OpName(op.Type), lsn, a.Client, a.Scope, a.Seq)
 		}
 		seen[string(k)] = true
 		prev, err := get(k, ModeClient)
@@ -267,7 +272,7 @@ func advanceTransitions(out []Transition, op *wal.Op, lsn wal.LSN, committed []b
 			return nil, err
 		}
 		if prev != nil && prev.InFlight {
-			return nil, fmt.Errorf("%w: commit at LSN %d: client %q in scope %q has a claim in flight", ErrBadAdvance, lsn, a.Client, a.Scope)
+			return nil, fmt.Errorf("%w: %s at LSN %d: client %q in scope %q has a claim in flight", ErrBadAdvance, wal.OpName(op.Type), lsn, a.Client, a.Scope)
 		}
 		if prev != nil && prev.Committed && prev.Seq >= a.Seq {
 			continue
@@ -450,7 +455,7 @@ func Stamp(ts []Transition, typ byte, lsn wal.LSN) {
 		switch typ {
 		case wal.OpClaim:
 			n.ClaimLSN = lsn
-		case wal.OpCommit, wal.OpCommitAdvance:
+		case wal.OpCommit, wal.OpCommitAdvance, wal.OpAdvance:
 			n.CommitLSN = lsn
 		}
 	}

@@ -15,6 +15,7 @@ package wal
 //	OpExpire (6): [keys[], time]
 //	OpCommitAdvance (7): [scope, id, client, seq, claimLSN, time, replyCodec, reply, advances[]]
 //	                     advance = [scope, client, seq]
+//	OpAdvance (8): [advances[], time]
 //
 // A claim's expiresAt (appended in format 2; absent or 0 = never) is when
 // the request's per-request TTL runs out. An expire record names the index
@@ -26,7 +27,8 @@ package wal
 // named sequence-mode client to at least its seq (a commit frontier kept
 // with the effect). It has its own kind, not a field appended to commit,
 // so that a version that does not know it refuses the log instead of
-// skipping the advances.
+// skipping the advances. An advance record raises clients alone (a
+// position whose effect was committed earlier, by another record).
 //
 // Times are Unix nanoseconds taken from the engine's clock when the record was
 // appended, so that replay never consults the clock. An id-mode request has a
@@ -59,6 +61,8 @@ const (
 	OpExpire byte = 6
 	// OpCommitAdvance is a commit that also advances sequence-mode clients.
 	OpCommitAdvance byte = 7
+	// OpAdvance raises sequence-mode clients without a commit.
+	OpAdvance byte = 8
 )
 
 // Forget reasons. Frozen.
@@ -144,6 +148,8 @@ func OpName(t byte) string {
 		return "expire"
 	case OpCommitAdvance:
 		return "commit-advance"
+	case OpAdvance:
+		return "advance"
 	}
 	return fmt.Sprintf("unknown(%d)", t)
 }
@@ -181,14 +187,12 @@ func EncodeOp(dst []byte, op *Op) ([]byte, error) {
 		dst = msgp.AppendUint(dst, uint64(codec))
 		dst = msgp.AppendBytes(dst, reply)
 		if op.Type == OpCommitAdvance {
-			dst = msgp.AppendArrayLen(dst, len(op.Advances))
-			for _, a := range op.Advances {
-				dst = msgp.AppendArrayLen(dst, 3)
-				dst = msgp.AppendString(dst, a.Scope)
-				dst = msgp.AppendString(dst, a.Client)
-				dst = msgp.AppendUint(dst, a.Seq)
-			}
+			dst = appendAdvances(dst, op.Advances)
 		}
+	case OpAdvance:
+		dst = msgp.AppendArrayLen(dst, 2)
+		dst = appendAdvances(dst, op.Advances)
+		dst = msgp.AppendInt(dst, op.Time)
 	case OpAbort:
 		dst = msgp.AppendArrayLen(dst, 6)
 		dst = appendKey(dst, op)
@@ -219,6 +223,17 @@ func appendKey(dst []byte, op *Op) []byte {
 	dst = msgp.AppendBytes(dst, op.ID)
 	dst = msgp.AppendString(dst, op.Client)
 	return msgp.AppendUint(dst, op.Seq)
+}
+
+func appendAdvances(dst []byte, adv []Advance) []byte {
+	dst = msgp.AppendArrayLen(dst, len(adv))
+	for _, a := range adv {
+		dst = msgp.AppendArrayLen(dst, 3)
+		dst = msgp.AppendString(dst, a.Scope)
+		dst = msgp.AppendString(dst, a.Client)
+		dst = msgp.AppendUint(dst, a.Seq)
+	}
+	return dst
 }
 
 func appendIDs(dst []byte, ids [][]byte) []byte {
@@ -268,6 +283,8 @@ func DecodeOp(typ byte, payload []byte) (op *Op, err error) {
 		want = 2
 	case OpCommitAdvance:
 		want = 9
+	case OpAdvance:
+		want = 2
 	default:
 		return nil, fmt.Errorf("%w: unknown kind %d", ErrBadRecord, typ)
 	}
@@ -313,6 +330,9 @@ func DecodeOp(typ byte, payload []byte) (op *Op, err error) {
 		op.Reason = byte(r.uint())
 	case OpExpire:
 		op.Keys = r.ids()
+		op.Time = r.int()
+	case OpAdvance:
+		op.Advances = r.advances()
 		op.Time = r.int()
 	}
 	// Fields appended by later versions are skipped.

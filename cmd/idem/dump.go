@@ -49,7 +49,7 @@ and on the LSN of their last change.`,
 		o := &dumpOpts{}
 		o.f.register(fs)
 		fs.BoolVar(&o.json, "json", false, "one JSON object per line")
-		fs.StringVar(&o.types, "type", "", "WAL: only these record `types`, comma-separated (claim,commit,abort,ack,forget,expire,commit-advance)")
+		fs.StringVar(&o.types, "type", "", "WAL: only these record `types`, comma-separated (claim,commit,abort,ack,forget,expire,commit-advance,advance)")
 		fs.StringVar(&o.state, "state", "", "index: only entries in this `state` (in-flight or committed)")
 		fs.BoolVar(&o.stored, "stored", false, "index: show the index files as they are, without replaying the WAL records they have not applied")
 		return o.run
@@ -122,7 +122,7 @@ func forgetReason(r byte) string {
 }
 
 func opByName(s string) (byte, bool) {
-	for t := wal.OpClaim; t <= wal.OpCommitAdvance; t++ {
+	for t := wal.OpClaim; t <= wal.OpAdvance; t++ {
 		if wal.OpName(t) == s {
 			return t, true
 		}
@@ -178,7 +178,7 @@ func (o *dumpOpts) dumpWAL(c *cli, w *bufio.Writer, dir string) error {
 			return writeRecord(w, o.json, &out)
 		}
 		ids := append([][]byte{op.ID}, op.Acked...)
-		if !o.f.keyOK(op.Scope, op.Type != wal.OpForget && op.Type != wal.OpExpire, ids, op.Client) || !o.f.timeOK(op.Time) {
+		if !o.f.keyOK(op.Scope, op.Type != wal.OpForget && op.Type != wal.OpExpire && op.Type != wal.OpAdvance, ids, op.Client) || !o.f.timeOK(op.Time) {
 			return nil
 		}
 		out.Time, out.Scope, out.Client, out.Seq = fmtTime(op.Time), op.Scope, op.Client, op.Seq
@@ -199,6 +199,10 @@ func (o *dumpOpts) dumpWAL(c *cli, w *bufio.Writer, dir string) error {
 		case wal.OpExpire:
 			for _, k := range op.Keys {
 				out.Expired = append(out.Expired, describeKey(k))
+			}
+		case wal.OpAdvance:
+			for _, a := range op.Advances {
+				out.Advanced = append(out.Advanced, fmt.Sprintf("scope %s client %s to %d", readableText([]byte(a.Scope)), readableText([]byte(a.Client)), a.Seq))
 			}
 		case wal.OpCommit, wal.OpCommitAdvance:
 			n := len(op.Reply)
@@ -236,7 +240,7 @@ func writeRecord(w io.Writer, asJSON bool, r *recordOut) error {
 		fmt.Fprintf(&b, " error=%q", r.Error)
 	} else {
 		fmt.Fprintf(&b, " time=%s", r.Time)
-		if r.Type != "forget" && r.Type != "expire" {
+		if r.Type != "forget" && r.Type != "expire" && r.Type != "advance" {
 			fmt.Fprintf(&b, " scope=%s", readableText([]byte(r.Scope)))
 		}
 		if r.ID != "" {

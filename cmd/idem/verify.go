@@ -87,6 +87,8 @@ func describeOp(op *wal.Op) string {
 		return "forget before " + fmtTime(op.Before)
 	case op.Type == wal.OpExpire:
 		return fmt.Sprintf("TTL expiry of %d entries", len(op.Keys))
+	case op.Type == wal.OpAdvance:
+		return fmt.Sprintf("advance of %d clients", len(op.Advances))
 	case len(op.ID) > 0:
 		return fmt.Sprintf("scope %s id %s", readableText([]byte(op.Scope)), readableText(op.ID))
 	case op.Client != "":
