@@ -158,13 +158,19 @@ func TestSinkCrashWindows(t *testing.T) {
 // 0 when none is committed).
 func checkFrontierExact(t *testing.T, e *idem.Engine, name string, evs []Event) {
 	t.Helper()
+	if err := frontierExact(e, name, evs); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func frontierExact(e *idem.Engine, name string, evs []Event) error {
 	scope := sinkScope(name)
 	committed := map[string]bool{}
 	lo := map[string]uint64{}
 	for _, ev := range evs {
 		res, err := e.Lookup(scope, ev.ID)
 		if err != nil {
-			t.Fatal(err)
+			return err
 		}
 		if res.Status != idem.Done {
 			continue
@@ -172,17 +178,17 @@ func checkFrontierExact(t *testing.T, e *idem.Engine, name string, evs []Event) 
 		committed[string(ev.ID)] = true
 		rec, err := decodeEventRecord(scope, ev.ID, res.Reply)
 		if err != nil {
-			t.Fatal(err)
+			return err
 		}
 		lo[rec.Partition] = max(lo[rec.Partition], rec.Offset)
 	}
 	for p := range maxOffsets(evs) {
 		f, err := e.ClientState(frontierScope(name), frontierClient(p))
 		if err != nil {
-			t.Fatal(err)
+			return err
 		}
 		if f < lo[p] {
-			t.Fatalf("partition %s: frontier %d below the committed offset %d", p, f, lo[p])
+			return fmt.Errorf("partition %s: frontier %d below the committed offset %d", p, f, lo[p])
 		}
 		if f == 0 {
 			continue
@@ -192,9 +198,10 @@ func checkFrontierExact(t *testing.T, e *idem.Engine, name string, evs []Event) 
 			ok = ok || (ev.Partition == p && ev.Offset == f && committed[string(ev.ID)])
 		}
 		if !ok {
-			t.Fatalf("partition %s: frontier %d is not the offset of a committed event", p, f)
+			return fmt.Errorf("partition %s: frontier %d is not the offset of a committed event", p, f)
 		}
 	}
+	return nil
 }
 
 func newSinkWithHook(ctx context.Context, e *idem.Engine, name string, opts SinkOptions, hook func(Window, *Event) error) (*Sink, error) {

@@ -304,6 +304,12 @@ func killChild(spec, crash string) int {
 			fmt.Fprintln(os.Stderr, "child: ledger:", err)
 			return 3
 		}
+		// What the killed process left: the frontier is exactly the
+		// highest committed offset of each partition.
+		if err := frontierExact(e, "ledger", b.evs); err != nil {
+			fmt.Fprintln(os.Stderr, "child: frontier after the kill:", err)
+			return 6
+		}
 		s, err := newSinkWithHook(ctx, e, "ledger", SinkOptions{Recover: l.recoverFn}, func(w Window, _ *Event) error {
 			maybeDie(w)
 			return nil
