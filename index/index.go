@@ -168,8 +168,15 @@ func Open(o Options) (*Index, error) {
 		popts.Levels[i].FilterPolicy = bloom.FilterPolicy(10)
 	}
 	popts.EnsureDefaults() // MakeWriterOptions below needs the defaults filled in
+	sched := newGatedScheduler()
+	popts.Experimental.CompactionScheduler = sched
 	plog.opener.Store(goroutineID())
 	db, err := openPebble(o.Dir, popts)
+	if err != nil {
+		sched.Unregister()
+	} else {
+		sched.opened()
+	}
 	if err != nil {
 		cache.Unref()
 		return nil, fmt.Errorf("index: open %s: %w", o.Dir, err)
