@@ -313,8 +313,10 @@ func runFault(t *testing.T, in *injector, st *counters) (reached bool) {
 }
 
 // notIndex excludes the Pebble store's files: Pebble treats some I/O
-// errors (a failed MANIFEST write, for one) as fatal and panics, on
-// background goroutines too, which no test can survive in-process. The
+// errors (a failed MANIFEST write, for one) as fatal. The index stops then
+// and parks Pebble's goroutine for good (index.pebbleLogger), which leaks
+// it with Pebble's memory and directory lock, and a panic there (Pebble's,
+// or one the index failed to prevent) would end the whole test binary. The
 // index is swept separately, one child process per fault point
 // (TestFaultSweepIndex).
 func notIndex(path string) bool { return !strings.HasPrefix(path, dbDir+"/index") }
@@ -348,17 +350,18 @@ func TestFaultSweep(t *testing.T) {
 }
 
 // TestFaultSweepIndex sweeps the faults TestFaultSweep leaves out: those in
-// the Pebble store (<dir>/index). Pebble panics on some of them, on its own
-// goroutines, so every fault point runs in a child process (the test binary
-// re-executed as TestFaultChild); a panic is recorded with the fault that
-// caused it, a violation fails the test. It takes minutes, so it only runs
-// with IDEM_FUZZ_INDEX_FAULTS=1.
+// the Pebble store (<dir>/index). Some of them stop Pebble for good (see
+// notIndex), so every fault point runs in a child process (the test binary
+// re-executed as TestFaultChild); a panic or a hang (no progress within
+// childTimeout: a goroutine dump) is recorded with the fault that caused
+// it, a violation fails the test. It takes minutes, so it only runs with
+// IDEM_FUZZ_INDEX_FAULTS=1.
 func TestFaultSweepIndex(t *testing.T) {
 	if os.Getenv("IDEM_FUZZ_INDEX_FAULTS") == "" {
 		t.Skip("set IDEM_FUZZ_INDEX_FAULTS=1 to sweep faults in the index's files (one child process per fault point)")
 	}
 	panics := map[string][]string{} // panic message -> faults
-	points, runs := 0, 0
+	points, runs, parked := 0, 0, 0
 	for ki, kind := range faultKinds {
 		for _, mode := range []faultMode{eioOnce, enospcSticky, enospcTorn} {
 			if mode == enospcTorn && kind.name != "write" {
@@ -407,6 +410,9 @@ func TestFaultSweepIndex(t *testing.T) {
 				if err != nil {
 					t.Fatalf("%s #%d %v: %v\n%s", kind.name, n, mode, err, text)
 				}
+				if strings.Contains(text, "\nPARKED\n") {
+					parked++
+				}
 				if strings.Contains(text, "UNREACHED") {
 					break
 				}
@@ -418,7 +424,8 @@ func TestFaultSweepIndex(t *testing.T) {
 	for msg, where := range panics {
 		t.Logf("PANIC %q at %d fault points, e.g. %v", msg, len(where), where[:min(3, len(where))])
 	}
-	t.Logf("TestFaultSweepIndex: %d fault points in %d child runs, %d distinct panics, 0 violations otherwise", points, runs, len(panics))
+	t.Logf("TestFaultSweepIndex: %d fault points in %d child runs, %d distinct panics or hangs, 0 violations otherwise; %d runs left Pebble parked (reopen refused in-process, crash image checked)",
+		points, runs, len(panics), parked)
 }
 
 // TestFaultChild is one fault point of TestFaultSweepIndex.
@@ -439,7 +446,12 @@ func TestFaultChild(t *testing.T) {
 				fmt.Printf("\nFIRED %s\n", what)
 			}
 		}}
-	if runFault(t, in, &counters{}) {
+	st := &counters{}
+	reached := runFault(t, in, st)
+	if st.parkedIndexes > 0 {
+		fmt.Println("PARKED") // Pebble kept its lock: only the crash image was reopened
+	}
+	if reached {
 		fmt.Println("REACHED")
 	} else {
 		fmt.Println("UNREACHED")

@@ -145,7 +145,7 @@ func Open(o Options) (*Index, error) {
 		filterBytes: o.FilterBytes, filterSeed: maphash.MakeSeed(), filterStop: make(chan struct{})}
 	plog := &pebbleLogger{l: o.Logger, ix: ix}
 	popts := &pebble.Options{
-		FS:           pfs,
+		FS:           dirSyncFS{FS: pfs, log: plog},
 		Cache:        cache,
 		DisableWAL:   true,
 		MemTableSize: o.MemTableSize,
@@ -170,17 +170,12 @@ func Open(o Options) (*Index, error) {
 	popts.EnsureDefaults() // MakeWriterOptions below needs the defaults filled in
 	sched := newGatedScheduler()
 	popts.Experimental.CompactionScheduler = sched
-	plog.opener.Store(goroutineID())
-	db, err := openPebble(o.Dir, popts)
-	if err != nil {
-		sched.Unregister()
-	} else {
-		sched.opened()
-	}
-	if err != nil {
-		cache.Unref()
+	db, err := ix.openPebble(o.Dir, popts, plog, cache)
+	if err != nil { // openPebble released the cache, or left it to the abandoned pebble.Open
+		sched.Unregister() // idempotent: Pebble's own Close may call it too
 		return nil, fmt.Errorf("index: open %s: %w", o.Dir, err)
 	}
+	sched.opened()
 	plog.opened.Store(true)
 	plog.opener.Store(-1)
 	if err := ix.failure(); err != nil { // reported while opening
@@ -209,10 +204,88 @@ func Open(o Options) (*Index, error) {
 	return ix, nil
 }
 
-// openPebble opens the store, turning a panic (pebble's Fatalf on a failed
-// MANIFEST write during open goes through pebbleLogger.Fatalf) into an
-// error, so that Open fails instead of crashing the application.
-func openPebble(dir string, o *pebble.Options) (db *pebble.DB, err error) {
+// openPebble opens the store. pebble.Open runs on a goroutine of its own,
+// the opener (pebbleLogger.opener), and:
+//
+//   - a Fatalf on the opener (a MANIFEST write that failed while Open
+//     writes its new MANIFEST) panics in pebbleLogger.Fatalf, and
+//     openRecover turns the panic into Open's error;
+//   - a Fatalf on another of Pebble's goroutines while Open runs (a flush
+//     or a compaction that Open started and whose MANIFEST write failed)
+//     records the index's failure and parks that goroutine, which may hold
+//     DB.mu or be what pebble.Open waits for: pebble.Open then never
+//     returns. openPebble waits for the failure as well as for Open: once
+//     the failure is recorded it gives Open closeAfterFailure to return and
+//     then abandons it, returning the failure (ErrBackground, which the
+//     engine reports as ErrFailed).
+//
+// An abandoned pebble.Open goroutine stays blocked, as the parked goroutine
+// does (both leak, with Pebble's lock on the directory: the index can then
+// be reopened only by a new process, which recovers from the WAL what the
+// index lacks). Nothing it uses is freed under it: the cache is then its to
+// release, and the options, the logger and the Index it reports to stay
+// reachable from it. Should pebble.Open return after all, that goroutine
+// closes the store and releases the cache itself.
+//
+// On error the cache is released (here, or by the abandoned goroutine).
+func (ix *Index) openPebble(dir string, o *pebble.Options, plog *pebbleLogger, cache *pebble.Cache) (*pebble.DB, error) {
+	type result struct {
+		db  *pebble.DB
+		err error
+	}
+	var mu sync.Mutex // guards abandoned and the send on res
+	abandoned := false
+	res := make(chan result, 1)
+	go func() {
+		plog.opener.Store(goroutineID())
+		db, err := openRecover(dir, o)
+		mu.Lock()
+		gaveUp := abandoned
+		if !gaveUp {
+			res <- result{db, err}
+		}
+		mu.Unlock()
+		if gaveUp {
+			plog.opener.Store(-1) // a Fatalf while closing parks, it does not panic here
+			if db != nil {
+				_ = db.Close()
+			}
+			cache.Unref()
+		}
+	}()
+	done := func(r result) (*pebble.DB, error) {
+		if r.err != nil {
+			cache.Unref()
+		}
+		return r.db, r.err
+	}
+	select {
+	case r := <-res:
+		return done(r)
+	case <-ix.bgFired:
+	}
+	select {
+	case r := <-res:
+		return done(r) // Open still returned: the caller closes it
+	case <-time.After(closeAfterFailure):
+	}
+	mu.Lock()
+	select {
+	case r := <-res:
+		mu.Unlock()
+		return done(r)
+	default:
+	}
+	abandoned = true
+	mu.Unlock()
+	ix.logger.Error("index: Pebble failed while opening and its Open did not return; leaving it", "waited", closeAfterFailure)
+	return nil, fmt.Errorf("pebble did not finish opening: %w", ix.failure())
+}
+
+// openRecover is pebble.Open, turning a panic (pebble's Fatalf on the
+// opener goroutine goes through pebbleLogger.Fatalf, which panics there)
+// into an error, so that Open fails instead of crashing the application.
+func openRecover(dir string, o *pebble.Options) (db *pebble.DB, err error) {
 	defer func() {
 		if r := recover(); r != nil {
 			db, err = nil, fmt.Errorf("index: pebble failed while opening: %v", r)
@@ -703,7 +776,11 @@ func (ix *Index) Flush() error {
 	job := ix.job // ingests everything applied so far (nil: nothing pending)
 	ix.applyMu.Unlock()
 	if job != nil {
-		<-job.done
+		select {
+		case <-job.done:
+		case <-ix.bgFired: // the ingest may be stuck in a parked Pebble
+			return ix.failure()
+		}
 		if job.err != nil {
 			return job.err // sticky: the next Apply reports it too
 		}
@@ -806,12 +883,22 @@ func (ix *Index) DiskUsage() uint64 {
 // Close flushes (if flush is set: everything applied is then in the
 // sstables) and closes the store. Without flush, pending updates are
 // dropped; replay redoes them.
+//
+// Every wait is bounded by a background failure, also one that happens
+// while Close runs: Pebble's Close waits for its flushes and compactions,
+// and one of them may be parked by Fatalf meanwhile (found by the index
+// fault sweep).
 func (ix *Index) Close(flush bool) error {
 	if ix.failure() == nil {
-		ix.stopFilter()
+		// The filter's scan may block inside a Pebble parked meanwhile:
+		// then it is counted among the calls still in Pebble below.
+		stopped := make(chan struct{})
+		go func() { ix.stopFilter(); close(stopped) }()
+		select {
+		case <-stopped:
+		case <-ix.bgFired:
+		}
 	} else {
-		// The filter's scan may be blocked inside a parked Pebble: ask it
-		// to stop, and count it among the calls still in Pebble below.
 		go ix.stopFilter()
 	}
 	var err error
@@ -823,11 +910,31 @@ func (ix *Index) Close(flush bool) error {
 		ix.applyMu.Unlock()
 	}
 	if ix.failure() == nil {
-		if cerr := ix.db.Close(); err == nil {
-			err = cerr
+		closed := make(chan error, 1)
+		go func() {
+			err := ix.db.Close()
+			ix.cache.Unref()
+			closed <- err
+		}()
+		select {
+		case cerr := <-closed:
+			if err == nil {
+				err = cerr
+			}
+			if err == nil {
+				err = ix.failure() // reported while closing
+			}
+			return err
+		case <-ix.bgFired:
+			// A flush or compaction Close waits for failed (Fatalf parked
+			// it): give Close the same bound as below, then leave it.
+			select {
+			case <-closed:
+			case <-time.After(closeAfterFailure):
+				ix.logger.Error("index: Pebble did not close after its background failure; leaving it", "waited", closeAfterFailure)
+			}
+			return ix.failure()
 		}
-		ix.cache.Unref()
-		return err
 	}
 	// After a background failure Pebble may be retrying a flush or a
 	// compaction that cannot succeed (a full disk), or be parked by Fatalf,
@@ -847,11 +954,14 @@ func (ix *Index) Close(flush bool) error {
 	if n := ix.inPebble.Load(); n > 0 {
 		ix.logger.Error("index: calls still inside Pebble after its background failure; leaving it open", "calls", n, "waited", closeAfterFailure)
 	} else {
-		closed := make(chan error, 1)
-		go func() { closed <- ix.db.Close() }()
+		closed := make(chan struct{})
+		go func() {
+			_ = ix.db.Close()
+			ix.cache.Unref() // only once Pebble closed, even after the wait below gave up
+			close(closed)
+		}()
 		select {
 		case <-closed:
-			ix.cache.Unref()
 		case <-time.After(time.Until(deadline) + 100*time.Millisecond):
 			ix.logger.Error("index: Pebble did not close after its background failure; leaving it", "waited", closeAfterFailure)
 		}
@@ -891,10 +1001,55 @@ func (p *pebbleLogger) Errorf(format string, args ...any) {
 func (p *pebbleLogger) Fatalf(format string, args ...any) {
 	msg := fmt.Sprintf(format, args...)
 	p.l.Error(msg, "component", "pebble", "fatal", true)
-	if (!p.opened.Load() && goroutineID() == p.opener.Load()) || iteratorInvariant(msg) {
-		panic(msg) // openPebble recovers it; an iterator bug panics its caller
+	if p.opening() || iteratorInvariant(msg) {
+		panic(msg) // openRecover recovers it; an iterator bug panics its caller
 	}
-	p.ix.fail(fmt.Errorf("pebble fatal error: %s", msg))
+	p.ix.fail(newFatalError(msg, args))
+	p.park()
+}
+
+// fatalError is the failure a Fatalf records: its message, wrapping the
+// errors among Fatalf's arguments, so that the engine's ErrFailed still
+// says what the disk reported (errors.Is(err, syscall.ENOSPC) on a full
+// disk).
+type fatalError struct {
+	msg    string
+	causes []error
+}
+
+func newFatalError(msg string, args []any) *fatalError {
+	e := &fatalError{msg: msg}
+	for _, a := range args {
+		if err, ok := a.(error); ok {
+			e.causes = append(e.causes, err)
+		}
+	}
+	return e
+}
+
+func (e *fatalError) Error() string   { return "pebble fatal error: " + e.msg }
+func (e *fatalError) Unwrap() []error { return e.causes }
+
+// opening says whether this is the opener goroutine while pebble.Open runs.
+func (p *pebbleLogger) opening() bool {
+	return !p.opened.Load() && goroutineID() == p.opener.Load()
+}
+
+// fatalDirSync handles a failed directory fsync in Marker.Move (see
+// dirSyncFS): on the opener while Open runs it returns (Move panics with
+// the error, and openRecover recovers it); elsewhere it stops the index and
+// parks, as Fatalf does.
+func (p *pebbleLogger) fatalDirSync(dir string, err error) {
+	p.l.Error("index: fsync of Pebble's directory failed while moving a marker", "dir", dir, "error", err, "component", "pebble", "fatal", true)
+	if p.opening() {
+		return
+	}
+	p.ix.fail(fmt.Errorf("pebble: fsync of directory %s failed: %w", dir, err))
+	p.park()
+}
+
+// park blocks the calling Pebble goroutine for good.
+func (p *pebbleLogger) park() {
 	// Pebble must not go on: after a MANIFEST write or sync that failed it
 	// would delete the tables the (possibly durable) MANIFEST record names,
 	// leaving an index that cannot be opened. Park this goroutine instead,
@@ -930,6 +1085,76 @@ func iteratorInvariant(msg string) bool {
 		}
 	}
 	return false
+}
+
+// dirSyncFS hands Pebble directory handles whose failed fsync, when Pebble
+// moves one of its markers (atomicfs.Marker.Move: the marker naming the
+// current MANIFEST, or the format version), stops the index the way
+// pebbleLogger.Fatalf does instead of panicking. Marker.Move panics on a
+// failed directory fsync ("fsync errors are unrecoverable", pebble v2.1.7,
+// vfs/atomicfs/marker.go); on a flush or compaction goroutine that panic
+// cannot be recovered and took the host process down (found by the index
+// fault sweep). Moving the MANIFEST marker is part of a MANIFEST update,
+// whose every other failure Pebble reports through Fatalf, so the same
+// handling applies: on the opener goroutine while Open runs the error is
+// returned (Move then panics, and openRecover turns that into Open's
+// error); on any other goroutine the failure is recorded (ErrBackground)
+// and the goroutine parks for good, before Pebble acts on a marker whose
+// move may not be durable.
+//
+// Pebble's other directory fsyncs (after creating an sstable, the OPTIONS
+// file or a WAL file) return their error to the flush, compaction, ingest
+// or Open that made them, which already fail; they are left alone.
+type dirSyncFS struct {
+	vfs.FS
+	log *pebbleLogger
+}
+
+// Unwrap returns the wrapped FS.
+func (fs dirSyncFS) Unwrap() vfs.FS { return fs.FS }
+
+func (fs dirSyncFS) OpenDir(name string) (vfs.File, error) {
+	f, err := fs.FS.OpenDir(name)
+	if err != nil {
+		return nil, err
+	}
+	return &dirSyncFile{File: f, name: name, log: fs.log}, nil
+}
+
+type dirSyncFile struct {
+	vfs.File
+	name string
+	log  *pebbleLogger
+}
+
+func (f *dirSyncFile) Sync() error {
+	err := f.File.Sync()
+	if err != nil && calledFromMarkerMove() {
+		f.log.fatalDirSync(f.name, err)
+	}
+	return err
+}
+
+// markerMove is the function whose failed directory fsync panics.
+const markerMove = "github.com/cockroachdb/pebble/v2/vfs/atomicfs.(*Marker).Move"
+
+// calledFromMarkerMove says whether Sync's caller is Marker.Move (only
+// asked on a failed fsync). If a Pebble upgrade renames or moves it,
+// TestOpenReturnsAfterFatalOnPebbleGoroutine's directory fsync case fails
+// with Pebble's panic.
+func calledFromMarkerMove() bool {
+	var pcs [4]uintptr
+	n := runtime.Callers(3, pcs[:]) // skip Callers, this function, Sync
+	frames := runtime.CallersFrames(pcs[:n])
+	for {
+		fr, more := frames.Next()
+		if fr.Function == markerMove {
+			return true
+		}
+		if !more {
+			return false
+		}
+	}
 }
 
 // copyNotLinkFS makes Pebble copy the sstables it ingests instead of
