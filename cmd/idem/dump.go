@@ -188,6 +188,9 @@ func (o *dumpOpts) dumpWAL(c *cli, w *bufio.Writer, dir string) error {
 		for _, a := range op.Acked {
 			out.Acked = append(out.Acked, readable(a))
 		}
+		for _, a := range op.Advances { // commit-advance, advance
+			out.Advanced = append(out.Advanced, fmt.Sprintf("scope %s client %s to %d", readableText([]byte(a.Scope)), readableText([]byte(a.Client)), a.Seq))
+		}
 		switch op.Type {
 		case wal.OpClaim:
 			out.Fingerprint = hex.EncodeToString(op.Fingerprint)
@@ -200,16 +203,9 @@ func (o *dumpOpts) dumpWAL(c *cli, w *bufio.Writer, dir string) error {
 			for _, k := range op.Keys {
 				out.Expired = append(out.Expired, describeKey(k))
 			}
-		case wal.OpAdvance:
-			for _, a := range op.Advances {
-				out.Advanced = append(out.Advanced, fmt.Sprintf("scope %s client %s to %d", readableText([]byte(a.Scope)), readableText([]byte(a.Client)), a.Seq))
-			}
 		case wal.OpCommit, wal.OpCommitAdvance:
 			n := len(op.Reply)
 			out.ClaimLSN, out.ReplySize = uint64(op.ClaimLSN), &n
-			for _, a := range op.Advances {
-				out.Advanced = append(out.Advanced, fmt.Sprintf("scope %s client %s to %d", readableText([]byte(a.Scope)), readableText([]byte(a.Client)), a.Seq))
-			}
 		case wal.OpAbort:
 			out.ClaimLSN = uint64(op.ClaimLSN)
 		case wal.OpForget:

@@ -762,3 +762,40 @@ func TestVerifyLostSyncedRegion(t *testing.T) {
 		t.Fatalf("Open: %v, want ErrCorrupt at offset %d", err, from)
 	}
 }
+
+// dump shows the clients a commit-advance or an advance record raises, and
+// verify replays them.
+func TestDumpAdvance(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "db")
+	e, err := idem.Open(dir, &idem.Options{Clock: testclock.At(t0).Now})
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := e.Begin(bg, idem.Request{Scope: "ev", ID: []byte("e1")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := res.Claim.CommitAdvance(bg, []byte("ok"), idem.Advance{Scope: "f", Client: "p0", Seq: 7}); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Advance(bg, idem.Advance{Scope: "f", Client: "p0", Seq: 9}); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Close(); err != nil {
+		t.Fatal(err)
+	}
+	out, _ := wantCode(t, 0, "dump", "wal", dir)
+	for _, want := range []string{
+		"lsn=2 type=commit-advance time=2026-01-01T00:00:00Z scope=ev id=e1",
+		"advanced=[scope f client p0 to 7]",
+		"lsn=3 type=advance time=2026-01-01T00:00:00Z advanced=[scope f client p0 to 9]",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("dump wal lacks %q:\n%s", want, out)
+		}
+	}
+	if o, _ := wantCode(t, 0, "dump", "wal", dir, "--type", "advance,commit-advance"); countLines(o) != 2 {
+		t.Errorf("--type advance,commit-advance:\n%s", o)
+	}
+	wantCode(t, 0, "verify", dir)
+}
