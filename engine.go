@@ -260,9 +260,14 @@ func Open(dir string, opts *Options) (*Engine, error) {
 		Preallocate:  o.FS == vfs.Default && !o.NoPreallocate,
 		SyncMode:     o.Sync,
 		SyncInterval: o.SyncInterval,
-		FirstLSN:     applied + 1,
-		Logger:       o.Logger,
-		OnSynced:     e.onSynced,
+		// Records are retained (and their slots pinned) until their fsync:
+		// in SyncNever mode that was up to a whole segment, 300-700 MiB of
+		// Go heap with 64 MiB segments. An fsync per 1/128 of the budget
+		// of log (2 MiB by default) bounds that at a few tens of MiB.
+		MaxUnsyncedBytes: max(o.MemoryBudget/128, 1<<20),
+		FirstLSN:         applied + 1,
+		Logger:           o.Logger,
+		OnSynced:         e.onSynced,
 	}, applied, func(r wal.Record) error {
 		if err := rep.Apply(r.LSN, r.Type, r.Payload); err != nil {
 			return fmt.Errorf("%w: segment %s offset %d: %w", ErrCorrupt, r.Segment, r.Offset, err)

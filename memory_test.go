@@ -86,3 +86,22 @@ func TestMemoryBudgetHonoured(t *testing.T) {
 		t.Fatalf("live entries %d", st.LiveEntries)
 	}
 }
+
+// In SyncNever mode records wait in memory (their entries pinned) until an
+// fsync: the WAL fsyncs after every MemoryBudget/128 of log (at least
+// 1 MiB), not only at rotation, so that wait is bounded.
+func TestSyncNeverBoundsUnsyncedLog(t *testing.T) {
+	e := openMem(t, vfs.NewMem(), &Options{Sync: SyncNever, MemoryBudget: 32 << 20, SegmentSize: 64 << 20})
+	defer e.Close()
+	reply := make([]byte, 512)
+	for i := range 8000 { // about 5 MiB of log, well inside one segment
+		commitID(t, e, Request{ID: []byte(fmt.Sprintf("id-%06d", i))}, string(reply))
+	}
+	st := e.Stats()
+	if st.WALBytes < 4<<20 {
+		t.Fatalf("only %d bytes of log written", st.WALBytes)
+	}
+	if st.WALSyncs < 3 {
+		t.Fatalf("%d fsyncs for %d bytes of log in one segment: unsynced records are not bounded", st.WALSyncs, st.WALBytes)
+	}
+}

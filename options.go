@@ -21,8 +21,10 @@ const (
 	// may lose the last interval.
 	SyncInterval = wal.SyncInterval
 	// SyncNever: records are written to the OS at once; fsync happens only
-	// at segment rotation, compaction and Close. A process crash loses
-	// nothing; a machine crash may lose everything since the last of those.
+	// at segment rotation, compaction, Close and after each MemoryBudget/128
+	// of log written (2 MiB by default: records are held in memory until
+	// their fsync). A process crash loses nothing; a machine crash may lose
+	// everything since the last of those.
 	SyncNever = wal.SyncNever
 )
 

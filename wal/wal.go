@@ -71,6 +71,11 @@ type Options struct {
 	SyncMode      SyncMode
 	// SyncInterval is the fsync period in SyncInterval mode. Default 100ms.
 	SyncInterval time.Duration
+	// MaxUnsyncedBytes, if positive, makes the flusher fsync (in
+	// SyncInterval and SyncNever modes) once that many bytes were written
+	// since the last fsync: OnSynced's values are retained until their
+	// fsync, so this bounds the memory they hold.
+	MaxUnsyncedBytes int64
 	// FirstLSN is the LSN of the first record when the directory holds no
 	// segment. Default 1.
 	FirstLSN LSN
@@ -207,6 +212,7 @@ type WAL struct {
 		spareRecs []Synced // likewise for recs
 		unsynced  []Synced // written but not yet fsynced, for OnSynced
 		lastSync  time.Time
+		sinceSync int64       // bytes written since the last fsync
 		timer     *time.Timer // SyncInterval mode
 		woken     int         // waiters woken by the last notify
 		// prepC receives the result of the background preparation of the
@@ -921,6 +927,7 @@ func (w *WAL) flush() (exit bool) {
 			w.fl.cand = position{first: w.fl.active.first, off: start, lsn: LSN(w.written.Load()) + 1}
 		}
 		w.fl.sinceLast += int64(len(buf))
+		w.fl.sinceSync += int64(len(buf))
 		w.fl.active.lastOff, w.fl.active.lastLSN = start+int64(lastOff), last
 		w.writes.Add(1)
 		w.written.Store(uint64(last))
@@ -945,7 +952,8 @@ func (w *WAL) flush() (exit bool) {
 	// on whether Open's first (empty) flush ran before it.
 	rotate := wrote && w.fl.active.end > w.opts.SegmentSize && !closing
 	doSync := unsynced && (w.opts.SyncMode == SyncAlways || syncWanted || closing || rotate ||
-		(w.opts.SyncMode == SyncInterval && time.Since(w.fl.lastSync) >= w.opts.SyncInterval))
+		(w.opts.SyncMode == SyncInterval && time.Since(w.fl.lastSync) >= w.opts.SyncInterval) ||
+		(w.opts.MaxUnsyncedBytes > 0 && w.fl.sinceSync >= w.opts.MaxUnsyncedBytes))
 	if doSync {
 		// fdatasync: the frames normally overwrite preallocated, already
 		// fsynced zeros, so no metadata needs to be committed; when a batch
@@ -960,6 +968,7 @@ func (w *WAL) flush() (exit bool) {
 		w.syncs.Add(1)
 		w.synced.Store(w.written.Load())
 		w.fl.lastSync = time.Now()
+		w.fl.sinceSync = 0
 		if w.fl.cand.lsn != 0 {
 			w.recordPosition()
 		}
