@@ -404,6 +404,9 @@ func TestFaultSweepIndex(t *testing.T) {
 				hangs = 0
 				if i := strings.Index(text, "panic: "); i >= 0 {
 					msg := panicNumbers.ReplaceAllString(strings.SplitN(text[i:], "\n", 2)[0], "")
+					if len(panics[msg]) == 0 { // the first one's stacks, to find where
+						t.Logf("first %q (%s #%d %v at %s):\n%s", msg, kind.name, n, mode, where, text[i:min(len(text), i+8000)])
+					}
 					panics[msg] = append(panics[msg], fmt.Sprintf("%s #%d %v at %s", kind.name, n, mode, where))
 					continue
 				}

@@ -171,11 +171,16 @@ func (ix *Index) startFilterBuildLocked() {
 			}
 		}
 	}
+	// Counted from before the iterator opens to after it is closed, so
+	// that Close never closes Pebble between the two (the scan goroutine
+	// may not have started yet when Close looks).
+	ix.inPebble.Add(1)
 	it, err := ix.db.NewIter(&pebble.IterOptions{
 		LowerBound: []byte{prefixEntry},
 		UpperBound: []byte{prefixEntry + 1},
 	})
 	if err != nil {
+		ix.inPebble.Add(-1)
 		ix.logger.Warn("index: key filter not built; lookups of new ids ask Pebble", "error", err)
 		return
 	}
@@ -186,9 +191,9 @@ func (ix *Index) startFilterBuildLocked() {
 }
 
 // scanFilter adds every entry key of it to nf and installs nf.
+// startFilterBuildLocked counted it in inPebble.
 func (ix *Index) scanFilter(nf *keyFilter, it *pebble.Iterator) {
 	defer ix.filterWG.Done()
-	ix.inPebble.Add(1)
 	defer ix.inPebble.Add(-1)
 	start := time.Now()
 	n := 0
