@@ -12,6 +12,7 @@ import (
 // Image is a consistent point-in-time view of the index: every record up to
 // LSN applied, nothing after.
 type Image struct {
+	ix   *Index
 	snap *pebble.Snapshot
 	LSN  wal.LSN
 	Mark Mark
@@ -25,7 +26,13 @@ func (ix *Index) Image() (*Image, error) {
 	if err := ix.persistLocked(); err != nil {
 		return nil, err
 	}
-	return &Image{snap: ix.db.NewSnapshot(), LSN: ix.Applied(), Mark: ix.Mark()}, nil
+	// NewSnapshot and Snapshot.Close take Pebble's DB.mu, which a
+	// goroutine parked by Fatalf may hold for good: guarded.
+	var snap *pebble.Snapshot
+	if err := ix.guard(func() error { snap = ix.db.NewSnapshot(); return nil }); err != nil {
+		return nil, err
+	}
+	return &Image{ix: ix, snap: snap, LSN: ix.Applied(), Mark: ix.Mark()}, nil
 }
 
 // Entries calls fn for every entry of the image in key order. The key and
@@ -48,8 +55,10 @@ func (im *Image) Entries(fn func(key, value []byte) error) error {
 	return it.Error()
 }
 
-// Close releases the image.
-func (im *Image) Close() error { return im.snap.Close() }
+// Close releases the image. After a failure in Pebble's background work it
+// returns that failure without waiting for Pebble (the snapshot is then
+// left to the stopped store).
+func (im *Image) Close() error { return im.ix.guard(im.snap.Close) }
 
 // ErrNotEmpty is returned by Load into an index that holds entries.
 var ErrNotEmpty = errors.New("index: not empty")
