@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/idemdb/idem/internal/cmem"
 	"time"
 
 	"github.com/idemdb/idem/compaction"
@@ -234,7 +235,12 @@ func (e *Engine) waitApplied(ctx context.Context, lsn wal.LSN) error {
 	return nil
 }
 
-// maintenance runs retention, eviction and compaction in the background.
+// memoryTrimInterval is how often maintenance returns the C heap's free
+// pages to the OS (internal/cmem).
+const memoryTrimInterval = 5 * time.Second
+
+// maintenance runs retention, eviction, compaction and the C heap trim in
+// the background.
 func (e *Engine) maintenance() {
 	defer e.bg.Done()
 	cleanup := time.NewTicker(e.o.CleanupInterval)
@@ -243,6 +249,12 @@ func (e *Engine) maintenance() {
 	defer compact.Stop()
 	grown := time.NewTicker(time.Second)
 	defer grown.Stop()
+	var trimC <-chan time.Time
+	if !e.o.NoMemoryTrim {
+		trim := time.NewTicker(memoryTrimInterval)
+		defer trim.Stop()
+		trimC = trim.C
+	}
 	ixFailed := e.ix.Failed()
 	for {
 		var err error
@@ -268,6 +280,12 @@ func (e *Engine) maintenance() {
 			e.compactMu.Unlock()
 		case <-compact.C:
 			_, err = e.Compact(context.Background())
+		case <-trimC:
+			t0 := time.Now()
+			if !cmem.Trim() {
+				trimC = nil // no malloc_trim here
+			}
+			e.o.Logger.Debug("idem: returned the C heap's free memory", "took", time.Since(t0))
 		case <-grown.C:
 			if e.o.CompactWALBytes > 0 && e.w.Stats().Bytes-e.walAfterCompact.Load() > e.o.CompactWALBytes {
 				_, err = e.Compact(context.Background())

@@ -59,6 +59,12 @@ type Options struct {
 	// memory, and the index writes smaller tables more often. The default
 	// budget gives the defaults listed below.
 	MemoryBudget int64
+	// NoMemoryTrim turns off the C heap trim the engine runs every 5 s
+	// (glibc's malloc_trim, in cgo builds on Linux): Pebble's block cache
+	// lives in C memory, and without it glibc kept 3-4x what the cache
+	// used (docs/design.md, "Memory budget"). Set it if the process uses
+	// another allocator or trims itself.
+	NoMemoryTrim bool
 	// CacheSize bounds, in bytes, the entries kept in memory in front of
 	// the index (default MemoryBudget/8: 32 MiB). In-flight and not yet
 	// applied entries are always kept; the rest are evicted past the bound.

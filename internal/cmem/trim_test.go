@@ -1,0 +1,18 @@
+package cmem
+
+import "testing"
+
+// Trim can be called at any time, from several goroutines.
+func TestTrim(t *testing.T) {
+	done := make(chan bool)
+	for range 4 {
+		go func() { done <- Trim() }()
+	}
+	got := <-done
+	for range 3 {
+		if <-done != got {
+			t.Fatal("Trim answered differently")
+		}
+	}
+	t.Logf("malloc_trim available: %v", got)
+}
