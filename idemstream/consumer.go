@@ -72,26 +72,7 @@ func fatal(err error) bool {
 // or that is Busy, is not acknowledged: the broker redelivers it.
 func Consume(ctx context.Context, src Source, sink *Sink, h Handler, opts ConsumeOptions) error {
 	opts.defaults()
-	backoff := newBackoff()
-	for {
-		if err := ctx.Err(); err != nil {
-			return err
-		}
-		msgs, err := src.Fetch(ctx, opts.BatchSize)
-		if err != nil {
-			if ctx.Err() != nil {
-				return ctx.Err()
-			}
-			opts.Logger.Warn("idemstream: fetch failed", "err", err)
-			if err := backoff.wait(ctx); err != nil {
-				return err
-			}
-			continue
-		}
-		backoff.reset()
-		if len(msgs) == 0 {
-			continue
-		}
+	return fetchBatches(ctx, src, opts, func(msgs []Message, _ *backoff) error {
 		outs := make([]Outcome, len(msgs))
 		errs := make([]error, len(msgs))
 		var wg sync.WaitGroup
@@ -116,10 +97,8 @@ func Consume(ctx context.Context, src Source, sink *Sink, h Handler, opts Consum
 			outs[i] = Outcome{Status: Failed, Err: err}
 			opts.Logger.Warn("idemstream: event not processed; it will be redelivered", "id", string(msgs[i].Event.ID), "err", err)
 		}
-		if err := ackBatch(ctx, msgs, outs, opts, func() error { return sink.hookAt(WindowBeforeAck, nil) }); err != nil {
-			return err
-		}
-	}
+		return ackBatch(ctx, msgs, outs, opts, func() error { return sink.hookAt(WindowBeforeAck, nil) })
+	})
 }
 
 // ConsumeTwoPhase moves events from src into tp's sink, one checkpoint per
@@ -128,6 +107,32 @@ func Consume(ctx context.Context, src Source, sink *Sink, h Handler, opts Consum
 // and recorded.
 func ConsumeTwoPhase[Txn any](ctx context.Context, src Source, tp *TwoPhase[Txn], opts ConsumeOptions) error {
 	opts.defaults()
+	return fetchBatches(ctx, src, opts, func(msgs []Message, backoff *backoff) error {
+		evs := make([]Event, len(msgs))
+		for i := range msgs {
+			evs[i] = msgs[i].Event
+		}
+		outs, err := tp.Checkpoint(ctx, evs)
+		if err != nil {
+			if fatal(err) || ctx.Err() != nil {
+				return err
+			}
+			opts.Logger.Warn("idemstream: checkpoint failed; its events will be redelivered", "err", err)
+			return backoff.wait(ctx)
+		}
+		for i, o := range outs {
+			if o.Status == Failed {
+				opts.Logger.Warn("idemstream: event not processed", "id", string(msgs[i].Event.ID), "err", o.Err)
+			}
+		}
+		return ackBatch(ctx, msgs, outs, opts, nil)
+	})
+}
+
+// fetchBatches fetches from src until ctx ends and hands each non-empty
+// batch to batch; a batch error ends it. A failed fetch is logged and
+// retried with backoff, which batch may use too.
+func fetchBatches(ctx context.Context, src Source, opts ConsumeOptions, batch func(msgs []Message, b *backoff) error) error {
 	backoff := newBackoff()
 	for {
 		if err := ctx.Err(); err != nil {
@@ -148,27 +153,7 @@ func ConsumeTwoPhase[Txn any](ctx context.Context, src Source, tp *TwoPhase[Txn]
 		if len(msgs) == 0 {
 			continue
 		}
-		evs := make([]Event, len(msgs))
-		for i := range msgs {
-			evs[i] = msgs[i].Event
-		}
-		outs, err := tp.Checkpoint(ctx, evs)
-		if err != nil {
-			if fatal(err) || ctx.Err() != nil {
-				return err
-			}
-			opts.Logger.Warn("idemstream: checkpoint failed; its events will be redelivered", "err", err)
-			if err := backoff.wait(ctx); err != nil {
-				return err
-			}
-			continue
-		}
-		for i, o := range outs {
-			if o.Status == Failed {
-				opts.Logger.Warn("idemstream: event not processed", "id", string(msgs[i].Event.ID), "err", o.Err)
-			}
-		}
-		if err := ackBatch(ctx, msgs, outs, opts, nil); err != nil {
+		if err := batch(msgs, backoff); err != nil {
 			return err
 		}
 	}
