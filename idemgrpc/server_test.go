@@ -2,6 +2,7 @@ package idemgrpc_test
 
 import (
 	"context"
+	"github.com/idemdb/idem/internal/testclock"
 	"strconv"
 	"strings"
 	"sync"
@@ -109,7 +110,7 @@ func TestValidationRules(t *testing.T) {
 // (the ledger's five-minute cache); after it the last sequence is
 // ALREADY_COMMITTED and the next one still runs.
 func TestResponseTTL(t *testing.T) {
-	clk := &fakeClock{t: time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)}
+	clk := testclock.New()
 	env := startLedger(t, ledgersvc.Options{TTL: 5 * time.Minute, Engine: &idem.Options{Clock: clk.Now}})
 	ctx := testCtx(t)
 	c := ledgerpb.NewLedgerClient(dial(t, env.addr))

@@ -234,24 +234,6 @@ func maxOffsets(evs []Event) map[string]uint64 {
 	return m
 }
 
-// fakeClock is a manual clock for the engine.
-type fakeClock struct {
-	mu sync.Mutex
-	t  time.Time
-}
-
-func newFakeClock() *fakeClock { return &fakeClock{t: time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)} }
-func (c *fakeClock) Now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.t
-}
-func (c *fakeClock) Advance(d time.Duration) {
-	c.mu.Lock()
-	c.t = c.t.Add(d)
-	c.mu.Unlock()
-}
-
 // waitApplied waits until the index has applied every record (cleanup
 // reads the index).
 func waitApplied(t testing.TB, e *idem.Engine) {

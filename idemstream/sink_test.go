@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"github.com/idemdb/idem"
+	"github.com/idemdb/idem/internal/testclock"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -153,7 +154,7 @@ func TestSinkConcurrentDeliveriesRunOnce(t *testing.T) {
 func TestSinkTTL(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	clk := newFakeClock()
+	clk := testclock.New()
 	e := openEngine(t, vfs.NewMem(), clk.Now)
 	defer e.Close()
 	short, err := NewSink(ctx, e, "short", SinkOptions{TTL: time.Minute})

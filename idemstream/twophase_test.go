@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/idemdb/idem/internal/testclock"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -394,7 +395,7 @@ func (s *bigSink) RecoverAndAbort(context.Context, *bigTxn) error  { return nil 
 func TestTwoPhaseRecordsBounded(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	clk := newFakeClock()
+	clk := testclock.New()
 	w := newWorld()
 	e := openEngine(t, w.mem, clk.Now)
 	defer e.Close()
