@@ -1176,10 +1176,12 @@ func (c *Claim) finish(ctx context.Context, typ byte, reply []byte, adv []wal.Ad
 		return fmt.Errorf("%w: claim on %s was already finished", ErrLeaseLost, printable(c.k.ident))
 	}
 	k := c.k
-	if keys == nil {
-		keys = [][]byte{k.key}
+	var unlock func()
+	if keys == nil { // Commit, Abort: the claim's key alone (no slice to build)
+		unlock = e.lockKeys(k.key)
+	} else {
+		unlock = e.lockKeys(keys...)
 	}
-	unlock := e.lockKeys(keys...)
 	sl, err := e.slotLocked(k.key)
 	if err != nil {
 		unlock()
