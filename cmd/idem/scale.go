@@ -10,10 +10,14 @@ import (
 	"fmt"
 	"io/fs"
 	"math/rand/v2"
+	"net"
+	"net/http"
+	"net/http/pprof"
 	"os"
 	"path/filepath"
 	"runtime"
 	"runtime/debug"
+	"runtime/metrics"
 	"strconv"
 	"strings"
 	"sync"
@@ -31,8 +35,9 @@ Fills a new engine with --ids fresh requests (Do: claim and reply, both
 fsynced; --concurrency callers; ids are 16 bytes derived from a counter, so
 nothing is kept in memory to find them again), then measures:
 
-  fill        requests/s, every --every ids: rate, RSS, the engine's
-              accounted memory, WAL and index bytes;
+  fill        requests/s, every --every ids: rate, RSS, the Go runtime's
+              share of it, the engine's accounted memory, WAL and index
+              bytes;
   compact     an explicit Compact after the fill: its time and the bytes
               the process wrote meanwhile (/proc/self/io);
   disk        WAL, index and snapshot bytes, and per live id;
@@ -60,6 +65,7 @@ given (then it is kept).`,
 		fs.Int64Var(&o.every, "every", 1_000_000, "print a fill line every `n` ids")
 		fs.DurationVar(&o.lookups, "lookups", 10*time.Second, "how long the duplicate phase runs (`d`)")
 		fs.BoolVar(&o.json, "json", false, "print one JSON object at the end")
+		fs.StringVar(&o.pprof, "pprof", "", "serve net/http/pprof on this loopback `address` (e.g. 127.0.0.1:6060) while it runs, to profile a long run")
 		fs.BoolVar(&o.skipFill, "skip-fill", false, "the --dir holds the --ids ids of an earlier run: skip the fill and the compaction, measure the rest")
 		return o.run
 	},
@@ -75,6 +81,7 @@ type scaleOpts struct {
 	lookups     time.Duration
 	json        bool
 	skipFill    bool
+	pprof       string
 }
 
 type scaleFillLine struct {
@@ -82,6 +89,7 @@ type scaleFillLine struct {
 	Seconds     float64 `json:"seconds"`
 	RatePerSec  float64 `json:"rate_per_sec"` // over the last interval
 	RSSBytes    int64   `json:"rss_bytes"`
+	GoBytes     int64   `json:"go_bytes"` // the Go runtime's memory not returned to the OS (goMemory)
 	MemoryBytes int64   `json:"memory_accounted_bytes"`
 	WALBytes    int64   `json:"wal_bytes"`
 	IndexBytes  int64   `json:"index_bytes"`
@@ -111,6 +119,7 @@ type scaleOut struct {
 	FillPeakRSSBytes int64 `json:"fill_peak_rss_bytes"`
 	PeakRSSBytes     int64 `json:"peak_rss_bytes"`
 	RSSBytes         int64 `json:"rss_bytes"`
+	GoBytes          int64 `json:"go_bytes"` // the Go runtime's part of RSSBytes (goMemory)
 }
 
 // scaleID is the i-th id: 16 bytes, a bijective mix of i (distinct for
@@ -179,6 +188,14 @@ func (o *scaleOpts) run(c *cli, pos []string) error {
 	}
 	say("scale     dir %s, %d ids, concurrency %d, reply %d bytes, memory budget %s, GOMAXPROCS %d\n",
 		dir, o.ids, o.concurrency, o.replySize, humanBytes(out.MemoryBudget), out.GOMAXPROCS)
+	if o.pprof != "" {
+		addr, stop, err := servePprof(o.pprof)
+		if err != nil {
+			return err
+		}
+		defer stop()
+		say("pprof     http://%s/debug/pprof/\n", addr)
+	}
 	reply := make([]byte, o.replySize)
 	_, _ = crand.Read(reply)
 	ctx := context.Background()
@@ -230,11 +247,11 @@ func (o *scaleOpts) run(c *cli, pos []string) error {
 	if !o.json {
 		printPhase(c, &out.Duplicate)
 	}
-	out.PeakRSSBytes, out.RSSBytes = procStatus("VmHWM"), procStatus("VmRSS")
-	say("memory    peak RSS %s during the fill (%.2fx the budget), %s during reopen and duplicates (%.2fx), now %s; budget %s, accounted now %s\n",
+	out.PeakRSSBytes, out.RSSBytes, out.GoBytes = procStatus("VmHWM"), procStatus("VmRSS"), goMemory()
+	say("memory    peak RSS %s during the fill (%.2fx the budget), %s during reopen and duplicates (%.2fx), now %s (Go %s); budget %s, accounted now %s\n",
 		humanBytes(out.FillPeakRSSBytes), float64(out.FillPeakRSSBytes)/float64(out.MemoryBudget),
 		humanBytes(out.PeakRSSBytes), float64(out.PeakRSSBytes)/float64(out.MemoryBudget), humanBytes(out.RSSBytes),
-		humanBytes(out.MemoryBudget), humanBytes(e.Stats().Memory.Total))
+		humanBytes(out.GoBytes), humanBytes(out.MemoryBudget), humanBytes(e.Stats().Memory.Total))
 	if o.json {
 		if err := writeJSONLine(c.stdout, &out); err != nil {
 			return err
@@ -290,11 +307,11 @@ func (o *scaleOpts) fill(c *cli, e *idem.Engine, out *scaleOut, dir string, repl
 			now := time.Now()
 			st := e.Stats()
 			l := scaleFillLine{IDs: n, Seconds: now.Sub(start).Seconds(), RatePerSec: float64(n-lastN) / now.Sub(lastT).Seconds(),
-				RSSBytes: procStatus("VmRSS"), MemoryBytes: st.Memory.Total, WALBytes: treeBytes(filepath.Join(dir, "wal")),
+				RSSBytes: procStatus("VmRSS"), GoBytes: goMemory(), MemoryBytes: st.Memory.Total, WALBytes: treeBytes(filepath.Join(dir, "wal")),
 				IndexBytes: treeBytes(filepath.Join(dir, "index"))}
 			out.Fill = append(out.Fill, l)
-			say("fill      %11d ids %7.0fs %9.0f req/s  rss %-9s accounted %-9s wal %-9s index %s\n", l.IDs, l.Seconds, l.RatePerSec,
-				humanBytes(l.RSSBytes), humanBytes(l.MemoryBytes), humanBytes(l.WALBytes), humanBytes(l.IndexBytes))
+			say("fill      %11d ids %7.0fs %9.0f req/s  rss %-9s go %-9s accounted %-9s wal %-9s index %s\n", l.IDs, l.Seconds, l.RatePerSec,
+				humanBytes(l.RSSBytes), humanBytes(l.GoBytes), humanBytes(l.MemoryBytes), humanBytes(l.WALBytes), humanBytes(l.IndexBytes))
 			lastN, lastT = n, now
 			for mark <= n {
 				mark += o.every
@@ -320,6 +337,31 @@ func (o *scaleOpts) fill(c *cli, e *idem.Engine, out *scaleOut, dir string, repl
 	return nil
 }
 
+// servePprof serves net/http/pprof's handlers on addr, which must be a
+// loopback address (profiles show the process's memory and code paths).
+func servePprof(addr string) (served string, stop func(), err error) {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return "", nil, usagef("--pprof %q: %v", addr, err)
+	}
+	if ip := net.ParseIP(host); host != "localhost" && (ip == nil || !ip.IsLoopback()) {
+		return "", nil, usagef("--pprof %q: only a loopback address (127.0.0.1, ::1, localhost) is served", addr)
+	}
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return "", nil, fmt.Errorf("--pprof: %w", err)
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("/debug/pprof/", pprof.Index)
+	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	go srv.Serve(ln)
+	return ln.Addr().String(), func() { srv.Close() }, nil
+}
+
 // treeBytes is the size of the files under dir (0 if it does not exist).
 func treeBytes(dir string) int64 {
 	var n int64
@@ -336,6 +378,19 @@ func treeBytes(dir string) int64 {
 
 // procStatus reads a "kB" field of /proc/self/status in bytes (0 where
 // there is no /proc).
+// goMemory is the memory the Go runtime holds from the OS (heap, stacks,
+// its own metadata), less what it returned: the part of RSS that is Go's
+// rather than C's (Pebble's block cache and memtables live in C memory when
+// cgo is on).
+func goMemory() int64 {
+	s := []metrics.Sample{{Name: "/memory/classes/total:bytes"}, {Name: "/memory/classes/heap/released:bytes"}}
+	metrics.Read(s)
+	if s[0].Value.Kind() != metrics.KindUint64 || s[1].Value.Kind() != metrics.KindUint64 {
+		return 0
+	}
+	return int64(s[0].Value.Uint64() - s[1].Value.Uint64())
+}
+
 func procStatus(field string) int64 {
 	return procField("/proc/self/status", field+":", 1024)
 }
