@@ -31,6 +31,7 @@ import (
 	"github.com/cockroachdb/pebble/v2/vfs"
 	"github.com/idemdb/idem/index"
 	"github.com/idemdb/idem/wal"
+	"golang.org/x/sync/semaphore"
 )
 
 // Status of a Result.
@@ -140,11 +141,17 @@ type Engine struct {
 	// agrees with the log order of its own record.
 	mark atomic.Pointer[index.Mark]
 
-	applyCh   chan []*index.Update
+	applyCh   chan applyBatch
 	applyDone chan struct{}
-	stopBg    chan struct{}
-	evictC    chan struct{} // wakes the maintenance goroutine when over MaxEntries
-	bg        sync.WaitGroup
+	// backlog bounds, in estimated bytes (index.Update.MemSize), the
+	// durable records handed to the applier and not yet applied (see
+	// onSynced); backlogBytes is what it holds now, for Stats.
+	backlog      *semaphore.Weighted
+	backlogCap   int64
+	backlogBytes atomic.Int64
+	stopBg       chan struct{}
+	evictC       chan struct{} // wakes the maintenance goroutine when over MaxEntries
+	bg           sync.WaitGroup
 
 	compactMu   sync.Mutex // one compaction (or retention/eviction pass) at a time
 	lastRemoved uint64     // guarded by compactMu: removals counted by the previous Compact
@@ -251,8 +258,14 @@ func Open(dir string, opts *Options) (*Engine, error) {
 	// One element per group-commit fsync. The buffer lets the WAL go on
 	// while the applier waits for an ingest (a forget record persists the
 	// pending sets first: ~0.1-0.2 s for a full 16 MiB set); at ~5,000
-	// fsyncs/s it covers about 0.8 s.
-	e.applyCh = make(chan []*index.Update, 4096)
+	// fsyncs/s it covers about 0.8 s. What the elements hold is bounded
+	// in bytes by the backlog (IndexIngestBytes/2, 1/32 of the budget):
+	// with only the element count as a bound, an applier held back by
+	// ingests into a backlogged LSM let the records of 4,096 fsyncs wait,
+	// 227 MiB of Go heap with a 32 MiB budget.
+	e.applyCh = make(chan applyBatch, 4096)
+	e.backlogCap = max(o.IndexIngestBytes/2, 1<<20)
+	e.backlog = semaphore.NewWeighted(e.backlogCap)
 	w, scan, err := wal.Open(wal.Options{
 		FS:           o.FS,
 		Dir:          filepath.Join(dir, "wal"),
@@ -419,19 +432,37 @@ func (e *Engine) enter() error {
 
 func (e *Engine) leave() { e.opMu.RUnlock() }
 
+// applyBatch is what one fsync made durable, for the applier: the updates
+// and the backlog bytes they hold (released once applied).
+type applyBatch struct {
+	ups   []*index.Update
+	bytes int64
+}
+
 // onSynced runs on the WAL's sync goroutine: hand the records it made
-// durable to the applier, in order. A full channel holds the sync
-// goroutine back, which bounds the memory of not yet applied records.
+// durable to the applier, in order. While the applier is behind by the
+// backlog's bound, it waits: the sync goroutine held back holds back the
+// callers waiting for durability, which bounds the memory of records not
+// yet applied (their updates, and the entries they pin in the table).
 func (e *Engine) onSynced(recs []wal.Synced) {
 	ups := make([]*index.Update, 0, len(recs))
+	var n int64
 	for _, r := range recs {
 		if u, ok := r.Value.(*index.Update); ok && u != nil {
 			ups = append(ups, u)
+			n += u.MemSize()
 		}
 	}
-	if len(ups) > 0 {
-		e.applyCh <- ups
+	if len(ups) == 0 {
+		return
 	}
+	n = min(n, e.backlogCap) // a batch larger than the bound goes alone
+	// The applier releases what it applied whatever happens (it keeps
+	// draining after a failure, and Close closes the channel only after
+	// the WAL delivered its last batch), so this wait ends.
+	_ = e.backlog.Acquire(context.Background(), n)
+	e.backlogBytes.Add(n)
+	e.applyCh <- applyBatch{ups: ups, bytes: n}
 }
 
 // applier writes durable records into the index, in LSN order, and then
@@ -439,8 +470,9 @@ func (e *Engine) onSynced(recs []wal.Synced) {
 func (e *Engine) applier() {
 	defer close(e.applyDone)
 	var batch []*index.Update
-	for ups := range e.applyCh {
-		batch = append(batch[:0], ups...)
+	for first := range e.applyCh {
+		batch = append(batch[:0], first.ups...)
+		held := first.bytes
 		// Gather for a little while: a claim and its commit usually arrive
 		// within a few fsyncs of each other, and applying them in one batch
 		// writes the entry once instead of twice (and never writes its
@@ -453,36 +485,46 @@ func (e *Engine) applier() {
 				if !ok {
 					break drain
 				}
-				batch = append(batch, more...)
+				batch = append(batch, more.ups...)
+				held += more.bytes
 			case <-deadline.C:
 				break drain
 			}
 		}
 		deadline.Stop()
-		if e.failed.Load() != nil {
-			continue // keep draining so the WAL never blocks
-		}
-		if err := e.ix.Apply(batch); err != nil {
-			err = fmt.Errorf("%w: applying to the index: %w", ErrFailed, err)
-			e.failed.Store(&err)
-			e.o.Logger.Error("idem: index apply failed; the engine stops accepting writes", "err", err)
-			continue
-		}
-		for _, u := range batch {
-			for _, t := range u.Transitions {
-				sh := e.shardOf(t.Key)
-				sh.mu.Lock()
-				if sl := sh.m[string(t.Key)]; sl != nil && sl.dirty == u.LSN {
-					sl.dirty = 0
-				}
-				sh.mu.Unlock()
+		e.applyBatch(batch)
+		e.backlogBytes.Add(-held)
+		e.backlog.Release(held)
+	}
+}
+
+// applyBatch applies durable records to the index and unpins the slots
+// they changed. After a failure it does nothing: the applier keeps
+// draining so that the WAL never blocks.
+func (e *Engine) applyBatch(batch []*index.Update) {
+	if e.failed.Load() != nil {
+		return
+	}
+	if err := e.ix.Apply(batch); err != nil {
+		err = fmt.Errorf("%w: applying to the index: %w", ErrFailed, err)
+		e.failed.Store(&err)
+		e.o.Logger.Error("idem: index apply failed; the engine stops accepting writes", "err", err)
+		return
+	}
+	for _, u := range batch {
+		for _, t := range u.Transitions {
+			sh := e.shardOf(t.Key)
+			sh.mu.Lock()
+			if sl := sh.m[string(t.Key)]; sl != nil && sl.dirty == u.LSN {
+				sl.dirty = 0
 			}
+			sh.mu.Unlock()
 		}
-		if e.o.MaxEntries > 0 && e.ix.Replies() > e.o.MaxEntries {
-			select {
-			case e.evictC <- struct{}{}:
-			default:
-			}
+	}
+	if e.o.MaxEntries > 0 && e.ix.Replies() > e.o.MaxEntries {
+		select {
+		case e.evictC <- struct{}{}:
+		default:
 		}
 	}
 }
@@ -1607,7 +1649,12 @@ type MemoryStats struct {
 	Filter     int64 // key filters (IndexFilterBytes; two while one is rebuilt)
 	BlockCache int64 // Pebble's block cache in use (IndexCacheSize)
 	MemTables  int64 // Pebble's memtables (3 x MemoryBudget/32 at most)
-	Total      int64 // the sum of the above
+	// Backlog is what durable records waiting for the applier hold (at
+	// most IndexIngestBytes/2; writers wait for durability past that). The
+	// new entries among it are pinned in the table, so Cache counts them
+	// as well.
+	Backlog int64
+	Total   int64 // the sum of the above
 }
 
 // Stats returns a snapshot of the counters.
@@ -1647,8 +1694,8 @@ func (e *Engine) Stats() Stats {
 		s.IndexBytes = e.ix.DiskUsage()
 		m := e.ix.Memory()
 		s.Memory = MemoryStats{Budget: e.o.MemoryBudget, Cache: s.CacheBytes, Pending: m.Pending, Filter: m.Filter,
-			BlockCache: m.BlockCache, MemTables: m.MemTables}
-		s.Memory.Total = s.Memory.Cache + m.Total()
+			BlockCache: m.BlockCache, MemTables: m.MemTables, Backlog: e.backlogBytes.Load()}
+		s.Memory.Total = s.Memory.Cache + m.Total() + s.Memory.Backlog
 	}
 	return s
 }

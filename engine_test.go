@@ -376,9 +376,10 @@ func TestReopenReplayEqualsState(t *testing.T) {
 		// cache sends lookups to the pending sets and the ingested tables.
 		{"ingest-every-batch", Options{IndexIngestBytes: 1, CacheSize: 4 << 10}},
 		{"ingest-4KiB", Options{IndexIngestBytes: 4 << 10, CacheSize: 4 << 10}},
-		// A 64-byte key filter (about 50 keys) is rebuilt over and over
-		// and has many false positives; one turned off asks Pebble always.
-		{"filter-64B", Options{IndexIngestBytes: 4 << 10, CacheSize: 4 << 10, IndexFilterBytes: 64}},
+		// A 192-byte key filter (about 150 keys; up to 600 live here, under
+		// the 4x at which it would be dropped) is rebuilt over and over and
+		// has many false positives; one turned off asks Pebble always.
+		{"filter-192B", Options{IndexIngestBytes: 4 << 10, CacheSize: 4 << 10, IndexFilterBytes: 192}},
 		{"no-filter", Options{CacheSize: 4 << 10, IndexFilterBytes: -1}},
 	} {
 		t.Run(c.name, func(t *testing.T) { testReopenReplayEqualsState(t, c.o) })

@@ -48,12 +48,17 @@ type Options struct {
 	Logger *slog.Logger
 	// MemoryBudget bounds the memory the engine holds for its data, in
 	// bytes (default 256 MiB, minimum 32 MiB). It is shared out among the
-	// parts below that are left zero: CacheSize 1/8, IndexCacheSize 1/4,
+	// parts below that are left zero: CacheSize 1/16, IndexCacheSize 1/4,
 	// Pebble's memtables 3 x 1/32, IndexIngestBytes 1/16 (two sets: 1/8),
-	// IndexFilterBytes 1/16 (two while one is rebuilt: 1/8), so that what
-	// the engine accounts for (Stats.Memory) stays under 3/4 of the budget
-	// and the rest is headroom for the Go runtime's garbage collector, the
-	// WAL's buffers and requests in flight. A part set explicitly is taken
+	// IndexFilterBytes 1/16 (two while one is rebuilt: 1/8), and the
+	// durable records waiting to be applied 1/32. What the engine accounts
+	// for (Stats.Memory) stays under 11/16 of the budget. The rest is
+	// headroom: the table, the pending sets, the filter and the waiting
+	// records (11/32 at most) are Go heap, which Go's collector lets grow
+	// to twice its live size (GOGC=100), and the WAL's buffers and requests
+	// in flight need some too. The process's RSS
+	// stays within about 1.25x the budget at 10 and 100 million ids
+	// (docs/design.md, "Memory budget"). A part set explicitly is taken
 	// as given (the total may then exceed the budget). A smaller budget
 	// works, only slower: fewer lookups of committed ids are answered from
 	// memory, and the index writes smaller tables more often. The default
@@ -66,7 +71,7 @@ type Options struct {
 	// another allocator or trims itself.
 	NoMemoryTrim bool
 	// CacheSize bounds, in bytes, the entries kept in memory in front of
-	// the index (default MemoryBudget/8: 32 MiB). In-flight and not yet
+	// the index (default MemoryBudget/16: 16 MiB). In-flight and not yet
 	// applied entries are always kept; the rest are evicted past the bound.
 	CacheSize int64
 	// IndexCacheSize is Pebble's block cache (default MemoryBudget/4: 64 MiB).
@@ -86,7 +91,9 @@ type Options struct {
 	// MemoryBudget/16: 16 MiB, good for about 13 million stored ids at 1%
 	// false positives;
 	// past that it helps less, and it never grows; twice this while a new
-	// one is built). Negative turns it off.
+	// one is built). With more than 4x the ids it holds (54 million at
+	// 16 MiB) it is dropped and lookups ask Pebble, until the ids fall
+	// below half that. Negative turns it off.
 	// It is rebuilt in the background from the index when most of its
 	// bits are stale (see docs/design.md, "Key filter").
 	IndexFilterBytes int64
@@ -172,7 +179,7 @@ func (o *Options) withDefaults() Options {
 	r.MemoryBudget = max(r.MemoryBudget, minMemoryBudget)
 	b := r.MemoryBudget
 	if r.CacheSize <= 0 {
-		r.CacheSize = b / 8
+		r.CacheSize = b / 16
 	}
 	if r.IndexCacheSize <= 0 {
 		r.IndexCacheSize = b / 4

@@ -45,6 +45,20 @@ import (
 // filterBitsPerKey sizes a filter's nominal capacity.
 const filterBitsPerKey = 10
 
+// filterSaturation: with more live entries than this many times its
+// capacity, a filter answers "maybe" for most absent keys (2.5 bits per
+// key at 4x: about 70% false positives; at 100 million ids and the default
+// 16 MiB, 98%). Past it the filter is dropped, or not built (a build scans
+// the whole index: 7 GiB at 100 million ids), and lookups ask Pebble's own
+// filters, as with the filter turned off; its memory is returned. It is
+// built again when the entries fall below half that (forgets, acks,
+// expiry). The margin keeps a count near the line from building and
+// dropping it again and again.
+const filterSaturation = 4
+
+// filterCapKeys is the nominal capacity of a filter of size bytes.
+func filterCapKeys(size int64) int64 { return max(size/64, 1) * 512 / filterBitsPerKey }
+
 // keyFilter is a split-block bloom filter, safe for concurrent adds and
 // lookups (its words are atomic).
 type keyFilter struct {
@@ -61,7 +75,7 @@ func newKeyFilter(size int64) *keyFilter {
 	return &keyFilter{
 		words:   make([]atomic.Uint64, nblocks*8),
 		nblocks: nblocks,
-		capKeys: int64(nblocks) * 512 / filterBitsPerKey,
+		capKeys: filterCapKeys(size),
 	}
 }
 
@@ -130,20 +144,45 @@ func (ix *Index) FilterReady() bool { return ix.filter.Load() != nil }
 func (ix *Index) StartFilter() {
 	ix.applyMu.Lock()
 	defer ix.applyMu.Unlock()
-	if ix.filter.Load() == nil {
-		ix.startFilterBuildLocked()
+	if ix.filter.Load() != nil || ix.filterBytes <= 0 {
+		return
 	}
+	if n, c := ix.count.Load(), filterCapKeys(ix.filterBytes); n > filterSaturation*c {
+		ix.filterSaturated = true
+		ix.logger.Info("index: key filter not built: the index holds more than 4x the keys it can tell apart; lookups of new ids ask Pebble (raise IndexFilterBytes to keep it)",
+			"entries", n, "capacity", c)
+		return
+	}
+	ix.startFilterBuildLocked()
 }
 
 // maybeRebuildFilterLocked starts a rebuild when the filter holds more keys
 // than its capacity and more than twice the entries stored (most of its
-// bits are then stale). ix.applyMu is held.
+// bits are then stale); drops the filter when the entries pass
+// filterSaturation times its capacity, and builds it again once they fall
+// below half that. ix.applyMu is held.
 func (ix *Index) maybeRebuildFilterLocked() {
-	f := ix.filter.Load()
-	if f == nil || ix.building != nil {
+	if ix.building != nil || ix.filterBytes <= 0 {
 		return
 	}
-	if n := f.added.Load(); n > f.capKeys && n > 2*ix.count.Load() {
+	count, capKeys := ix.count.Load(), filterCapKeys(ix.filterBytes)
+	f := ix.filter.Load()
+	if f == nil {
+		if ix.filterSaturated && 2*count < filterSaturation*capKeys {
+			ix.filterSaturated = false
+			ix.logger.Info("index: building the key filter again", "entries", count, "capacity", capKeys)
+			ix.startFilterBuildLocked()
+		}
+		return // or the first one is not started yet (StartFilter)
+	}
+	if count > filterSaturation*capKeys {
+		ix.filter.Store(nil)
+		ix.filterSaturated = true
+		ix.logger.Info("index: key filter dropped: the index holds more than 4x the keys it can tell apart; lookups of new ids ask Pebble (raise IndexFilterBytes to keep it)",
+			"entries", count, "capacity", capKeys)
+		return
+	}
+	if n := f.added.Load(); n > f.capKeys && n > 2*count {
 		ix.startFilterBuildLocked()
 	}
 }

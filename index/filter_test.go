@@ -237,3 +237,74 @@ func TestFilterConcurrentGets(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestKeyFilterDroppedWhenSaturated: past filterSaturation times its
+// capacity in live entries the filter is dropped (its memory returned) and
+// not built at Open; below half that it is built again. Lookups stay right
+// throughout.
+func TestKeyFilterDroppedWhenSaturated(t *testing.T) {
+	m := newFilterModel(t) // 256-byte filter: 204 keys
+	defer func() { m.ix.Close(true) }()
+	m.waitReady()
+	capKeys := filterCapKeys(256)
+	noBuild := func() {
+		t.Helper()
+		deadline := time.Now().Add(10 * time.Second)
+		for m.ix.buildingMem.Load() {
+			if time.Now().After(deadline) {
+				t.Fatal("a key filter build did not end in 10s")
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+	insert := func(n int) {
+		var ups []*Update
+		for i := 0; i < n; i++ {
+			ups = append(ups, m.insert())
+		}
+		if err := m.ix.Apply(ups); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for m.ix.Count() <= filterSaturation*capKeys {
+		insert(50)
+		m.check()
+	}
+	noBuild()
+	insert(1) // the last build, if one ran, installed a filter to drop
+	if m.ix.FilterReady() {
+		t.Fatalf("%d entries, %d times the capacity %d: the filter is still in use", m.ix.Count(), filterSaturation, capKeys)
+	}
+	if f := m.ix.Memory().Filter; f != 0 {
+		t.Fatalf("dropped filter still accounted: %d bytes", f)
+	}
+	m.check()
+
+	// Reopen: not built while saturated.
+	if err := m.ix.Close(true); err != nil {
+		t.Fatal(err)
+	}
+	m.open()
+	if m.ix.FilterReady() || m.ix.buildingMem.Load() || m.ix.FilterBuilds() != 0 {
+		t.Fatalf("saturated at Open (%d entries): filter ready %v, building %v, builds %d",
+			m.ix.Count(), m.ix.FilterReady(), m.ix.buildingMem.Load(), m.ix.FilterBuilds())
+	}
+	m.check()
+
+	// Below half the saturation point it is built again.
+	for 2*m.ix.Count() >= filterSaturation*capKeys {
+		var ups []*Update
+		for i := 0; i < 50 && len(m.order) > 0; i++ {
+			ups = append(ups, m.remove(m.rng.IntN(len(m.order))))
+		}
+		if err := m.ix.Apply(ups); err != nil {
+			t.Fatal(err)
+		}
+	}
+	insert(1)
+	m.waitReady()
+	if m.ix.FilterBuilds() != 1 {
+		t.Fatalf("%d builds after the entries fell to %d, want 1", m.ix.FilterBuilds(), m.ix.Count())
+	}
+	m.check()
+}

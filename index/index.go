@@ -102,8 +102,11 @@ type Index struct {
 	filterSeed   maphash.Seed
 	filterStop   chan struct{}
 	filterClosed bool // guarded by applyMu
-	filterWG     sync.WaitGroup
-	filterBuilds atomic.Int64
+	// filterSaturated: no filter, because the entries outgrew it
+	// (filterSaturation); guarded by applyMu.
+	filterSaturated bool
+	filterWG        sync.WaitGroup
+	filterBuilds    atomic.Int64
 }
 
 // ErrCorrupt wraps errors about index contents that cannot be parsed.
@@ -1206,4 +1209,15 @@ func (ix *Index) Memory() Memory {
 	m.BlockCache = pm.BlockCache.Size
 	m.MemTables = int64(pm.MemTable.Size)
 	return m
+}
+
+// MemSize estimates the memory an update holds until it is applied: per
+// transition its key, the bookkeeping around it and its new entry (the
+// same estimate the pending sets use).
+func (u *Update) MemSize() int64 {
+	n := int64(64)
+	for _, t := range u.Transitions {
+		n += int64(len(t.Key)) + pendingOverhead + entryMem(t.Next)
+	}
+	return n
 }
