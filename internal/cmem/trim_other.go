@@ -5,3 +5,6 @@ package cmem
 // Trim does nothing: without cgo Pebble's memory is Go memory, which the Go
 // runtime returns itself; other systems' allocators are left alone.
 func Trim() bool { return false }
+
+// SetArenaMax does nothing here (see the cgo Linux build).
+func SetArenaMax(n int) bool { return false }

@@ -16,3 +16,10 @@ func TestTrim(t *testing.T) {
 	}
 	t.Logf("malloc_trim available: %v", got)
 }
+
+// SetArenaMax answers as Trim does: both are glibc's, or neither is there.
+func TestSetArenaMax(t *testing.T) {
+	if got, want := SetArenaMax(2), Trim(); got != want {
+		t.Fatalf("SetArenaMax = %v, Trim = %v", got, want)
+	}
+}

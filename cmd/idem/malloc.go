@@ -1,9 +1,6 @@
-//go:build cgo && linux && !android
-
 package main
 
-// #include <malloc.h>
-import "C"
+import "github.com/idemdb/idem/internal/cmem"
 
 // Pebble's block cache and memtables live in C memory (malloc). glibc gives
 // each thread that allocates its own arena, and the blocks that a busy cache
@@ -12,4 +9,6 @@ import "C"
 // two arenas, 176 MiB. Applications embedding idem can do the same with the
 // environment variable MALLOC_ARENA_MAX=2 (docs/design.md, "Memory
 // budget"); the command-line tool sets it itself, before any arena is made.
-func init() { C.mallopt(C.M_ARENA_MAX, 2) }
+// mallopt is found at run time (internal/cmem): a build against another C
+// library (musl has no M_ARENA_MAX) compiles and leaves malloc alone.
+func init() { cmem.SetArenaMax(2) }
