@@ -171,12 +171,39 @@ func startNATS(t *testing.T) *server.Server {
 func TestJetStreamExactlyOnce(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 45*time.Second)
 	defer cancel()
+	ids := brokerEvents(200, 10)
+	f := jetStreamFeed(t, ctx, ids)
+	runBrokerScenario(t, ctx, ids, f.newSource, f.done)
+	info, err := f.cons.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("consumer: delivered %d, ack floor %d, redelivered %d", info.Delivered.Stream, info.AckFloor.Stream, info.NumRedelivered)
+	if info.AckFloor.Stream != uint64(len(ids)) {
+		t.Fatalf("ack floor %d, want %d", info.AckFloor.Stream, len(ids))
+	}
+}
+
+// brokerFeed is a stream on a real broker with the events published: the
+// sources that read it (one per consumer name) and whether every event
+// was acked.
+type brokerFeed struct {
+	newSource func(name string) Source
+	done      func() bool
+	cons      jetstream.Consumer // JetStream only
+}
+
+// jetStreamFeed starts an embedded NATS server with JetStream, publishes
+// ids (with the id in the Event-Id header) to the stream ORDERS, and reads
+// them with a durable pull consumer whose AckWait is 300 ms.
+func jetStreamFeed(t *testing.T, ctx context.Context, ids []string) brokerFeed {
+	t.Helper()
 	ns := startNATS(t)
 	nc, err := nats.Connect(ns.ClientURL())
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer nc.Close()
+	t.Cleanup(nc.Close)
 	js, err := jetstream.New(nc)
 	if err != nil {
 		t.Fatal(err)
@@ -184,7 +211,6 @@ func TestJetStreamExactlyOnce(t *testing.T) {
 	if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: "ORDERS", Subjects: []string{"orders.>"}}); err != nil {
 		t.Fatal(err)
 	}
-	ids := brokerEvents(200, 10)
 	for i, id := range ids {
 		m := nats.NewMsg("orders.new")
 		m.Header.Set("Event-Id", id)
@@ -199,19 +225,44 @@ func TestJetStreamExactlyOnce(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	runBrokerScenario(t, ctx, ids, func(string) Source {
-		return NewJetStreamSource(cons, JetStreamOptions{FetchWait: 100 * time.Millisecond, IDHeader: "Event-Id"})
-	}, func() bool {
-		info, err := cons.Info(ctx)
-		return err == nil && info.NumAckPending == 0 && info.NumPending == 0
-	})
-	info, err := cons.Info(ctx)
-	if err != nil {
-		t.Fatal(err)
+	return brokerFeed{
+		newSource: func(string) Source {
+			return NewJetStreamSource(cons, JetStreamOptions{FetchWait: 100 * time.Millisecond, IDHeader: "Event-Id"})
+		},
+		done: func() bool {
+			info, err := cons.Info(ctx)
+			return err == nil && info.NumAckPending == 0 && info.NumPending == 0
+		},
+		cons: cons,
 	}
-	t.Logf("consumer: delivered %d, ack floor %d, redelivered %d", info.Delivered.Stream, info.AckFloor.Stream, info.NumRedelivered)
-	if info.AckFloor.Stream != uint64(len(ids)) {
-		t.Fatalf("ack floor %d, want %d", info.AckFloor.Stream, len(ids))
+}
+
+// redisFeed adds ids to stream on rdb (fields id and data) and reads them
+// through the consumer group "ledger", taking over entries idle for 300 ms.
+func redisFeed(t *testing.T, ctx context.Context, rdb *redis.Client, stream string, ids []string) brokerFeed {
+	t.Helper()
+	for _, id := range ids {
+		if err := rdb.XAdd(ctx, &redis.XAddArgs{Stream: stream, Values: map[string]any{"id": id, "data": "payload-of-" + id}}).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return brokerFeed{
+		newSource: func(name string) Source {
+			src, err := NewRedisStreamSource(ctx, rdb, RedisStreamOptions{Stream: stream, Group: "ledger", Consumer: name,
+				Block: 100 * time.Millisecond, ClaimMinIdle: 300 * time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return src
+		},
+		done: func() bool {
+			p, err := rdb.XPending(ctx, stream, "ledger").Result()
+			if err != nil || p.Count != 0 {
+				return false
+			}
+			groups, err := rdb.XInfoGroups(ctx, stream).Result()
+			return err == nil && len(groups) == 1 && groups[0].Lag == 0
+		},
 	}
 }
 
@@ -266,28 +317,9 @@ func startRedis(t *testing.T) *redis.Client {
 func TestRedisStreamsExactlyOnce(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 45*time.Second)
 	defer cancel()
-	rdb := startRedis(t)
 	ids := brokerEvents(200, 10)
-	for _, id := range ids {
-		if err := rdb.XAdd(ctx, &redis.XAddArgs{Stream: "orders", Values: map[string]any{"id": id, "data": "payload-of-" + id}}).Err(); err != nil {
-			t.Fatal(err)
-		}
-	}
-	runBrokerScenario(t, ctx, ids, func(name string) Source {
-		src, err := NewRedisStreamSource(ctx, rdb, RedisStreamOptions{Stream: "orders", Group: "ledger", Consumer: name,
-			Block: 100 * time.Millisecond, ClaimMinIdle: 300 * time.Millisecond})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return src
-	}, func() bool {
-		p, err := rdb.XPending(ctx, "orders", "ledger").Result()
-		if err != nil || p.Count != 0 {
-			return false
-		}
-		groups, err := rdb.XInfoGroups(ctx, "orders").Result()
-		return err == nil && len(groups) == 1 && groups[0].Lag == 0
-	})
+	f := redisFeed(t, ctx, startRedis(t), "orders", ids)
+	runBrokerScenario(t, ctx, ids, f.newSource, f.done)
 }
 
 func TestRedisOffset(t *testing.T) {
@@ -405,36 +437,9 @@ func TestJetStreamTwoPhase(t *testing.T) {
 		t.Run(string(win), func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
-			ns := startNATS(t)
-			nc, err := nats.Connect(ns.ClientURL())
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer nc.Close()
-			js, _ := jetstream.New(nc)
-			if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: "ORDERS", Subjects: []string{"orders.>"}}); err != nil {
-				t.Fatal(err)
-			}
 			ids := brokerEvents(120, 8)
-			for _, id := range ids {
-				m := nats.NewMsg("orders.new")
-				m.Header.Set("Event-Id", id)
-				m.Data = []byte("payload-of-" + id)
-				if _, err := js.PublishMsg(ctx, m); err != nil {
-					t.Fatal(err)
-				}
-			}
-			cons, err := js.CreateOrUpdateConsumer(ctx, "ORDERS", jetstream.ConsumerConfig{
-				Durable: "ledger", AckPolicy: jetstream.AckExplicitPolicy, AckWait: 300 * time.Millisecond})
-			if err != nil {
-				t.Fatal(err)
-			}
-			runTwoPhaseBrokerScenario(t, ctx, win, ids, func(string) Source {
-				return NewJetStreamSource(cons, JetStreamOptions{FetchWait: 100 * time.Millisecond, IDHeader: "Event-Id"})
-			}, func() bool {
-				info, err := cons.Info(ctx)
-				return err == nil && info.NumAckPending == 0 && info.NumPending == 0
-			})
+			f := jetStreamFeed(t, ctx, ids)
+			runTwoPhaseBrokerScenario(t, ctx, win, ids, f.newSource, f.done)
 		})
 	}
 }
@@ -445,28 +450,9 @@ func TestRedisStreamsTwoPhase(t *testing.T) {
 		t.Run(string(win), func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
-			stream := "orders-" + string(win)
 			ids := brokerEvents(120, 8)
-			for _, id := range ids {
-				if err := rdb.XAdd(ctx, &redis.XAddArgs{Stream: stream, Values: map[string]any{"id": id, "data": "payload-of-" + id}}).Err(); err != nil {
-					t.Fatal(err)
-				}
-			}
-			runTwoPhaseBrokerScenario(t, ctx, win, ids, func(name string) Source {
-				src, err := NewRedisStreamSource(ctx, rdb, RedisStreamOptions{Stream: stream, Group: "ledger", Consumer: name,
-					Block: 100 * time.Millisecond, ClaimMinIdle: 300 * time.Millisecond})
-				if err != nil {
-					t.Fatal(err)
-				}
-				return src
-			}, func() bool {
-				p, err := rdb.XPending(ctx, stream, "ledger").Result()
-				if err != nil || p.Count != 0 {
-					return false
-				}
-				groups, err := rdb.XInfoGroups(ctx, stream).Result()
-				return err == nil && len(groups) == 1 && groups[0].Lag == 0
-			})
+			f := redisFeed(t, ctx, rdb, "orders-"+string(win), ids)
+			runTwoPhaseBrokerScenario(t, ctx, win, ids, f.newSource, f.done)
 		})
 	}
 }
@@ -561,36 +547,9 @@ func TestJetStreamSinkCrash(t *testing.T) {
 		t.Run(string(win), func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
-			ns := startNATS(t)
-			nc, err := nats.Connect(ns.ClientURL())
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer nc.Close()
-			js, _ := jetstream.New(nc)
-			if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: "ORDERS", Subjects: []string{"orders.>"}}); err != nil {
-				t.Fatal(err)
-			}
 			ids := brokerEvents(120, 8)
-			for _, id := range ids {
-				m := nats.NewMsg("orders.new")
-				m.Header.Set("Event-Id", id)
-				m.Data = []byte("payload-of-" + id)
-				if _, err := js.PublishMsg(ctx, m); err != nil {
-					t.Fatal(err)
-				}
-			}
-			cons, err := js.CreateOrUpdateConsumer(ctx, "ORDERS", jetstream.ConsumerConfig{
-				Durable: "ledger", AckPolicy: jetstream.AckExplicitPolicy, AckWait: 300 * time.Millisecond})
-			if err != nil {
-				t.Fatal(err)
-			}
-			runSinkBrokerCrash(t, ctx, win, ids, func(string) Source {
-				return NewJetStreamSource(cons, JetStreamOptions{FetchWait: 100 * time.Millisecond, IDHeader: "Event-Id"})
-			}, func() bool {
-				info, err := cons.Info(ctx)
-				return err == nil && info.NumAckPending == 0 && info.NumPending == 0
-			})
+			f := jetStreamFeed(t, ctx, ids)
+			runSinkBrokerCrash(t, ctx, win, ids, f.newSource, f.done)
 		})
 	}
 }
@@ -601,28 +560,9 @@ func TestRedisStreamsSinkCrash(t *testing.T) {
 		t.Run(string(win), func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
-			stream := "sink-" + string(win)
 			ids := brokerEvents(120, 8)
-			for _, id := range ids {
-				if err := rdb.XAdd(ctx, &redis.XAddArgs{Stream: stream, Values: map[string]any{"id": id, "data": "payload-of-" + id}}).Err(); err != nil {
-					t.Fatal(err)
-				}
-			}
-			runSinkBrokerCrash(t, ctx, win, ids, func(name string) Source {
-				src, err := NewRedisStreamSource(ctx, rdb, RedisStreamOptions{Stream: stream, Group: "ledger", Consumer: name,
-					Block: 100 * time.Millisecond, ClaimMinIdle: 300 * time.Millisecond})
-				if err != nil {
-					t.Fatal(err)
-				}
-				return src
-			}, func() bool {
-				p, err := rdb.XPending(ctx, stream, "ledger").Result()
-				if err != nil || p.Count != 0 {
-					return false
-				}
-				groups, err := rdb.XInfoGroups(ctx, stream).Result()
-				return err == nil && len(groups) == 1 && groups[0].Lag == 0
-			})
+			f := redisFeed(t, ctx, rdb, "sink-"+string(win), ids)
+			runSinkBrokerCrash(t, ctx, win, ids, f.newSource, f.done)
 		})
 	}
 }
