@@ -116,23 +116,10 @@ func runBrokerScenario(t *testing.T, ctx context.Context, ids []string, newSourc
 			}
 		}()
 	}
-	distinct := map[string]bool{}
-	for _, id := range ids {
-		distinct[id] = true
-	}
-	for {
-		if l.count() == len(distinct) && done() {
-			break
-		}
-		if ctx.Err() != nil {
-			cancel()
-			wg.Wait()
-			t.Fatalf("timed out: %d of %d events applied; stats %+v", l.count(), len(distinct), s.Stats())
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	cancel()
-	wg.Wait()
+	distinct := distinctIDs(ids)
+	awaitConsumers(t, ctx, cancel, &wg, len(distinct), l.count, done, func() string {
+		return fmt.Sprintf("%d of %d events applied; stats %+v", l.count(), len(distinct), s.Stats())
+	})
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	for id := range distinct {
@@ -148,6 +135,32 @@ func runBrokerScenario(t *testing.T, ctx context.Context, ids []string, newSourc
 	if st.Busy == 0 {
 		t.Fatal("no delivery found its event in progress elsewhere: the redelivery timeout was not forced")
 	}
+}
+
+// distinctIDs is the set of ids (brokerEvents repeats some).
+func distinctIDs(ids []string) map[string]bool {
+	d := make(map[string]bool, len(ids))
+	for _, id := range ids {
+		d[id] = true
+	}
+	return d
+}
+
+// awaitConsumers waits until count() reaches want and the broker says
+// done, then stops the consumers (cancel) and waits for them. At ctx's
+// deadline it stops them and fails the test with progress().
+func awaitConsumers(t *testing.T, ctx context.Context, cancel func(), wg *sync.WaitGroup, want int, count func() int, done func() bool, progress func() string) {
+	t.Helper()
+	for count() < want || !done() {
+		if ctx.Err() != nil {
+			cancel()
+			wg.Wait()
+			t.Fatalf("timed out: %s", progress())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	cancel()
+	wg.Wait()
 }
 
 func startNATS(t *testing.T) *server.Server {
@@ -400,25 +413,15 @@ func runTwoPhaseBrokerScenario(t *testing.T, ctx context.Context, win Window, id
 			}
 		}()
 	}
-	distinct := map[string]bool{}
-	for _, id := range ids {
-		distinct[id] = true
-	}
+	distinct := distinctIDs(ids)
 	committed := func() int {
 		l.mu.Lock()
 		defer l.mu.Unlock()
 		return len(l.committed)
 	}
-	for committed() < len(distinct) || !done() {
-		if ctx.Err() != nil {
-			cancel()
-			wg.Wait()
-			t.Fatalf("timed out: %d of %d events committed", committed(), len(distinct))
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	cancel()
-	wg.Wait()
+	awaitConsumers(t, ctx, cancel, &wg, len(distinct), committed, done, func() string {
+		return fmt.Sprintf("%d of %d events committed", committed(), len(distinct))
+	})
 	l.check(t)
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -511,25 +514,15 @@ func runSinkBrokerCrash(t *testing.T, ctx context.Context, win Window, ids []str
 			}
 		}()
 	}
-	distinct := map[string]bool{}
-	for _, id := range ids {
-		distinct[id] = true
-	}
+	distinct := distinctIDs(ids)
 	applied := func() int {
 		l.mu.Lock()
 		defer l.mu.Unlock()
 		return len(l.applied)
 	}
-	for applied() < len(distinct) || !done() {
-		if ctx.Err() != nil {
-			cancel()
-			wg.Wait()
-			t.Fatalf("timed out: %d of %d events applied", applied(), len(distinct))
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	cancel()
-	wg.Wait()
+	awaitConsumers(t, ctx, cancel, &wg, len(distinct), applied, done, func() string {
+		return fmt.Sprintf("%d of %d events applied", applied(), len(distinct))
+	})
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	for id := range distinct {
