@@ -48,23 +48,8 @@ func TestMemoryBudgetHonoured(t *testing.T) {
 			}
 		}
 	}()
-	const n, workers = 100_000, 16
-	reply := make([]byte, 128)
-	var wg sync.WaitGroup
-	for w := range workers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := w; i < n; i += workers {
-				r := Request{ID: []byte(fmt.Sprintf("budget-%010d", i))}
-				if _, err := e.Do(bg, r, func(context.Context) ([]byte, error) { return reply, nil }); err != nil {
-					t.Error(err)
-					return
-				}
-			}
-		}()
-	}
-	wg.Wait()
+	const n = 100_000
+	doFresh(t, e, "budget", n, 16, 128)
 	// Lookups of committed ids fill the block cache and the table.
 	for i := 0; i < n; i += 7 {
 		if l, err := e.Lookup("", []byte(fmt.Sprintf("budget-%010d", i))); err != nil || l.Status != Done {
@@ -152,23 +137,8 @@ func TestApplierBacklogBounded(t *testing.T) {
 			}
 		}
 	}()
-	const n, workers = 60_000, 64
-	reply := make([]byte, 256)
-	var wg sync.WaitGroup
-	for w := range workers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := w; i < n; i += workers {
-				r := Request{ID: []byte(fmt.Sprintf("backlog-%010d", i))}
-				if _, err := e.Do(bg, r, func(context.Context) ([]byte, error) { return reply, nil }); err != nil {
-					t.Error(err)
-					return
-				}
-			}
-		}()
-	}
-	wg.Wait()
+	const n = 60_000
+	doFresh(t, e, "backlog", n, 64, 256)
 	fs.slow.Store(false)
 	waitApplied(t, e)
 	close(stop)
@@ -186,4 +156,26 @@ func TestApplierBacklogBounded(t *testing.T) {
 	if st := e.Stats(); st.LiveEntries != n {
 		t.Fatalf("live entries %d, want %d", st.LiveEntries, n)
 	}
+}
+
+// doFresh runs n fresh Dos (ids prefix-0000000000 on, replies of
+// replySize bytes) from workers goroutines.
+func doFresh(t *testing.T, e *Engine, prefix string, n, workers, replySize int) {
+	t.Helper()
+	reply := make([]byte, replySize)
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := w; i < n; i += workers {
+				r := Request{ID: []byte(fmt.Sprintf("%s-%010d", prefix, i))}
+				if _, err := e.Do(bg, r, func(context.Context) ([]byte, error) { return reply, nil }); err != nil {
+					t.Error(err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
 }
