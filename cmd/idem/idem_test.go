@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -716,7 +717,17 @@ func TestScale(t *testing.T) {
 	if s.IndexBytes <= 0 || s.DiskPerID <= 0 || s.Duplicate.Ops == 0 || s.Duplicate.Errors != 0 || s.ReopenSeconds <= 0 {
 		t.Fatalf("scale %+v", s)
 	}
+	if s.GoBytes <= 0 || s.GoBytes > s.RSSBytes || s.Fill[0].GoBytes <= 0 {
+		t.Fatalf("scale: Go's share of RSS %d (RSS %d), in the first fill line %d", s.GoBytes, s.RSSBytes, s.Fill[0].GoBytes)
+	}
 	wantCode(t, 0, "verify", dir)
+	out, _ = wantCode(t, 0, "scale", "--ids", "500", "--every", "500", "--concurrency", "4", "--lookups", "50ms", "--pprof", "127.0.0.1:0")
+	if !regexp.MustCompile(`pprof +http://127\.0\.0\.1:\d+/debug/pprof/`).MatchString(out) || !strings.Contains(out, " go ") {
+		t.Errorf("scale --pprof 127.0.0.1:0:\n%s", out)
+	}
+	if _, errs := wantCode(t, 2, "scale", "--ids", "10", "--pprof", "0.0.0.0:0"); !strings.Contains(errs, "loopback") {
+		t.Errorf("scale --pprof 0.0.0.0:0: %s", errs)
+	}
 	seen := map[string]bool{}
 	for i := range uint64(100000) {
 		id := string(scaleID(nil, i))
