@@ -141,6 +141,7 @@ func NewCollector(e *idem.Engine, opts *Options) *Collector {
 		{"filter", func(s *idem.Stats) float64 { return float64(s.Memory.Filter) }},
 		{"block_cache", func(s *idem.Stats) float64 { return float64(s.Memory.BlockCache) }},
 		{"memtables", func(s *idem.Stats) float64 { return float64(s.Memory.MemTables) }},
+		{"backlog", func(s *idem.Stats) float64 { return float64(s.Memory.Backlog) }},
 	} {
 		c.metrics = append(c.metrics, metric{mem, prometheus.GaugeValue, p.v, []string{p.name}})
 	}

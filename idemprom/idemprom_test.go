@@ -83,8 +83,8 @@ idem_live_entries{engine="orders"} 2
 		"idem_hits_total", "idem_misses_total", "idem_conflicts_total", "idem_inflight_collisions_total", "idem_live_entries"); err != nil {
 		t.Fatal(err)
 	}
-	if n := testutil.CollectAndCount(c); n != 32 {
-		t.Fatalf("%d metrics, want 32", n)
+	if n := testutil.CollectAndCount(c); n != 33 {
+		t.Fatalf("%d metrics, want 33", n)
 	}
 	if n := testutil.ToFloat64(prometheus.CollectorFunc(func(ch chan<- prometheus.Metric) {
 		all := make(chan prometheus.Metric, 64)
@@ -146,7 +146,7 @@ func TestScrapeOverHTTP(t *testing.T) {
 	if st.WALBytes <= 0 || !strings.Contains(text, "idem_wal_bytes ") {
 		t.Errorf("wal bytes %d not exported", st.WALBytes)
 	}
-	for _, part := range []string{"cache", "pending", "filter", "block_cache", "memtables"} {
+	for _, part := range []string{"cache", "pending", "filter", "block_cache", "memtables", "backlog"} {
 		if !strings.Contains(text, `idem_memory_bytes{part="`+part+`"} `) {
 			t.Errorf("memory part %s not exported", part)
 		}
