@@ -444,6 +444,9 @@ type applyBatch struct {
 // backlog's bound, it waits: the sync goroutine held back holds back the
 // callers waiting for durability, which bounds the memory of records not
 // yet applied (their updates, and the entries they pin in the table).
+// The applier takes shard locks to unpin what it applied, so nothing may
+// wait for durability (or for the applier) while holding a shard lock:
+// that would stop the three of them (TestClientStateWhileApplierBehind).
 func (e *Engine) onSynced(recs []wal.Synced) {
 	ups := make([]*index.Update, 0, len(recs))
 	var n int64
@@ -1447,18 +1450,25 @@ func (e *Engine) ClientState(scope, client string) (uint64, error) {
 	defer e.leave()
 	key := index.EntryKey(nil, scope, index.ModeClient, []byte(client))
 	unlock := e.lockKeys(key)
-	defer unlock()
 	sl, err := e.slotLocked(key)
 	if err != nil {
+		unlock()
 		return 0, err
 	}
 	if sl.e == nil || !sl.e.Committed {
+		unlock()
 		return 0, nil
 	}
-	if err := e.waitDurable(sl.e.CommitLSN); err != nil {
+	seq, lsn := sl.e.Seq, sl.e.CommitLSN
+	// Wait for the number's record without the key's lock, as every other
+	// read does: the applier takes the shard's lock to unpin what it
+	// applied, and the WAL's sync goroutine waits for the applier once
+	// the records waiting for it reach their bound.
+	unlock()
+	if err := e.waitDurable(lsn); err != nil {
 		return 0, err
 	}
-	return sl.e.Seq, nil
+	return seq, nil
 }
 
 // Ack removes committed ids whose replies the client has received, by a

@@ -3,6 +3,8 @@ package idem
 import (
 	"context"
 	"fmt"
+	"os"
+	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -92,70 +94,211 @@ func TestSyncNeverBoundsUnsyncedLog(t *testing.T) {
 	}
 }
 
-// slowCreateFS delays every file created under the index directory while
-// slow is set: ingests and flushes take longer, and the applier falls
-// behind the WAL.
-type slowCreateFS struct {
+// gatedFS holds every file creation under the index directory while the
+// gate is shut: ingests and flushes wait, and the applier falls behind
+// the WAL whatever the speed of the machine (or the race detector).
+type gatedFS struct {
 	vfs.FS
-	slow atomic.Bool
+	mu   sync.Mutex
+	open chan struct{} // closed while the gate is open
 }
 
-func (fs *slowCreateFS) Unwrap() vfs.FS { return fs.FS }
+func newGatedFS() *gatedFS {
+	fs := &gatedFS{FS: vfs.NewMem(), open: make(chan struct{})}
+	close(fs.open)
+	return fs
+}
 
-func (fs *slowCreateFS) Create(name string, c vfs.DiskWriteCategory) (vfs.File, error) {
-	if fs.slow.Load() && strings.Contains(name, "index") {
-		time.Sleep(20 * time.Millisecond)
+func (fs *gatedFS) Unwrap() vfs.FS { return fs.FS }
+
+func (fs *gatedFS) shut() { fs.mu.Lock(); fs.open = make(chan struct{}); fs.mu.Unlock() }
+
+func (fs *gatedFS) release() {
+	fs.mu.Lock()
+	defer fs.mu.Unlock()
+	select {
+	case <-fs.open:
+	default:
+		close(fs.open)
+	}
+}
+
+func (fs *gatedFS) Create(name string, c vfs.DiskWriteCategory) (vfs.File, error) {
+	if strings.Contains(name, "index") {
+		fs.mu.Lock()
+		open := fs.open
+		fs.mu.Unlock()
+		<-open
 	}
 	return fs.FS.Create(name, c)
 }
 
-// TestApplierBacklogBounded: while the index is slow to take writes, the
-// durable records waiting for the applier stay within their bound
-// (IndexIngestBytes/2, at least 1 MiB): the WAL holds writers back instead
-// of queueing records without limit. Every request still completes.
-func TestApplierBacklogBounded(t *testing.T) {
-	fs := &slowCreateFS{FS: vfs.NewMem()}
-	o := &Options{MemoryBudget: 32 << 20}
-	e := openMem(t, fs, o)
-	defer e.Close()
-	capBytes := max(e.o.IndexIngestBytes/2, 1<<20)
-	fs.slow.Store(true)
-	var peak atomic.Int64
-	stop := make(chan struct{})
-	var sampler sync.WaitGroup
-	sampler.Add(1)
+// freshWriters runs fresh Dos (replies of replySize bytes) from workers
+// goroutines until the returned stop is called (which waits for them).
+func freshWriters(t *testing.T, e *Engine, workers, replySize int) (stop func()) {
+	reply := make([]byte, replySize)
+	quit := make(chan struct{})
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; ; i++ {
+				select {
+				case <-quit:
+					return
+				default:
+				}
+				r := Request{ID: []byte(fmt.Sprintf("fresh-%03d-%08d", w, i))}
+				if _, err := e.Do(bg, r, func(context.Context) ([]byte, error) { return reply, nil }); err != nil {
+					t.Error(err)
+					return
+				}
+			}
+		}()
+	}
+	return func() { close(quit); wg.Wait() }
+}
+
+// backlogWatch samples Stats.Memory.Backlog every millisecond and keeps
+// its peak.
+type backlogWatch struct {
+	peak atomic.Int64
+	stop chan struct{}
+	done chan struct{}
+}
+
+func watchBacklog(e *Engine) *backlogWatch {
+	w := &backlogWatch{stop: make(chan struct{}), done: make(chan struct{})}
 	go func() {
-		defer sampler.Done()
+		defer close(w.done)
 		for {
+			if b := e.Stats().Memory.Backlog; b > w.peak.Load() {
+				w.peak.Store(b)
+			}
 			select {
-			case <-stop:
+			case <-w.stop:
 				return
 			case <-time.After(time.Millisecond):
-				if b := e.Stats().Memory.Backlog; b > peak.Load() {
-					peak.Store(b)
-				}
 			}
 		}
 	}()
-	const n = 60_000
-	doFresh(t, e, "backlog", n, 64, 256)
-	fs.slow.Store(false)
-	waitApplied(t, e)
-	close(stop)
-	sampler.Wait()
-	t.Logf("peak backlog %d KiB, bound %d KiB", peak.Load()>>10, capBytes>>10)
-	if peak.Load() > capBytes {
-		t.Fatalf("backlog reached %d bytes, over its bound %d", peak.Load(), capBytes)
+	return w
+}
+
+// reach waits until the peak is at least n (failing after 60 s).
+func (w *backlogWatch) reach(t *testing.T, n int64) {
+	t.Helper()
+	deadline := time.Now().Add(60 * time.Second)
+	for w.peak.Load() < n {
+		if time.Now().After(deadline) {
+			hung(t, fmt.Sprintf("the backlog peaked at %d bytes in 60 s with the index held: the applier never fell behind, or the engine is stuck (Stats waits for shard locks)", w.peak.Load()))
+		}
+		time.Sleep(time.Millisecond)
 	}
-	if peak.Load() < capBytes/2 {
-		t.Fatalf("backlog peaked at %d bytes: the applier never fell behind, the bound was not exercised", peak.Load())
+}
+
+// hung reports a test stuck for good: it prints the message and every
+// goroutine, and ends the test binary at once (a panic or t.Fatal would
+// run the deferred Close of a deadlocked engine, which hangs too).
+func hung(t *testing.T, msg string) {
+	buf := make([]byte, 4<<20)
+	fmt.Fprintf(os.Stderr, "--- FAIL: %s: %s (a deadlock?)\n%s", t.Name(), msg, buf[:runtime.Stack(buf, true)])
+	os.Exit(1)
+}
+
+func (w *backlogWatch) end() int64 { close(w.stop); <-w.done; return w.peak.Load() }
+
+// TestApplierBacklogBounded: while the index takes no writes, the durable
+// records waiting for the applier grow to their bound
+// (IndexIngestBytes/2, at least 1 MiB) and no further: the WAL holds
+// writers back instead of queueing records without limit. Once the index
+// takes writes again every request completes.
+func TestApplierBacklogBounded(t *testing.T) {
+	fs := newGatedFS()
+	e := openMem(t, fs, &Options{MemoryBudget: 32 << 20})
+	defer e.Close()
+	capBytes := max(e.o.IndexIngestBytes/2, 1<<20)
+	w := watchBacklog(e)
+	fs.shut()
+	stop := freshWriters(t, e, 64, 256)
+	w.reach(t, capBytes/2)
+	time.Sleep(100 * time.Millisecond) // writers keep pushing at the bound
+	fs.release()
+	stop()
+	waitApplied(t, e)
+	peak := w.end()
+	t.Logf("peak backlog %d KiB, bound %d KiB", peak>>10, capBytes>>10)
+	if peak > capBytes {
+		t.Fatalf("backlog reached %d bytes, over its bound %d", peak, capBytes)
 	}
 	if b := e.Stats().Memory.Backlog; b != 0 {
 		t.Fatalf("backlog %d after everything was applied", b)
 	}
-	if st := e.Stats(); st.LiveEntries != n {
-		t.Fatalf("live entries %d, want %d", st.LiveEntries, n)
+}
+
+// TestClientStateWhileApplierBehind: ClientState waits for the durability
+// of the number it read without holding the key's shard lock. While the
+// applier is behind, the WAL's sync goroutine waits for it at the
+// backlog's bound, and the applier takes shard locks to unpin what it
+// applied: a reader waiting for durability under a shard lock would hold
+// all three still. Sequence-mode clients commit while others read their
+// numbers, with the index held until the backlog is full; everything must
+// finish once it is released.
+func TestClientStateWhileApplierBehind(t *testing.T) {
+	fs := newGatedFS()
+	e := openMem(t, fs, &Options{MemoryBudget: 32 << 20})
+	defer e.Close()
+	const clients, perClient = 32, 100
+	reply := make([]byte, 1024)
+	var wg sync.WaitGroup
+	var reads atomic.Int64
+	w := watchBacklog(e)
+	fs.shut()
+	stopFresh := freshWriters(t, e, 16, 1024)
+	for c := range clients {
+		name := fmt.Sprint("client-", c)
+		wg.Add(2)
+		go func() { // commits 1..perClient
+			defer wg.Done()
+			for n := uint64(1); n <= perClient; n++ {
+				if _, err := e.Do(bg, Request{Scope: "s", Client: name, Seq: n}, func(context.Context) ([]byte, error) { return reply, nil }); err != nil {
+					t.Error(err)
+					return
+				}
+			}
+		}()
+		go func() { // reads the number while it moves
+			defer wg.Done()
+			last := uint64(0)
+			for last < perClient {
+				n, err := e.ClientState("s", name)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				if n < last {
+					t.Errorf("%s: ClientState went back from %d to %d", name, last, n)
+					return
+				}
+				last = n
+				reads.Add(1)
+				time.Sleep(50 * time.Microsecond)
+			}
+		}()
 	}
+	w.reach(t, max(e.o.IndexIngestBytes/2, 1<<20)/2)
+	time.Sleep(200 * time.Millisecond) // readers wait for durability meanwhile
+	fs.release()
+	done := make(chan struct{})
+	go func() { wg.Wait(); stopFresh(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(60 * time.Second):
+		hung(t, "commits and ClientState reads did not finish in 60 s")
+	}
+	w.end()
+	t.Logf("%d ClientState reads, %d sstables ingested", reads.Load(), ingested(e))
 }
 
 // doFresh runs n fresh Dos (ids prefix-0000000000 on, replies of
@@ -178,4 +321,12 @@ func doFresh(t *testing.T, e *Engine, prefix string, n, workers, replySize int) 
 		}()
 	}
 	wg.Wait()
+}
+
+// ingested counts the sstables ingested into the index since Open.
+func ingested(e *Engine) (n uint64) {
+	for _, l := range e.ix.DB().Metrics().Levels {
+		n += l.TablesIngested
+	}
+	return n
 }
