@@ -19,17 +19,9 @@ package cmem
 #include <stddef.h>
 
 typedef int (*idem_trim_fn)(size_t);
-typedef int (*idem_mallopt_fn)(int, int);
 
-// glibc's M_ARENA_MAX (malloc.h), which other C libraries do not have.
-#define IDEM_M_ARENA_MAX (-8)
-
-static int idem_arena_max(int n) {
-	idem_mallopt_fn fn = (idem_mallopt_fn)dlsym(RTLD_DEFAULT, "mallopt");
-	if (!fn || !dlsym(RTLD_DEFAULT, "malloc_trim")) {
-		return -1; // not glibc: its option numbers mean nothing here
-	}
-	return fn(IDEM_M_ARENA_MAX, n) == 1 ? 0 : -1;
+static int idem_has_trim(void) {
+	return dlsym(RTLD_DEFAULT, "malloc_trim") != NULL;
 }
 
 static int idem_trim(void) {
@@ -51,14 +43,11 @@ import "sync"
 
 var mu sync.Mutex // one trim at a time (engines of one process share the heap)
 
-// SetArenaMax limits glibc's malloc to n arenas (mallopt(M_ARENA_MAX, n)),
-// as MALLOC_ARENA_MAX=n in the environment would. Call it before threads
-// allocate: arenas made before stay. It reports false where the C library
-// is not glibc (looked up at run time, like Trim).
-func SetArenaMax(n int) bool {
+// Glibc reports whether the C library is glibc (it has malloc_trim).
+func Glibc() bool {
 	mu.Lock()
 	defer mu.Unlock()
-	return C.idem_arena_max(C.int(n)) == 0
+	return C.idem_has_trim() == 1
 }
 
 // Trim returns the C heap's free pages to the OS. It reports false where

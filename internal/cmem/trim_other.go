@@ -6,5 +6,5 @@ package cmem
 // runtime returns itself; other systems' allocators are left alone.
 func Trim() bool { return false }
 
-// SetArenaMax does nothing here (see the cgo Linux build).
-func SetArenaMax(n int) bool { return false }
+// Glibc reports false: without cgo on Linux the C library is not looked at.
+func Glibc() bool { return false }
