@@ -107,6 +107,10 @@ type Index struct {
 	filterSaturated bool
 	filterWG        sync.WaitGroup
 	filterBuilds    atomic.Int64
+
+	// pin keeps the deletion of obsolete tables off the lookups (pin.go);
+	// nil for a read-only index.
+	pin *readPin
 }
 
 // ErrCorrupt wraps errors about index contents that cannot be parsed.
@@ -147,6 +151,7 @@ func Open(o Options) (*Index, error) {
 		fs: o.FS, dir: o.Dir, logger: o.Logger, bgFired: make(chan struct{}),
 		filterBytes: o.FilterBytes, filterSeed: maphash.MakeSeed(), filterStop: make(chan struct{})}
 	plog := &pebbleLogger{l: o.Logger, ix: ix}
+	pin := newReadPin(ix)
 	popts := &pebble.Options{
 		FS:           dirSyncFS{FS: pfs, log: plog},
 		Cache:        cache,
@@ -163,6 +168,10 @@ func Open(o Options) (*Index, error) {
 			DataCorruption: func(info pebble.DataCorruptionInfo) {
 				o.Logger.Error("index: Pebble found corrupt data", "info", info.String())
 			},
+			// Versions change: the read pin takes a reference (pin.go).
+			CompactionBegin: func(pebble.CompactionInfo) { pin.signal() },
+			CompactionEnd:   func(pebble.CompactionInfo) { pin.signal() },
+			FlushEnd:        func(pebble.FlushInfo) { pin.signal() },
 		},
 	}
 	// Most lookups of a fresh id miss: bloom filters let a miss skip the
@@ -215,6 +224,11 @@ func Open(o Options) (*Index, error) {
 		db.Close()
 		cache.Unref()
 		return nil, err
+	}
+	if !o.ReadOnly {
+		ix.pin = pin
+		pin.start()
+		pin.signal() // the first pin: the version as opened
 	}
 	return ix, nil
 }
@@ -904,6 +918,9 @@ func (ix *Index) DiskUsage() uint64 {
 // and one of them may be parked by Fatalf meanwhile (found by the index
 // fault sweep).
 func (ix *Index) Close(flush bool) error {
+	if ix.pin != nil {
+		ix.pin.shutdown() // its pins must be closed before Pebble is
+	}
 	if ix.failure() == nil {
 		// The filter's scan may block inside a Pebble parked meanwhile:
 		// then it is counted among the calls still in Pebble below.

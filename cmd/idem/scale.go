@@ -62,7 +62,7 @@ given (then it is kept).`,
 		fs.IntVar(&o.concurrency, "concurrency", 256, "concurrent callers (`n` goroutines)")
 		fs.IntVar(&o.replySize, "reply-size", 128, "reply size in `bytes`")
 		fs.StringVar(&o.budget, "memory-budget", "", "Options.MemoryBudget (`size`, e.g. 64MiB; default the engine's, 256MiB)")
-		fs.Int64Var(&o.every, "every", 1_000_000, "print a fill line every `n` ids")
+		fs.Int64Var(&o.every, "every", 1_000_000, "print a fill line every `n` ids (at most one per 100 ms)")
 		fs.DurationVar(&o.lookups, "lookups", 10*time.Second, "how long the duplicate phase runs (`d`)")
 		fs.BoolVar(&o.json, "json", false, "print one JSON object at the end")
 		fs.StringVar(&o.pprof, "pprof", "", "serve net/http/pprof on this loopback `address` (e.g. 127.0.0.1:6060) while it runs, to profile a long run")
