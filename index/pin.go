@@ -20,11 +20,11 @@ import (
 // The read pin keeps the lookups off that path. Its goroutine holds an
 // iterator (a reference to Pebble's read state, so to its version) opened
 // when a compaction begins, ends, or a flush ends, and again pinDelay
-// later; a newer pin replaces the older ones once they are pinDelay old. A compaction's inputs are in the version of
-// every pin opened while it runs, so the last reference to them is a pin,
-// closed on the pin's goroutine: that goroutine deletes the files and
-// evicts their blocks, and a lookup only ever drops a reference that is not
-// the last. Lookups outliving pinDelay (or a compaction that began and
+// later; a newer pin replaces the older ones once they are pinDelay old.
+// A compaction's inputs are in the version of every pin opened while it
+// runs, so the last reference to them is a pin, closed on the pin's
+// goroutine: that goroutine deletes the files and evicts their blocks, and
+// a lookup only ever drops a reference that is not the last. Lookups outliving pinDelay (or a compaction that began and
 // ended before its begin event reached the pin) are the exception: they
 // still do the deletion, as every lookup could before.
 //
