@@ -947,7 +947,7 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 			}
 			unlock()
 			e.st.alreadyCommitted.Add(1)
-			return Result{Seq: k.seq}, k, fmt.Errorf("%w: scope %q client %q seq %d (last committed %d)", ErrAlreadyCommitted, k.scope, k.ident, k.seq, last)
+			return Result{Seq: k.seq}, k, &AlreadyCommittedError{Scope: k.scope, Client: string(k.ident), Seq: k.seq, Last: last}
 		case k.seq == last+1:
 			if cur != nil && cur.InFlight {
 				if !fpMatch(cur.ClaimFP, fp) {

@@ -218,8 +218,15 @@ func TestSequenceMode(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Starting seq 2 promised seq 1 is never retried: its reply is gone.
-	if _, err := e.Begin(bg, seq(1)); !errors.Is(err, ErrAlreadyCommitted) {
-		t.Fatalf("old seq: %v", err)
+	// The error says where the client stands.
+	_, err := e.Begin(bg, seq(1))
+	var ac *AlreadyCommittedError
+	if !errors.Is(err, ErrAlreadyCommitted) || !errors.As(err, &ac) ||
+		*ac != (AlreadyCommittedError{Scope: "ns", Client: "c1", Seq: 1, Last: 2}) {
+		t.Fatalf("old seq: %v (%+v)", err, ac)
+	}
+	if want := `idem: sequence number already committed and its reply is no longer kept: scope "ns" client "c1" seq 1 (last committed 2)`; err.Error() != want {
+		t.Fatalf("old seq: %q, want %q", err, want)
 	}
 	if d := mustBegin(t, e, seq(2), Done); string(d.Reply) != "r2" {
 		t.Fatalf("dup 2 %+v", d)

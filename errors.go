@@ -15,7 +15,8 @@ var (
 	ErrSequenceGap = errors.New("idem: sequence gap")
 	// ErrAlreadyCommitted: a sequence number at or below the client's last
 	// committed one whose reply is no longer kept. The request ran; its
-	// reply cannot be replayed.
+	// reply cannot be replayed. It is matched by *AlreadyCommittedError,
+	// which carries the client's last committed number.
 	ErrAlreadyCommitted = errors.New("idem: sequence number already committed and its reply is no longer kept")
 	// ErrLeaseLost: the claim's lease ran out and another caller took the
 	// id over, or the claim was finished already; the Commit changed nothing.
@@ -54,6 +55,24 @@ func (e *SequenceGapError) Error() string {
 
 // Is makes errors.Is(err, ErrSequenceGap) true.
 func (e *SequenceGapError) Is(target error) bool { return target == ErrSequenceGap }
+
+// AlreadyCommittedError is returned for a sequence number at or below the
+// client's last committed one whose reply is no longer kept (acked,
+// expired or forgotten). Last is the client's last committed number when
+// the request was refused, read under the same lock as the refusal: a
+// client that lost its place resumes at Last+1.
+type AlreadyCommittedError struct {
+	Scope, Client string
+	Seq           uint64 // the sequence number asked for
+	Last          uint64 // the client's last committed sequence number
+}
+
+func (e *AlreadyCommittedError) Error() string {
+	return fmt.Sprintf("%v: scope %q client %q seq %d (last committed %d)", ErrAlreadyCommitted, e.Scope, e.Client, e.Seq, e.Last)
+}
+
+// Is makes errors.Is(err, ErrAlreadyCommitted) true.
+func (e *AlreadyCommittedError) Is(target error) bool { return target == ErrAlreadyCommitted }
 
 func invalid(format string, args ...any) error {
 	return fmt.Errorf("%w: %s", ErrInvalidRequest, fmt.Sprintf(format, args...))

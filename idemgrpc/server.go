@@ -387,7 +387,10 @@ func (s *Server) run(ctx context.Context, call *Call, c *idem.Claim, req any, ha
 
 // engineStatus maps an engine error to a status (the table in doc.go).
 func (s *Server) engineStatus(err error, r idem.Request) error {
-	var gap *idem.SequenceGapError
+	var (
+		gap  *idem.SequenceGapError
+		done *idem.AlreadyCommittedError
+	)
 	switch {
 	case errors.As(err, &gap):
 		return newStatus(codes.FailedPrecondition, ReasonSequenceGap, map[string]string{
@@ -396,12 +399,11 @@ func (s *Server) engineStatus(err error, r idem.Request) error {
 			MetaClient:        gap.Client,
 		}, 0, fmt.Sprintf("idemgrpc: sequence gap: client %q sent sequence %d but its last committed sequence is %d; resume at %d (GetClientState)",
 			gap.Client, gap.Seq, gap.Last, gap.Last+1))
-	case errors.Is(err, idem.ErrAlreadyCommitted):
-		last, lerr := s.cfg.Engine.ClientState(r.Scope, r.Client)
-		meta := map[string]string{MetaSequence: strconv.FormatUint(r.Seq, 10), MetaClient: r.Client}
-		if lerr == nil {
-			meta[MetaLastCommitted] = strconv.FormatUint(last, 10)
-		}
+	case errors.As(err, &done):
+		// Last is the client's number as the engine refused the request
+		// (the same lock), not a later reading.
+		meta := map[string]string{MetaSequence: strconv.FormatUint(r.Seq, 10), MetaClient: r.Client,
+			MetaLastCommitted: strconv.FormatUint(done.Last, 10)}
 		return newStatus(codes.AlreadyExists, ReasonAlreadyCommitted, meta, 0,
 			fmt.Sprintf("idemgrpc: client %q sequence %d was already committed and its response is no longer kept", r.Client, r.Seq))
 	case errors.Is(err, idem.ErrConflict):

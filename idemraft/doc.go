@@ -31,7 +31,7 @@
 // appends of one request (a retry that reached the log before the first
 // was applied) run once. Acked ids are removed in the same Apply. In
 // sequence mode (Client and Seq) the engine's rules and errors apply:
-// *idem.SequenceGapError, idem.ErrAlreadyCommitted, idem.ErrConflict come
+// *idem.SequenceGapError, *idem.AlreadyCommittedError, idem.ErrConflict come
 // back in Response.Err. Entries that are not commands (their data does not
 // start with the command prefix) go to the application untouched.
 //

@@ -17,7 +17,7 @@ import (
 //   - A request already applied: the same Reply and Err, with Duplicate set.
 //     The wrapped FSM was not called.
 //   - A request the engine refuses: Err is idem.ErrConflict (same id,
-//     other fingerprint), *idem.SequenceGapError, idem.ErrAlreadyCommitted
+//     other fingerprint), *idem.SequenceGapError, *idem.AlreadyCommittedError
 //     or idem.ErrInvalidRequest (match with errors.Is / errors.As); nothing
 //     ran. Every replica reaches the same answer.
 //
@@ -161,7 +161,7 @@ type wireResponse struct {
 	Duplicate bool
 	Code      int
 	Msg       string
-	GapScope  string
+	GapScope  string // GapScope..GapLast: a SequenceGapError's or an AlreadyCommittedError's fields
 	GapClient string
 	GapSeq    uint64
 	GapLast   uint64
@@ -175,6 +175,7 @@ func toWire(r *Response) wireResponse {
 	w.Msg = r.Err.Error()
 	var app *AppError
 	var gap *idem.SequenceGapError
+	var done *idem.AlreadyCommittedError
 	switch {
 	case errors.As(r.Err, &app):
 		w.Code, w.Msg = codeApp, app.Message
@@ -182,6 +183,8 @@ func toWire(r *Response) wireResponse {
 		w.Code, w.GapScope, w.GapClient, w.GapSeq, w.GapLast = codeGap, gap.Scope, gap.Client, gap.Seq, gap.Last
 	case errors.Is(r.Err, idem.ErrConflict):
 		w.Code = codeConflict
+	case errors.As(r.Err, &done):
+		w.Code, w.GapScope, w.GapClient, w.GapSeq, w.GapLast = codeAlreadyCommitted, done.Scope, done.Client, done.Seq, done.Last
 	case errors.Is(r.Err, idem.ErrAlreadyCommitted):
 		w.Code = codeAlreadyCommitted
 	case errors.Is(r.Err, idem.ErrInvalidRequest):
@@ -209,7 +212,11 @@ func fromWire(w wireResponse) *Response {
 	case codeConflict:
 		r.Err = &remoteError{msg: w.Msg, is: idem.ErrConflict}
 	case codeAlreadyCommitted:
-		r.Err = &remoteError{msg: w.Msg, is: idem.ErrAlreadyCommitted}
+		if w.GapClient == "" { // encoded without the client's numbers
+			r.Err = &remoteError{msg: w.Msg, is: idem.ErrAlreadyCommitted}
+			break
+		}
+		r.Err = &idem.AlreadyCommittedError{Scope: w.GapScope, Client: w.GapClient, Seq: w.GapSeq, Last: w.GapLast}
 	case codeInvalidRequest:
 		r.Err = &remoteError{msg: w.Msg, is: idem.ErrInvalidRequest}
 	case codeTooLarge:

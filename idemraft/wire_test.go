@@ -23,6 +23,7 @@ func TestWireErrors(t *testing.T) {
 		{Err: &idem.SequenceGapError{Scope: "s", Client: "c", Seq: 5, Last: 2}},
 		{Err: idem.ErrConflict},
 		{Err: idem.ErrAlreadyCommitted},
+		{Err: &idem.AlreadyCommittedError{Scope: "s", Client: "c", Seq: 1, Last: 4}},
 		{Err: idem.ErrInvalidRequest},
 		{Err: ErrReplyTooLarge},
 		{Err: ErrUnsupportedResult},
@@ -54,6 +55,11 @@ func TestWireErrors(t *testing.T) {
 		case *idem.SequenceGapError:
 			var g *idem.SequenceGapError
 			if !errors.As(got.Err, &g) || *g != *e || !errors.Is(got.Err, idem.ErrSequenceGap) {
+				t.Fatalf("%v came back as %v", want.Err, got.Err)
+			}
+		case *idem.AlreadyCommittedError:
+			var d *idem.AlreadyCommittedError
+			if !errors.As(got.Err, &d) || *d != *e || !errors.Is(got.Err, idem.ErrAlreadyCommitted) || got.Err.Error() != e.Error() {
 				t.Fatalf("%v came back as %v", want.Err, got.Err)
 			}
 		default:
