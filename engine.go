@@ -1327,6 +1327,17 @@ func (e *Engine) Wait(ctx context.Context, scope string, id []byte) (Result, err
 	return e.waitKey(ctx, k)
 }
 
+// WaitSeq is Wait for sequence mode: it blocks while the client's request
+// seq is in flight (until its claim is committed or aborted, its lease runs
+// out, or ctx ends) and returns what LookupSeq then says.
+func (e *Engine) WaitSeq(ctx context.Context, scope, client string, seq uint64) (Result, error) {
+	k, err := e.validate(&Request{Scope: scope, Client: client, Seq: seq})
+	if err != nil {
+		return Result{}, err
+	}
+	return e.waitKey(ctx, k)
+}
+
 func (e *Engine) waitKey(ctx context.Context, k reqKey) (Result, error) {
 	for {
 		if err := ctx.Err(); err != nil {

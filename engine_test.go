@@ -626,6 +626,56 @@ func TestDoAbortsOnErrorAndPanic(t *testing.T) {
 	}
 }
 
+// TestWaitSeq: WaitSeq blocks while the client's request is in flight and
+// returns what LookupSeq then says: the reply after a commit, Absent after
+// an abort; a request not in flight returns at once; ctx bounds the wait.
+func TestWaitSeq(t *testing.T) {
+	e := openMem(t, vfs.NewMem(), nil)
+	defer e.Close()
+	seq := func(n uint64) Request { return Request{Scope: "s", Client: "c", Seq: n} }
+
+	// Not in flight: at once.
+	if r, err := e.WaitSeq(bg, "s", "c", 1); err != nil || r.Status != Absent {
+		t.Fatalf("wait on a free number: %+v %v", r, err)
+	}
+	// Committed meanwhile.
+	res := mustBegin(t, e, seq(1), Fresh)
+	ctx, cancel := context.WithTimeout(bg, 20*time.Millisecond)
+	if _, err := e.WaitSeq(ctx, "s", "c", 1); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("wait bounded by ctx: %v", err)
+	}
+	cancel()
+	go func() {
+		time.Sleep(10 * time.Millisecond)
+		_ = res.Claim.Commit(bg, id("r1"))
+	}()
+	if r, err := e.WaitSeq(bg, "s", "c", 1); err != nil || r.Status != Done || string(r.Reply) != "r1" || r.Seq != 1 {
+		t.Fatalf("wait for a commit: %+v %v", r, err)
+	}
+	// Aborted meanwhile: the number is free again.
+	res = mustBegin(t, e, seq(2), Fresh)
+	go func() {
+		time.Sleep(10 * time.Millisecond)
+		_ = res.Claim.Abort(bg)
+	}()
+	if r, err := e.WaitSeq(bg, "s", "c", 2); err != nil || r.Status != Absent {
+		t.Fatalf("wait for an abort: %+v %v", r, err)
+	}
+	mustBegin(t, e, seq(2), Fresh)
+	// Another number of the same client is not waited for: seq 1 is
+	// answered at once, as LookupSeq does (its reply went when seq 2 was
+	// claimed).
+	ctx, cancel = context.WithTimeout(bg, 5*time.Second)
+	defer cancel()
+	r, err := e.WaitSeq(ctx, "s", "c", 1)
+	if l, lerr := e.LookupSeq("s", "c", 1); err != nil || lerr != nil || r.Status != l.Status || r.Status == InFlight {
+		t.Fatalf("wait on seq 1 while seq 2 is claimed: %+v %v; LookupSeq says %+v %v", r, err, l, lerr)
+	}
+	if _, err := e.WaitSeq(bg, "s", "", 1); !errors.Is(err, ErrInvalidRequest) {
+		t.Fatalf("wait without a client: %v", err)
+	}
+}
+
 func TestTwoOpensLocked(t *testing.T) {
 	dir := t.TempDir()
 	e, err := Open(dir, nil)

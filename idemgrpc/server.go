@@ -271,7 +271,7 @@ func (s *Server) serve(ctx context.Context, call *Call, r idem.Request, req any,
 			if s.cfg.InFlightWait < 0 || !time.Now().Before(waitUntil) {
 				return nil, s.inFlight(call, res.LeaseUntil)
 			}
-			if err := s.wait(ctx, r, waitUntil, res.LeaseUntil); err != nil {
+			if err := s.wait(ctx, r, waitUntil); err != nil {
 				return nil, status.FromContextError(err).Err()
 			}
 		default:
@@ -282,40 +282,21 @@ func (s *Server) serve(ctx context.Context, call *Call, r idem.Request, req any,
 
 // wait blocks until r is no longer in flight, its owner's lease ends (Begin
 // then takes it over), until, or ctx's end (the only error).
-func (s *Server) wait(ctx context.Context, r idem.Request, until, leaseUntil time.Time) error {
+func (s *Server) wait(ctx context.Context, r idem.Request, until time.Time) error {
 	e := s.cfg.Engine
+	wctx, cancel := context.WithDeadline(ctx, until)
+	defer cancel()
+	var err error
 	if len(r.ID) > 0 {
-		wctx, cancel := context.WithDeadline(ctx, until)
-		_, err := e.Wait(wctx, r.Scope, r.ID)
-		cancel()
-		if ctx.Err() != nil {
-			return ctx.Err()
-		}
-		_ = err // a deadline of wctx: the loop answers IN_FLIGHT
-		return nil
+		_, err = e.Wait(wctx, r.Scope, r.ID)
+	} else {
+		_, err = e.WaitSeq(wctx, r.Scope, r.Client, r.Seq)
 	}
-	// Sequence mode: the engine has no public wait for a client's sequence,
-	// so poll its state, backing off from 1ms to 20ms.
-	d := time.Millisecond
-	t := time.NewTimer(d)
-	defer t.Stop()
-	for {
-		left := time.Until(until)
-		if left <= 0 {
-			return nil
-		}
-		t.Reset(min(d, left))
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-t.C:
-		}
-		res, err := e.LookupSeq(r.Scope, r.Client, r.Seq)
-		if err != nil || res.Status != idem.InFlight || !e.Now().Before(leaseUntil) {
-			return nil // Begin again says what it is
-		}
-		d = min(2*d, 20*time.Millisecond)
+	if ctx.Err() != nil {
+		return ctx.Err()
 	}
+	_ = err // a deadline of wctx: the loop answers IN_FLIGHT; anything else: Begin again says what it is
+	return nil
 }
 
 func (s *Server) inFlight(call *Call, leaseUntil time.Time) error {
