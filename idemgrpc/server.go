@@ -286,17 +286,14 @@ func (s *Server) wait(ctx context.Context, r idem.Request, until time.Time) erro
 	e := s.cfg.Engine
 	wctx, cancel := context.WithDeadline(ctx, until)
 	defer cancel()
-	var err error
+	// Only ctx's end is this call's error. wctx's deadline: the loop answers
+	// IN_FLIGHT; anything else: Begin again says what it is.
 	if len(r.ID) > 0 {
-		_, err = e.Wait(wctx, r.Scope, r.ID)
+		_, _ = e.Wait(wctx, r.Scope, r.ID)
 	} else {
-		_, err = e.WaitSeq(wctx, r.Scope, r.Client, r.Seq)
+		_, _ = e.WaitSeq(wctx, r.Scope, r.Client, r.Seq)
 	}
-	if ctx.Err() != nil {
-		return ctx.Err()
-	}
-	_ = err // a deadline of wctx: the loop answers IN_FLIGHT; anything else: Begin again says what it is
-	return nil
+	return ctx.Err()
 }
 
 func (s *Server) inFlight(call *Call, leaseUntil time.Time) error {

@@ -151,7 +151,7 @@ func Open(o Options) (*Index, error) {
 		fs: o.FS, dir: o.Dir, logger: o.Logger, bgFired: make(chan struct{}),
 		filterBytes: o.FilterBytes, filterSeed: maphash.MakeSeed(), filterStop: make(chan struct{})}
 	plog := &pebbleLogger{l: o.Logger, ix: ix}
-	pin := newReadPin(ix)
+	rp := newReadPin(ix)
 	popts := &pebble.Options{
 		FS:           dirSyncFS{FS: pfs, log: plog},
 		Cache:        cache,
@@ -169,9 +169,9 @@ func Open(o Options) (*Index, error) {
 				o.Logger.Error("index: Pebble found corrupt data", "info", info.String())
 			},
 			// Versions change: the read pin takes a reference (pin.go).
-			CompactionBegin: func(pebble.CompactionInfo) { pin.signal() },
-			CompactionEnd:   func(pebble.CompactionInfo) { pin.signal() },
-			FlushEnd:        func(pebble.FlushInfo) { pin.signal() },
+			CompactionBegin: func(pebble.CompactionInfo) { rp.signal() },
+			CompactionEnd:   func(pebble.CompactionInfo) { rp.signal() },
+			FlushEnd:        func(pebble.FlushInfo) { rp.signal() },
 		},
 	}
 	// Most lookups of a fresh id miss: bloom filters let a miss skip the
@@ -226,9 +226,9 @@ func Open(o Options) (*Index, error) {
 		return nil, err
 	}
 	if !o.ReadOnly {
-		ix.pin = pin
-		pin.start()
-		pin.signal() // the first pin: the version as opened
+		ix.pin = rp
+		rp.start()
+		rp.signal() // the first pin: the version as opened
 	}
 	return ix, nil
 }
