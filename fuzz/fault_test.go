@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"regexp"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -352,23 +353,38 @@ func TestFaultSweep(t *testing.T) {
 // TestFaultSweepIndex sweeps the faults TestFaultSweep leaves out: those in
 // the Pebble store (<dir>/index). Some of them stop Pebble for good (see
 // notIndex), so every fault point runs in a child process (the test binary
-// re-executed as TestFaultChild); a panic or a hang (no progress within
-// childTimeout: a goroutine dump) is recorded with the fault that caused
-// it, a violation fails the test. It takes minutes, so it only runs with
-// IDEM_FUZZ_INDEX_FAULTS=1.
+// re-executed as TestFaultChild). A violation, a panic or a hang (no
+// progress within childTimeout: the child is sent SIGABRT for a goroutine
+// dump) fails the test, naming the fault that caused it; the first stack
+// of each distinct panic or hang is logged. After 3 hangs in a row the
+// sweep of that fault kind stops (each costs childTimeout), failed.
+//
+// IDEM_FUZZ_INDEX_FAULTS=1 sweeps every fault point (a few minutes);
+// IDEM_FUZZ_INDEX_FAULTS=N (N > 1) sweeps every N-th: points k, k+N,
+// k+2N, ... of each kind and mode, where k = 1 + (the kind and mode's
+// position in the sweep) mod N, so the subset is fixed and the kinds
+// together cover every residue. CI runs IDEM_FUZZ_INDEX_FAULTS=4
+// (.ci/run). Without the variable the test is skipped.
 func TestFaultSweepIndex(t *testing.T) {
-	if os.Getenv("IDEM_FUZZ_INDEX_FAULTS") == "" {
-		t.Skip("set IDEM_FUZZ_INDEX_FAULTS=1 to sweep faults in the index's files (one child process per fault point)")
+	env := os.Getenv("IDEM_FUZZ_INDEX_FAULTS")
+	if env == "" {
+		t.Skip("set IDEM_FUZZ_INDEX_FAULTS=1 to sweep faults in the index's files (one child process per fault point), =N for every N-th point")
 	}
-	panics := map[string][]string{} // panic message -> faults
-	points, runs, parked := 0, 0, 0
+	stride, err := strconv.Atoi(env)
+	if err != nil || stride < 1 {
+		t.Fatalf("IDEM_FUZZ_INDEX_FAULTS=%q: want 1 (every fault point) or N > 1 (every N-th)", env)
+	}
+	failures := map[string][]string{} // panic or hang message -> faults
+	points, runs, parked, combo := 0, 0, 0, 0
 	for ki, kind := range faultKinds {
 		for _, mode := range []faultMode{eioOnce, enospcSticky, enospcTorn} {
 			if mode == enospcTorn && kind.name != "write" {
 				continue
 			}
-			n, hangs := 1, 0
-			for ; n < 5000; n++ {
+			swept, hangs := 0, 0
+			n := 1 + combo%stride
+			combo++
+			for ; n < 5000; n += stride {
 				runs++
 				cmd := exec.Command(os.Args[0], "-test.run=^TestFaultChild$", "-test.v")
 				cmd.Env = append(os.Environ(), fmt.Sprintf("IDEM_FUZZ_FAULT=%d:%d:%d", ki, mode, n))
@@ -391,12 +407,16 @@ func TestFaultSweepIndex(t *testing.T) {
 				if len(fired) > 0 {
 					where = fired[0]
 				}
+				fault := fmt.Sprintf("%s #%d %v at %s", kind.name, n, mode, where)
 				if hung {
 					msg := "HANG (no progress for " + childTimeout.String() + "): " + stuckIn(text)
-					panics[msg] = append(panics[msg], fmt.Sprintf("%s #%d %v at %s", kind.name, n, mode, where))
+					if len(failures[msg]) == 0 {
+						t.Logf("first %s (%s):\n%s", msg, fault, text)
+					}
+					failures[msg] = append(failures[msg], fault)
+					swept++
 					if hangs++; hangs >= 3 {
-						t.Logf("%-6s %-26v: stopped after 3 hangs in a row at fault point %d", kind.name, mode, n)
-						n++
+						t.Errorf("%-6s %-26v: sweep stopped after 3 hangs in a row at fault point %d", kind.name, mode, n)
 						break
 					}
 					continue
@@ -404,31 +424,33 @@ func TestFaultSweepIndex(t *testing.T) {
 				hangs = 0
 				if i := strings.Index(text, "panic: "); i >= 0 {
 					msg := panicNumbers.ReplaceAllString(strings.SplitN(text[i:], "\n", 2)[0], "")
-					if len(panics[msg]) == 0 { // the first one's stacks, to find where
-						t.Logf("first %q (%s #%d %v at %s):\n%s", msg, kind.name, n, mode, where, text[i:min(len(text), i+8000)])
+					if len(failures[msg]) == 0 { // the first one's stacks, to find where
+						t.Logf("first %q (%s):\n%s", msg, fault, text[i:min(len(text), i+8000)])
 					}
-					panics[msg] = append(panics[msg], fmt.Sprintf("%s #%d %v at %s", kind.name, n, mode, where))
+					failures[msg] = append(failures[msg], fault)
+					swept++
 					continue
 				}
 				if err != nil {
-					t.Fatalf("%s #%d %v: %v\n%s", kind.name, n, mode, err, text)
-				}
-				if strings.Contains(text, "\nPARKED\n") {
-					parked++
+					t.Fatalf("%s: %v\n%s", fault, err, text)
 				}
 				if strings.Contains(text, "UNREACHED") {
 					break
 				}
+				swept++
+				if strings.Contains(text, "\nPARKED\n") {
+					parked++
+				}
 			}
-			points += n - 1
-			t.Logf("%-6s %-26v: %4d fault points in the index", kind.name, mode, n-1)
+			points += swept
+			t.Logf("%-6s %-26v: %4d fault points in the index (every %d-th)", kind.name, mode, swept, stride)
 		}
 	}
-	for msg, where := range panics {
-		t.Logf("PANIC %q at %d fault points, e.g. %v", msg, len(where), where[:min(3, len(where))])
+	for msg, where := range failures {
+		t.Errorf("%s at %d fault points, e.g. %v", msg, len(where), where[:min(3, len(where))])
 	}
-	t.Logf("TestFaultSweepIndex: %d fault points in %d child runs, %d distinct panics or hangs, 0 violations otherwise; %d runs left Pebble parked (reopen refused in-process, crash image checked)",
-		points, runs, len(panics), parked)
+	t.Logf("TestFaultSweepIndex: %d fault points (every %d-th) in %d child runs, %d distinct panics or hangs; %d runs left Pebble parked (reopen refused in-process, crash image checked)",
+		points, stride, runs, len(failures), parked)
 }
 
 // TestFaultChild is one fault point of TestFaultSweepIndex.
