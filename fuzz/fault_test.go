@@ -443,13 +443,13 @@ func TestFaultSweepIndex(t *testing.T) {
 				}
 			}
 			points += swept
-			t.Logf("%-6s %-26v: %4d fault points in the index (every %d-th)", kind.name, mode, swept, stride)
+			t.Logf("%-6s %-26v: %4d fault points in the index (one in %d)", kind.name, mode, swept, stride)
 		}
 	}
 	for msg, where := range failures {
 		t.Errorf("%s at %d fault points, e.g. %v", msg, len(where), where[:min(3, len(where))])
 	}
-	t.Logf("TestFaultSweepIndex: %d fault points (every %d-th) in %d child runs, %d distinct panics or hangs; %d runs left Pebble parked (reopen refused in-process, crash image checked)",
+	t.Logf("TestFaultSweepIndex: %d fault points (one in %d) in %d child runs, %d distinct panics or hangs; %d runs left Pebble parked (reopen refused in-process, crash image checked)",
 		points, stride, runs, len(failures), parked)
 }
 
