@@ -166,7 +166,9 @@
 // characters, sortable by time) unless the caller set one, replays bodies,
 // and retries network errors, attempt timeouts, 5xx (but 501 and 505) and
 // IDEMPOTENCY_KEY_PROCESSING with the same key, with exponential backoff and
-// jitter, honouring Retry-After, bounded by the request's context. It never
-// retries 400, 409 IDEMPOTENCY_KEY_CONFLICT, 422 or 429. It acks the keys
+// jitter, honouring Retry-After, bounded by the request's context. Every
+// attempt has a timeout (Transport.AttemptTimeout, default 30 seconds), and
+// a retry after a timeout goes on a new connection. It never retries 400,
+// 409 IDEMPOTENCY_KEY_CONFLICT, 422 or 429. It acks the keys
 // whose responses it has read in Idempotency-Acked-Keys (see Transport).
 package idemhttp
