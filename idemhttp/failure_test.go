@@ -46,7 +46,7 @@ func TestEngineClosedMidRequest(t *testing.T) {
 		w.WriteHeader(http.StatusCreated)
 		io.WriteString(w, "made")
 	})
-	srv := serve(t, idemhttp.Middleware(e, &idemhttp.Options{Logger: slog.New(slog.NewTextHandler(&logs, nil))})(h))
+	srv := serve(t, mw(t, e, &idemhttp.Options{Logger: slog.New(slog.NewTextHandler(&logs, nil))})(h))
 	r := post(t, ctx, srv, "closing", "secret-body-content")
 	if r.status != http.StatusCreated || string(r.body) != "made" {
 		t.Fatalf("%d %q", r.status, r.body)
@@ -75,7 +75,7 @@ func TestResponseLargerThanEngineStores(t *testing.T) {
 		calls++
 		w.Write(bytes.Repeat([]byte("y"), 2000))
 	})
-	srv := serve(t, idemhttp.Middleware(e, &idemhttp.Options{Logger: testLogger(t)})(h))
+	srv := serve(t, mw(t, e, &idemhttp.Options{Logger: testLogger(t)})(h))
 	if r := post(t, ctx, srv, "huge", ""); r.status != 200 || len(r.body) != 2000 {
 		t.Fatalf("%d %d", r.status, len(r.body))
 	}
@@ -91,7 +91,7 @@ func TestPeriodicCleanup(t *testing.T) {
 	clk := testclock.New()
 	var logs syncBuffer
 	e := openEngine(t, clk, &idem.Options{CleanupInterval: 20 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
-	srv := serve(t, idemhttp.Middleware(e, &idemhttp.Options{TTL: time.Minute})(&items{}))
+	srv := serve(t, mw(t, e, &idemhttp.Options{TTL: time.Minute})(&items{}))
 	for _, k := range []string{"c1", "c2", "c3"} {
 		post(t, ctx, srv, k, item1)
 	}

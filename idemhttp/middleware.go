@@ -19,23 +19,27 @@ import (
 
 // Middleware returns the Idempotency-Key middleware: requests with a key
 // (and a method in Options.Methods) are handled at most once per key, their
-// response stored in e and replayed to retries (see the package
-// documentation). opts may be nil (the defaults). It panics if e is nil or
-// an option is out of range.
+// response stored in store and replayed to retries (see the package
+// documentation). opts may be nil (the defaults). A nil store or an option
+// out of range is an error naming it.
 //
 // It has the shape net/http middleware has everywhere (chi's Use, alice,
-// plain wrapping): mux.Handle("/orders", idemhttp.Middleware(e, nil)(h)).
-func Middleware(e *idem.Engine, opts *Options) func(http.Handler) http.Handler {
-	if e == nil {
-		panic("idemhttp: Middleware needs an engine (got nil)")
+// plain wrapping):
+//
+//	mw, err := idemhttp.Middleware(store, nil)
+//	...
+//	mux.Handle("/orders", mw(h))
+func Middleware(store *idem.Engine, opts *Options) (func(http.Handler) http.Handler, error) {
+	if store == nil {
+		return nil, errors.New("idemhttp: Middleware needs a store (got nil)")
 	}
-	c := newConfig(opts)
+	c, err := newConfig(opts)
+	if err != nil {
+		return nil, err
+	}
 	return func(next http.Handler) http.Handler {
-		if next == nil {
-			panic("idemhttp: Middleware wraps a nil handler")
-		}
-		return &handler{e: e, c: c, next: next}
-	}
+		return &handler{e: store, c: c, next: next}
+	}, nil
 }
 
 type handler struct {
@@ -45,6 +49,12 @@ type handler struct {
 }
 
 func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if h.next == nil {
+		h.c.log.LogAttrs(r.Context(), slog.LevelError, "idemhttp: the middleware wraps a nil handler",
+			slog.String("method", r.Method), slog.String("path", r.URL.Path))
+		writeError(w, http.StatusInternalServerError, CodeInternal, detailInternal, "", 0)
+		return
+	}
 	if !h.c.methods[r.Method] {
 		h.next.ServeHTTP(w, r)
 		return
@@ -64,7 +74,7 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if !ValidKey(key) {
-		writeError(w, http.StatusBadRequest, CodeInvalidKey, detailInvalidKey, key, 0)
+		writeError(w, http.StatusBadRequest, CodeInvalidKey, invalidKeyDetail(key), key, 0)
 		return
 	}
 	scope, ok := h.scope(w, r, key)
@@ -79,34 +89,34 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if !ok {
 		return
 	}
-	fp := fingerprint(r, body)
+	fp := h.c.fingerprint(r, body)
 	h.serveKey(w, r, scope, key, fp, acked, body)
 }
 
-// scope returns the engine scope of the request's key space; a principal
-// that cannot be determined is a 401.
+// scope returns the store scope of the request's key space; an actor that
+// cannot be determined is a 401.
 func (h *handler) scope(w http.ResponseWriter, r *http.Request, key string) (string, bool) {
-	if h.c.principal == nil {
+	if h.c.actor == nil {
 		return h.c.shared, true
 	}
-	p, err := h.c.principal(r)
-	if err == nil && p == "" {
-		err = errors.New("empty principal")
+	a, err := h.c.actor(r)
+	if err == nil && a == "" {
+		err = errors.New("empty actor")
 	}
 	if err != nil {
-		h.c.log.LogAttrs(r.Context(), slog.LevelInfo, "idemhttp: principal refused",
+		h.c.log.LogAttrs(r.Context(), slog.LevelInfo, "idemhttp: actor refused",
 			slog.String("method", r.Method), slog.String("path", r.URL.Path), slog.String("key", key), slog.Any("error", err))
 		writeError(w, http.StatusUnauthorized, CodeUnauthenticated, detailUnauth, key, 0)
 		return "", false
 	}
-	return ScopeFor(h.c.prefix, p), true
+	return ScopeFor(h.c.prefix, a), true
 }
 
-// acked parses Idempotency-Acked-Keys. Acks are taken only with a
-// Principal (without one anyone could free anyone's key): otherwise the
-// header is ignored. The request's own key is dropped from the list.
+// acked parses Idempotency-Acked-Keys. Acks are taken only with an Actor
+// (without one anyone could free anyone's key): otherwise the header is
+// ignored. The request's own key is dropped from the list.
 func (h *handler) acked(w http.ResponseWriter, r *http.Request, key string) ([][]byte, bool) {
-	if h.c.principal == nil || h.c.maxAcked < 0 {
+	if h.c.actor == nil || h.c.maxAcked < 0 {
 		return nil, true
 	}
 	vals := r.Header.Values(HeaderAckedKeys)
@@ -123,7 +133,7 @@ func (h *handler) acked(w http.ResponseWriter, r *http.Request, key string) ([][
 			}
 			if !ValidKey(k) {
 				writeError(w, http.StatusBadRequest, CodeInvalidAckedKeys,
-					fmt.Sprintf("Invalid %s header: %q is not a valid idempotency key (1-255 characters of letters, numbers, hyphens and underscores)", HeaderAckedKeys, clipString(k, 300)), key, 0)
+					fmt.Sprintf("Invalid %s header: %q is not a valid idempotency key (1-255 characters of letters, numbers, hyphens and underscores)", HeaderAckedKeys, clipKey(k)), key, 0)
 				return nil, false
 			}
 			if seen[k] {
@@ -141,13 +151,6 @@ func (h *handler) acked(w http.ResponseWriter, r *http.Request, key string) ([][
 		}
 	}
 	return acked, true
-}
-
-func clipString(s string, n int) string {
-	if len(s) > n {
-		return s[:n] + "..."
-	}
-	return s
 }
 
 // readBody reads the whole request body (bounded), for the fingerprint and
@@ -181,10 +184,14 @@ func (h *handler) readBody(w http.ResponseWriter, r *http.Request, key string) (
 	return buf.Bytes(), true
 }
 
-// fingerprint is the SHA-256 of the method, the path, the query and the
-// body, each preceded by its length (8 bytes, big-endian), after a version
-// tag: no two different requests give the same input.
-func fingerprint(r *http.Request, body []byte) []byte {
+// DefaultFingerprint is the default of Options.Fingerprint: the SHA-256 of
+// the method, the escaped path, the raw query and the body, each preceded
+// by its length (8 bytes, big-endian), after a version tag, so that no two
+// different requests give the same input. A key reused with another
+// method, path, query or body is a conflict, never the replay of another
+// request's response. (Stored with every key: it never changes for a
+// request, or retries of keys stored before the change would conflict.)
+func DefaultFingerprint(r *http.Request, body []byte) []byte {
 	s := sha256.New()
 	s.Write([]byte("idemhttp fingerprint 1\x00"))
 	field(s, []byte(r.Method))

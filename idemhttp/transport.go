@@ -42,7 +42,7 @@ import (
 // itself has been read to the end, the key is remembered and sent to the
 // same server (scheme, host and Authorization header) in the
 // Idempotency-Acked-Keys header of later requests, at most MaxAckedKeys per
-// request, so that a middleware with a Principal frees it long before its
+// request, so that a middleware with a Actor frees it long before its
 // TTL. This is best effort: keys not yet sent when the transport is
 // dropped simply expire. Keys the caller set are never acked (the caller
 // may send them again), and a request that already has an
