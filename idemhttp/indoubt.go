@@ -35,7 +35,7 @@ type InDoubt struct {
 // the handler). Call it after opening the store, before serving. An error
 // from decide, or from the store, stops it; what was settled stays
 // settled.
-func ResolveInDoubt(ctx context.Context, store *idem.Engine, opts *Options, decide func(InDoubt) (*StoredResponse, bool, error)) (committed, aborted int, err error) {
+func ResolveInDoubt(ctx context.Context, store idem.Store, opts *Options, decide func(InDoubt) (*StoredResponse, bool, error)) (committed, aborted int, err error) {
 	if store == nil {
 		return 0, 0, errors.New("idemhttp: ResolveInDoubt needs a store (got nil)")
 	}
@@ -46,7 +46,7 @@ func ResolveInDoubt(ctx context.Context, store *idem.Engine, opts *Options, deci
 	if err != nil {
 		return 0, 0, err
 	}
-	claims, err := store.InDoubt()
+	claims, err := store.InDoubt(ctx, scopePrefixOf(c.prefix).String())
 	if err != nil {
 		return 0, 0, fmt.Errorf("idemhttp: listing the keys in doubt: %w", err)
 	}

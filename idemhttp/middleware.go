@@ -29,7 +29,7 @@ import (
 //	mw, err := idemhttp.Middleware(store, nil)
 //	...
 //	mux.Handle("/orders", mw(h))
-func Middleware(store *idem.Engine, opts *Options) (func(http.Handler) http.Handler, error) {
+func Middleware(store idem.Store, opts *Options) (func(http.Handler) http.Handler, error) {
 	if store == nil {
 		return nil, errors.New("idemhttp: Middleware needs a store (got nil)")
 	}
@@ -38,12 +38,12 @@ func Middleware(store *idem.Engine, opts *Options) (func(http.Handler) http.Hand
 		return nil, err
 	}
 	return func(next http.Handler) http.Handler {
-		return &handler{e: store, c: c, next: next}
+		return &handler{s: store, c: c, next: next}
 	}, nil
 }
 
 type handler struct {
-	e    *idem.Engine
+	s    idem.Store
 	c    *config
 	next http.Handler
 }
@@ -216,7 +216,7 @@ func (h *handler) serveKey(w http.ResponseWriter, r *http.Request, scope, key st
 		waitUntil = time.Now().Add(h.c.waitInFlight)
 	}
 	for {
-		res, err := h.e.Begin(ctx, h.c.request(scope, id, fp, acked))
+		res, err := h.s.Begin(ctx, h.c.request(scope, id, fp, acked))
 		if err != nil {
 			if errors.Is(err, idem.ErrConflict) {
 				h.ack(ctx, scope, acked)
@@ -235,9 +235,9 @@ func (h *handler) serveKey(w http.ResponseWriter, r *http.Request, scope, key st
 		case idem.InFlight:
 			if left := time.Until(waitUntil); left > 0 {
 				wctx, cancel := context.WithTimeout(ctx, left)
-				_, err := h.e.Wait(wctx, scope, id)
+				_, err := h.s.Wait(wctx, h.c.request(scope, id, fp, nil))
 				cancel()
-				if err == nil {
+				if err == nil || errors.Is(err, idem.ErrConflict) {
 					continue // finished (or its lease ran out): ask again
 				}
 			}
@@ -259,7 +259,7 @@ func (h *handler) ack(ctx context.Context, scope string, acked [][]byte) {
 	if len(acked) == 0 {
 		return
 	}
-	if err := h.e.Ack(ctx, scope, acked...); err != nil && ctx.Err() == nil {
+	if err := h.s.Ack(ctx, scope, acked...); err != nil && ctx.Err() == nil {
 		h.c.log.LogAttrs(ctx, slog.LevelWarn, "idemhttp: acking keys", slog.Int("keys", len(acked)), slog.Any("error", err))
 	}
 }
@@ -310,8 +310,12 @@ func (h *handler) run(w http.ResponseWriter, r *http.Request, key string, body [
 	r2.Body = io.NopCloser(bytes.NewReader(body))
 	r2.ContentLength = int64(len(body))
 	r2.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
-	// Storing and releasing happen even if the client has gone away.
-	bg := context.WithoutCancel(r.Context())
+	// Storing and releasing happen even if the client has gone away: once
+	// a claim exists, Commit and Abort write their record whatever the
+	// context says (idem.Claim); the request's context only bounds how
+	// long a networked store is waited for (its error is then
+	// idem.ErrInDoubt, logged).
+	ctx := r.Context()
 	returned := false
 	defer func() {
 		if returned {
@@ -319,28 +323,29 @@ func (h *handler) run(w http.ResponseWriter, r *http.Request, key string, body [
 		}
 		// The handler panicked: release the key (a retry runs again) and
 		// let the panic go on to net/http.
-		if err := claim.Abort(bg); err != nil {
+		if err := claim.Abort(ctx); err != nil {
 			h.logStore(r, key, "releasing the key of a handler that panicked", err)
 		}
 	}()
 	h.next.ServeHTTP(rec, r2)
 	returned = true
-	h.finish(w, r, key, rec, claim, bg)
+	h.finish(w, r, key, rec, claim)
 }
 
-func (h *handler) finish(w http.ResponseWriter, r *http.Request, key string, rec *recorder, claim *idem.Claim, bg context.Context) {
+func (h *handler) finish(w http.ResponseWriter, r *http.Request, key string, rec *recorder, claim *idem.Claim) {
+	ctx := r.Context()
 	status := rec.finalStatus()
 	switch {
 	case !rec.wroteAny && r.Context().Err() != nil:
 		// The request ended (client gone, a timeout) and the handler gave
 		// up without a response: a failure, the key is released.
-		if err := claim.Abort(bg); err != nil {
+		if err := claim.Abort(ctx); err != nil {
 			h.logStore(r, key, "releasing the key of a canceled request", err)
 		}
 		writeError(w, http.StatusServiceUnavailable, CodeCanceled, detailCanceled, key, h.c.retryAfter)
 	case status >= 500:
 		// A failed request releases its key: the retry runs again.
-		if err := claim.Abort(bg); err != nil {
+		if err := claim.Abort(ctx); err != nil {
 			h.logStore(r, key, "releasing the key of a failed request", err)
 		}
 		if rec.streaming {
@@ -349,20 +354,20 @@ func (h *handler) finish(w http.ResponseWriter, r *http.Request, key string, rec
 			_ = sendStored(w, rec.stored(), false)
 		}
 	case rec.streaming:
-		h.commitNotStored(r, key, claim, bg, status)
+		h.commitNotStored(r, key, claim, status)
 		copyHeader(w.Header(), trailers(rec.snapshot, rec.header))
 	default:
 		s := rec.stored()
 		reply, err := s.Encode()
 		if err == nil {
-			err = claim.Commit(bg, reply)
+			err = claim.Commit(ctx, reply)
 		}
 		if errors.Is(err, idem.ErrInvalidRequest) {
 			// Larger than the engine stores (its MaxReplySize): the key
 			// is kept as handled, its response not replayable.
 			h.c.log.LogAttrs(r.Context(), slog.LevelWarn, "idemhttp: response too large for the engine; stored as not replayable",
 				slog.String("method", r.Method), slog.String("path", r.URL.Path), slog.String("key", key), slog.Int("bytes", len(reply)), slog.Any("error", err))
-			h.commitNotStored(r, key, claim, bg, status)
+			h.commitNotStored(r, key, claim, status)
 		} else if err != nil {
 			h.logStore(r, key, "storing the response (sent anyway)", err)
 		}
@@ -373,11 +378,12 @@ func (h *handler) finish(w http.ResponseWriter, r *http.Request, key string, rec
 // commitNotStored commits the marker of a response too large to store: its
 // status only (a retry gets IDEMPOTENCY_RESPONSE_NOT_STORED, never the
 // handler's header), so the marker itself is always small.
-func (h *handler) commitNotStored(r *http.Request, key string, claim *idem.Claim, bg context.Context, status int) {
+func (h *handler) commitNotStored(r *http.Request, key string, claim *idem.Claim, status int) {
+	ctx := r.Context()
 	m := &StoredResponse{Status: status, NotStored: true}
 	reply, err := m.Encode()
 	if err == nil {
-		err = claim.Commit(bg, reply)
+		err = claim.Commit(ctx, reply)
 	}
 	if err != nil {
 		h.logStore(r, key, "storing the not-replayable marker", err)

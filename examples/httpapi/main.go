@@ -183,8 +183,12 @@ func (s *service) handler() (http.Handler, error) {
 	if err != nil {
 		return nil, err
 	}
+	c, err := idemprom.NewCollector(s.e, nil)
+	if err != nil {
+		return nil, err
+	}
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(idemprom.NewCollector(s.e, nil), collectors.NewGoCollector())
+	reg.MustRegister(c, collectors.NewGoCollector())
 
 	mux := http.NewServeMux()
 	mux.Handle("POST /api/v1/items", s.authenticate(mw(http.HandlerFunc(s.create))))
