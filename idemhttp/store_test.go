@@ -192,7 +192,7 @@ func TestMiddlewareOnAnotherStore(t *testing.T) {
 	if first.status != http.StatusCreated || app.calls.Load() != 1 {
 		t.Fatalf("fresh: %d %s", first.status, first.body)
 	}
-	sameResponse(t, first, post(t, ctx, srv, "k1", item1))                                      // replay
+	sameResponse(t, first, post(t, ctx, srv, "k1", item1))                                         // replay
 	wantError(t, post(t, ctx, srv, "k1", item2), http.StatusConflict, idemhttp.CodeConflict, "k1") // conflict
 
 	// In flight: a second request is told at once; a waiting one gets the
