@@ -50,7 +50,7 @@ const (
 	CodeBodyUnreadable = "REQUEST_BODY_UNREADABLE"
 	// 401: Options.Actor returned an error (or an empty actor).
 	CodeUnauthenticated = "UNAUTHENTICATED"
-	// 503 with Retry-After: the engine is closed, failed, or the request's
+	// 503 with Retry-After: the store is closed, failed, or the request's
 	// context ended before the key could be looked up.
 	CodeStoreUnavailable = "IDEMPOTENCY_STORE_UNAVAILABLE"
 	// 503 with Retry-After: the request ended (the client went away, a
@@ -65,6 +65,9 @@ const (
 // (the Idempotency-Key service's error format):
 //
 //	{"detail": "...", "error_code": "IDEMPOTENCY_KEY_CONFLICT", "idempotency_key": "client-key-123"}
+//
+// idempotency_key echoes the request's key; one longer than MaxKeyLen (an
+// invalid key) is cut to its first 64 bytes followed by "…(<n> bytes)".
 type ErrorBody struct {
 	Detail         string `json:"detail"`
 	ErrorCode      string `json:"error_code"`

@@ -58,7 +58,7 @@ func TestEngineClosedMidRequest(t *testing.T) {
 		t.Fatal("503 without Retry-After")
 	}
 	out := logs.String()
-	if !strings.Contains(out, "storing the response") || !strings.Contains(out, "key=closing") || !strings.Contains(out, "engine unavailable") {
+	if !strings.Contains(out, "storing the response") || !strings.Contains(out, "key=closing") || !strings.Contains(out, "store unavailable") {
 		t.Fatalf("logs:\n%s", out)
 	}
 	if strings.Contains(out, "secret-body-content") {

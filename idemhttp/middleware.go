@@ -245,7 +245,7 @@ func (h *handler) serveKey(w http.ResponseWriter, r *http.Request, scope, key st
 			writeError(w, http.StatusConflict, CodeProcessing, detailProcessing, key, h.c.retryAfter)
 			return
 		default:
-			h.c.log.LogAttrs(ctx, slog.LevelError, "idemhttp: unexpected engine status",
+			h.c.log.LogAttrs(ctx, slog.LevelError, "idemhttp: unexpected store status",
 				slog.String("key", key), slog.String("status", res.Status.String()))
 			writeError(w, http.StatusInternalServerError, CodeInternal, detailInternal, key, 0)
 			return
@@ -274,11 +274,11 @@ func (h *handler) beginError(w http.ResponseWriter, r *http.Request, key string,
 			slog.String("key", key), slog.Any("error", err))
 		writeError(w, http.StatusServiceUnavailable, CodeStoreUnavailable, detailUnavailable, key, h.c.retryAfter)
 	case errors.Is(err, idem.ErrClosed) || errors.Is(err, idem.ErrFailed):
-		h.c.log.LogAttrs(ctx, slog.LevelError, "idemhttp: engine unavailable",
+		h.c.log.LogAttrs(ctx, slog.LevelError, "idemhttp: store unavailable",
 			slog.String("method", r.Method), slog.String("path", r.URL.Path), slog.String("key", key), slog.Any("error", err))
 		writeError(w, http.StatusServiceUnavailable, CodeStoreUnavailable, detailUnavailable, key, h.c.retryAfter)
 	default:
-		h.c.log.LogAttrs(ctx, slog.LevelError, "idemhttp: engine refused the request",
+		h.c.log.LogAttrs(ctx, slog.LevelError, "idemhttp: store refused the request",
 			slog.String("method", r.Method), slog.String("path", r.URL.Path), slog.String("key", key), slog.Any("error", err))
 		writeError(w, http.StatusInternalServerError, CodeInternal, detailInternal, key, 0)
 	}
@@ -390,17 +390,19 @@ func (h *handler) commitNotStored(r *http.Request, key string, claim *idem.Claim
 	}
 }
 
-// logStore logs a failure to store or release a key: the engine failed
-// (the claim stays in doubt until resolved, see the package documentation)
-// or the claim's lease ran out and another request took the key over.
+// logStore logs a failure to store or release a key: the store failed or
+// stopped waiting for the outcome (idem.ErrInDoubt: the claim may stay in
+// doubt until its lease runs out, see the package documentation), or the
+// claim's lease ran out and another request took the key over.
 func (h *handler) logStore(r *http.Request, key, what string, err error) {
 	h.c.log.LogAttrs(r.Context(), slog.LevelError, "idemhttp: "+what,
 		slog.String("method", r.Method), slog.String("path", r.URL.Path), slog.String("key", key), slog.Any("error", err))
 }
 
-// request builds the engine request for a key. The TTL is this
-// middleware's: the engine decides expiry by its own clock
-// (idem.Options.Clock), so every time decision about a key is the engine's.
+// request builds the store request for a key. The TTL is this
+// middleware's: the store decides expiry by its own clock (Store.Now;
+// idem.Options.Clock for the engine), so every time decision about a key
+// is the store's.
 func (c *config) request(scope string, id, fp []byte, acked [][]byte) idem.Request {
 	return idem.Request{Scope: scope, ID: id, Fingerprint: fp, Acked: acked, TTL: c.ttl}
 }

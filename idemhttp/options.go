@@ -14,9 +14,9 @@ type Options struct {
 	// TTL is how long a completed key is replayed: it expires at
 	// created_at + TTL (created_at is when the first request claimed it; a
 	// retry does not extend it), and a request after that, when
-	// expires_at < now by the engine's clock, runs as new. Default 1 hour.
+	// expires_at < now by the store's clock, runs as new. Default 1 hour.
 	// It is this middleware's own: middlewares with different TTLs can
-	// share one engine.
+	// share one store.
 	TTL time.Duration
 
 	// Methods the middleware handles (default POST only). Requests with
@@ -89,7 +89,7 @@ type Options struct {
 	MaxAckedKeys int
 
 	// Logger receives the middleware's warnings and errors (a response that
-	// could not be stored, engine failures). Never the request body.
+	// could not be stored, store failures). Never the request body.
 	// Default slog.Default().
 	Logger *slog.Logger
 }

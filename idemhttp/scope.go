@@ -9,8 +9,8 @@ import (
 
 // Key spaces.
 //
-// Every key is stored under the engine scope ScopeFor(Options.ScopePrefix,
-// actor) with the key's bytes as the id. The engine keeps scope and id
+// Every key is stored under the store scope ScopeFor(Options.ScopePrefix,
+// actor) with the key's bytes as the id. The store keeps scope and id
 // apart (both are length-prefixed in its index), so only the scope string
 // has to be unambiguous. It is
 //
