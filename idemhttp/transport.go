@@ -453,8 +453,8 @@ func (t *Transport) putAcks(dest string, keys []string) {
 	t.pending[dest] = p
 }
 
-// PendingAcks returns how many keys wait to be acked to any server.
-func (t *Transport) PendingAcks() int {
+// pendingAcks returns how many keys wait to be acked to any server.
+func (t *Transport) pendingAcks() int {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	n := 0

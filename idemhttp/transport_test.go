@@ -337,8 +337,8 @@ func TestTransportAcksKeys(t *testing.T) {
 	if status(d.keys[0]) != idem.Absent || status(d.keys[1]) != idem.Done || status(d.keys[2]) != idem.Done {
 		t.Fatal("wrong keys freed")
 	}
-	if tr.PendingAcks() != 1 {
-		t.Fatalf("%d pending acks", tr.PendingAcks())
+	if idemhttp.PendingAcks(tr) != 1 {
+		t.Fatalf("%d pending acks", idemhttp.PendingAcks(tr))
 	}
 	// Bob's request does not carry alice's acks.
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL+itemsPath, strings.NewReader(item1))
