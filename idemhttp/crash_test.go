@@ -1,6 +1,7 @@
 package idemhttp_test
 
 import (
+	"errors"
 	"net/http"
 	"path/filepath"
 	"slices"
@@ -101,6 +102,15 @@ func TestCrashInFlight(t *testing.T) {
 	for k := range paths {
 		wantError(t, send(k), http.StatusConflict, idemhttp.CodeProcessing, k)
 	}
+
+	// An error from decide stops the resolution, the key left as it was.
+	boom := errors.New("records unavailable")
+	if c, a, err := idemhttp.ResolveInDoubt(ctx, e, opts, func(idemhttp.InDoubt) (*idemhttp.StoredResponse, bool, error) {
+		return nil, false, boom
+	}); !errors.Is(err, boom) || c != 0 || a != 0 {
+		t.Fatalf("decide's error: %d committed, %d aborted, %v", c, a, err)
+	}
+	wantError(t, send("crash-abort"), http.StatusConflict, idemhttp.CodeProcessing, "crash-abort")
 
 	// Start-up resolution, as the package documentation shows.
 	var found []string

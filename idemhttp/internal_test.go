@@ -116,6 +116,16 @@ func TestOptionsErrors(t *testing.T) {
 	if m, err := Middleware(nil, nil); m != nil || err == nil || !strings.Contains(err.Error(), "store") {
 		t.Errorf("nil store: %v", err)
 	}
+	// A nil handler is a 500 at request time, never a panic.
+	m, err := Middleware(e, &Options{Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := httptest.NewRecorder()
+	m(nil).ServeHTTP(w, httptest.NewRequest(http.MethodPost, "/x", nil))
+	if w.Code != http.StatusInternalServerError {
+		t.Errorf("nil handler: %d", w.Code)
+	}
 	c, err := newConfig(nil)
 	if err != nil {
 		t.Fatal(err)
