@@ -325,3 +325,24 @@ func TestSeqWindowCrashAtEverySyncPoint(t *testing.T) {
 	}
 	t.Logf("checked %d crash images", len(images))
 }
+
+// TestSeqWindowAdvanceEndsWindow: an advance is not a request of the
+// client; it drops the client's kept replies, older ones included.
+func TestSeqWindowAdvanceEndsWindow(t *testing.T) {
+	e := openMem(t, vfs.NewMem(), nil)
+	defer e.Close()
+	for s := uint64(1); s <= 3; s++ {
+		commitSeq(t, e, "v", s, 3, 0)
+	}
+	expectDone(t, e, "v", 1)
+	if err := e.Advance(bg, Advance{Scope: "svc", Client: "v", Seq: 10}); err != nil {
+		t.Fatal(err)
+	}
+	for s := uint64(1); s <= 10; s++ {
+		expectAlreadyCommitted(t, e, "v", s, 10)
+	}
+	commitSeq(t, e, "v", 11, 3, 0)
+	commitSeq(t, e, "v", 12, 3, 0)
+	expectDone(t, e, "v", 11)
+	expectAlreadyCommitted(t, e, "v", 10, 12)
+}
