@@ -176,6 +176,16 @@ func TestSeqWindowPipelinedRetry(t *testing.T) {
 	}
 	expectAlreadyCommitted(t, e, "p", 1, 11)
 	expectDone(t, e, "p", 2)
+	// Compaction (index made durable, WAL segments removed) keeps them.
+	if _, err := e.Compact(bg); err != nil {
+		t.Fatal(err)
+	}
+	e.Close()
+	e = openMem(t, fs, opts)
+	expectAlreadyCommitted(t, e, "p", 1, 11)
+	for s := uint64(2); s <= 11; s++ {
+		expectDone(t, e, "p", s)
+	}
 
 	var buf bytes.Buffer
 	if _, err := e.Snapshot(bg, &buf); err != nil {
@@ -345,4 +355,31 @@ func TestSeqWindowAdvanceEndsWindow(t *testing.T) {
 	commitSeq(t, e, "v", 12, 3, 0)
 	expectDone(t, e, "v", 11)
 	expectAlreadyCommitted(t, e, "v", 10, 12)
+}
+
+// TestSeqWindowInDoubtClaimKeepsItsWindow: a claim found in flight at Open
+// commits with the window its record asked for (the client entry carries
+// it), moving the previous reply to its sequence key.
+func TestSeqWindowInDoubtClaimKeepsItsWindow(t *testing.T) {
+	fs := vfs.NewMem()
+	e := openMem(t, fs, nil)
+	for s := uint64(1); s <= 3; s++ {
+		commitSeq(t, e, "d", s, 3, 0)
+	}
+	mustBegin(t, e, seqReq("d", 4, 3, 0), Fresh)
+	e.Close() // the claim of 4 stays in flight
+	e = openMem(t, fs, nil)
+	defer e.Close()
+	expectDone(t, e, "d", 3) // kept while 4 is in flight
+	claims, err := e.InDoubt(bg, "")
+	if err != nil || len(claims) != 1 || claims[0].Seq != 4 {
+		t.Fatalf("InDoubt = %+v, %v; want the claim of d/4", claims, err)
+	}
+	if err := claims[0].Claim.Commit(bg, []byte(seqReply("d", 4))); err != nil {
+		t.Fatal(err)
+	}
+	for s := uint64(2); s <= 4; s++ {
+		expectDone(t, e, "d", s)
+	}
+	expectAlreadyCommitted(t, e, "d", 1, 4)
 }
