@@ -72,7 +72,7 @@ type FSM struct {
 	lastIndex atomic.Uint64
 	failed    atomic.Pointer[error]
 
-	applied, duplicates, refused, restores, snapshots atomic.Uint64
+	applied, duplicates, localDuplicates, refused, restores, snapshots atomic.Uint64
 }
 
 // generation is one idem directory under Dir. A new one is made by every
@@ -438,25 +438,31 @@ func (f *FSM) Lookup(req idem.Request) (*Response, bool) {
 	if err != nil || !fpMatch(env.Fingerprint, req.Fingerprint) {
 		return nil, false
 	}
+	f.localDuplicates.Add(1)
 	return env.response(true), true
 }
 
 // Stats are counters of one FSM since Wrap.
 type Stats struct {
 	Applied    uint64 // commands that ran the wrapped FSM
-	Duplicates uint64 // commands answered with a stored reply
-	Refused    uint64 // commands refused (conflict, gap, already committed, invalid)
-	Snapshots  uint64 // snapshots persisted
-	Restores   uint64 // snapshots restored
-	LastIndex  uint64 // last log index applied
-	Time       time.Time
-	Engine     idem.Stats
+	Duplicates uint64 // commands in the log answered with a stored reply (every replica counts them)
+	// LocalDuplicates counts requests answered with a stored reply from
+	// this node's local set by Lookup (and so by Submit, Handler and
+	// Client), without a log append. Only the node that answered counts
+	// them; a duplicate is counted in Duplicates or here, never in both.
+	LocalDuplicates uint64
+	Refused         uint64 // commands refused (conflict, gap, already committed, invalid)
+	Snapshots       uint64 // snapshots persisted
+	Restores        uint64 // snapshots restored
+	LastIndex       uint64 // last log index applied
+	Time            time.Time
+	Engine          idem.Stats
 }
 
 // Stats returns the FSM's counters and its dedup engine's.
 func (f *FSM) Stats() Stats {
 	s := Stats{
-		Applied: f.applied.Load(), Duplicates: f.duplicates.Load(), Refused: f.refused.Load(),
+		Applied: f.applied.Load(), Duplicates: f.duplicates.Load(), LocalDuplicates: f.localDuplicates.Load(), Refused: f.refused.Load(),
 		Snapshots: f.snapshots.Load(), Restores: f.restores.Load(), LastIndex: f.lastIndex.Load(), Time: f.clock(),
 	}
 	f.mu.RLock()
