@@ -292,7 +292,11 @@ func (n clusterNode) Submit(ctx context.Context, cmd []byte) (*Response, error) 
 	if !up {
 		return nil, errNodeDown
 	}
-	return LocalNode(n.nd.id, r, f).Submit(ctx, cmd)
+	ln, err := LocalNode(n.nd.id, r, f)
+	if err != nil {
+		return nil, err
+	}
+	return ln.Submit(ctx, cmd)
 }
 
 func (c *cluster) client() *Client {
@@ -300,7 +304,9 @@ func (c *cluster) client() *Client {
 	for _, nd := range c.nodes {
 		nodes = append(nodes, clusterNode{nd})
 	}
-	cl := NewClient(nodes...)
-	cl.Attempt = 2 * time.Second
+	cl, err := NewClient(nodes, &ClientOptions{Attempt: 2 * time.Second})
+	if err != nil {
+		c.t.Fatal(err)
+	}
 	return cl
 }

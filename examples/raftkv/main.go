@@ -120,6 +120,7 @@ type node struct {
 	app       *store
 	bolt      *raftboltdb.BoltStore
 	proxy     *httputil.ReverseProxy // to the leader's HTTP address
+	apply     http.Handler           // idemraft.Handler, for idemraft.HTTPNode clients
 	stopOnce  sync.Once
 }
 
@@ -141,13 +142,30 @@ func (l *streamLayer) Dial(a raft.ServerAddress, timeout time.Duration) (net.Con
 // start runs the node self of peers with its state in dir; raft serves on
 // rl (bound to self's raft address by the caller) and start owns it from
 // then on, also when it fails.
-func start(self raft.ServerID, dir string, peers []peer, rl net.Listener) (n *node, err error) {
+func start(self raft.ServerID, dir string, peers []peer, rl net.Listener) (_ *node, err error) {
+	n := &node{peers: peers, app: &store{vals: map[string]int64{}}}
+	var trans *raft.NetworkTransport
 	defer func() {
-		if err != nil {
-			rl.Close()
+		if err == nil {
+			return
+		}
+		switch {
+		case n.r != nil:
+			n.stop() // closes rl with the transport
+		default:
+			if n.fsm != nil {
+				n.fsm.Close()
+			}
+			if n.bolt != nil {
+				n.bolt.Close()
+			}
+			if trans != nil {
+				trans.Close() // and rl
+			} else {
+				rl.Close()
+			}
 		}
 	}()
-	n = &node{peers: peers, app: &store{vals: map[string]int64{}}}
 	for _, p := range peers {
 		if p.id == self {
 			n.self = p
@@ -176,7 +194,7 @@ func start(self raft.ServerID, dir string, peers []peer, rl net.Listener) (n *no
 	if err != nil {
 		return nil, fmt.Errorf("raft address %s: %w", n.self.raft, err)
 	}
-	trans := raft.NewNetworkTransportWithConfig(&raft.NetworkTransportConfig{
+	trans = raft.NewNetworkTransportWithConfig(&raft.NetworkTransportConfig{
 		Stream: &streamLayer{Listener: rl, advertise: advertise}, MaxPool: 3, Timeout: 5 * time.Second, Logger: logger,
 	})
 	if n.fsm, err = idemraft.Wrap(n.app, &idemraft.Options{Dir: filepath.Join(dir, "dedup")}); err != nil {
@@ -196,6 +214,9 @@ func start(self raft.ServerID, dir string, peers []peer, rl net.Listener) (n *no
 		}
 	}
 	if n.r, err = raft.NewRaft(conf, n.fsm, n.bolt, n.bolt, snaps, trans); err != nil {
+		return nil, err
+	}
+	if n.apply, err = idemraft.Handler(n.self.id, n.r, n.fsm); err != nil {
 		return nil, err
 	}
 	n.proxy = &httputil.ReverseProxy{
@@ -320,7 +341,7 @@ func (n *node) routes() http.Handler {
 			"duplicates": st.LocalDuplicates + st.Duplicates, "dedup_entries": st.Engine.LiveEntries})
 	})
 	// The generic idemraft endpoint, for idemraft.HTTPNode clients.
-	mux.Handle("POST /idemraft/apply", idemraft.Handler(n.self.id, n.r, n.fsm))
+	mux.Handle("POST /idemraft/apply", n.apply)
 	return mux
 }
 
