@@ -38,10 +38,13 @@ func (e *NotLeaderError) Is(target error) bool { return target == raft.ErrNotLea
 //   - otherwise the command is appended with raft's Apply and the Response
 //     of its application is returned.
 //
-// Errors other than a *Response's Err mean the outcome is unknown (the
-// entry may or may not be committed: raft.ErrLeadershipLost, a timeout):
-// retry the same command, on the leader, until a Response comes back.
-// Client does that.
+// Where the entry was appended and its outcome is unknown (ctx ended
+// while waiting for it, raft.ErrLeadershipLost, raft.ErrRaftShutdown),
+// the error matches idem.ErrInDoubt (and the cause, ctx's error or raft's):
+// the entry may or may not be committed. Retry the same command, on the
+// leader, until a Response comes back: a committed one is then answered
+// with its stored reply, and runs once. Client does that. Other errors
+// (*NotLeaderError, raft.ErrEnqueueTimeout) mean nothing was appended.
 func Submit(ctx context.Context, r *raft.Raft, f *FSM, cmd []byte) (*Response, error) {
 	if r == nil || f == nil {
 		return nil, errors.New("idemraft: Submit: nil *raft.Raft or *FSM")
@@ -74,12 +77,15 @@ func Submit(ctx context.Context, r *raft.Raft, f *FSM, cmd []byte) (*Response, e
 	select {
 	case err = <-done:
 	case <-ctx.Done():
-		return nil, fmt.Errorf("idemraft: waiting for the entry to be applied: %w (outcome unknown: retry the same command)", ctx.Err())
+		return nil, fmt.Errorf("idemraft: waiting for the entry to be applied: %w: %w (retry the same command)", idem.ErrInDoubt, ctx.Err())
 	}
 	if err != nil {
 		if errors.Is(err, raft.ErrNotLeader) {
 			_, id := r.LeaderWithID()
 			return nil, &NotLeaderError{Leader: id}
+		}
+		if errors.Is(err, raft.ErrLeadershipLost) || errors.Is(err, raft.ErrRaftShutdown) {
+			return nil, fmt.Errorf("idemraft: %w: %w (retry the same command)", idem.ErrInDoubt, err)
 		}
 		return nil, err
 	}

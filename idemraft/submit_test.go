@@ -69,3 +69,53 @@ func TestSubmitDuplicateAppendsNothing(t *testing.T) {
 		t.Fatalf("a duplicate reached the application %d times", n)
 	}
 }
+
+// TestSubmitInDoubt: a Submit that stops waiting for its entry (ctx ended:
+// the leader is cut off, nothing commits) reports the outcome unknown
+// (idem.ErrInDoubt, and ctx's error); the same request sent again once the
+// cluster heals is answered and runs once, whether the first append
+// survived or not.
+func TestSubmitInDoubt(t *testing.T) {
+	// Long timeouts: the cut-off leader keeps believing it leads (and
+	// appends) for over a second.
+	c := newCluster(t, 3, clusterOpts{wrap: true, timeout: 2 * time.Second})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	req := idem.Request{Scope: "s", ID: []byte("doubt-1")}
+	cmd, err := Command(req, encodeOp(counterOp{ID: "doubt-1", Key: "k", Delta: 1}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for {
+		l := c.waitLeader(30 * time.Second)
+		r, f, _, _ := l.current()
+		c.partition(l, true)
+		wctx, wcancel := context.WithTimeout(ctx, 100*time.Millisecond)
+		_, err := Submit(wctx, r, f, cmd)
+		wcancel()
+		c.partition(l, false)
+		var nl *NotLeaderError
+		if errors.As(err, &nl) && ctx.Err() == nil {
+			continue // it stepped down before the append (a stalled machine): again
+		}
+		if !errors.Is(err, idem.ErrInDoubt) || !errors.Is(err, context.DeadlineExceeded) {
+			t.Fatalf("Submit that stopped waiting: %v, want idem.ErrInDoubt and context.DeadlineExceeded", err)
+		}
+		break
+	}
+	resp, err := c.client().DoCommand(ctx, cmd)
+	if err != nil || resp.Err != nil {
+		t.Fatal(err, resp)
+	}
+	// Duplicate or not: the healed leader may have committed the first
+	// append after all (then the retry gets its stored reply), or a new
+	// leader dropped it (then the retry runs it).
+	if val(t, resp) != 1 {
+		t.Fatalf("the retry: %+v", resp)
+	}
+	for _, st := range c.converge(t, ctx) {
+		if n := st.Applied["doubt-1"]; n != 1 {
+			t.Fatalf("applied %d times", n)
+		}
+	}
+}
