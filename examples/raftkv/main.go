@@ -274,8 +274,9 @@ func (n *node) forward(w http.ResponseWriter, req *http.Request, leader raft.Ser
 	}
 	for _, p := range n.peers {
 		if p.id == leader {
-			ctx := context.WithValue(req.Context(), leaderKey{}, p)
-			n.proxy.ServeHTTP(w, req.WithContext(ctx))
+			ctx, cancel := context.WithTimeout(req.Context(), 10*time.Second) // as Submit's
+			defer cancel()
+			n.proxy.ServeHTTP(w, req.WithContext(context.WithValue(ctx, leaderKey{}, p)))
 			return
 		}
 	}
