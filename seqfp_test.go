@@ -1,0 +1,132 @@
+package idem
+
+import (
+	"errors"
+	"testing"
+
+	"github.com/cockroachdb/pebble/v2/vfs"
+)
+
+// TestSequenceFingerprints: in sequence mode the fingerprint is checked as
+// in id mode, for the committed number whose reply is kept and for the
+// number in flight. A retry of client c's seq N with another fingerprint
+// is ErrConflict; with the same one it is Done (committed) or InFlight; a
+// retry without a fingerprint is unchecked and matches; a request with a
+// fingerprint never matches an entry stored without one. A conflict
+// changes nothing: the claim still commits, the number still moves on. The
+// same answers hold after a reopen (the fingerprints are in the log).
+func TestSequenceFingerprints(t *testing.T) {
+	fs := vfs.NewMem()
+	e := openMem(t, fs, nil)
+	defer func() { e.Close() }()
+	seq := func(client string, n uint64, fp string) Request {
+		r := Request{Scope: "s", Client: client, Seq: n}
+		if fp != "" {
+			r.Fingerprint = []byte(fp)
+		}
+		return r
+	}
+	conflict := func(r Request, what string) {
+		t.Helper()
+		res, err := e.Begin(bg, r)
+		if !errors.Is(err, ErrConflict) {
+			t.Fatalf("%s: client %s seq %d fingerprint %q: got %v %v, want ErrConflict", what, r.Client, r.Seq, r.Fingerprint, res.Status, err)
+		}
+	}
+	conflicts := uint64(0)
+
+	// In flight, claimed with fingerprint A.
+	claim := mustBegin(t, e, seq("c", 1, "A"), Fresh)
+	conflict(seq("c", 1, "B"), "in flight, other fingerprint")
+	conflicts++
+	mustBegin(t, e, seq("c", 1, "A"), InFlight)
+	mustBegin(t, e, seq("c", 1, ""), InFlight) // unchecked
+	if err := claim.Claim.Commit(bg, id("r1")); err != nil {
+		t.Fatalf("commit after a conflict: %v", err)
+	}
+
+	// Committed with fingerprint A, reply kept.
+	check := func() {
+		t.Helper()
+		conflict(seq("c", 1, "B"), "committed, other fingerprint")
+		if d := mustBegin(t, e, seq("c", 1, "A"), Done); string(d.Reply) != "r1" || d.Seq != 1 {
+			t.Fatalf("same fingerprint: %+v", d)
+		}
+		if d := mustBegin(t, e, seq("c", 1, ""), Done); string(d.Reply) != "r1" {
+			t.Fatalf("unchecked retry: %+v", d)
+		}
+	}
+	check()
+	conflicts++
+
+	// Stored without a fingerprint: a checked request never matches it,
+	// in flight or committed; unchecked ones do.
+	claim = mustBegin(t, e, seq("u", 1, ""), Fresh)
+	conflict(seq("u", 1, "A"), "in flight without a fingerprint, asked with one")
+	conflicts++
+	mustBegin(t, e, seq("u", 1, ""), InFlight)
+	if err := claim.Claim.Commit(bg, id("u1")); err != nil {
+		t.Fatal(err)
+	}
+	conflict(seq("u", 1, "A"), "committed without a fingerprint, asked with one")
+	conflicts++
+	if d := mustBegin(t, e, seq("u", 1, ""), Done); string(d.Reply) != "u1" {
+		t.Fatalf("unchecked retry: %+v", d)
+	}
+
+	// An empty fingerprint is no fingerprint.
+	claim = mustBegin(t, e, Request{Scope: "s", Client: "e", Seq: 1, Fingerprint: []byte{}}, Fresh)
+	mustBegin(t, e, seq("e", 1, ""), InFlight)
+	conflict(seq("e", 1, "A"), "claimed with an empty fingerprint, asked with one")
+	conflicts++
+	if err := claim.Claim.Abort(bg); err != nil {
+		t.Fatal(err)
+	}
+
+	if st := e.Stats(); st.Conflicts != conflicts {
+		t.Fatalf("Stats.Conflicts %d, want %d", st.Conflicts, conflicts)
+	}
+	if n, err := e.ClientState("s", "c"); err != nil || n != 1 {
+		t.Fatalf("client c at %d (%v), want 1: a conflict must not move it", n, err)
+	}
+
+	// The next number is checked against its own claim, not the last one.
+	claim = mustBegin(t, e, seq("c", 2, "B"), Fresh)
+	conflict(seq("c", 2, "A"), "next number in flight, the last number's fingerprint")
+	mustBegin(t, e, seq("c", 2, "B"), InFlight)
+
+	// After a reopen the claim of c/2 is in doubt, c/1's reply was dropped
+	// by that claim (starting N+1 promises N is never retried), and u/1 is
+	// still kept with no fingerprint.
+	e.Close()
+	e = openMem(t, fs, nil)
+	conflict(seq("c", 2, "A"), "in doubt after reopen, other fingerprint")
+	mustBegin(t, e, seq("c", 2, "B"), InFlight)
+	mustBegin(t, e, seq("c", 2, ""), InFlight)
+	conflict(seq("u", 1, "A"), "committed without a fingerprint, after reopen")
+	if d := mustBegin(t, e, seq("u", 1, ""), Done); string(d.Reply) != "u1" {
+		t.Fatalf("after reopen: %+v", d)
+	}
+	if _, err := e.Begin(bg, seq("c", 1, "A")); !errors.Is(err, ErrAlreadyCommitted) {
+		t.Fatalf("c/1 after c/2 was claimed: %v, want ErrAlreadyCommitted", err)
+	}
+}
+
+// TestSequenceFingerprintsSurviveReopen: a committed number's fingerprint
+// is in its commit's entry, so a reopen (replay from the log) keeps the
+// check: the same client and number with another fingerprint is still
+// ErrConflict, the same one Done.
+func TestSequenceFingerprintsSurviveReopen(t *testing.T) {
+	fs := vfs.NewMem()
+	e := openMem(t, fs, nil)
+	commitID(t, e, Request{Client: "c", Seq: 1, Fingerprint: id("A")}, "r1")
+	e.Close()
+	e = openMem(t, fs, nil)
+	defer e.Close()
+	if _, err := e.Begin(bg, Request{Client: "c", Seq: 1, Fingerprint: id("B")}); !errors.Is(err, ErrConflict) {
+		t.Fatalf("after reopen, other fingerprint: %v, want ErrConflict", err)
+	}
+	if d := mustBegin(t, e, Request{Client: "c", Seq: 1, Fingerprint: id("A")}, Done); string(d.Reply) != "r1" {
+		t.Fatalf("after reopen: %+v", d)
+	}
+}
