@@ -232,7 +232,9 @@ func observeEngine(t *testing.T, e *Engine) string {
 }
 
 // lookupID is Engine.Lookup of an id-mode request.
-func lookupID(e *Engine, scope string, id []byte) (Result, error) { return e.Lookup(scope, id) }
+func lookupID(e *Engine, scope string, id []byte) (Result, error) {
+	return e.Lookup(bg, Request{Scope: scope, ID: id})
+}
 
 // crashImage is one crash image with the states it may hold.
 type crashImage struct {

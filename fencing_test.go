@@ -42,6 +42,9 @@ func TestLeaseBoundaryExact(t *testing.T) {
 			}
 
 			clk.Set(until.Add(-time.Nanosecond))
+			if l, err := e.Lookup(bg, tc.req); err != nil || l.Status != InFlight || !l.LeaseUntil.Equal(until) {
+				t.Fatalf("Lookup 1ns before the lease ends: %v until %v, %v", l.Status, l.LeaseUntil, err)
+			}
 			in := mustBegin(t, e, tc.req, InFlight)
 			if !in.LeaseUntil.Equal(until) {
 				t.Fatalf("in flight until %v, want %v", in.LeaseUntil, until)
@@ -51,6 +54,11 @@ func TestLeaseBoundaryExact(t *testing.T) {
 			}
 
 			clk.Set(until)
+			// A read does not take over: the claim, not taken over yet, is
+			// still in flight (its owner may still commit), its lease over.
+			if l, err := e.Lookup(bg, tc.req); err != nil || l.Status != InFlight || !l.LeaseUntil.Equal(until) {
+				t.Fatalf("Lookup at the lease's end: %v until %v, %v", l.Status, l.LeaseUntil, err)
+			}
 			nw := mustBegin(t, e, tc.req, Fresh)
 			if want := until.Add(lease); !nw.LeaseUntil.Equal(want) {
 				t.Fatalf("new lease until %v, want %v", nw.LeaseUntil, want)
@@ -105,12 +113,12 @@ func TestReplayRefusesStaleFinish(t *testing.T) {
 			if err := e.Close(); err != nil {
 				t.Fatal(err)
 			}
-			if old.Claim.lsn != 1 {
-				t.Fatalf("the first claim is at LSN %d", old.Claim.lsn)
+			if old.Claim.ec.lsn != 1 {
+				t.Fatalf("the first claim is at LSN %d", old.Claim.ec.lsn)
 			}
 			// What Commit (or Abort) of the old claim would append without
 			// the engine's own check.
-			op := &wal.Op{Type: typ, ID: id("x"), ClaimLSN: old.Claim.lsn, Time: clk.Now().UnixNano()}
+			op := &wal.Op{Type: typ, ID: id("x"), ClaimLSN: old.Claim.ec.lsn, Time: clk.Now().UnixNano()}
 			if typ == wal.OpCommit {
 				op.Reply = id("old")
 			}

@@ -26,12 +26,25 @@ func TestSequenceFingerprints(t *testing.T) {
 		}
 		return r
 	}
+	// conflict checks that Begin and Lookup (which answers what Begin
+	// would) both refuse r.
 	conflict := func(r Request, what string) {
 		t.Helper()
 		res, err := e.Begin(bg, r)
 		if !errors.Is(err, ErrConflict) {
 			t.Fatalf("%s: client %s seq %d fingerprint %q: got %v %v, want ErrConflict", what, r.Client, r.Seq, r.Fingerprint, res.Status, err)
 		}
+		if res, err := e.Lookup(bg, r); !errors.Is(err, ErrConflict) {
+			t.Fatalf("%s: Lookup of client %s seq %d fingerprint %q: got %v %v, want ErrConflict", what, r.Client, r.Seq, r.Fingerprint, res.Status, err)
+		}
+	}
+	// says checks what Lookup answers, then Begin.
+	says := func(r Request, want Status) Result {
+		t.Helper()
+		if res, err := e.Lookup(bg, r); err != nil || res.Status != want {
+			t.Fatalf("Lookup of client %s seq %d fingerprint %q: %v %v, want %v", r.Client, r.Seq, r.Fingerprint, res.Status, err, want)
+		}
+		return mustBegin(t, e, r, want)
 	}
 	conflicts := uint64(0)
 
@@ -39,8 +52,8 @@ func TestSequenceFingerprints(t *testing.T) {
 	claim := mustBegin(t, e, seq("c", 1, "A"), Fresh)
 	conflict(seq("c", 1, "B"), "in flight, other fingerprint")
 	conflicts++
-	mustBegin(t, e, seq("c", 1, "A"), InFlight)
-	mustBegin(t, e, seq("c", 1, ""), InFlight) // unchecked
+	says(seq("c", 1, "A"), InFlight)
+	says(seq("c", 1, ""), InFlight) // unchecked
 	if err := claim.Claim.Commit(bg, id("r1")); err != nil {
 		t.Fatalf("commit after a conflict: %v", err)
 	}
@@ -49,10 +62,10 @@ func TestSequenceFingerprints(t *testing.T) {
 	check := func() {
 		t.Helper()
 		conflict(seq("c", 1, "B"), "committed, other fingerprint")
-		if d := mustBegin(t, e, seq("c", 1, "A"), Done); string(d.Reply) != "r1" || d.Seq != 1 {
+		if d := says(seq("c", 1, "A"), Done); string(d.Reply) != "r1" || d.Seq != 1 {
 			t.Fatalf("same fingerprint: %+v", d)
 		}
-		if d := mustBegin(t, e, seq("c", 1, ""), Done); string(d.Reply) != "r1" {
+		if d := says(seq("c", 1, ""), Done); string(d.Reply) != "r1" {
 			t.Fatalf("unchecked retry: %+v", d)
 		}
 	}
@@ -64,19 +77,19 @@ func TestSequenceFingerprints(t *testing.T) {
 	claim = mustBegin(t, e, seq("u", 1, ""), Fresh)
 	conflict(seq("u", 1, "A"), "in flight without a fingerprint, asked with one")
 	conflicts++
-	mustBegin(t, e, seq("u", 1, ""), InFlight)
+	says(seq("u", 1, ""), InFlight)
 	if err := claim.Claim.Commit(bg, id("u1")); err != nil {
 		t.Fatal(err)
 	}
 	conflict(seq("u", 1, "A"), "committed without a fingerprint, asked with one")
 	conflicts++
-	if d := mustBegin(t, e, seq("u", 1, ""), Done); string(d.Reply) != "u1" {
+	if d := says(seq("u", 1, ""), Done); string(d.Reply) != "u1" {
 		t.Fatalf("unchecked retry: %+v", d)
 	}
 
 	// An empty fingerprint is no fingerprint.
 	claim = mustBegin(t, e, Request{Scope: "s", Client: "e", Seq: 1, Fingerprint: []byte{}}, Fresh)
-	mustBegin(t, e, seq("e", 1, ""), InFlight)
+	says(seq("e", 1, ""), InFlight)
 	conflict(seq("e", 1, "A"), "claimed with an empty fingerprint, asked with one")
 	conflicts++
 	if err := claim.Claim.Abort(bg); err != nil {
@@ -86,14 +99,14 @@ func TestSequenceFingerprints(t *testing.T) {
 	if st := e.Stats(); st.Conflicts != conflicts {
 		t.Fatalf("Stats.Conflicts %d, want %d", st.Conflicts, conflicts)
 	}
-	if n, err := e.ClientState("s", "c"); err != nil || n != 1 {
+	if n, err := e.ClientState(bg, "s", "c"); err != nil || n != 1 {
 		t.Fatalf("client c at %d (%v), want 1: a conflict must not move it", n, err)
 	}
 
 	// The next number is checked against its own claim, not the last one.
 	claim = mustBegin(t, e, seq("c", 2, "B"), Fresh)
 	conflict(seq("c", 2, "A"), "next number in flight, the last number's fingerprint")
-	mustBegin(t, e, seq("c", 2, "B"), InFlight)
+	says(seq("c", 2, "B"), InFlight)
 
 	// After a reopen the claim of c/2 is in doubt, c/1's reply was dropped
 	// by that claim (starting N+1 promises N is never retried), and u/1 is
@@ -101,10 +114,10 @@ func TestSequenceFingerprints(t *testing.T) {
 	e.Close()
 	e = openMem(t, fs, nil)
 	conflict(seq("c", 2, "A"), "in doubt after reopen, other fingerprint")
-	mustBegin(t, e, seq("c", 2, "B"), InFlight)
-	mustBegin(t, e, seq("c", 2, ""), InFlight)
+	says(seq("c", 2, "B"), InFlight)
+	says(seq("c", 2, ""), InFlight)
 	conflict(seq("u", 1, "A"), "committed without a fingerprint, after reopen")
-	if d := mustBegin(t, e, seq("u", 1, ""), Done); string(d.Reply) != "u1" {
+	if d := says(seq("u", 1, ""), Done); string(d.Reply) != "u1" {
 		t.Fatalf("after reopen: %+v", d)
 	}
 	if _, err := e.Begin(bg, seq("c", 1, "A")); !errors.Is(err, ErrAlreadyCommitted) {
