@@ -143,3 +143,52 @@ func TestSequenceFingerprintsSurviveReopen(t *testing.T) {
 		t.Fatalf("after reopen: %+v", d)
 	}
 }
+
+// TestSequenceFingerprintsInReplyWindow: an older number whose reply the
+// client's reply window keeps (Request.KeepReplies) is checked like the
+// last one: another fingerprint is ErrConflict (Begin and Lookup), the
+// same one or none is Done with that number's own reply, and a checked
+// retry of a number stored without a fingerprint is ErrConflict.
+func TestSequenceFingerprintsInReplyWindow(t *testing.T) {
+	e := openMem(t, vfs.NewMem(), nil)
+	defer e.Close()
+	req := func(n uint64, fp string) Request {
+		r := Request{Scope: "s", Client: "w", Seq: n, KeepReplies: 3}
+		if fp != "" {
+			r.Fingerprint = []byte(fp)
+		}
+		return r
+	}
+	commitID(t, e, req(1, "A"), "r1")
+	commitID(t, e, req(2, ""), "r2")
+	commitID(t, e, req(3, "C"), "r3")
+	for _, tc := range []struct {
+		n      uint64
+		fp     string
+		reply  string // "" = ErrConflict
+		reason string
+	}{
+		{1, "B", "", "older number, other fingerprint"},
+		{1, "A", "r1", "older number, same fingerprint"},
+		{1, "", "r1", "older number, unchecked"},
+		{2, "A", "", "older number stored without a fingerprint, asked with one"},
+		{2, "", "r2", "older number stored without a fingerprint, unchecked"},
+		{3, "A", "", "last number, other fingerprint"},
+	} {
+		for _, call := range []string{"Lookup", "Begin"} {
+			var res Result
+			var err error
+			if call == "Lookup" {
+				res, err = e.Lookup(bg, req(tc.n, tc.fp))
+			} else {
+				res, err = e.Begin(bg, req(tc.n, tc.fp))
+			}
+			switch {
+			case tc.reply == "" && !errors.Is(err, ErrConflict):
+				t.Fatalf("%s: %s of seq %d fingerprint %q: %v %v, want ErrConflict", tc.reason, call, tc.n, tc.fp, res.Status, err)
+			case tc.reply != "" && (err != nil || res.Status != Done || string(res.Reply) != tc.reply || res.Seq != tc.n):
+				t.Fatalf("%s: %s of seq %d fingerprint %q: %v %q seq %d %v, want done %q", tc.reason, call, tc.n, tc.fp, res.Status, res.Reply, res.Seq, err, tc.reply)
+			}
+		}
+	}
+}
