@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -262,7 +263,7 @@ func redisFeed(t *testing.T, ctx context.Context, rdb *redis.Client, stream stri
 	return brokerFeed{
 		newSource: func(name string) Source {
 			src, err := NewRedisStreamSource(ctx, rdb, RedisStreamOptions{Stream: stream, Group: "ledger", Consumer: name,
-				Block: 100 * time.Millisecond, ClaimMinIdle: 300 * time.Millisecond})
+				Block: 100 * time.Millisecond, CheckpointPeriod: 200 * time.Millisecond, ClaimMinIdle: 300 * time.Millisecond})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -350,6 +351,50 @@ func TestRedisStreamsExactlyOnce(t *testing.T) {
 	ids := brokerEvents(200, 10)
 	f := redisFeed(t, ctx, startRedis(t), "orders", ids)
 	runBrokerScenario(t, ctx, ids, f.newSource, f.done)
+}
+
+// TestRedisClaimIdleExceedsCheckpointPeriod: entries stay pending until
+// their checkpoint commits, so a claim idle time not above the checkpoint
+// period is refused (naming both values) before anything touches Redis;
+// unset, it is derived from the period.
+func TestRedisClaimIdleExceedsCheckpointPeriod(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	// No server behind this address: a refused configuration must not get
+	// as far as connecting.
+	nowhere := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1})
+	defer nowhere.Close()
+	for _, c := range []struct {
+		period, idle time.Duration
+		want         []string
+	}{
+		{time.Second, 300 * time.Millisecond, []string{"ClaimMinIdle 300ms", "CheckpointPeriod 1s"}},
+		{time.Second, time.Second, []string{"ClaimMinIdle 1s", "CheckpointPeriod 1s"}},
+		{0, 10 * time.Second, []string{"ClaimMinIdle 10s", "CheckpointPeriod 30s"}}, // the default period
+		{50 * time.Millisecond, 0, []string{"CheckpointPeriod 50ms", "Block 1s"}},
+	} {
+		_, err := NewRedisStreamSource(ctx, nowhere, RedisStreamOptions{Stream: "s", Group: "g", Consumer: "c",
+			CheckpointPeriod: c.period, ClaimMinIdle: c.idle})
+		if err == nil {
+			t.Fatalf("period %v, claim idle %v: accepted", c.period, c.idle)
+		}
+		for _, w := range c.want {
+			if !strings.Contains(err.Error(), w) {
+				t.Fatalf("period %v, claim idle %v: error %q does not name %q", c.period, c.idle, err, w)
+			}
+		}
+	}
+	rdb := startRedis(t)
+	src, err := NewRedisStreamSource(ctx, rdb, RedisStreamOptions{Stream: "s", Group: "g", Consumer: "c", CheckpointPeriod: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if src.opts.ClaimMinIdle != 4*time.Second {
+		t.Fatalf("derived claim idle %v, want twice the period", src.opts.ClaimMinIdle)
+	}
+	if src, err = NewRedisStreamSource(ctx, rdb, RedisStreamOptions{Stream: "s", Group: "g", Consumer: "d", ClaimMinIdle: -1}); err != nil || src.opts.ClaimMinIdle > 0 {
+		t.Fatalf("claiming off: %v %v", src, err)
+	}
 }
 
 func TestRedisOffset(t *testing.T) {

@@ -18,11 +18,19 @@ type RedisStreamOptions struct {
 	Consumer string // this consumer's name in the group (required)
 	// Block bounds how long Fetch waits for new entries (default 1 s).
 	Block time.Duration
+	// CheckpointPeriod is the longest an entry stays pending between its
+	// delivery and its ack: the batch interval (Block) plus the drain
+	// (applying the batch, or running its checkpoint, then acking). The
+	// consumers acknowledge only after the commit, so every entry of a
+	// batch stays pending that long. Default 30 s; at least Block.
+	CheckpointPeriod time.Duration
 	// ClaimMinIdle: entries pending on other consumers for longer than
 	// this are taken over with XAUTOCLAIM (a consumer that died or
-	// stalls). Zero turns claiming off. Choose it longer than a batch
-	// takes; a claimed entry whose first delivery is still running is
-	// reported Busy by the sink and left pending, never run twice.
+	// stalls). It must exceed CheckpointPeriod, or entries are claimed
+	// by another consumer in the middle of a checkpoint (NewRedisStreamSource
+	// refuses that); zero means twice CheckpointPeriod; negative turns
+	// claiming off. A claimed entry whose first delivery is still running
+	// is reported Busy by the sink and left pending, never run twice.
 	ClaimMinIdle time.Duration
 	// IDField names the entry field holding the stable event id (default
 	// "id"); entries without it get "<stream>/<entry id>".
@@ -56,6 +64,18 @@ func NewRedisStreamSource(ctx context.Context, rdb redis.UniversalClient, opts R
 	}
 	if opts.Block <= 0 {
 		opts.Block = time.Second
+	}
+	if opts.CheckpointPeriod <= 0 {
+		opts.CheckpointPeriod = max(30*time.Second, opts.Block)
+	}
+	if opts.CheckpointPeriod < opts.Block {
+		return nil, fmt.Errorf("idemstream: RedisStreamOptions.CheckpointPeriod %v is shorter than Block %v: a batch waits up to Block before its checkpoint starts", opts.CheckpointPeriod, opts.Block)
+	}
+	switch {
+	case opts.ClaimMinIdle == 0:
+		opts.ClaimMinIdle = 2 * opts.CheckpointPeriod
+	case opts.ClaimMinIdle > 0 && opts.ClaimMinIdle <= opts.CheckpointPeriod:
+		return nil, fmt.Errorf("idemstream: RedisStreamOptions.ClaimMinIdle %v must exceed CheckpointPeriod %v: entries stay pending until their checkpoint is committed, so other consumers would claim them mid-checkpoint", opts.ClaimMinIdle, opts.CheckpointPeriod)
 	}
 	if opts.IDField == "" {
 		opts.IDField = "id"
