@@ -1,9 +1,11 @@
 package idemstream
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"os"
 	"os/exec"
@@ -19,6 +21,8 @@ import (
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -186,7 +190,7 @@ func TestJetStreamExactlyOnce(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 45*time.Second)
 	defer cancel()
 	ids := brokerEvents(200, 10)
-	f := jetStreamFeed(t, ctx, ids)
+	f := jetStreamFeed(t, ctx, pubsOf(ids))
 	runBrokerScenario(t, ctx, ids, f.newSource, f.done)
 	info, err := f.cons.Info(ctx)
 	if err != nil {
@@ -199,18 +203,35 @@ func TestJetStreamExactlyOnce(t *testing.T) {
 }
 
 // brokerFeed is a stream on a real broker with the events published: the
-// sources that read it (one per consumer name) and whether every event
-// was acked.
+// sources that read it (one per consumer name), whether every event was
+// acked, and the dead letters of the terminated ones.
 type brokerFeed struct {
-	newSource func(name string) Source
-	done      func() bool
-	cons      jetstream.Consumer // JetStream only
+	newSource   func(name string) Source
+	done        func() bool
+	deadLetters func() []deadLetter
+	cons        jetstream.Consumer // JetStream only
 }
 
+// pub is one message published to a feed: an event id and its payload.
+type pub struct{ id, data string }
+
+// pubsOf publishes each id with the payload "payload-of-<id>".
+func pubsOf(ids []string) []pub {
+	ps := make([]pub, len(ids))
+	for i, id := range ids {
+		ps[i] = pub{id, "payload-of-" + id}
+	}
+	return ps
+}
+
+// deadLetter is a message found on a dead-letter destination.
+type deadLetter struct{ id, data, reason string }
+
 // jetStreamFeed starts an embedded NATS server with JetStream, publishes
-// ids (with the id in the Event-Id header) to the stream ORDERS, and reads
-// them with a durable pull consumer whose AckWait is 300 ms.
-func jetStreamFeed(t *testing.T, ctx context.Context, ids []string) brokerFeed {
+// msgs (with the id in the Event-Id header) to the stream ORDERS, and reads
+// them with a durable pull consumer whose AckWait is 300 ms. Terminated
+// messages go to the subject dead.orders, kept by the stream DEAD.
+func jetStreamFeed(t *testing.T, ctx context.Context, msgs []pub) brokerFeed {
 	t.Helper()
 	ns := startNATS(t)
 	nc, err := nats.Connect(ns.ClientURL())
@@ -225,10 +246,14 @@ func jetStreamFeed(t *testing.T, ctx context.Context, ids []string) brokerFeed {
 	if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: "ORDERS", Subjects: []string{"orders.>"}}); err != nil {
 		t.Fatal(err)
 	}
-	for i, id := range ids {
+	dead, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: "DEAD", Subjects: []string{"dead.>"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, p := range msgs {
 		m := nats.NewMsg("orders.new")
-		m.Header.Set("Event-Id", id)
-		m.Data = []byte("payload-of-" + id)
+		m.Header.Set("Event-Id", p.id)
+		m.Data = []byte(p.data)
 		if _, err := js.PublishMsg(ctx, m); err != nil {
 			t.Fatalf("publish %d: %v", i, err)
 		}
@@ -241,29 +266,53 @@ func jetStreamFeed(t *testing.T, ctx context.Context, ids []string) brokerFeed {
 	}
 	return brokerFeed{
 		newSource: func(string) Source {
-			return NewJetStreamSource(cons, JetStreamOptions{FetchWait: 100 * time.Millisecond, IDHeader: "Event-Id"})
+			src, err := NewJetStreamSource(cons, JetStreamOptions{FetchWait: 100 * time.Millisecond, IDHeader: "Event-Id",
+				DeadLetterSubject: "dead.orders", DeadLetterJS: js})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return src
 		},
 		done: func() bool {
 			info, err := cons.Info(ctx)
 			return err == nil && info.NumAckPending == 0 && info.NumPending == 0
 		},
+		deadLetters: func() []deadLetter {
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second) // also after the test's deadline
+			defer cancel()
+			info, err := dead.Info(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var out []deadLetter
+			for seq := uint64(1); seq <= info.State.LastSeq; seq++ {
+				m, err := dead.GetMsg(ctx, seq)
+				if err != nil {
+					t.Fatal(err)
+				}
+				out = append(out, deadLetter{m.Header.Get("Event-Id"), string(m.Data), m.Header.Get(DeadLetterReasonHeader)})
+			}
+			return out
+		},
 		cons: cons,
 	}
 }
 
-// redisFeed adds ids to stream on rdb (fields id and data) and reads them
+// redisFeed adds msgs to stream on rdb (fields id and data) and reads them
 // through the consumer group "ledger", taking over entries idle for 300 ms.
-func redisFeed(t *testing.T, ctx context.Context, rdb *redis.Client, stream string, ids []string) brokerFeed {
+// Terminated entries go to the stream "<stream>.dead".
+func redisFeed(t *testing.T, ctx context.Context, rdb *redis.Client, stream string, msgs []pub) brokerFeed {
 	t.Helper()
-	for _, id := range ids {
-		if err := rdb.XAdd(ctx, &redis.XAddArgs{Stream: stream, Values: map[string]any{"id": id, "data": "payload-of-" + id}}).Err(); err != nil {
+	for _, p := range msgs {
+		if err := rdb.XAdd(ctx, &redis.XAddArgs{Stream: stream, Values: map[string]any{"id": p.id, "data": p.data}}).Err(); err != nil {
 			t.Fatal(err)
 		}
 	}
 	return brokerFeed{
 		newSource: func(name string) Source {
 			src, err := NewRedisStreamSource(ctx, rdb, RedisStreamOptions{Stream: stream, Group: "ledger", Consumer: name,
-				Block: 100 * time.Millisecond, CheckpointPeriod: 200 * time.Millisecond, ClaimMinIdle: 300 * time.Millisecond})
+				Block: 100 * time.Millisecond, CheckpointPeriod: 200 * time.Millisecond, ClaimMinIdle: 300 * time.Millisecond,
+				DeadLetterStream: stream + ".dead"})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -276,6 +325,20 @@ func redisFeed(t *testing.T, ctx context.Context, rdb *redis.Client, stream stri
 			}
 			groups, err := rdb.XInfoGroups(ctx, stream).Result()
 			return err == nil && len(groups) == 1 && groups[0].Lag == 0
+		},
+		deadLetters: func() []deadLetter {
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second) // also after the test's deadline
+			defer cancel()
+			entries, err := rdb.XRange(ctx, stream+".dead", "-", "+").Result()
+			if err != nil {
+				t.Fatal(err)
+			}
+			var out []deadLetter
+			for _, e := range entries {
+				str := func(k string) string { v, _ := e.Values[k].(string); return v }
+				out = append(out, deadLetter{str("id"), str("data"), str("reason")})
+			}
+			return out
 		},
 	}
 }
@@ -349,7 +412,7 @@ func TestRedisStreamsExactlyOnce(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 45*time.Second)
 	defer cancel()
 	ids := brokerEvents(200, 10)
-	f := redisFeed(t, ctx, startRedis(t), "orders", ids)
+	f := redisFeed(t, ctx, startRedis(t), "orders", pubsOf(ids))
 	runBrokerScenario(t, ctx, ids, f.newSource, f.done)
 }
 
@@ -420,8 +483,14 @@ type guardedSource struct {
 func (g guardedSource) Fetch(ctx context.Context, n int) ([]Message, error) {
 	msgs, err := g.src.Fetch(ctx, n)
 	for i := range msgs {
-		ack := msgs[i].Ack
+		ack, nak, term := msgs[i].Ack, msgs[i].Nak, msgs[i].Term
 		msgs[i].Ack = func(ctx context.Context) error { return g.w.do(func() error { return ack(ctx) }) }
+		if nak != nil {
+			msgs[i].Nak = func(ctx context.Context, d time.Duration) error { return g.w.do(func() error { return nak(ctx, d) }) }
+		}
+		if term != nil {
+			msgs[i].Term = func(ctx context.Context, r string) error { return g.w.do(func() error { return term(ctx, r) }) }
+		}
 	}
 	return msgs, err
 }
@@ -503,7 +572,7 @@ func TestJetStreamTwoPhase(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
 			ids := brokerEvents(120, 8)
-			f := jetStreamFeed(t, ctx, ids)
+			f := jetStreamFeed(t, ctx, pubsOf(ids))
 			runTwoPhaseBrokerScenario(t, ctx, win, ids, f.newSource, f.done)
 		})
 	}
@@ -516,7 +585,7 @@ func TestRedisStreamsTwoPhase(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
 			ids := brokerEvents(120, 8)
-			f := redisFeed(t, ctx, rdb, "orders-"+string(win), ids)
+			f := redisFeed(t, ctx, rdb, "orders-"+string(win), pubsOf(ids))
 			runTwoPhaseBrokerScenario(t, ctx, win, ids, f.newSource, f.done)
 		})
 	}
@@ -603,7 +672,7 @@ func TestJetStreamSinkCrash(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
 			ids := brokerEvents(120, 8)
-			f := jetStreamFeed(t, ctx, ids)
+			f := jetStreamFeed(t, ctx, pubsOf(ids))
 			runSinkBrokerCrash(t, ctx, win, ids, f.newSource, f.done)
 		})
 	}
@@ -616,8 +685,211 @@ func TestRedisStreamsSinkCrash(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
 			ids := brokerEvents(120, 8)
-			f := redisFeed(t, ctx, rdb, "sink-"+string(win), ids)
+			f := redisFeed(t, ctx, rdb, "sink-"+string(win), pubsOf(ids))
 			runSinkBrokerCrash(t, ctx, win, ids, f.newSource, f.done)
 		})
+	}
+}
+
+// lockedBuffer is a log destination shared by goroutines.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) count(s string) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return strings.Count(l.b.String(), s)
+}
+
+// poisonPubs is a stream with events that cannot succeed: an id reused
+// with another payload (ErrConflict), an id over MaxEventIDLen
+// (ErrInvalidEvent), an event whose handler always fails, and one whose
+// handler fails for good (ErrPermanent), among 20 good ones.
+func poisonPubs() (msgs []pub, good []string, long string) {
+	for i := 0; i < 20; i++ {
+		id := fmt.Sprintf("good-%02d", i)
+		good = append(good, id)
+		msgs = append(msgs, pub{id, "payload-of-" + id})
+		if i == 10 {
+			msgs = append(msgs, pub{"always-fails", "x"}, pub{"bad-amount", "x"})
+		}
+	}
+	long = strings.Repeat("L", MaxEventIDLen+1)
+	msgs = append(msgs, pub{long, "x"}, pub{"good-03", "another payload"})
+	return msgs, good, long
+}
+
+// runPoisonScenario consumes poisonPubs from a real broker with
+// MaxDeliveries 3: the good events are applied once each, the failing
+// handler runs exactly 3 times, every event that cannot succeed is
+// terminated at the broker (nothing left pending) and found on the
+// dead-letter destination with its reason; the sink's counters and the
+// error log count the 4 of them.
+func runPoisonScenario(t *testing.T, ctx context.Context, f brokerFeed, good []string, long string) {
+	e := openEngine(t, vfs.NewMem(), nil)
+	defer e.Close()
+	var logs lockedBuffer
+	s, err := NewSink(ctx, e, "ledger", SinkOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	runs := map[string]int{}
+	h := func(ctx context.Context, ev Event) (Effect, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		runs[string(ev.ID)]++
+		switch string(ev.ID) {
+		case "always-fails":
+			return Effect{}, errors.New("ledger: account locked")
+		case "bad-amount":
+			return Effect{}, fmt.Errorf("ledger: amount %q is not a number: %w", ev.Payload, ErrPermanent)
+		}
+		return Effect{Result: []byte("ok")}, nil
+	}
+	cctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		err := Consume(cctx, f.newSource("a"), s, h, ConsumeOptions{BatchSize: 5, MaxDeliveries: 3, RetryDelay: 10 * time.Millisecond,
+			Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+		if !errors.Is(err, context.Canceled) {
+			t.Errorf("consumer: %v", err)
+		}
+	}()
+	awaitConsumers(t, ctx, cancel, &wg, 4, func() int { return len(f.deadLetters()) }, f.done, func() string {
+		mu.Lock()
+		defer mu.Unlock()
+		return fmt.Sprintf("dead letters %v, handler runs %v, stats %+v, pending left: %v", f.deadLetters(), runs, s.Stats(), !f.done())
+	})
+	mu.Lock()
+	defer mu.Unlock()
+	for _, id := range good {
+		if runs[id] != 1 {
+			t.Fatalf("good event %s ran %d times", id, runs[id])
+		}
+	}
+	if runs["always-fails"] != 3 || runs["bad-amount"] != 1 {
+		t.Fatalf("the failing handler ran %d times (want MaxDeliveries, 3), the permanent failure %d (want 1)", runs["always-fails"], runs["bad-amount"])
+	}
+	want := map[string]string{
+		"always-fails": "at delivery 3 (MaxDeliveries 3): ",
+		"bad-amount":   "failed for good: ",
+		long:           "invalid event",
+		"good-03":      "different payload",
+	}
+	dl := f.deadLetters()
+	if len(dl) != len(want) {
+		t.Fatalf("dead letters %v, want one for each of %d events", dl, len(want))
+	}
+	for _, d := range dl {
+		if w, ok := want[d.id]; !ok || !strings.Contains(d.reason, w) {
+			t.Fatalf("dead letter %q (reason %q): want a reason with %q", d.id, d.reason, w)
+		}
+		if d.id == "good-03" && d.data != "another payload" {
+			t.Fatalf("the conflicting dead letter carries %q", d.data)
+		}
+	}
+	st := s.Stats()
+	if st.Terminated != 4 || st.DeadLettered != 4 || st.Retried != 2 {
+		t.Fatalf("stats %+v: want 4 terminated and dead-lettered, 2 retried", st)
+	}
+	reg := prometheus.NewPedanticRegistry()
+	reg.MustRegister(NewCollector([]*Sink{s}, nil))
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(`
+# HELP idemstream_sink_dead_lettered_total Terminated events handed to the source's dead-letter destination.
+# TYPE idemstream_sink_dead_lettered_total counter
+idemstream_sink_dead_lettered_total{sink="ledger"} 4
+# HELP idemstream_sink_terminated_total Events terminated without their effect: failed for good (conflict, invalid, permanent) or at MaxDeliveries.
+# TYPE idemstream_sink_terminated_total counter
+idemstream_sink_terminated_total{sink="ledger"} 4
+`), "idemstream_sink_terminated_total", "idemstream_sink_dead_lettered_total"); err != nil {
+		t.Fatal(err)
+	}
+	if n := logs.count("event terminated without its effect"); n != 4 {
+		t.Fatalf("%d terminations logged, want 4:\n%s", n, logs.b.String())
+	}
+	t.Logf("sink stats %+v", st)
+}
+
+// TestJetStreamPoisonMessages: see runPoisonScenario (JetStream: failed
+// deliveries are nak'd with a delay, terminated with a reason, dead letters
+// published to a subject).
+func TestJetStreamPoisonMessages(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	msgs, good, long := poisonPubs()
+	runPoisonScenario(t, ctx, jetStreamFeed(t, ctx, msgs), good, long)
+}
+
+// TestRedisStreamsPoisonMessages: see runPoisonScenario (Redis Streams:
+// failed entries stay pending and are re-read, terminated ones are added
+// to the dead-letter stream and acknowledged in one MULTI/EXEC).
+func TestRedisStreamsPoisonMessages(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	msgs, good, long := poisonPubs()
+	runPoisonScenario(t, ctx, redisFeed(t, ctx, startRedis(t), "orders", msgs), good, long)
+}
+
+// TestJetStreamTwoPhasePoison: an event whose Invoke always fails aborts
+// its checkpoint each time; ConsumeTwoPhase counts that as the event's
+// failure and terminates it at MaxDeliveries (to the dead-letter subject),
+// so the rest of the stream commits; an id reused with another payload
+// and an invalid id are terminated at once.
+func TestJetStreamTwoPhasePoison(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	msgs, good, long := poisonPubs()
+	f := jetStreamFeed(t, ctx, msgs)
+	w := newWorld()
+	l := newTxnLedger(w)
+	l.failInvoke = "always-fails"
+	tp, _, err := newTwoPhaseWithHook(t, ctx, w, l, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cctx, ccancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		if err := ConsumeTwoPhase(cctx, f.newSource("a"), tp, ConsumeOptions{BatchSize: 5, MaxDeliveries: 3, RetryDelay: 10 * time.Millisecond}); !errors.Is(err, context.Canceled) {
+			t.Errorf("consumer: %v", err)
+		}
+	}()
+	// bad-amount only fails in the sink scenario's handler: here it commits.
+	awaitConsumers(t, ctx, ccancel, &wg, 3, func() int { return len(f.deadLetters()) }, f.done, func() string {
+		return fmt.Sprintf("dead letters %v, stats %+v", f.deadLetters(), tp.Stats())
+	})
+	l.check(t)
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, id := range append(good, "bad-amount") {
+		if l.committed[id] != 1 {
+			t.Fatalf("event %s committed %d times", id, l.committed[id])
+		}
+	}
+	if n := l.invokes["always-fails"]; n != 3 {
+		t.Fatalf("the failing event was invoked %d times, want MaxDeliveries (3)", n)
+	}
+	got := map[string]string{}
+	for _, d := range f.deadLetters() {
+		got[d.id] = d.reason
+	}
+	if !strings.Contains(got["always-fails"], "at delivery 3") || !strings.Contains(got["good-03"], "different payload") || !strings.Contains(got[long], "invalid event") || len(got) != 3 {
+		t.Fatalf("dead letters %v", got)
+	}
+	if st := tp.Stats(); st.Terminated != 3 || st.DeadLettered != 3 {
+		t.Fatalf("stats %+v", st)
 	}
 }

@@ -108,6 +108,22 @@
 //
 // Consume and ConsumeTwoPhase drive a Source through a Sink or a TwoPhase.
 //
+// # Poison messages
+//
+// A delivery whose processing failed is settled with the broker, never
+// left to be redelivered forever: an event that fails for good
+// (ErrConflict, ErrInvalidEvent, a handler error wrapping ErrPermanent) is
+// terminated at once; one whose handler (or Invoke) keeps failing is handed
+// back with a growing delay (Message.Nak: JetStream NakWithDelay; a Redis
+// entry stays pending and is re-read) and terminated at its
+// ConsumeOptions.MaxDeliveries-th delivery (default 5). Terminating hands
+// the message with its reason to the source's dead-letter destination if
+// it has one (JetStreamOptions.DeadLetterSubject,
+// RedisStreamOptions.DeadLetterStream), then ends it at the broker
+// (JetStream term, XACK). Each termination is logged at error level and
+// counted (SinkStats / TwoPhaseStats Terminated and DeadLettered, and the
+// collector).
+//
 // # Records
 //
 //	scope "idemstream/<sink>"            id = event id -> envelope [version, result, partition, offset, checkpoint, outbox]

@@ -109,6 +109,18 @@ func (s Status) String() string {
 // its effect is durably committed.
 func (s Status) Ackable() bool { return s == Applied || s == Replayed }
 
+// EventError is the error of one event's processing in a checkpoint
+// (TwoPhaseCommitSink.Invoke failed for it, which aborted the checkpoint).
+// TwoPhase.Checkpoint returns it wrapped; ConsumeTwoPhase counts it as that
+// event's failure (ConsumeOptions.MaxDeliveries).
+type EventError struct {
+	ID  []byte
+	Err error
+}
+
+func (e *EventError) Error() string { return fmt.Sprintf("event %q: %v", e.ID, e.Err) }
+func (e *EventError) Unwrap() error { return e.Err }
+
 // Outcome is what a sink did with an event.
 type Outcome struct {
 	Status Status
@@ -155,6 +167,10 @@ var (
 	ErrInvalidEvent = errors.New("idemstream: invalid event")
 	// ErrConflict: the event id was committed with another payload.
 	ErrConflict = errors.New("idemstream: event id already committed with a different payload")
+	// ErrPermanent: a Handler's error that wraps it fails the event for
+	// good: the consumers terminate it (to the source's dead-letter
+	// destination) at once instead of having it redelivered.
+	ErrPermanent = errors.New("idemstream: event failed for good")
 	// ErrCorruptRecord: a record read back from idem failed validation
 	// (version, checksum, size bound); the message says which.
 	ErrCorruptRecord = errors.New("idemstream: corrupt record")

@@ -10,6 +10,9 @@ import (
 //	idemstream_sink_events_total{sink,status}            applied, replayed, busy, failed
 //	idemstream_sink_recovered_events_total{sink,decision} committed, released (in doubt after a crash)
 //	idemstream_sink_frontier_writes_total{sink}
+//	idemstream_sink_retried_total{sink}                   failed deliveries handed back (Nak)
+//	idemstream_sink_terminated_total{sink}                events ended without their effect (failed for good, or MaxDeliveries)
+//	idemstream_sink_dead_lettered_total{sink}             of those, handed to a dead-letter destination
 //	idemstream_outbox_pending{outbox}                     the backlog
 //	idemstream_outbox_oldest_pending_seconds{outbox}
 //	idemstream_outbox_delivered_total{outbox}
@@ -26,6 +29,9 @@ var (
 	descSinkEvents    = prometheus.NewDesc("idemstream_sink_events_total", "Events handled by an idempotent sink, by outcome.", []string{"sink", "status"}, nil)
 	descSinkRecovered = prometheus.NewDesc("idemstream_sink_recovered_events_total", "Events left in doubt by a crash and settled at start-up.", []string{"sink", "decision"}, nil)
 	descSinkFrontier  = prometheus.NewDesc("idemstream_sink_frontier_writes_total", "Records that carried a partition frontier (event commits with an offset, advances past replays).", []string{"sink"}, nil)
+	descSinkRetried   = prometheus.NewDesc("idemstream_sink_retried_total", "Failed deliveries handed back to the broker for a redelivery.", []string{"sink"}, nil)
+	descSinkTerm      = prometheus.NewDesc("idemstream_sink_terminated_total", "Events terminated without their effect: failed for good (conflict, invalid, permanent) or at MaxDeliveries.", []string{"sink"}, nil)
+	descSinkDead      = prometheus.NewDesc("idemstream_sink_dead_lettered_total", "Terminated events handed to the source's dead-letter destination.", []string{"sink"}, nil)
 	descObPending     = prometheus.NewDesc("idemstream_outbox_pending", "Outbox messages recorded and not yet delivered (the backlog).", []string{"outbox"}, nil)
 	descObOldest      = prometheus.NewDesc("idemstream_outbox_oldest_pending_seconds", "Age of the oldest undelivered outbox message.", []string{"outbox"}, nil)
 	descObDelivered   = prometheus.NewDesc("idemstream_outbox_delivered_total", "Outbox messages delivered and removed.", []string{"outbox"}, nil)
@@ -40,7 +46,7 @@ type collector struct {
 }
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descSinkEvents, descSinkRecovered, descSinkFrontier, descObPending, descObOldest, descObDelivered, descObAttempts, descObFailures, descObOrphaned} {
+	for _, d := range []*prometheus.Desc{descSinkEvents, descSinkRecovered, descSinkFrontier, descSinkRetried, descSinkTerm, descSinkDead, descObPending, descObOldest, descObDelivered, descObAttempts, descObFailures, descObOrphaned} {
 		ch <- d
 	}
 }
@@ -58,6 +64,9 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		counter(descSinkRecovered, st.RecoveredCommitted, s.name, "committed")
 		counter(descSinkRecovered, st.RecoveredAborted, s.name, "released")
 		counter(descSinkFrontier, st.FrontierWrites, s.name)
+		counter(descSinkRetried, st.Retried, s.name)
+		counter(descSinkTerm, st.Terminated, s.name)
+		counter(descSinkDead, st.DeadLettered, s.name)
 	}
 	for _, o := range c.outboxes {
 		st := o.Stats()

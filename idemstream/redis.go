@@ -38,11 +38,21 @@ type RedisStreamOptions struct {
 	// PayloadField names the entry field holding the payload (default
 	// "data").
 	PayloadField string
+	// DeadLetterStream, if set, is the stream terminated entries go to (an
+	// event that failed for good, or too often:
+	// ConsumeOptions.MaxDeliveries): in one MULTI/EXEC the entry is added
+	// there (its id and payload fields, plus reason, stream, entry and
+	// deliveries) and acknowledged. Without it a terminated entry is only
+	// acknowledged.
+	DeadLetterStream string
 }
 
 // RedisStreamSource reads a Redis stream through a consumer group with
 // XREADGROUP, acknowledging each entry with XACK only after its effect is
-// committed. It first re-reads its own pending entries (deliveries of a
+// committed. Redis has no negative acknowledgement (Message.Nak is nil): a
+// failed entry stays pending and is delivered again when this consumer
+// re-reads its pending entries or another claims it; its delivery count
+// is the group's (XPENDING). It first re-reads its own pending entries (deliveries of a
 // previous run of the same consumer that were not acknowledged; again
 // whenever no new entry arrived within Block, so that failed deliveries
 // are retried), then takes over entries idle on other consumers
@@ -106,7 +116,9 @@ func RedisOffset(id string) (uint64, error) {
 	return ms<<20 | seq, nil
 }
 
-func (s *RedisStreamSource) convert(msgs []redis.XMessage) []Message {
+// convert makes the messages of entries; deliveries gives each entry's
+// delivery count (nil: first deliveries).
+func (s *RedisStreamSource) convert(msgs []redis.XMessage, deliveries map[string]int64) []Message {
 	out := make([]Message, 0, len(msgs))
 	for _, m := range msgs {
 		id := s.opts.Stream + "/" + m.ID
@@ -116,14 +128,56 @@ func (s *RedisStreamSource) convert(msgs []redis.XMessage) []Message {
 		payload, _ := m.Values[s.opts.PayloadField].(string)
 		off, _ := RedisOffset(m.ID) // zero (no frontier) for an unpackable id
 		entry := m.ID
+		n := 1
+		if deliveries != nil {
+			n = int(deliveries[entry])
+		}
 		out = append(out, Message{
-			Event: Event{ID: []byte(id), Partition: s.opts.Stream, Offset: off, Payload: []byte(payload)},
+			Event:      Event{ID: []byte(id), Partition: s.opts.Stream, Offset: off, Payload: []byte(payload)},
+			Deliveries: n,
+			DeadLetter: s.opts.DeadLetterStream,
 			Ack: func(ctx context.Context) error {
 				return s.rdb.XAck(ctx, s.opts.Stream, s.opts.Group, entry).Err()
+			},
+			Term: func(ctx context.Context, reason string) error {
+				return s.term(ctx, entry, id, payload, n, reason)
 			},
 		})
 	}
 	return out
+}
+
+// term acknowledges a terminated entry, adding it to the dead-letter
+// stream in the same MULTI/EXEC.
+func (s *RedisStreamSource) term(ctx context.Context, entry, id, payload string, deliveries int, reason string) error {
+	_, err := s.rdb.TxPipelined(ctx, func(p redis.Pipeliner) error {
+		if s.opts.DeadLetterStream != "" {
+			p.XAdd(ctx, &redis.XAddArgs{Stream: s.opts.DeadLetterStream, Values: []any{
+				s.opts.IDField, id, s.opts.PayloadField, payload, "reason", reason,
+				"stream", s.opts.Stream, "entry", entry, "deliveries", deliveries}})
+		}
+		p.XAck(ctx, s.opts.Stream, s.opts.Group, entry)
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("idemstream: terminating entry %s of %q (dead-letter stream %q): %w", entry, s.opts.Stream, s.opts.DeadLetterStream, err)
+	}
+	return nil
+}
+
+// deliveries returns the delivery counts of pending entries msgs (a
+// re-read or a claim counted one more delivery each).
+func (s *RedisStreamSource) deliveries(ctx context.Context, msgs []redis.XMessage) (map[string]int64, error) {
+	pend, err := s.rdb.XPendingExt(ctx, &redis.XPendingExtArgs{Stream: s.opts.Stream, Group: s.opts.Group,
+		Start: msgs[0].ID, End: msgs[len(msgs)-1].ID, Count: int64(len(msgs)), Consumer: s.opts.Consumer}).Result()
+	if err != nil {
+		return nil, fmt.Errorf("idemstream: XPENDING of %q: %w", s.opts.Stream, err)
+	}
+	n := make(map[string]int64, len(pend))
+	for _, p := range pend {
+		n[p.ID] = p.RetryCount
+	}
+	return n, nil
 }
 
 // Fetch implements Source.
@@ -138,7 +192,11 @@ func (s *RedisStreamSource) Fetch(ctx context.Context, n int) ([]Message, error)
 		if len(res) > 0 && len(res[0].Messages) > 0 {
 			msgs := res[0].Messages
 			s.ownCursor = msgs[len(msgs)-1].ID
-			return s.convert(msgs), nil
+			n, err := s.deliveries(ctx, msgs)
+			if err != nil {
+				return nil, err
+			}
+			return s.convert(msgs, n), nil
 		}
 		s.ownDone = true
 	}
@@ -153,7 +211,11 @@ func (s *RedisStreamSource) Fetch(ctx context.Context, n int) ([]Message, error)
 			s.cursor = "0-0"
 		}
 		if len(msgs) > 0 {
-			return s.convert(msgs), nil
+			n, err := s.deliveries(ctx, msgs)
+			if err != nil {
+				return nil, err
+			}
+			return s.convert(msgs, n), nil
 		}
 	}
 	block := s.opts.Block
@@ -175,7 +237,7 @@ func (s *RedisStreamSource) Fetch(ctx context.Context, n int) ([]Message, error)
 		s.idle()
 		return nil, nil
 	}
-	return s.convert(res[0].Messages), nil
+	return s.convert(res[0].Messages, nil), nil
 }
 
 // idle: nothing new arrived; the next Fetch re-reads this consumer's own

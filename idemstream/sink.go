@@ -84,6 +84,7 @@ type Sink struct {
 	applied, replayed, busy, failed      atomic.Uint64
 	recoveredCommitted, recoveredAborted atomic.Uint64
 	frontierWrites                       atomic.Uint64
+	poison                               poisonCounters // counted by Consume
 }
 
 // SinkStats are a sink's counters since NewSink.
@@ -98,6 +99,12 @@ type SinkStats struct {
 	// goes with the effect), and advances past replayed deliveries found
 	// at a higher offset.
 	FrontierWrites uint64
+	// Retried, Terminated and DeadLettered count what Consume did with
+	// the deliveries that failed: handed back for a redelivery (Nak);
+	// ended without their effect (Term: failed for good, or at
+	// ConsumeOptions.MaxDeliveries); of those, handed to the source's
+	// dead-letter destination.
+	Retried, Terminated, DeadLettered uint64
 }
 
 func sinkScope(name string) string     { return "idemstream/" + name }
@@ -404,6 +411,7 @@ func (s *Sink) Stats() SinkStats {
 		Applied: s.applied.Load(), Replayed: s.replayed.Load(), Busy: s.busy.Load(), Failed: s.failed.Load(),
 		RecoveredCommitted: s.recoveredCommitted.Load(), RecoveredAborted: s.recoveredAborted.Load(),
 		FrontierWrites: s.frontierWrites.Load(),
+		Retried:        s.poison.retried.Load(), Terminated: s.poison.terminated.Load(), DeadLettered: s.poison.deadLettered.Load(),
 	}
 }
 

@@ -113,6 +113,7 @@ type TwoPhase[Txn any] struct {
 	opts   TwoPhaseOptions
 	log    *slog.Logger
 	hook   func(Window, uint64) error
+	poison poisonCounters // counted by ConsumeTwoPhase
 
 	mu         sync.Mutex
 	last       uint64 // last checkpoint opened
@@ -212,6 +213,24 @@ func (t *TwoPhase[Txn]) Close() error {
 		releaseName(t.e, "sink", t.name)
 	}
 	return nil
+}
+
+// TwoPhaseStats are a coordinator's counters since NewTwoPhase.
+type TwoPhaseStats struct {
+	// LastCheckpoint is the id of the last checkpoint opened.
+	LastCheckpoint uint64
+	// Retried, Terminated and DeadLettered count what ConsumeTwoPhase did
+	// with the deliveries that failed (as in SinkStats).
+	Retried, Terminated, DeadLettered uint64
+}
+
+// Name returns the coordinator's name.
+func (t *TwoPhase[Txn]) Name() string { return t.name }
+
+// Stats returns the coordinator's counters.
+func (t *TwoPhase[Txn]) Stats() TwoPhaseStats {
+	return TwoPhaseStats{LastCheckpoint: t.LastCheckpoint(), Retried: t.poison.retried.Load(),
+		Terminated: t.poison.terminated.Load(), DeadLettered: t.poison.deadLettered.Load()}
 }
 
 // LastCheckpoint returns the id of the last checkpoint opened.
@@ -654,7 +673,7 @@ func (t *TwoPhase[Txn]) Checkpoint(ctx context.Context, events []Event) ([]Outco
 
 	for _, c := range fresh {
 		if err := t.sink.Invoke(sinkCtx, txn, c.ev); err != nil {
-			return nil, abortTxn(fmt.Errorf("idemstream: two-phase %q: checkpoint %d: Invoke(event %q): %w", t.name, k, c.ev.ID, err))
+			return nil, abortTxn(fmt.Errorf("idemstream: two-phase %q: checkpoint %d: Invoke: %w", t.name, k, &EventError{ID: c.ev.ID, Err: err}))
 		}
 		if c.ev.Offset > frontier[c.ev.Partition] {
 			frontier[c.ev.Partition] = c.ev.Offset

@@ -41,7 +41,9 @@ type txnLedger struct {
 	txns       map[uint64]*ltxn
 	committed  map[string]int // event id -> times made visible
 	violations []string
-	failCommit int // Commit fails this many more times
+	failCommit int            // Commit fails this many more times
+	failInvoke string         // Invoke of this event id always fails
+	invokes    map[string]int // Invoke calls per event id
 }
 
 type ltxn struct {
@@ -83,6 +85,13 @@ func (l *txnLedger) Invoke(ctx context.Context, t *ledgerTxn, ev Event) error {
 		if x == nil || x.state != txOpen {
 			l.violate("invoke into txn %d in state %v", t.ID, x)
 			return errors.New("txn not open")
+		}
+		if l.invokes == nil {
+			l.invokes = map[string]int{}
+		}
+		l.invokes[string(ev.ID)]++
+		if string(ev.ID) == l.failInvoke {
+			return errors.New("ledger: row rejected")
 		}
 		x.events = append(x.events, string(ev.ID))
 		return nil

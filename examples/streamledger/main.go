@@ -299,7 +299,10 @@ func child(dir, url string) error {
 	if err != nil {
 		return err
 	}
-	src := idemstream.NewJetStreamSource(cons, idemstream.JetStreamOptions{FetchWait: 200 * time.Millisecond, IDHeader: "Event-Id"})
+	src, err := idemstream.NewJetStreamSource(cons, idemstream.JetStreamOptions{FetchWait: 200 * time.Millisecond, IDHeader: "Event-Id"})
+	if err != nil {
+		return err
+	}
 	// Stop once JetStream has nothing left for the consumer.
 	go func() {
 		for ctx.Err() == nil {
