@@ -287,7 +287,7 @@ func (o *Outbox) Run(ctx context.Context) error {
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
 	for {
-		now := time.Now()
+		now := engineNow(o.e)
 		var due []*pendingMsg
 		next := now.Add(time.Hour)
 		o.mu.Lock()
@@ -327,7 +327,7 @@ func (o *Outbox) Run(ctx context.Context) error {
 				}
 			}(p)
 		}
-		timer.Reset(time.Until(next))
+		timer.Reset(next.Sub(now))
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
@@ -338,13 +338,17 @@ func (o *Outbox) Run(ctx context.Context) error {
 }
 
 // DeliverPending runs one round of deliveries synchronously (every message
-// due now) and returns how many are still pending; for tests and for
-// draining before a shutdown.
+// due now: not waiting out the backoff of a failed attempt) and returns how
+// many are still pending; for tests and for draining before a shutdown.
+//
+// Backoff is measured on the engine's clock (Options.Clock), as the
+// dispatcher's schedule is.
 func (o *Outbox) DeliverPending(ctx context.Context) (int, error) {
+	now := engineNow(o.e)
 	o.mu.Lock()
 	var due []*pendingMsg
 	for _, p := range o.pending {
-		if !p.running {
+		if !p.running && !p.next.After(now) {
 			p.running = true
 			due = append(due, p)
 		}
@@ -367,7 +371,7 @@ func (o *Outbox) attempt(ctx context.Context, p *pendingMsg) {
 		o.mu.Lock()
 		defer o.mu.Unlock()
 		jitter := 0.8 + 0.4*rand.Float64()
-		p.next = time.Now().Add(time.Duration(float64(p.backoff) * jitter))
+		p.next = engineNow(o.e).Add(time.Duration(float64(p.backoff) * jitter))
 		p.backoff = min(2*p.backoff, o.opts.MaxBackoff)
 		p.running = false
 	}

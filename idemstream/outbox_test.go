@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/idemdb/idem"
+	"github.com/idemdb/idem/internal/testclock"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
@@ -283,20 +284,25 @@ func testOutboxAcrossCrash(t *testing.T, recv string, win Window) {
 	t.Logf("%d keys, %d computations (%d released by recovery), %d failed attempts, %d keys delivered more than once", keys, comp.n, st.RecoveredAborted, r.failures, dups)
 }
 
+// TestOutboxStatsAndBackoff drives the outbox's backoff with the test
+// clock: a failed message is due again after its backoff (doubling from
+// MinBackoff up to MaxBackoff, each jittered by at most 20%), never before;
+// the stats count the attempts, failures and backlog.
 func TestOutboxStatsAndBackoff(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
+	clk := testclock.New()
 	w := newWorld()
-	e := openEngine(t, w.mem, nil)
+	e := openEngine(t, w.mem, clk.Now)
 	defer e.Close()
 	var mu sync.Mutex
-	var times []time.Time
+	attempts := 0
 	down := true
 	ob, err := NewOutbox(ctx, e, "o", OutboxOptions{MinBackoff: 20 * time.Millisecond, MaxBackoff: 80 * time.Millisecond,
 		Deliver: func(ctx context.Context, d Delivery) error {
 			mu.Lock()
 			defer mu.Unlock()
-			times = append(times, time.Now())
+			attempts++
 			if down {
 				return fmt.Errorf("down (attempt %d)", d.Attempt)
 			}
@@ -318,26 +324,47 @@ func TestOutboxStatsAndBackoff(t *testing.T) {
 	if st := ob.Stats(); st.Pending != 2 {
 		t.Fatalf("backlog %+v, want 2", st)
 	}
-	rctx, rcancel := context.WithCancel(ctx)
-	done := make(chan error)
-	go func() { done <- ob.Run(rctx) }()
-	time.Sleep(400 * time.Millisecond)
+	round := func() int {
+		t.Helper()
+		mu.Lock()
+		before := attempts
+		mu.Unlock()
+		if _, err := ob.DeliverPending(ctx); err != nil {
+			t.Fatal(err)
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		return attempts - before
+	}
+	if n := round(); n != 2 {
+		t.Fatalf("first round: %d attempts, want 2", n)
+	}
+	elapsed := time.Duration(0)
+	for i, b := range []time.Duration{20, 40, 80, 80} {
+		b *= time.Millisecond
+		early := b*8/10 - time.Millisecond // before the earliest due time
+		clk.Advance(early)
+		if n := round(); n != 0 {
+			t.Fatalf("retry %d: %d attempts %v after a failure, before the backoff %v-%v", i+1, n, early, b*8/10, b*12/10)
+		}
+		clk.Advance(b*4/10 + 2*time.Millisecond) // past the latest
+		if n := round(); n != 2 {
+			t.Fatalf("retry %d: %d attempts %v after a failure, want 2 (backoff %v)", i+1, n, early+b*4/10+2*time.Millisecond, b)
+		}
+		elapsed += b*12/10 + time.Millisecond
+	}
+	st := ob.Stats()
+	if st.Attempts != 10 || st.Failures != 10 || st.Delivered != 0 || st.Pending != 2 || st.OldestPending != elapsed || st.LastError == "" {
+		t.Fatalf("stats %+v, want 10 failed attempts and 2 pending for %v", st, elapsed)
+	}
 	mu.Lock()
-	n := len(times)
 	down = false
 	mu.Unlock()
-	for ob.Stats().Pending > 0 {
-		time.Sleep(5 * time.Millisecond)
+	clk.Advance(100 * time.Millisecond)
+	if n := round(); n != 2 {
+		t.Fatalf("after the receiver came back: %d attempts", n)
 	}
-	rcancel()
-	<-done
-	st := ob.Stats()
-	// Two messages, backoff 20, 40, 80, 80... ms: about 6-8 attempts each
-	// in 400 ms; without backoff there would be thousands.
-	if n < 4 || n > 30 {
-		t.Fatalf("%d attempts in 400 ms of failures: backoff not applied", n)
-	}
-	if st.Delivered != 2 || st.Failures < 4 || st.LastError == "" {
+	if st := ob.Stats(); st.Delivered != 2 || st.Pending != 0 || st.OldestPending != 0 || st.Attempts != 12 {
 		t.Fatalf("stats %+v", st)
 	}
 	// A sink without an outbox refuses outbox effects (nothing committed).
