@@ -135,6 +135,9 @@ var (
 // are replayed. `idem verify` checks every frame.
 func Open(dir string, opts *Options) (*Engine, error) {
 	o := opts.withDefaults()
+	if o.Sync < SyncAlways || o.Sync > SyncNever {
+		return nil, fmt.Errorf("%w: Options.Sync: unknown mode %d (want SyncAlways, SyncInterval or SyncNever)", ErrInvalidRequest, int(o.Sync))
+	}
 	e := &Engine{o: o, dir: dir, fs: o.FS, seed: maphash.MakeSeed()}
 	for i := range e.shards {
 		e.shards[i].m = make(map[string]*slot)
@@ -194,7 +197,7 @@ func Open(dir string, opts *Options) (*Engine, error) {
 		Dir:          filepath.Join(dir, "wal"),
 		SegmentSize:  o.SegmentSize,
 		Preallocate:  o.FS == vfs.Default && !o.NoPreallocate,
-		SyncMode:     o.Sync,
+		SyncMode:     o.Sync.wal(),
 		SyncInterval: o.SyncInterval,
 		// Records are retained (and their slots pinned) until their fsync:
 		// in SyncNever mode that was up to a whole segment, 300-700 MiB of

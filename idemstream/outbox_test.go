@@ -277,7 +277,7 @@ func testOutboxAcrossCrash(t *testing.T, recv string, win Window) {
 	waitApplied(t, e)
 	for _, ev := range evs {
 		id, key := outboxID("orders", ev.ID, 0)
-		if res, _ := e.Lookup(outboxScope("out"), id); res.Status != idem.Absent {
+		if res, _ := e.Lookup(context.Background(), idem.Request{Scope: outboxScope("out"), ID: id}); res.Status != idem.Absent {
 			t.Fatalf("delivered message %s still recorded (%v)", key, res.Status)
 		}
 	}
