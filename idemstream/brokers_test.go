@@ -1,4 +1,9 @@
-package idemstream
+package idemstream_test
+
+// The broker scenarios: the idemstream consumers against real brokers,
+// through the source packages (jetstream, redisstream), which import
+// idemstream: hence an external test package, with the internal harness
+// (crashable world, ledgers, hooks) from export_test.go.
 
 import (
 	"bytes"
@@ -6,11 +11,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
-	"os"
-	"os/exec"
-	"path/filepath"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -18,7 +18,11 @@ import (
 	"time"
 
 	"github.com/cockroachdb/pebble/v2/vfs"
-	"github.com/nats-io/nats-server/v2/server"
+	. "github.com/idemdb/idem/idemstream" // the scenarios read as the package's own tests
+	"github.com/idemdb/idem/idemstream/internal/brokertest"
+	streamjs "github.com/idemdb/idem/idemstream/jetstream"
+	"github.com/idemdb/idem/idemstream/redisstream"
+	"github.com/idemdb/idem/idemstream/streamprom"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
@@ -84,9 +88,9 @@ func brokerEvents(n, dups int) (ids []string) {
 // that delivery was found Busy. done reports when the broker has nothing
 // pending.
 func runBrokerScenario(t *testing.T, ctx context.Context, ids []string, newSource func(name string) Source, done func() bool) {
-	e := openEngine(t, vfs.NewMem(), nil)
+	e := OpenEngine(t, vfs.NewMem(), nil)
 	defer e.Close()
-	s, err := NewSink(ctx, e, "ledger", SinkOptions{})
+	s, err := NewSink(ctx, e, "ledger", &SinkOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -104,17 +108,17 @@ func runBrokerScenario(t *testing.T, ctx context.Context, ids []string, newSourc
 	}
 	// Consumer A: killed after committing its second batch, before acking.
 	var batches atomic.Int32
-	s.hook = func(w Window, ev *Event) error {
+	SetSinkHook(s, func(w Window, ev *Event) error {
 		if w == WindowBeforeAck && batches.Add(1) == 2 {
 			return errKilled
 		}
 		return nil
-	}
-	err = Consume(ctx, newSource("a"), s, l.handler, ConsumeOptions{BatchSize: 10})
+	})
+	err = Consume(ctx, newSource("a"), s, l.handler, &ConsumeOptions{BatchSize: 10})
 	if !errors.Is(err, errKilled) {
 		t.Fatalf("consumer a: %v", err)
 	}
-	s.hook = nil
+	SetSinkHook(s, nil)
 	t.Logf("consumer a killed with %d events committed and 10 of them unacked", l.count())
 
 	cctx, cancel := context.WithCancel(ctx)
@@ -123,7 +127,7 @@ func runBrokerScenario(t *testing.T, ctx context.Context, ids []string, newSourc
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := Consume(cctx, newSource(name), s, l.handler, ConsumeOptions{BatchSize: 10, OnBatch: onBatch}); err != nil && !errors.Is(err, context.Canceled) {
+			if err := Consume(cctx, newSource(name), s, l.handler, &ConsumeOptions{BatchSize: 10, OnBatch: onBatch}); err != nil && !errors.Is(err, context.Canceled) {
 				t.Errorf("consumer %s: %v", name, err)
 			}
 		}()
@@ -173,20 +177,6 @@ func awaitConsumers(t *testing.T, ctx context.Context, cancel func(), wg *sync.W
 	}
 	cancel()
 	wg.Wait()
-}
-
-func startNATS(t *testing.T) *server.Server {
-	t.Helper()
-	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, JetStream: true, StoreDir: t.TempDir(), NoLog: true, NoSigs: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	go ns.Start()
-	if !ns.ReadyForConnections(10 * time.Second) {
-		t.Fatal("nats-server did not start")
-	}
-	t.Cleanup(func() { ns.Shutdown(); ns.WaitForShutdown() })
-	return ns
 }
 
 // TestJetStreamExactlyOnce: a real (embedded) NATS server with JetStream,
@@ -240,7 +230,7 @@ type deadLetter struct{ id, data, reason string }
 // messages go to the subject dead.orders, kept by the stream DEAD.
 func jetStreamFeed(t *testing.T, ctx context.Context, msgs []pub) brokerFeed {
 	t.Helper()
-	ns := startNATS(t)
+	ns := brokertest.StartNATS(t)
 	nc, err := nats.Connect(ns.ClientURL())
 	if err != nil {
 		t.Fatal(err)
@@ -273,7 +263,7 @@ func jetStreamFeed(t *testing.T, ctx context.Context, msgs []pub) brokerFeed {
 	}
 	return brokerFeed{
 		newSource: func(string) Source {
-			src, err := NewJetStreamSource(cons, JetStreamOptions{FetchWait: 100 * time.Millisecond, IDHeader: "Event-Id",
+			src, err := streamjs.NewSource(cons, &streamjs.Options{FetchWait: 100 * time.Millisecond, IDHeader: "Event-Id",
 				DeadLetterSubject: "dead.orders", DeadLetterJS: js})
 			if err != nil {
 				t.Fatal(err)
@@ -297,7 +287,7 @@ func jetStreamFeed(t *testing.T, ctx context.Context, msgs []pub) brokerFeed {
 				if err != nil {
 					t.Fatal(err)
 				}
-				out = append(out, deadLetter{m.Header.Get("Event-Id"), string(m.Data), m.Header.Get(DeadLetterReasonHeader)})
+				out = append(out, deadLetter{m.Header.Get("Event-Id"), string(m.Data), m.Header.Get(streamjs.DeadLetterReasonHeader)})
 			}
 			return out
 		},
@@ -317,7 +307,7 @@ func redisFeed(t *testing.T, ctx context.Context, rdb *redis.Client, stream stri
 	}
 	return brokerFeed{
 		newSource: func(name string) Source {
-			src, err := NewRedisStreamSource(ctx, rdb, RedisStreamOptions{Stream: stream, Group: "ledger", Consumer: name,
+			src, err := redisstream.NewSource(ctx, rdb, &redisstream.Options{Stream: stream, Group: "ledger", Consumer: name,
 				Block: 100 * time.Millisecond, CheckpointPeriod: 200 * time.Millisecond, ClaimMinIdle: 300 * time.Millisecond,
 				DeadLetterStream: stream + ".dead"})
 			if err != nil {
@@ -350,65 +340,6 @@ func redisFeed(t *testing.T, ctx context.Context, rdb *redis.Client, stream stri
 	}
 }
 
-// requireRedisEnv, set to 1, turns a missing redis-server into a test
-// failure (CI sets it: .ci/run installs redis-server).
-const requireRedisEnv = "IDEM_REQUIRE_REDIS"
-
-// redisServer returns the path of the redis-server binary. Without it the
-// test is skipped with one line saying what and how to install it, or
-// fails when IDEM_REQUIRE_REDIS=1. Every Redis test goes through it.
-func redisServer(t testing.TB) string {
-	t.Helper()
-	bin, err := exec.LookPath("redis-server")
-	if err == nil {
-		return bin
-	}
-	if os.Getenv(requireRedisEnv) == "1" {
-		t.Fatalf("redis-server is not on PATH and %s=1: install it (apt-get install redis-server)", requireRedisEnv)
-	}
-	t.Skipf("skipped %s: it runs a real redis-server, which is not on PATH (install: apt-get install redis-server)", t.Name())
-	return ""
-}
-
-// startRedis starts a real redis-server on a free loopback port, with no
-// persistence, in a temp dir, and stops it by its pid at cleanup.
-func startRedis(t *testing.T) *redis.Client {
-	t.Helper()
-	bin := redisServer(t)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	port := ln.Addr().(*net.TCPAddr).Port
-	ln.Close()
-	dir := t.TempDir()
-	cmd := exec.Command(bin, "--port", strconv.Itoa(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-		"--dir", dir, "--logfile", filepath.Join(dir, "redis.log"))
-	if err := cmd.Start(); err != nil {
-		t.Fatalf("starting redis-server: %v", err)
-	}
-	t.Cleanup(func() {
-		_ = cmd.Process.Signal(os.Kill)
-		_ = cmd.Wait()
-	})
-	rdb := redis.NewClient(&redis.Options{Addr: "127.0.0.1:" + strconv.Itoa(port)})
-	t.Cleanup(func() { rdb.Close() })
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		err := rdb.Ping(ctx).Err()
-		cancel()
-		if err == nil {
-			return rdb
-		}
-		if time.Now().After(deadline) {
-			log, _ := os.ReadFile(filepath.Join(dir, "redis.log"))
-			t.Fatalf("redis-server on port %d not answering: %v\n%s", port, err, log)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
 // TestRedisStreamsExactlyOnce: a real redis-server, a consumer group read
 // with XREADGROUP, acks (XACK) only after commit, a consumer killed
 // between commit and ack whose pending entries the others take over with
@@ -419,71 +350,13 @@ func TestRedisStreamsExactlyOnce(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 45*time.Second)
 	defer cancel()
 	ids := brokerEvents(200, 10)
-	f := redisFeed(t, ctx, startRedis(t), "orders", pubsOf(ids))
+	f := redisFeed(t, ctx, brokertest.StartRedis(t), "orders", pubsOf(ids))
 	runBrokerScenario(t, ctx, ids, f.newSource, f.done)
-}
-
-// TestRedisClaimIdleExceedsCheckpointPeriod: entries stay pending until
-// their checkpoint commits, so a claim idle time not above the checkpoint
-// period is refused (naming both values) before anything touches Redis;
-// unset, it is derived from the period.
-func TestRedisClaimIdleExceedsCheckpointPeriod(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	// No server behind this address: a refused configuration must not get
-	// as far as connecting.
-	nowhere := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1})
-	defer nowhere.Close()
-	for _, c := range []struct {
-		period, idle time.Duration
-		want         []string
-	}{
-		{time.Second, 300 * time.Millisecond, []string{"ClaimMinIdle 300ms", "CheckpointPeriod 1s"}},
-		{time.Second, time.Second, []string{"ClaimMinIdle 1s", "CheckpointPeriod 1s"}},
-		{0, 10 * time.Second, []string{"ClaimMinIdle 10s", "CheckpointPeriod 30s"}}, // the default period
-		{50 * time.Millisecond, 0, []string{"CheckpointPeriod 50ms", "Block 1s"}},
-	} {
-		_, err := NewRedisStreamSource(ctx, nowhere, RedisStreamOptions{Stream: "s", Group: "g", Consumer: "c",
-			CheckpointPeriod: c.period, ClaimMinIdle: c.idle})
-		if err == nil {
-			t.Fatalf("period %v, claim idle %v: accepted", c.period, c.idle)
-		}
-		for _, w := range c.want {
-			if !strings.Contains(err.Error(), w) {
-				t.Fatalf("period %v, claim idle %v: error %q does not name %q", c.period, c.idle, err, w)
-			}
-		}
-	}
-	rdb := startRedis(t)
-	src, err := NewRedisStreamSource(ctx, rdb, RedisStreamOptions{Stream: "s", Group: "g", Consumer: "c", CheckpointPeriod: 2 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if src.opts.ClaimMinIdle != 4*time.Second {
-		t.Fatalf("derived claim idle %v, want twice the period", src.opts.ClaimMinIdle)
-	}
-	if src, err = NewRedisStreamSource(ctx, rdb, RedisStreamOptions{Stream: "s", Group: "g", Consumer: "d", ClaimMinIdle: -1}); err != nil || src.opts.ClaimMinIdle > 0 {
-		t.Fatalf("claiming off: %v %v", src, err)
-	}
-}
-
-func TestRedisOffset(t *testing.T) {
-	a, err1 := RedisOffset("1700000000000-0")
-	b, err2 := RedisOffset("1700000000000-5")
-	c, err3 := RedisOffset("1700000000001-0")
-	if err1 != nil || err2 != nil || err3 != nil || !(a < b && b < c) {
-		t.Fatalf("%d %d %d %v %v %v", a, b, c, err1, err2, err3)
-	}
-	for _, bad := range []string{"", "x", "1-", "-1", "1-2000000", "99999999999999999-0"} {
-		if _, err := RedisOffset(bad); err == nil {
-			t.Errorf("%q accepted", bad)
-		}
-	}
 }
 
 // guardedSource: a crashed process cannot ack.
 type guardedSource struct {
-	w   *world
+	w   *World
 	src Source
 }
 
@@ -491,12 +364,12 @@ func (g guardedSource) Fetch(ctx context.Context, n int) ([]Message, error) {
 	msgs, err := g.src.Fetch(ctx, n)
 	for i := range msgs {
 		ack, nak, term := msgs[i].Ack, msgs[i].Nak, msgs[i].Term
-		msgs[i].Ack = func(ctx context.Context) error { return g.w.do(func() error { return ack(ctx) }) }
+		msgs[i].Ack = func(ctx context.Context) error { return g.w.Do(func() error { return ack(ctx) }) }
 		if nak != nil {
-			msgs[i].Nak = func(ctx context.Context, d time.Duration) error { return g.w.do(func() error { return nak(ctx, d) }) }
+			msgs[i].Nak = func(ctx context.Context, d time.Duration) error { return g.w.Do(func() error { return nak(ctx, d) }) }
 		}
 		if term != nil {
-			msgs[i].Term = func(ctx context.Context, r string) error { return g.w.do(func() error { return term(ctx, r) }) }
+			msgs[i].Term = func(ctx context.Context, r string) error { return g.w.Do(func() error { return term(ctx, r) }) }
 		}
 	}
 	return msgs, err
@@ -510,11 +383,11 @@ func (g guardedSource) Fetch(ctx context.Context, n int) ([]Message, error) {
 // transactional ledger must hold every event exactly once, with every
 // transaction ended and no protocol violation.
 func runTwoPhaseBrokerScenario(t *testing.T, ctx context.Context, win Window, ids []string, newSource func(name string) Source, done func() bool) {
-	w := newWorld()
-	l := newTxnLedger(w)
-	tp, _, err := newTwoPhaseWithHook(t, ctx, w, l, func(got Window, k uint64) error {
+	w := NewWorld()
+	l := NewTxnLedger(w)
+	tp, _, err := NewTwoPhaseWithHook(t, ctx, w, l, func(got Window, k uint64) error {
 		if got == win && k == 2 {
-			return w.crash()
+			return w.Crash()
 		}
 		return nil
 	})
@@ -522,7 +395,7 @@ func runTwoPhaseBrokerScenario(t *testing.T, ctx context.Context, win Window, id
 		t.Fatal(err)
 	}
 	actx, acancel := context.WithCancel(ctx)
-	dead := w.deadCh()
+	dead := w.Dead()
 	go func() {
 		select {
 		case <-dead:
@@ -530,13 +403,13 @@ func runTwoPhaseBrokerScenario(t *testing.T, ctx context.Context, win Window, id
 		case <-actx.Done():
 		}
 	}()
-	_ = ConsumeTwoPhase(actx, guardedSource{w, newSource("a")}, tp, ConsumeOptions{BatchSize: 20})
+	_ = ConsumeTwoPhase(actx, guardedSource{w, newSource("a")}, tp, &ConsumeOptions{BatchSize: 20})
 	acancel()
-	if !w.crashed {
+	if !w.Crashed() {
 		t.Fatalf("consumer a did not crash at %s", win)
 	}
-	w.restart()
-	tp, rep, err := newTwoPhaseWithHook(t, ctx, w, l, nil)
+	w.Restart()
+	tp, rep, err := NewTwoPhaseWithHook(t, ctx, w, l, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -546,26 +419,21 @@ func runTwoPhaseBrokerScenario(t *testing.T, ctx context.Context, win Window, id
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := ConsumeTwoPhase(cctx, guardedSource{w, newSource(name)}, tp, ConsumeOptions{BatchSize: 20}); err != nil && !errors.Is(err, context.Canceled) {
+			if err := ConsumeTwoPhase(cctx, guardedSource{w, newSource(name)}, tp, &ConsumeOptions{BatchSize: 20}); err != nil && !errors.Is(err, context.Canceled) {
 				t.Errorf("consumer %s: %v", name, err)
 			}
 		}()
 	}
 	distinct := distinctIDs(ids)
-	committed := func() int {
-		l.mu.Lock()
-		defer l.mu.Unlock()
-		return len(l.committed)
-	}
+	committed := func() int { return len(l.Committed()) }
 	awaitConsumers(t, ctx, cancel, &wg, len(distinct), committed, done, func() string {
 		return fmt.Sprintf("%d of %d events committed", committed(), len(distinct))
 	})
-	l.check(t)
-	l.mu.Lock()
-	defer l.mu.Unlock()
+	l.Check(t)
+	got := l.Committed()
 	for id := range distinct {
-		if l.committed[id] != 1 {
-			t.Fatalf("event %s committed %d times", id, l.committed[id])
+		if got[id] != 1 {
+			t.Fatalf("event %s committed %d times", id, got[id])
 		}
 	}
 	t.Logf("recovery %+v, %d checkpoints", rep, tp.LastCheckpoint())
@@ -586,7 +454,7 @@ func TestJetStreamTwoPhase(t *testing.T) {
 }
 
 func TestRedisStreamsTwoPhase(t *testing.T) {
-	rdb := startRedis(t)
+	rdb := brokertest.StartRedis(t)
 	for _, win := range twoPhaseBrokerWindows {
 		t.Run(string(win), func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -604,22 +472,22 @@ func TestRedisStreamsTwoPhase(t *testing.T) {
 // recovery (the ledger tells which in-doubt events had run) consumers B and
 // C finish the stream from the broker's redeliveries.
 func runSinkBrokerCrash(t *testing.T, ctx context.Context, win Window, ids []string, newSource func(name string) Source, done func() bool) {
-	w := newWorld()
-	l := newLedger(w)
-	e := openEngine(t, w.mem, nil)
-	s, err := NewSink(ctx, e, "ledger", SinkOptions{Recover: l.recoverFn})
+	w := NewWorld()
+	l := NewLedger(w)
+	e := OpenEngine(t, w.FS(), nil)
+	s, err := NewSink(ctx, e, "ledger", &SinkOptions{Recover: l.Recover})
 	if err != nil {
 		t.Fatal(err)
 	}
 	var hits atomic.Int32
-	s.hook = func(got Window, _ *Event) error {
+	SetSinkHook(s, func(got Window, _ *Event) error {
 		if got == win && hits.Add(1) == 25 {
-			return w.crash()
+			return w.Crash()
 		}
 		return nil
-	}
+	})
 	actx, acancel := context.WithCancel(ctx)
-	dead := w.deadCh()
+	dead := w.Dead()
 	go func() {
 		select {
 		case <-dead:
@@ -627,17 +495,17 @@ func runSinkBrokerCrash(t *testing.T, ctx context.Context, win Window, ids []str
 		case <-actx.Done():
 		}
 	}()
-	_ = Consume(actx, guardedSource{w, newSource("a")}, s, l.handler, ConsumeOptions{BatchSize: 20})
+	_ = Consume(actx, guardedSource{w, newSource("a")}, s, l.Handler, &ConsumeOptions{BatchSize: 20})
 	acancel()
-	if !w.crashed {
+	if !w.Crashed() {
 		t.Fatalf("consumer a did not crash at %s", win)
 	}
 	s.Close()
 	e.Close()
-	w.restart()
-	e = openEngine(t, w.mem, nil)
+	w.Restart()
+	e = OpenEngine(t, w.FS(), nil)
 	defer e.Close()
-	s, err = NewSink(ctx, e, "ledger", SinkOptions{Recover: l.recoverFn})
+	s, err = NewSink(ctx, e, "ledger", &SinkOptions{Recover: l.Recover})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -647,25 +515,20 @@ func runSinkBrokerCrash(t *testing.T, ctx context.Context, win Window, ids []str
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := Consume(cctx, guardedSource{w, newSource(name)}, s, l.handler, ConsumeOptions{BatchSize: 20}); err != nil && !errors.Is(err, context.Canceled) {
+			if err := Consume(cctx, guardedSource{w, newSource(name)}, s, l.Handler, &ConsumeOptions{BatchSize: 20}); err != nil && !errors.Is(err, context.Canceled) {
 				t.Errorf("consumer %s: %v", name, err)
 			}
 		}()
 	}
 	distinct := distinctIDs(ids)
-	applied := func() int {
-		l.mu.Lock()
-		defer l.mu.Unlock()
-		return len(l.applied)
-	}
+	applied := func() int { return len(l.Applied()) }
 	awaitConsumers(t, ctx, cancel, &wg, len(distinct), applied, done, func() string {
 		return fmt.Sprintf("%d of %d events applied", applied(), len(distinct))
 	})
-	l.mu.Lock()
-	defer l.mu.Unlock()
+	got := l.Applied()
 	for id := range distinct {
-		if l.applied[id] != 1 {
-			t.Fatalf("event %s applied %d times", id, l.applied[id])
+		if got[id] != 1 {
+			t.Fatalf("event %s applied %d times", id, got[id])
 		}
 	}
 	t.Logf("sink after recovery: %+v", s.Stats())
@@ -686,7 +549,7 @@ func TestJetStreamSinkCrash(t *testing.T) {
 }
 
 func TestRedisStreamsSinkCrash(t *testing.T) {
-	rdb := startRedis(t)
+	rdb := brokertest.StartRedis(t)
 	for _, win := range sinkBrokerWindows {
 		t.Run(string(win), func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -741,10 +604,10 @@ func poisonPubs() (msgs []pub, good []string, long string) {
 // dead-letter destination with its reason; the sink's counters and the
 // error log count the 4 of them.
 func runPoisonScenario(t *testing.T, ctx context.Context, f brokerFeed, good []string, long string) {
-	e := openEngine(t, vfs.NewMem(), nil)
+	e := OpenEngine(t, vfs.NewMem(), nil)
 	defer e.Close()
 	var logs lockedBuffer
-	s, err := NewSink(ctx, e, "ledger", SinkOptions{})
+	s, err := NewSink(ctx, e, "ledger", &SinkOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -767,7 +630,7 @@ func runPoisonScenario(t *testing.T, ctx context.Context, f brokerFeed, good []s
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		err := Consume(cctx, f.newSource("a"), s, h, ConsumeOptions{BatchSize: 5, MaxDeliveries: 3, RetryDelay: 10 * time.Millisecond,
+		err := Consume(cctx, f.newSource("a"), s, h, &ConsumeOptions{BatchSize: 5, MaxDeliveries: 3, RetryDelay: 10 * time.Millisecond,
 			Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 		if !errors.Is(err, context.Canceled) {
 			t.Errorf("consumer: %v", err)
@@ -811,7 +674,7 @@ func runPoisonScenario(t *testing.T, ctx context.Context, f brokerFeed, good []s
 		t.Fatalf("stats %+v: want 4 terminated and dead-lettered, 2 retried", st)
 	}
 	reg := prometheus.NewPedanticRegistry()
-	reg.MustRegister(NewCollector([]*Sink{s}, nil))
+	reg.MustRegister(streamprom.NewCollector([]*Sink{s}, nil, nil))
 	if err := testutil.GatherAndCompare(reg, strings.NewReader(`
 # HELP idemstream_sink_dead_lettered_total Terminated events handed to the source's dead-letter destination.
 # TYPE idemstream_sink_dead_lettered_total counter
@@ -845,7 +708,7 @@ func TestRedisStreamsPoisonMessages(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	msgs, good, long := poisonPubs()
-	runPoisonScenario(t, ctx, redisFeed(t, ctx, startRedis(t), "orders", msgs), good, long)
+	runPoisonScenario(t, ctx, redisFeed(t, ctx, brokertest.StartRedis(t), "orders", msgs), good, long)
 }
 
 // TestJetStreamTwoPhasePoison: an event whose Invoke always fails aborts
@@ -858,10 +721,10 @@ func TestJetStreamTwoPhasePoison(t *testing.T) {
 	defer cancel()
 	msgs, good, long := poisonPubs()
 	f := jetStreamFeed(t, ctx, msgs)
-	w := newWorld()
-	l := newTxnLedger(w)
-	l.failInvoke = "always-fails"
-	tp, _, err := newTwoPhaseWithHook(t, ctx, w, l, nil)
+	w := NewWorld()
+	l := NewTxnLedger(w)
+	l.FailInvoke("always-fails")
+	tp, _, err := NewTwoPhaseWithHook(t, ctx, w, l, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -870,7 +733,7 @@ func TestJetStreamTwoPhasePoison(t *testing.T) {
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		if err := ConsumeTwoPhase(cctx, f.newSource("a"), tp, ConsumeOptions{BatchSize: 5, MaxDeliveries: 3, RetryDelay: 10 * time.Millisecond}); !errors.Is(err, context.Canceled) {
+		if err := ConsumeTwoPhase(cctx, f.newSource("a"), tp, &ConsumeOptions{BatchSize: 5, MaxDeliveries: 3, RetryDelay: 10 * time.Millisecond}); !errors.Is(err, context.Canceled) {
 			t.Errorf("consumer: %v", err)
 		}
 	}()
@@ -878,15 +741,14 @@ func TestJetStreamTwoPhasePoison(t *testing.T) {
 	awaitConsumers(t, ctx, ccancel, &wg, 3, func() int { return len(f.deadLetters()) }, f.done, func() string {
 		return fmt.Sprintf("dead letters %v, stats %+v", f.deadLetters(), tp.Stats())
 	})
-	l.check(t)
-	l.mu.Lock()
-	defer l.mu.Unlock()
+	l.Check(t)
+	committed := l.Committed()
 	for _, id := range append(good, "bad-amount") {
-		if l.committed[id] != 1 {
-			t.Fatalf("event %s committed %d times", id, l.committed[id])
+		if committed[id] != 1 {
+			t.Fatalf("event %s committed %d times", id, committed[id])
 		}
 	}
-	if n := l.invokes["always-fails"]; n != 3 {
+	if n := l.Invokes("always-fails"); n != 3 {
 		t.Fatalf("the failing event was invoked %d times, want MaxDeliveries (3)", n)
 	}
 	got := map[string]string{}

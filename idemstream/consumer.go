@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"sync"
 	"sync/atomic"
@@ -40,8 +39,9 @@ type Message struct {
 	Term func(ctx context.Context, reason string) error
 }
 
-// Source is a stream a consumer reads: JetStreamSource and
-// RedisStreamSource, or your own (a Kafka partition reader).
+// Source is a stream a consumer reads: jetstream.Source and
+// redisstream.Source (the packages idemstream/jetstream and
+// idemstream/redisstream), or your own (a Kafka partition reader).
 type Source interface {
 	// Fetch returns up to max deliveries, waiting a bounded time for the
 	// first; an empty slice means none arrived in that time. Deliveries
@@ -79,22 +79,37 @@ type ConsumeOptions struct {
 	RetryDelay time.Duration
 }
 
-func (o *ConsumeOptions) defaults() {
-	if o.BatchSize <= 0 {
+// consumeOptions returns the options with their defaults, or the
+// configuration error.
+func consumeOptions(opts *ConsumeOptions) (ConsumeOptions, error) {
+	var o ConsumeOptions
+	if opts != nil {
+		o = *opts
+	}
+	switch {
+	case o.BatchSize < 0:
+		return o, fmt.Errorf("idemstream: ConsumeOptions.BatchSize %d is negative", o.BatchSize)
+	case o.Concurrency < 0:
+		return o, fmt.Errorf("idemstream: ConsumeOptions.Concurrency %d is negative", o.Concurrency)
+	case o.RetryDelay < 0:
+		return o, fmt.Errorf("idemstream: ConsumeOptions.RetryDelay %v is negative", o.RetryDelay)
+	}
+	if o.BatchSize == 0 {
 		o.BatchSize = 128
 	}
 	if o.MaxDeliveries == 0 {
 		o.MaxDeliveries = 5
 	}
-	if o.RetryDelay <= 0 {
+	if o.RetryDelay == 0 {
 		o.RetryDelay = time.Second
 	}
-	if o.Concurrency <= 0 {
+	if o.Concurrency == 0 {
 		o.Concurrency = o.BatchSize
 	}
 	if o.Logger == nil {
-		o.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+		o.Logger = discardLogger()
 	}
+	return o, nil
 }
 
 // fatal reports whether err stops a consumer: the engine is closed or
@@ -110,8 +125,17 @@ func fatal(err error) bool {
 // raises its partition's frontier in the same record), and only then are
 // the committed deliveries acknowledged. A delivery whose handler failed,
 // or that is Busy, is not acknowledged: the broker redelivers it.
-func Consume(ctx context.Context, src Source, sink *Sink, h Handler, opts ConsumeOptions) error {
-	opts.defaults()
+//
+// opts nil means the defaults; a configuration error is returned at once.
+func Consume(ctx context.Context, src Source, sink *Sink, h Handler, opts *ConsumeOptions) error {
+	o, err := consumeOptions(opts)
+	if err != nil {
+		return err
+	}
+	return consume(ctx, src, sink, h, o)
+}
+
+func consume(ctx context.Context, src Source, sink *Sink, h Handler, opts ConsumeOptions) error {
 	return fetchBatches(ctx, src, opts, func(msgs []Message, _ *backoff) error {
 		outs := make([]Outcome, len(msgs))
 		errs := make([]error, len(msgs))
@@ -136,7 +160,7 @@ func Consume(ctx context.Context, src Source, sink *Sink, h Handler, opts Consum
 			}
 			outs[i] = Outcome{Status: Failed, Err: err}
 		}
-		return ackBatch(ctx, msgs, outs, opts, &sink.poison, func() error { return sink.hookAt(WindowBeforeAck, nil) })
+		return ackBatch(ctx, msgs, outs, opts, &sink.poison, func() error { return sink.hookAt(windowBeforeAck, nil) })
 	})
 }
 
@@ -144,8 +168,16 @@ func Consume(ctx context.Context, src Source, sink *Sink, h Handler, opts Consum
 // fetched batch, until ctx ends or a fatal error. The batch's deliveries
 // are acknowledged only after the checkpoint's transaction is committed
 // and recorded.
-func ConsumeTwoPhase[Txn any](ctx context.Context, src Source, tp *TwoPhase[Txn], opts ConsumeOptions) error {
-	opts.defaults()
+// opts nil means the defaults; a configuration error is returned at once.
+func ConsumeTwoPhase[Txn any](ctx context.Context, src Source, tp *TwoPhase[Txn], opts *ConsumeOptions) error {
+	opts2, err := consumeOptions(opts)
+	if err != nil {
+		return err
+	}
+	return consumeTwoPhase(ctx, src, tp, opts2)
+}
+
+func consumeTwoPhase[Txn any](ctx context.Context, src Source, tp *TwoPhase[Txn], opts ConsumeOptions) error {
 	return fetchBatches(ctx, src, opts, func(msgs []Message, backoff *backoff) error {
 		evs := make([]Event, len(msgs))
 		for i := range msgs {

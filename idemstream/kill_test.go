@@ -254,15 +254,15 @@ func (l *fileTxnLedger) contents() (committed map[string]int, unended []string, 
 // "done" once the whole stream is acknowledged.
 func killChild(spec, crash string) int {
 	mode, dir, _ := strings.Cut(spec, ":")
-	var crashWin Window
+	var crashWin window
 	crashN := 0
 	if crash != "" {
 		w, n, _ := strings.Cut(crash, ":")
-		crashWin, crashN = Window(w), atoi(n)
+		crashWin, crashN = window(w), atoi(n)
 	}
 	var hits int
 	var hmu sync.Mutex
-	maybeDie := func(w Window) {
+	maybeDie := func(w window) {
 		hmu.Lock()
 		defer hmu.Unlock()
 		if w == crashWin {
@@ -324,7 +324,7 @@ func killChild(spec, crash string) int {
 			fmt.Fprintln(os.Stderr, "child: frontier after the kill:", err)
 			return 6
 		}
-		s, err := newSinkWithHook(ctx, e, "ledger", SinkOptions{Recover: l.recoverFn}, func(w Window, _ *Event) error {
+		s, err := newSinkWithHook(ctx, e, "ledger", &SinkOptions{Recover: l.recoverFn}, func(w window, _ *Event) error {
 			maybeDie(w)
 			return nil
 		})
@@ -333,7 +333,7 @@ func killChild(spec, crash string) int {
 			return 4
 		}
 		fmt.Println("ready")
-		err = Consume(stop, src, s, l.handler, opts)
+		err = Consume(stop, src, s, l.handler, &opts)
 		if !errors.Is(err, context.Canceled) {
 			fmt.Fprintln(os.Stderr, "child: consume:", err)
 			return 5
@@ -349,16 +349,15 @@ func killChild(spec, crash string) int {
 		if err := takeName(e, "sink", "tx"); err != nil {
 			return 4
 		}
-		tp := &TwoPhase[*FileTxn]{e: e, name: "tx", scope: twoPhaseScope("tx"), escope: sinkScope("tx"), sink: l,
-			opts: TwoPhaseOptions{MaxHandleSize: 1 << 10, CommitRetries: 3}, log: discardLogger(), frontier: map[string]uint64{},
-			hook: func(w Window, k uint64) error { maybeDie(w); return nil }}
+		tp := newTwoPhase[*FileTxn](e, "tx", l, TwoPhaseOptions{MaxHandleSize: 1 << 10, CommitRetries: 3})
+		tp.hook = func(w window, k uint64) error { maybeDie(w); return nil }
 		rep, err := tp.recover(ctx)
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "child: recovery:", err)
 			return 4
 		}
 		fmt.Printf("ready %s %d\n", rep.Action, rep.LastCheckpoint)
-		err = ConsumeTwoPhase(stop, src, tp, opts)
+		err = ConsumeTwoPhase(stop, src, tp, &opts)
 		if !errors.Is(err, context.Canceled) {
 			fmt.Fprintln(os.Stderr, "child: consume:", err)
 			return 5

@@ -12,11 +12,10 @@ import (
 	"time"
 
 	"github.com/idemdb/idem"
+	"github.com/idemdb/idem/idemstream/internal/brokertest"
 	"github.com/idemdb/idem/internal/testclock"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
-	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/testutil"
 )
 
 // receiver is the external system the outbox delivers to. It keeps every
@@ -106,13 +105,13 @@ func (c *computations) handler(ctx context.Context, ev Event) (Effect, error) {
 // drops the repeats by key).
 func TestOutboxDeliversExactlyOnceAcrossCrashes(t *testing.T) {
 	for _, recv := range []string{"memory", "jetstream"} {
-		for _, win := range []Window{WindowAfterCommit, WindowBeforeDelivery, WindowAfterDelivery} {
+		for _, win := range []window{windowAfterCommit, windowBeforeDelivery, windowAfterDelivery} {
 			t.Run(recv+"/"+string(win), func(t *testing.T) { testOutboxAcrossCrash(t, recv, win) })
 		}
 	}
 }
 
-func testOutboxAcrossCrash(t *testing.T, recv string, win Window) {
+func testOutboxAcrossCrash(t *testing.T, recv string, win window) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	w := newWorld()
@@ -121,7 +120,7 @@ func testOutboxAcrossCrash(t *testing.T, recv string, win Window) {
 	r := newReceiver(w)
 	var out jetstream.Stream
 	if recv == "jetstream" {
-		nc, err := nats.Connect(startNATS(t).ClientURL())
+		nc, err := nats.Connect(brokertest.StartNATS(t).ClientURL())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -143,7 +142,7 @@ func testOutboxAcrossCrash(t *testing.T, recv string, win Window) {
 	}
 	comp := &computations{w: w, perEv: map[string][]int{}}
 	var hits atomic.Int32
-	crashAt := func(got Window) error {
+	crashAt := func(got window) error {
 		if got == win && hits.Add(1) == 7 {
 			return w.crash()
 		}
@@ -151,17 +150,17 @@ func testOutboxAcrossCrash(t *testing.T, recv string, win Window) {
 	}
 	run := func(hooked bool) (*idem.Engine, SinkStats) {
 		e := openEngine(t, w.mem, nil)
-		ob, err := NewOutbox(ctx, e, "out", OutboxOptions{Deliver: r.deliver, MinBackoff: time.Millisecond, MaxBackoff: 5 * time.Millisecond})
+		ob, err := NewOutbox(ctx, e, "out", &OutboxOptions{Deliver: r.deliver, MinBackoff: time.Millisecond, MaxBackoff: 5 * time.Millisecond})
 		if err != nil {
 			t.Fatal(err)
 		}
-		s, err := NewSink(ctx, e, "orders", SinkOptions{Outbox: ob})
+		s, err := NewSink(ctx, e, "orders", &SinkOptions{Outbox: ob})
 		if err != nil {
 			t.Fatal(err)
 		}
 		if hooked {
-			ob.hook = func(got Window, _ *Delivery) error { return crashAt(got) }
-			s.hook = func(got Window, _ *Event) error { return crashAt(got) }
+			ob.hook = func(got window, _ *Delivery) error { return crashAt(got) }
+			s.hook = func(got window, _ *Event) error { return crashAt(got) }
 		}
 		rctx, rcancel := context.WithCancel(ctx)
 		defer rcancel()
@@ -177,7 +176,7 @@ func testOutboxAcrossCrash(t *testing.T, recv string, win Window) {
 		wg.Add(1)
 		go func() { defer wg.Done(); _ = ob.Run(rctx) }()
 		_ = runUntilAcked(rctx, b, func(ctx context.Context, o ConsumeOptions) error {
-			return Consume(ctx, b, s, comp.handler, o)
+			return Consume(ctx, b, s, comp.handler, &o)
 		})
 		// Drain the backlog (unless the process died).
 		for rctx.Err() == nil && ob.Stats().Pending > 0 {
@@ -250,7 +249,7 @@ func testOutboxAcrossCrash(t *testing.T, recv string, win Window) {
 	if r.failures == 0 {
 		t.Fatal("no delivery failed: retries untested")
 	}
-	if win == WindowAfterDelivery && dups == 0 {
+	if win == windowAfterDelivery && dups == 0 {
 		t.Fatal("the message sent before the crash and not marked delivered was not sent again")
 	}
 	if out != nil {
@@ -298,7 +297,7 @@ func TestOutboxStatsAndBackoff(t *testing.T) {
 	var mu sync.Mutex
 	attempts := 0
 	down := true
-	ob, err := NewOutbox(ctx, e, "o", OutboxOptions{MinBackoff: 20 * time.Millisecond, MaxBackoff: 80 * time.Millisecond,
+	ob, err := NewOutbox(ctx, e, "o", &OutboxOptions{MinBackoff: 20 * time.Millisecond, MaxBackoff: 80 * time.Millisecond,
 		Deliver: func(ctx context.Context, d Delivery) error {
 			mu.Lock()
 			defer mu.Unlock()
@@ -311,10 +310,10 @@ func TestOutboxStatsAndBackoff(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := NewOutbox(ctx, e, "o", OutboxOptions{Deliver: func(context.Context, Delivery) error { return nil }}); !errors.Is(err, ErrInUse) {
+	if _, err := NewOutbox(ctx, e, "o", &OutboxOptions{Deliver: func(context.Context, Delivery) error { return nil }}); !errors.Is(err, ErrInUse) {
 		t.Fatalf("second outbox: %v", err)
 	}
-	s, err := NewSink(ctx, e, "s", SinkOptions{Outbox: ob})
+	s, err := NewSink(ctx, e, "s", &SinkOptions{Outbox: ob})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -368,61 +367,11 @@ func TestOutboxStatsAndBackoff(t *testing.T) {
 		t.Fatalf("stats %+v", st)
 	}
 	// A sink without an outbox refuses outbox effects (nothing committed).
-	s2, _ := NewSink(ctx, e, "s2", SinkOptions{})
+	s2, _ := NewSink(ctx, e, "s2", &SinkOptions{})
 	if _, err := s2.Apply(ctx, Event{ID: []byte("b")}, outboxHandler); err == nil {
 		t.Fatal("outbox effect accepted by a sink without an outbox")
 	}
 	if _, ok, _ := s2.Lookup([]byte("b")); ok {
 		t.Fatal("committed without its outbox")
-	}
-}
-
-func TestCollector(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	e := openEngine(t, newWorld().mem, nil)
-	defer e.Close()
-	ob, err := NewOutbox(ctx, e, "mail", OutboxOptions{Deliver: func(context.Context, Delivery) error { return nil }})
-	if err != nil {
-		t.Fatal(err)
-	}
-	s, err := NewSink(ctx, e, "orders", SinkOptions{Outbox: ob})
-	if err != nil {
-		t.Fatal(err)
-	}
-	for i := 0; i < 3; i++ {
-		if _, err := s.Apply(ctx, Event{ID: []byte("a")}, outboxHandler); err != nil {
-			t.Fatal(err)
-		}
-	}
-	reg := prometheus.NewPedanticRegistry()
-	reg.MustRegister(NewCollector([]*Sink{s}, []*Outbox{ob}))
-	want := `
-# HELP idemstream_outbox_pending Outbox messages recorded and not yet delivered (the backlog).
-# TYPE idemstream_outbox_pending gauge
-idemstream_outbox_pending{outbox="mail"} 2
-# HELP idemstream_sink_events_total Events handled by an idempotent sink, by outcome.
-# TYPE idemstream_sink_events_total counter
-idemstream_sink_events_total{sink="orders",status="applied"} 1
-idemstream_sink_events_total{sink="orders",status="busy"} 0
-idemstream_sink_events_total{sink="orders",status="failed"} 0
-idemstream_sink_events_total{sink="orders",status="replayed"} 2
-`
-	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "idemstream_outbox_pending", "idemstream_sink_events_total"); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := ob.DeliverPending(ctx); err != nil {
-		t.Fatal(err)
-	}
-	after := `
-# HELP idemstream_outbox_delivered_total Outbox messages delivered and removed.
-# TYPE idemstream_outbox_delivered_total counter
-idemstream_outbox_delivered_total{outbox="mail"} 2
-# HELP idemstream_outbox_pending Outbox messages recorded and not yet delivered (the backlog).
-# TYPE idemstream_outbox_pending gauge
-idemstream_outbox_pending{outbox="mail"} 0
-`
-	if err := testutil.GatherAndCompare(reg, strings.NewReader(after), "idemstream_outbox_pending", "idemstream_outbox_delivered_total"); err != nil {
-		t.Fatal(err)
 	}
 }

@@ -1,4 +1,9 @@
-package idemstream
+// Package redisstream is idemstream's source for Redis Streams: it reads a
+// consumer group and hands its entries to idemstream.Consume or
+// idemstream.ConsumeTwoPhase, which acknowledge each (XACK) only after its
+// effect is committed. It is a package of its own so that a program using
+// idemstream with another broker does not link the Redis client.
+package redisstream
 
 import (
 	"context"
@@ -8,11 +13,12 @@ import (
 	"strings"
 	"time"
 
+	"github.com/idemdb/idem/idemstream"
 	"github.com/redis/go-redis/v9"
 )
 
-// RedisStreamOptions configure a RedisStreamSource.
-type RedisStreamOptions struct {
+// Options configure a RedisStreamSource.
+type Options struct {
 	Stream   string // the stream key (required)
 	Group    string // the consumer group (required; created from the start of the stream if missing)
 	Consumer string // this consumer's name in the group (required)
@@ -27,7 +33,7 @@ type RedisStreamOptions struct {
 	// ClaimMinIdle: entries pending on other consumers for longer than
 	// this are taken over with XAUTOCLAIM (a consumer that died or
 	// stalls). It must exceed CheckpointPeriod, or entries are claimed
-	// by another consumer in the middle of a checkpoint (NewRedisStreamSource
+	// by another consumer in the middle of a checkpoint (NewSource
 	// refuses that); zero means twice CheckpointPeriod; negative turns
 	// claiming off. A claimed entry whose first delivery is still running
 	// is reported Busy by the sink and left pending, never run twice.
@@ -40,14 +46,14 @@ type RedisStreamOptions struct {
 	PayloadField string
 	// DeadLetterStream, if set, is the stream terminated entries go to (an
 	// event that failed for good, or too often:
-	// ConsumeOptions.MaxDeliveries): in one MULTI/EXEC the entry is added
+	// idemstream.ConsumeOptions.MaxDeliveries): in one MULTI/EXEC the entry is added
 	// there (its id and payload fields, plus reason, stream, entry and
 	// deliveries) and acknowledged. Without it a terminated entry is only
 	// acknowledged.
 	DeadLetterStream string
 }
 
-// RedisStreamSource reads a Redis stream through a consumer group with
+// Source reads a Redis stream through a consumer group with
 // XREADGROUP, acknowledging each entry with XACK only after its effect is
 // committed. Redis has no negative acknowledgement (Message.Nak is nil): a
 // failed entry stays pending and is delivered again when this consumer
@@ -57,35 +63,42 @@ type RedisStreamOptions struct {
 // whenever no new entry arrived within Block, so that failed deliveries
 // are retried), then takes over entries idle on other consumers
 // (XAUTOCLAIM), then reads new ones. Partition is the stream key and Offset the entry id packed by
-// RedisOffset.
-type RedisStreamSource struct {
+// Offset.
+type Source struct {
 	rdb       redis.UniversalClient
-	opts      RedisStreamOptions
+	opts      Options
 	ownDone   bool
 	ownCursor string
 	cursor    string
 }
 
-// NewRedisStreamSource creates the group if it does not exist yet (reading
+// NewSource creates the group if it does not exist yet (reading
 // from the start of the stream, MKSTREAM) and returns the source.
-func NewRedisStreamSource(ctx context.Context, rdb redis.UniversalClient, opts RedisStreamOptions) (*RedisStreamSource, error) {
-	if opts.Stream == "" || opts.Group == "" || opts.Consumer == "" {
-		return nil, fmt.Errorf("idemstream: redis stream source needs Stream, Group and Consumer (got %q, %q, %q)", opts.Stream, opts.Group, opts.Consumer)
+func NewSource(ctx context.Context, rdb redis.UniversalClient, o *Options) (*Source, error) {
+	if o == nil || o.Stream == "" || o.Group == "" || o.Consumer == "" {
+		return nil, errors.New("redisstream: Options.Stream, Group and Consumer are required")
 	}
-	if opts.Block <= 0 {
+	if rdb == nil {
+		return nil, errors.New("redisstream: nil Redis client")
+	}
+	opts := *o
+	if opts.Block < 0 || opts.CheckpointPeriod < 0 {
+		return nil, fmt.Errorf("redisstream: negative Options.Block %v or CheckpointPeriod %v", opts.Block, opts.CheckpointPeriod)
+	}
+	if opts.Block == 0 {
 		opts.Block = time.Second
 	}
-	if opts.CheckpointPeriod <= 0 {
+	if opts.CheckpointPeriod == 0 {
 		opts.CheckpointPeriod = max(30*time.Second, opts.Block)
 	}
 	if opts.CheckpointPeriod < opts.Block {
-		return nil, fmt.Errorf("idemstream: RedisStreamOptions.CheckpointPeriod %v is shorter than Block %v: a batch waits up to Block before its checkpoint starts", opts.CheckpointPeriod, opts.Block)
+		return nil, fmt.Errorf("redisstream: Options.CheckpointPeriod %v is shorter than Block %v: a batch waits up to Block before its checkpoint starts", opts.CheckpointPeriod, opts.Block)
 	}
 	switch {
 	case opts.ClaimMinIdle == 0:
 		opts.ClaimMinIdle = 2 * opts.CheckpointPeriod
 	case opts.ClaimMinIdle > 0 && opts.ClaimMinIdle <= opts.CheckpointPeriod:
-		return nil, fmt.Errorf("idemstream: RedisStreamOptions.ClaimMinIdle %v must exceed CheckpointPeriod %v: entries stay pending until their checkpoint is committed, so other consumers would claim them mid-checkpoint", opts.ClaimMinIdle, opts.CheckpointPeriod)
+		return nil, fmt.Errorf("redisstream: Options.ClaimMinIdle %v must exceed CheckpointPeriod %v: entries stay pending until their checkpoint is committed, so other consumers would claim them mid-checkpoint", opts.ClaimMinIdle, opts.CheckpointPeriod)
 	}
 	if opts.IDField == "" {
 		opts.IDField = "id"
@@ -95,45 +108,45 @@ func NewRedisStreamSource(ctx context.Context, rdb redis.UniversalClient, opts R
 	}
 	err := rdb.XGroupCreateMkStream(ctx, opts.Stream, opts.Group, "0").Err()
 	if err != nil && !strings.HasPrefix(err.Error(), "BUSYGROUP") {
-		return nil, fmt.Errorf("idemstream: creating group %q on stream %q: %w", opts.Group, opts.Stream, err)
+		return nil, fmt.Errorf("redisstream: creating group %q on stream %q: %w", opts.Group, opts.Stream, err)
 	}
-	return &RedisStreamSource{rdb: rdb, opts: opts, ownCursor: "0", cursor: "0-0"}, nil
+	return &Source{rdb: rdb, opts: opts, ownCursor: "0", cursor: "0-0"}, nil
 }
 
-// RedisOffset packs a stream entry id "ms-seq" into an offset (ms << 20 |
+// Offset packs a stream entry id "ms-seq" into an offset (ms << 20 |
 // seq), ordered as the ids are. It fails for ids beyond year 2527 or with
 // seq >= 2^20.
-func RedisOffset(id string) (uint64, error) {
+func Offset(id string) (uint64, error) {
 	msS, seqS, ok := strings.Cut(id, "-")
 	if !ok {
-		return 0, fmt.Errorf("idemstream: stream entry id %q is not ms-seq", id)
+		return 0, fmt.Errorf("redisstream: stream entry id %q is not ms-seq", id)
 	}
 	ms, err1 := strconv.ParseUint(msS, 10, 64)
 	seq, err2 := strconv.ParseUint(seqS, 10, 64)
 	if err1 != nil || err2 != nil || ms >= 1<<44 || seq >= 1<<20 {
-		return 0, fmt.Errorf("idemstream: stream entry id %q cannot be packed into an offset", id)
+		return 0, fmt.Errorf("redisstream: stream entry id %q cannot be packed into an offset", id)
 	}
 	return ms<<20 | seq, nil
 }
 
 // convert makes the messages of entries; deliveries gives each entry's
 // delivery count (nil: first deliveries).
-func (s *RedisStreamSource) convert(msgs []redis.XMessage, deliveries map[string]int64) []Message {
-	out := make([]Message, 0, len(msgs))
+func (s *Source) convert(msgs []redis.XMessage, deliveries map[string]int64) []idemstream.Message {
+	out := make([]idemstream.Message, 0, len(msgs))
 	for _, m := range msgs {
 		id := s.opts.Stream + "/" + m.ID
 		if v, ok := m.Values[s.opts.IDField].(string); ok && v != "" {
 			id = v
 		}
 		payload, _ := m.Values[s.opts.PayloadField].(string)
-		off, _ := RedisOffset(m.ID) // zero (no frontier) for an unpackable id
+		off, _ := Offset(m.ID) // zero (no frontier) for an unpackable id
 		entry := m.ID
 		n := 1
 		if deliveries != nil {
 			n = int(deliveries[entry])
 		}
-		out = append(out, Message{
-			Event:      Event{ID: []byte(id), Partition: s.opts.Stream, Offset: off, Payload: []byte(payload)},
+		out = append(out, idemstream.Message{
+			Event:      idemstream.Event{ID: []byte(id), Partition: s.opts.Stream, Offset: off, Payload: []byte(payload)},
 			Deliveries: n,
 			DeadLetter: s.opts.DeadLetterStream,
 			Ack: func(ctx context.Context) error {
@@ -149,7 +162,7 @@ func (s *RedisStreamSource) convert(msgs []redis.XMessage, deliveries map[string
 
 // term acknowledges a terminated entry, adding it to the dead-letter
 // stream in the same MULTI/EXEC.
-func (s *RedisStreamSource) term(ctx context.Context, entry, id, payload string, deliveries int, reason string) error {
+func (s *Source) term(ctx context.Context, entry, id, payload string, deliveries int, reason string) error {
 	_, err := s.rdb.TxPipelined(ctx, func(p redis.Pipeliner) error {
 		if s.opts.DeadLetterStream != "" {
 			p.XAdd(ctx, &redis.XAddArgs{Stream: s.opts.DeadLetterStream, Values: []any{
@@ -160,18 +173,18 @@ func (s *RedisStreamSource) term(ctx context.Context, entry, id, payload string,
 		return nil
 	})
 	if err != nil {
-		return fmt.Errorf("idemstream: terminating entry %s of %q (dead-letter stream %q): %w", entry, s.opts.Stream, s.opts.DeadLetterStream, err)
+		return fmt.Errorf("redisstream: terminating entry %s of %q (dead-letter stream %q): %w", entry, s.opts.Stream, s.opts.DeadLetterStream, err)
 	}
 	return nil
 }
 
 // deliveries returns the delivery counts of pending entries msgs (a
 // re-read or a claim counted one more delivery each).
-func (s *RedisStreamSource) deliveries(ctx context.Context, msgs []redis.XMessage) (map[string]int64, error) {
+func (s *Source) deliveries(ctx context.Context, msgs []redis.XMessage) (map[string]int64, error) {
 	pend, err := s.rdb.XPendingExt(ctx, &redis.XPendingExtArgs{Stream: s.opts.Stream, Group: s.opts.Group,
 		Start: msgs[0].ID, End: msgs[len(msgs)-1].ID, Count: int64(len(msgs)), Consumer: s.opts.Consumer}).Result()
 	if err != nil {
-		return nil, fmt.Errorf("idemstream: XPENDING of %q: %w", s.opts.Stream, err)
+		return nil, fmt.Errorf("redisstream: XPENDING of %q: %w", s.opts.Stream, err)
 	}
 	n := make(map[string]int64, len(pend))
 	for _, p := range pend {
@@ -180,14 +193,14 @@ func (s *RedisStreamSource) deliveries(ctx context.Context, msgs []redis.XMessag
 	return n, nil
 }
 
-// Fetch implements Source.
-func (s *RedisStreamSource) Fetch(ctx context.Context, n int) ([]Message, error) {
+// Fetch implements idemstream.Source.
+func (s *Source) Fetch(ctx context.Context, n int) ([]idemstream.Message, error) {
 	if !s.ownDone {
 		// Our own pending entries from a previous run.
 		res, err := s.rdb.XReadGroup(ctx, &redis.XReadGroupArgs{Group: s.opts.Group, Consumer: s.opts.Consumer,
 			Streams: []string{s.opts.Stream, s.ownCursor}, Count: int64(n)}).Result()
 		if err != nil && !errors.Is(err, redis.Nil) {
-			return nil, fmt.Errorf("idemstream: XREADGROUP own pending of %q: %w", s.opts.Stream, err)
+			return nil, fmt.Errorf("redisstream: XREADGROUP own pending of %q: %w", s.opts.Stream, err)
 		}
 		if len(res) > 0 && len(res[0].Messages) > 0 {
 			msgs := res[0].Messages
@@ -204,7 +217,7 @@ func (s *RedisStreamSource) Fetch(ctx context.Context, n int) ([]Message, error)
 		msgs, next, err := s.rdb.XAutoClaim(ctx, &redis.XAutoClaimArgs{Stream: s.opts.Stream, Group: s.opts.Group,
 			Consumer: s.opts.Consumer, MinIdle: s.opts.ClaimMinIdle, Start: s.cursor, Count: int64(n)}).Result()
 		if err != nil && !errors.Is(err, redis.Nil) {
-			return nil, fmt.Errorf("idemstream: XAUTOCLAIM on %q: %w", s.opts.Stream, err)
+			return nil, fmt.Errorf("redisstream: XAUTOCLAIM on %q: %w", s.opts.Stream, err)
 		}
 		s.cursor = next
 		if s.cursor == "" {
@@ -231,7 +244,7 @@ func (s *RedisStreamSource) Fetch(ctx context.Context, n int) ([]Message, error)
 			s.idle()
 			return nil, nil
 		}
-		return nil, fmt.Errorf("idemstream: XREADGROUP on %q: %w", s.opts.Stream, err)
+		return nil, fmt.Errorf("redisstream: XREADGROUP on %q: %w", s.opts.Stream, err)
 	}
 	if len(res) == 0 || len(res[0].Messages) == 0 {
 		s.idle()
@@ -243,6 +256,6 @@ func (s *RedisStreamSource) Fetch(ctx context.Context, n int) ([]Message, error)
 // idle: nothing new arrived; the next Fetch re-reads this consumer's own
 // pending entries (deliveries whose handler failed, or that were Busy),
 // so they are retried even with ClaimMinIdle off.
-func (s *RedisStreamSource) idle() {
+func (s *Source) idle() {
 	s.ownDone, s.ownCursor = false, "0"
 }
