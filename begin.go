@@ -9,8 +9,6 @@ import (
 	"github.com/idemdb/idem/wal"
 )
 
-// ---- the API ----
-
 // Begin looks the request up and, if it is new, claims it for the caller.
 //
 //   - Fresh: the caller owns the id; run the side effect, then
@@ -19,11 +17,92 @@ import (
 //   - Done: Result.Reply is the committed reply; nothing must run.
 //   - InFlight: someone else owns the id until Result.LeaseUntil.
 //
+// ctx is consulted before anything is written: a Begin whose ctx has ended
+// claims nothing. Once the claim is appended, Begin waits for its fsync
+// whatever ctx says, so that a Fresh claim is never handed out half made,
+// nor left behind unowned.
+//
 // Errors: ErrConflict (fingerprint mismatch), *SequenceGapError,
 // ErrAlreadyCommitted, ErrInvalidRequest, ErrClosed, ErrFailed.
 func (e *Engine) Begin(ctx context.Context, req Request) (Result, error) {
 	res, _, err := e.begin(ctx, req)
 	return res, err
+}
+
+// verdict is what a request meets in the current entry: the one
+// classification that Begin, Lookup and Wait share, so that a read names
+// a request exactly as Begin does (its fingerprint included).
+type verdict int
+
+const (
+	vClaim            verdict = iota // unknown (or expired, or its lease ran out): Begin claims it
+	vDone                            // committed, fingerprint matches: the reply
+	vInFlight                        // claimed by a live lease, fingerprint matches
+	vConflict                        // fingerprint mismatch (committed or in flight)
+	vAlreadyCommitted                // sequence at or below the last, reply not kept
+	vGap                             // sequence beyond last+1
+)
+
+// classifyLocked classifies the request k (fingerprint fp) against cur, the
+// key's current entry, at now. For vDone and vInFlight res is the result;
+// for the errors err is the error; for vClaim, takeover says the entry is
+// a claim whose lease ran out and expired an expired committed reply.
+func (e *Engine) classifyLocked(cur *index.Entry, k reqKey, fp []byte, now time.Time) (v verdict, res Result, err error, takeover, expired bool) {
+	if k.mode == index.ModeID {
+		switch {
+		case cur != nil && cur.Committed && !e.expired(cur, now):
+			if !fpMatch(cur.Fingerprint, fp) {
+				return vConflict, Result{}, fmt.Errorf("%w: scope %q id %s", ErrConflict, k.scope, printable(k.ident)), false, false
+			}
+			return vDone, doneResult(cur), nil, false, false
+		case cur != nil && cur.Committed:
+			return vClaim, Result{}, nil, false, true // retention or TTL ran out: runs again as new
+		case cur != nil && cur.InFlight:
+			if !fpMatch(cur.ClaimFP, fp) {
+				return vConflict, Result{}, fmt.Errorf("%w: scope %q id %s (in flight)", ErrConflict, k.scope, printable(k.ident)), false, false
+			}
+			if now.UnixNano() < cur.LeaseUntil {
+				return vInFlight, Result{Status: InFlight, LeaseUntil: time.Unix(0, cur.LeaseUntil)}, nil, false, false
+			}
+			return vClaim, Result{}, nil, true, false
+		}
+		return vClaim, Result{}, nil, false, false
+	}
+	var last uint64
+	if cur != nil && cur.Committed {
+		last = cur.Seq
+	}
+	switch {
+	case k.seq <= last:
+		if k.seq == last && cur.ReplyKept && !e.expired(cur, now) {
+			if !fpMatch(cur.Fingerprint, fp) {
+				return vConflict, Result{}, fmt.Errorf("%w: scope %q client %q seq %d", ErrConflict, k.scope, k.ident, k.seq), false, false
+			}
+			return vDone, doneResult(cur), nil, false, false
+		}
+		return vAlreadyCommitted, Result{Seq: k.seq}, &AlreadyCommittedError{Scope: k.scope, Client: string(k.ident), Seq: k.seq, Last: last}, false, false
+	case k.seq == last+1:
+		if cur != nil && cur.InFlight {
+			if !fpMatch(cur.ClaimFP, fp) {
+				return vConflict, Result{}, fmt.Errorf("%w: scope %q client %q seq %d (in flight)", ErrConflict, k.scope, k.ident, k.seq), false, false
+			}
+			if now.UnixNano() < cur.LeaseUntil {
+				return vInFlight, Result{Status: InFlight, LeaseUntil: time.Unix(0, cur.LeaseUntil), Seq: k.seq}, nil, false, false
+			}
+			return vClaim, Result{}, nil, true, false
+		}
+		return vClaim, Result{}, nil, false, false
+	default:
+		return vGap, Result{}, &SequenceGapError{Scope: k.scope, Client: string(k.ident), Seq: k.seq, Last: last}, false, false
+	}
+}
+
+// fingerprint is the request's fingerprint as stored: empty means unchecked.
+func fingerprint(req *Request) []byte {
+	if len(req.Fingerprint) == 0 {
+		return nil
+	}
+	return req.Fingerprint
 }
 
 func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error) {
@@ -38,10 +117,7 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 		return Result{}, k, err
 	}
 	defer e.leave()
-	fp := req.Fingerprint
-	if len(fp) == 0 {
-		fp = nil
-	}
+	fp := fingerprint(&req)
 	now := e.o.Clock()
 	var (
 		unlock func()
@@ -61,76 +137,31 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 		}
 	}
 	cur := e.current(sl, k.mode)
-	takeover := false
-	if k.mode == index.ModeID {
-		switch {
-		case cur != nil && cur.Committed && !e.expired(cur, now):
-			if !fpMatch(cur.Fingerprint, fp) {
-				unlock()
-				e.st.conflicts.Add(1)
-				return Result{}, k, fmt.Errorf("%w: scope %q id %s", ErrConflict, k.scope, printable(k.ident))
-			}
-			res := doneResult(cur)
-			unlock()
-			e.st.hits.Add(1)
-			return res, k, e.waitDurable(cur.CommitLSN)
-		case cur != nil && cur.Committed:
-			e.st.expired.Add(1) // retention or TTL ran out: runs again as new (T+61m for a one-hour TTL)
-		case cur != nil && cur.InFlight:
-			if !fpMatch(cur.ClaimFP, fp) {
-				unlock()
-				e.st.conflicts.Add(1)
-				return Result{}, k, fmt.Errorf("%w: scope %q id %s (in flight)", ErrConflict, k.scope, printable(k.ident))
-			}
-			if now.UnixNano() < cur.LeaseUntil {
-				res := Result{Status: InFlight, LeaseUntil: time.Unix(0, cur.LeaseUntil)}
-				unlock()
-				e.st.collisions.Add(1)
-				return res, k, nil
-			}
-			takeover = true
-		}
-	} else {
-		var last uint64
-		if cur != nil && cur.Committed {
-			last = cur.Seq
-		}
-		switch {
-		case k.seq <= last:
-			if k.seq == last && cur.ReplyKept && !e.expired(cur, now) {
-				if !fpMatch(cur.Fingerprint, fp) {
-					unlock()
-					e.st.conflicts.Add(1)
-					return Result{}, k, fmt.Errorf("%w: scope %q client %q seq %d", ErrConflict, k.scope, k.ident, k.seq)
-				}
-				res := doneResult(cur)
-				unlock()
-				e.st.hits.Add(1)
-				return res, k, e.waitDurable(cur.CommitLSN)
-			}
-			unlock()
-			e.st.alreadyCommitted.Add(1)
-			return Result{Seq: k.seq}, k, &AlreadyCommittedError{Scope: k.scope, Client: string(k.ident), Seq: k.seq, Last: last}
-		case k.seq == last+1:
-			if cur != nil && cur.InFlight {
-				if !fpMatch(cur.ClaimFP, fp) {
-					unlock()
-					e.st.conflicts.Add(1)
-					return Result{}, k, fmt.Errorf("%w: scope %q client %q seq %d (in flight)", ErrConflict, k.scope, k.ident, k.seq)
-				}
-				if now.UnixNano() < cur.LeaseUntil {
-					res := Result{Status: InFlight, LeaseUntil: time.Unix(0, cur.LeaseUntil), Seq: k.seq}
-					unlock()
-					e.st.collisions.Add(1)
-					return res, k, nil
-				}
-				takeover = true
-			}
-		default:
-			unlock()
-			e.st.gaps.Add(1)
-			return Result{}, k, &SequenceGapError{Scope: k.scope, Client: string(k.ident), Seq: k.seq, Last: last}
-		}
+	v, res, verr, takeover, expired := e.classifyLocked(cur, k, fp, now)
+	switch v {
+	case vDone:
+		unlock()
+		e.st.hits.Add(1)
+		return res, k, e.waitDurable(cur.CommitLSN)
+	case vInFlight:
+		unlock()
+		e.st.collisions.Add(1)
+		return res, k, nil
+	case vConflict:
+		unlock()
+		e.st.conflicts.Add(1)
+		return Result{}, k, verr
+	case vAlreadyCommitted:
+		unlock()
+		e.st.alreadyCommitted.Add(1)
+		return res, k, verr
+	case vGap:
+		unlock()
+		e.st.gaps.Add(1)
+		return Result{}, k, verr
+	}
+	if expired {
+		e.st.expired.Add(1) // retention or TTL ran out: runs again as new (T+61m for a one-hour TTL)
 	}
 	// Claim it.
 	lease := now.Add(e.o.Lease)
@@ -170,7 +201,7 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 			return Result{}, k, err
 		}
 	}
-	c := &Claim{e: e, k: k, lsn: lsn, fp: fp, leaseUntil: lease}
+	c := newEngineClaim(e, k, lsn, fp, lease)
 	return Result{Status: Fresh, Claim: c, LeaseUntil: lease, Seq: k.seq, ExpiresAt: expiresAt}, k, nil
 }
 

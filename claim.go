@@ -11,15 +11,36 @@ import (
 	"github.com/idemdb/idem/wal"
 )
 
-// Claim is the ownership of one id handed out by a Fresh Begin (or by
-// InDoubt after a restart). Exactly one of Commit or Abort should be called.
+// Claim is the ownership of one request handed out by a Fresh Begin (or by
+// InDoubt after a restart). Exactly one of Commit, CommitAdvance or Abort
+// should be called; a second one returns ErrLeaseLost and writes nothing.
+//
+// The contract, for every Store: once a claim exists, Commit and Abort
+// always write their record, whatever ctx says; ctx may only bound how
+// long the caller waits for the outcome. So a handler may pass the
+// request's own context (r.Context() after the client hung up, a gRPC
+// deadline that passed): the id is committed or released, never left in
+// flight until its lease runs out. The Engine does not consult ctx in
+// Commit and Abort at all (they wait for their fsync); a Store that stops
+// waiting returns an error matching ErrInDoubt.
 type Claim struct {
-	e          *Engine
-	k          reqKey
-	lsn        wal.LSN
-	fp         []byte
+	b          ClaimBackend // nil for the Engine's own claims (ec)
+	ec         engineClaim
 	leaseUntil time.Time
 	finished   atomic.Bool
+}
+
+// engineClaim is the Engine's backend of a claim, kept inside Claim so
+// that a Fresh Begin allocates one object.
+type engineClaim struct {
+	e   *Engine
+	k   reqKey
+	lsn wal.LSN
+	fp  []byte
+}
+
+func newEngineClaim(e *Engine, k reqKey, lsn wal.LSN, fp []byte, leaseUntil time.Time) *Claim {
+	return &Claim{ec: engineClaim{e: e, k: k, lsn: lsn, fp: fp}, leaseUntil: leaseUntil}
 }
 
 // LeaseUntil is when the claim's lease runs out.
@@ -27,21 +48,45 @@ func (c *Claim) LeaseUntil() time.Time { return c.leaseUntil }
 
 // Commit stores reply as the id's reply, durably (in SyncAlways mode) when it
 // returns, and wakes callers waiting for it. If the lease ran out and another
-// caller took the id over, it returns ErrLeaseLost and changes nothing.
+// caller took the id over, it returns ErrLeaseLost and changes nothing. It
+// writes its record whatever ctx says (see Claim). A reply larger than
+// Options.MaxReplySize is ErrInvalidRequest, and the claim stays open.
 func (c *Claim) Commit(ctx context.Context, reply []byte) error {
-	if len(reply) > c.e.o.MaxReplySize {
-		return invalid("reply of %d bytes exceeds %d", len(reply), c.e.o.MaxReplySize)
-	}
-	if reply == nil {
-		reply = []byte{}
-	}
-	return c.finish(ctx, wal.OpCommit, reply, nil, nil)
+	return c.finish(ctx, false, reply, nil)
 }
 
 // Abort releases the id: it is unknown again (a sequence number is not
-// consumed). Use it when the side effect failed and did not happen.
+// consumed). Use it when the side effect failed and did not happen. It
+// writes its record whatever ctx says (see Claim).
 func (c *Claim) Abort(ctx context.Context) error {
-	return c.finish(ctx, wal.OpAbort, nil, nil, nil)
+	return c.finish(ctx, true, nil, nil)
+}
+
+// finish runs the one finish a claim gets. A finish that wrote nothing
+// because the request was refused (ErrInvalidRequest, ErrInFlight) leaves
+// the claim open.
+func (c *Claim) finish(ctx context.Context, abort bool, reply []byte, adv []Advance) error {
+	if c.finished.Swap(true) {
+		return fmt.Errorf("%w: the claim was already committed or aborted", ErrLeaseLost)
+	}
+	if reply == nil && !abort {
+		reply = []byte{}
+	}
+	var err error
+	switch {
+	case c.b == nil && abort:
+		err = c.ec.abort()
+	case c.b == nil:
+		err = c.ec.commit(reply, adv)
+	case abort:
+		err = c.b.Abort(ctx)
+	default:
+		err = c.b.Commit(ctx, reply, adv)
+	}
+	if err != nil && (errors.Is(err, ErrInvalidRequest) || errors.Is(err, ErrInFlight)) {
+		c.finished.Store(false)
+	}
+	return err
 }
 
 // Advance names a sequence-mode client (Scope, Client) whose last
@@ -72,20 +117,7 @@ const maxAdvances = 1024
 // A raised client's kept reply is dropped, as a claim of a later number
 // drops it.
 func (c *Claim) CommitAdvance(ctx context.Context, reply []byte, adv ...Advance) error {
-	if len(adv) == 0 {
-		return c.Commit(ctx, reply)
-	}
-	if len(reply) > c.e.o.MaxReplySize {
-		return invalid("reply of %d bytes exceeds %d", len(reply), c.e.o.MaxReplySize)
-	}
-	wadv, keys, err := c.e.checkAdvances(adv, c.k.key)
-	if err != nil {
-		return err
-	}
-	if reply == nil {
-		reply = []byte{}
-	}
-	return c.finish(ctx, wal.OpCommitAdvance, reply, wadv, keys)
+	return c.finish(ctx, false, reply, adv)
 }
 
 // checkAdvances validates adv and returns them for the WAL with the keys
@@ -191,18 +223,32 @@ func (e *Engine) Advance(ctx context.Context, adv ...Advance) error {
 	return e.waitDurable(lsn)
 }
 
-func (c *Claim) finish(ctx context.Context, typ byte, reply []byte, adv []wal.Advance, keys [][]byte) error {
-	if err := ctx.Err(); err != nil {
+func (c *engineClaim) commit(reply []byte, adv []Advance) error {
+	e := c.e
+	if len(reply) > e.o.MaxReplySize {
+		return invalid("reply of %d bytes exceeds %d", len(reply), e.o.MaxReplySize)
+	}
+	if len(adv) == 0 {
+		return c.write(wal.OpCommit, reply, nil, nil)
+	}
+	wadv, keys, err := e.checkAdvances(adv, c.k.key)
+	if err != nil {
 		return err
 	}
+	return c.write(wal.OpCommitAdvance, reply, wadv, keys)
+}
+
+func (c *engineClaim) abort() error { return c.write(wal.OpAbort, nil, nil, nil) }
+
+// write appends the claim's commit or abort record and waits for its
+// fsync. It does not take a ctx: once a claim exists its finish is always
+// written (see Claim).
+func (c *engineClaim) write(typ byte, reply []byte, adv []wal.Advance, keys [][]byte) error {
 	e := c.e
 	if err := e.enter(); err != nil {
 		return err
 	}
 	defer e.leave()
-	if c.finished.Swap(true) {
-		return fmt.Errorf("%w: claim on %s was already finished", ErrLeaseLost, printable(c.k.ident))
-	}
 	k := c.k
 	var unlock func()
 	if keys == nil { // Commit, Abort: the claim's key alone (no slice to build)
@@ -224,7 +270,6 @@ func (c *Claim) finish(ctx context.Context, typ byte, reply []byte, adv []wal.Ad
 	if len(adv) > 0 {
 		if err := e.advancesInFlightLocked(adv, keys[1:]); err != nil {
 			unlock()
-			c.finished.Store(false)
 			return err
 		}
 	}
@@ -253,49 +298,4 @@ func (c *Claim) finish(ctx context.Context, typ byte, reply []byte, adv []wal.Ad
 		close(waiters)
 	}
 	return err
-}
-
-// Do runs fn exactly once for the request: a new id runs fn and commits its
-// reply (or aborts on its error, so that a retry runs again); a committed id
-// returns the stored reply; while another caller runs the id, Do waits for
-// it (bounded by ctx). If fn panics the claim is aborted and the panic goes on.
-func (e *Engine) Do(ctx context.Context, req Request, fn func(context.Context) ([]byte, error)) ([]byte, error) {
-	for {
-		res, k, err := e.begin(ctx, req)
-		if err != nil {
-			return nil, err
-		}
-		switch res.Status {
-		case Done:
-			return res.Reply, nil
-		case Fresh:
-			return e.run(ctx, res.Claim, fn)
-		case InFlight:
-			if _, err := e.waitKey(ctx, k); err != nil {
-				return nil, err
-			}
-		}
-	}
-}
-
-func (e *Engine) run(ctx context.Context, c *Claim, fn func(context.Context) ([]byte, error)) (reply []byte, err error) {
-	done := false
-	defer func() {
-		if !done {
-			_ = c.Abort(context.WithoutCancel(ctx))
-		}
-	}()
-	reply, err = fn(ctx)
-	if err != nil {
-		done = true
-		if aerr := c.Abort(context.WithoutCancel(ctx)); aerr != nil {
-			return nil, errors.Join(err, aerr)
-		}
-		return nil, err
-	}
-	done = true
-	if err := c.Commit(context.WithoutCancel(ctx), reply); err != nil {
-		return nil, err
-	}
-	return reply, nil
 }

@@ -136,6 +136,9 @@ var (
 // are replayed. `idem verify` checks every frame.
 func Open(dir string, opts *Options) (*Engine, error) {
 	o := opts.withDefaults()
+	if o.Sync < SyncAlways || o.Sync > SyncNever {
+		return nil, fmt.Errorf("%w: Options.Sync: unknown mode %d (want SyncAlways, SyncInterval or SyncNever)", ErrInvalidRequest, int(o.Sync))
+	}
 	e := &Engine{o: o, dir: dir, fs: o.FS, seed: maphash.MakeSeed()}
 	for i := range e.shards {
 		e.shards[i].m = make(map[string]*slot)

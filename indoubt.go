@@ -1,6 +1,8 @@
 package idem
 
 import (
+	"context"
+	"strings"
 	"time"
 
 	"github.com/idemdb/idem/index"
@@ -29,8 +31,12 @@ type inDoubtRef struct {
 }
 
 // InDoubt lists the claims that were in flight when the engine opened and
-// are still unresolved.
-func (e *Engine) InDoubt() ([]InDoubtClaim, error) {
+// are still unresolved, whose scope starts with scopePrefix ("" lists them
+// all): an integration asks for its own scopes (idemhttp's, one sink's).
+func (e *Engine) InDoubt(ctx context.Context, scopePrefix string) ([]InDoubtClaim, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
 	if err := e.enter(); err != nil {
 		return nil, err
 	}
@@ -56,6 +62,9 @@ func (e *Engine) InDoubt() ([]InDoubtClaim, error) {
 			continue // resolved, forgotten, or taken over by a new claim
 		}
 		keep = append(keep, r)
+		if !strings.HasPrefix(scope, scopePrefix) {
+			continue
+		}
 		k := reqKey{scope: scope, mode: mode, ident: append([]byte(nil), ident...), key: r.key}
 		d := InDoubtClaim{Scope: scope, Fingerprint: cur.ClaimFP, ClaimedAt: time.Unix(0, cur.ClaimTime), LeaseUntil: time.Unix(0, cur.LeaseUntil)}
 		if mode == index.ModeID {
@@ -63,7 +72,7 @@ func (e *Engine) InDoubt() ([]InDoubtClaim, error) {
 		} else {
 			d.Client, d.Seq, k.seq = string(k.ident), cur.ClaimSeq, cur.ClaimSeq
 		}
-		d.Claim = &Claim{e: e, k: k, lsn: cur.ClaimLSN, fp: cur.ClaimFP, leaseUntil: d.LeaseUntil}
+		d.Claim = newEngineClaim(e, k, cur.ClaimLSN, cur.ClaimFP, d.LeaseUntil)
 		out = append(out, d)
 	}
 	e.inDoubt = keep

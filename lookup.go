@@ -7,28 +7,70 @@ import (
 	"github.com/idemdb/idem/index"
 )
 
-// Wait blocks until the id is no longer in flight (or its lease runs out, or
-// ctx ends) and returns what Lookup then says.
-func (e *Engine) Wait(ctx context.Context, scope string, id []byte) (Result, error) {
-	k, err := e.validate(&Request{Scope: scope, ID: id})
+// Lookup answers what Begin would answer for req, without claiming and
+// without counting a hit or a miss: Absent where Begin would hand out a
+// Fresh claim (Result.Seq names the number for sequence mode), Done with
+// the reply, InFlight with the owner's lease (also once the lease ran out,
+// until another caller takes the id over: LeaseUntil is then in the
+// past), and the same errors
+// (ErrConflict when the fingerprint differs, exactly as Begin checks it;
+// *SequenceGapError; *AlreadyCommittedError). Acked ids in req are
+// ignored: a read removes nothing. ctx is consulted before the read.
+func (e *Engine) Lookup(ctx context.Context, req Request) (Result, error) {
+	k, err := e.validate(&req)
 	if err != nil {
 		return Result{}, err
 	}
-	return e.waitKey(ctx, k)
-}
-
-// WaitSeq is Wait for sequence mode: it blocks while the client's request
-// seq is in flight (until its claim is committed or aborted, its lease runs
-// out, or ctx ends) and returns what LookupSeq then says.
-func (e *Engine) WaitSeq(ctx context.Context, scope, client string, seq uint64) (Result, error) {
-	k, err := e.validate(&Request{Scope: scope, Client: client, Seq: seq})
+	if err := ctx.Err(); err != nil {
+		return Result{}, err
+	}
+	if err := e.enter(); err != nil {
+		return Result{}, err
+	}
+	defer e.leave()
+	sl, unlock, err := e.lockSlot(k.key)
 	if err != nil {
 		return Result{}, err
 	}
-	return e.waitKey(ctx, k)
+	cur := e.current(sl, k.mode)
+	v, res, verr := e.readLocked(cur, k, fingerprint(&req), e.o.Clock())
+	unlock()
+	if v == vDone {
+		if err := e.waitDurable(cur.CommitLSN); err != nil {
+			return Result{}, err
+		}
+	}
+	return res, verr
 }
 
-func (e *Engine) waitKey(ctx context.Context, k reqKey) (Result, error) {
+// readLocked is classifyLocked for the reads: a request Begin would claim
+// is Absent, except a claim whose lease ran out and that nobody took over
+// yet: it is still InFlight (its owner may still commit it), with its
+// LeaseUntil in the past, and Wait does not wait for it.
+func (e *Engine) readLocked(cur *index.Entry, k reqKey, fp []byte, now time.Time) (verdict, Result, error) {
+	v, res, err, takeover, _ := e.classifyLocked(cur, k, fp, now)
+	switch {
+	case v == vClaim && takeover:
+		res = Result{Status: InFlight, LeaseUntil: time.Unix(0, cur.LeaseUntil), Seq: k.seq}
+	case v == vClaim:
+		res = Result{Status: Absent, Seq: k.seq}
+	}
+	return v, res, err
+}
+
+// Wait blocks while req is in flight (until its claim is committed or
+// aborted, its lease runs out, or ctx ends) and returns what Lookup then
+// says, with the same fingerprint check: a request whose fingerprint
+// differs from the claim's is ErrConflict at once, not a wait.
+func (e *Engine) Wait(ctx context.Context, req Request) (Result, error) {
+	k, err := e.validate(&req)
+	if err != nil {
+		return Result{}, err
+	}
+	return e.waitKey(ctx, k, fingerprint(&req))
+}
+
+func (e *Engine) waitKey(ctx context.Context, k reqKey, fp []byte) (Result, error) {
 	for {
 		if err := ctx.Err(); err != nil {
 			return Result{}, err
@@ -45,7 +87,8 @@ func (e *Engine) waitKey(ctx context.Context, k reqKey) (Result, error) {
 		}
 		cur := e.current(sl, k.mode)
 		now := e.o.Clock()
-		if cur != nil && cur.InFlight && (k.mode == index.ModeID || cur.ClaimSeq == k.seq) && now.UnixNano() < cur.LeaseUntil {
+		v, res, verr := e.readLocked(cur, k, fp, now)
+		if v == vInFlight {
 			if sl.waiters == nil {
 				sl.waiters = make(chan struct{})
 			}
@@ -64,86 +107,25 @@ func (e *Engine) waitKey(ctx context.Context, k reqKey) (Result, error) {
 			t.Stop()
 			continue
 		}
-		res := e.resultLocked(cur, k, now)
 		unlock()
 		e.leave()
-		if res.Status == Done {
+		if v == vDone {
 			if err := e.waitDurable(cur.CommitLSN); err != nil {
 				return Result{}, err
 			}
 		}
-		return res, nil
+		return res, verr
 	}
-}
-
-func (e *Engine) resultLocked(cur *index.Entry, k reqKey, now time.Time) Result {
-	if cur == nil {
-		return Result{Status: Absent}
-	}
-	if k.mode == index.ModeClient {
-		if cur.InFlight && (k.seq == 0 || k.seq == cur.ClaimSeq) {
-			return Result{Status: InFlight, LeaseUntil: time.Unix(0, cur.LeaseUntil), Seq: cur.ClaimSeq}
-		}
-		if cur.Committed && cur.ReplyKept && !e.expired(cur, now) && (k.seq == 0 || k.seq == cur.Seq) {
-			return doneResult(cur)
-		}
-		return Result{Status: Absent, Seq: k.seq}
-	}
-	if cur.InFlight {
-		return Result{Status: InFlight, LeaseUntil: time.Unix(0, cur.LeaseUntil)}
-	}
-	if cur.Committed && !e.expired(cur, now) {
-		return doneResult(cur)
-	}
-	return Result{Status: Absent}
-}
-
-// Lookup reports what the engine knows of an id without claiming it:
-// Absent, Done (with the reply) or InFlight. It does not count as a hit or
-// a miss.
-func (e *Engine) Lookup(scope string, id []byte) (Result, error) {
-	k, err := e.validate(&Request{Scope: scope, ID: id})
-	if err != nil {
-		return Result{}, err
-	}
-	return e.lookup(k)
-}
-
-// LookupSeq is Lookup for sequence mode: what the engine knows of a
-// client's request seq.
-func (e *Engine) LookupSeq(scope, client string, seq uint64) (Result, error) {
-	k, err := e.validate(&Request{Scope: scope, Client: client, Seq: seq})
-	if err != nil {
-		return Result{}, err
-	}
-	return e.lookup(k)
-}
-
-func (e *Engine) lookup(k reqKey) (Result, error) {
-	if err := e.enter(); err != nil {
-		return Result{}, err
-	}
-	defer e.leave()
-	sl, unlock, err := e.lockSlot(k.key)
-	if err != nil {
-		return Result{}, err
-	}
-	cur := e.current(sl, k.mode)
-	res := e.resultLocked(cur, k, e.o.Clock())
-	unlock()
-	if res.Status == Done {
-		if err := e.waitDurable(cur.CommitLSN); err != nil {
-			return Result{}, err
-		}
-	}
-	return res, nil
 }
 
 // ClientState returns the client's last committed sequence number in scope
 // (0 for a client never seen). The client resumes at that number + 1.
-func (e *Engine) ClientState(scope, client string) (uint64, error) {
+func (e *Engine) ClientState(ctx context.Context, scope, client string) (uint64, error) {
 	if client == "" || len(client) > e.o.MaxIDLen || len(scope) > e.o.MaxIDLen {
 		return 0, invalid("client name must be 1..%d bytes", e.o.MaxIDLen)
+	}
+	if err := ctx.Err(); err != nil {
+		return 0, err
 	}
 	if err := e.enter(); err != nil {
 		return 0, err

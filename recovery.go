@@ -27,7 +27,7 @@ func (e *Engine) recover(ix *index.Index) (*wal.WAL, error) {
 			Dir:          filepath.Join(e.dir, "wal"),
 			SegmentSize:  o.SegmentSize,
 			Preallocate:  o.FS == vfs.Default && !o.NoPreallocate,
-			SyncMode:     o.Sync,
+			SyncMode:     o.Sync.wal(),
 			SyncInterval: o.SyncInterval,
 			// Records are retained (and their slots pinned) until their
 			// fsync: in SyncNever mode that was up to a whole segment,

@@ -1,6 +1,7 @@
 package idem
 
 import (
+	"context"
 	"time"
 )
 
@@ -88,7 +89,7 @@ func (e *Engine) Stats() Stats {
 		s.CacheBytes += sh.bytes
 		sh.mu.Unlock()
 	}
-	if ds, err := e.InDoubt(); err == nil {
+	if ds, err := e.InDoubt(context.Background(), ""); err == nil {
 		s.InDoubt = len(ds)
 	}
 	if !e.closed.Load() {
