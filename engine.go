@@ -129,11 +129,14 @@ var (
 	openDirs   = map[string]bool{} // guarded by openDirsMu: directories open in this process
 )
 
-// Open opens (creating if needed) the idem directory dir. On open the WAL
-// is read from the index's applied LSN on (older segments only have their
-// headers checked; after a clean Close the log is entered at its end), a
-// torn tail is cut (and logged), and the records the index has not applied
-// are replayed. `idem verify` checks every frame.
+// Open opens (creating if needed) the idem directory dir. On open an empty
+// index in front of a WAL whose head compaction removed is loaded from the
+// newest valid on-disk snapshot, the WAL is read from the index's applied
+// LSN on (older segments only have their headers checked; after a clean
+// Close the log is entered at its end), a torn tail is cut (and logged), and
+// the records the index has not applied are replayed (docs/design.md,
+// "Recovery (Open)"; the idem command runs the same recovery read-only).
+// `idem verify` checks every frame.
 func Open(dir string, opts *Options) (*Engine, error) {
 	o := opts.withDefaults()
 	if o.Sync < SyncAlways || o.Sync > SyncNever {

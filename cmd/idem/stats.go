@@ -89,6 +89,9 @@ type statsOut struct {
 		ForgetBefore  string `json:"forget_before,omitempty"`
 		ForgetLSN     uint64 `json:"forget_lsn,omitempty"`
 		Replayed      int    `json:"replayed_records"`
+		// SeededFrom is the snapshot an empty index was loaded from before
+		// the replay, as Open would.
+		SeededFrom string `json:"seeded_from,omitempty"`
 	} `json:"index"`
 }
 
@@ -188,7 +191,7 @@ func (o *statsOpts) run(c *cli, pos []string) error {
 	if m := ri.ix.Mark(); m.LSN != 0 {
 		s.Index.ForgetBefore, s.Index.ForgetLSN = fmtTime(m.Before), uint64(m.LSN)
 	}
-	s.Index.Replayed = ri.replayed
+	s.Index.Replayed, s.Index.SeededFrom = ri.replayed, ri.seeded
 	if o.json {
 		return writeJSONLine(c.stdout, &s)
 	}

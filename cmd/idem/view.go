@@ -71,26 +71,13 @@ func oneDir(pos []string) (string, error) {
 	return pos[0], checkIdemDir(pos[0])
 }
 
-// writerActive reports whether an engine holds dir's lock. It takes the
-// lock the way the engine does (vfs.Default.Lock on <dir>/LOCK) and releases
-// it at once. It never creates the LOCK file: without one no engine has the
-// directory open.
-//
-// POSIX record locks belong to a process, so this probe only means something
-// from another process than the writer's, which is how idem runs. In the same
-// process Pebble's registry of locked names answers instead (as long as the
-// directory is spelled the same way).
+// writerActive reports whether an engine holds dir's lock (the POSIX record
+// lock the engine takes on <dir>/LOCK). It asks without taking the lock and
+// without creating or touching the LOCK file (see lockHeld): without one no
+// engine has the directory open. When it cannot tell, it says no.
 func writerActive(dir string) bool {
-	p := filepath.Join(dir, "LOCK")
-	if _, err := os.Stat(p); err != nil {
-		return false
-	}
-	l, err := vfs.Default.Lock(p)
-	if err != nil {
-		return true
-	}
-	_ = l.Close()
-	return false
+	held, err := lockHeld(filepath.Join(dir, "LOCK"))
+	return err == nil && held
 }
 
 // noteWriter prints, when an engine has dir open, that what is shown may be
