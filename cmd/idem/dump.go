@@ -137,6 +137,7 @@ type recordOut struct {
 	Type        string   `json:"type"`
 	Time        string   `json:"time"`
 	Scope       string   `json:"scope"`
+	Integration string   `json:"integration,omitempty"` // the scope in its integration's words (scopeWords)
 	ID          string   `json:"id,omitempty"`
 	Client      string   `json:"client,omitempty"`
 	Seq         uint64   `json:"seq,omitempty"`
@@ -182,6 +183,9 @@ func (o *dumpOpts) dumpWAL(c *cli, w *bufio.Writer, dir string) error {
 			return nil
 		}
 		out.Time, out.Scope, out.Client, out.Seq = fmtTime(op.Time), op.Scope, op.Client, op.Seq
+		if o.json { // text output shows it in place of the scope
+			out.Integration = scopeWords(op.Scope)
+		}
 		if len(op.ID) > 0 {
 			out.ID = readable(op.ID)
 		}
@@ -189,7 +193,7 @@ func (o *dumpOpts) dumpWAL(c *cli, w *bufio.Writer, dir string) error {
 			out.Acked = append(out.Acked, readable(a))
 		}
 		for _, a := range op.Advances { // commit-advance, advance
-			out.Advanced = append(out.Advanced, fmt.Sprintf("scope %s client %s to %d", readableText([]byte(a.Scope)), readableText([]byte(a.Client)), a.Seq))
+			out.Advanced = append(out.Advanced, fmt.Sprintf("scope %s client %s to %d", showScope(a.Scope), readableText([]byte(a.Client)), a.Seq))
 		}
 		switch op.Type {
 		case wal.OpClaim:
@@ -237,7 +241,7 @@ func writeRecord(w io.Writer, asJSON bool, r *recordOut) error {
 	} else {
 		fmt.Fprintf(&b, " time=%s", r.Time)
 		if r.Type != "forget" && r.Type != "expire" && r.Type != "advance" {
-			fmt.Fprintf(&b, " scope=%s", readableText([]byte(r.Scope)))
+			fmt.Fprintf(&b, " scope=%s", showScope(r.Scope))
 		}
 		if r.ID != "" {
 			fmt.Fprintf(&b, " id=%s", readableText([]byte(r.ID)))
@@ -297,6 +301,7 @@ func writeJSONLine(w io.Writer, v any) error {
 type entryOut struct {
 	Kind             string `json:"kind"`
 	Scope            string `json:"scope"`
+	Integration      string `json:"integration,omitempty"` // the scope in its integration's words (scopeWords)
 	ID               string `json:"id,omitempty"`
 	Client           string `json:"client,omitempty"`
 	State            string `json:"state"`
@@ -328,7 +333,7 @@ func entryState(e *index.Entry) string {
 }
 
 func makeEntryOut(scope string, mode byte, ident []byte, e *index.Entry) *entryOut {
-	out := &entryOut{Kind: "entry", Scope: scope, State: entryState(e), LSN: uint64(e.LSN)}
+	out := &entryOut{Kind: "entry", Scope: scope, Integration: scopeWords(scope), State: entryState(e), LSN: uint64(e.LSN)}
 	if mode == index.ModeID {
 		out.ID = readable(ident)
 	} else {
@@ -410,7 +415,7 @@ func writeEntry(w io.Writer, asJSON bool, e *entryOut) error {
 		return writeJSONLine(w, e)
 	}
 	var b strings.Builder
-	fmt.Fprintf(&b, "entry scope=%s", readableText([]byte(e.Scope)))
+	fmt.Fprintf(&b, "entry scope=%s", showScope(e.Scope))
 	if e.Client != "" {
 		fmt.Fprintf(&b, " client=%s", readableText([]byte(e.Client)))
 	} else {

@@ -152,7 +152,11 @@ func exitCode(c *cli, cmd *command, err error) int {
 		fmt.Fprintf(c.stderr, "idem %s: %s (run 'idem help %s')\n", cmd.name, oneLine(ue.msg), cmd.name)
 		return 2
 	default:
-		fmt.Fprintf(c.stderr, "idem %s: %s\n", cmd.name, oneLine(err.Error()))
+		msg := err.Error()
+		if nd := (*notIdemDirError)(nil); errors.As(err, &nd) {
+			msg = nd.message(cmd.name)
+		}
+		fmt.Fprintf(c.stderr, "idem %s: %s\n", cmd.name, oneLine(msg))
 		return 1
 	}
 }

@@ -17,6 +17,8 @@ import (
 
 	"github.com/cockroachdb/pebble/v2/vfs"
 	"github.com/idemdb/idem"
+	"github.com/idemdb/idem/idemgrpc"
+	"github.com/idemdb/idem/idemhttp"
 	"github.com/idemdb/idem/internal/recovery"
 	"github.com/idemdb/idem/internal/testclock"
 	"github.com/idemdb/idem/wal"
@@ -302,5 +304,102 @@ func TestToolAndOpenRefuseLostRecords(t *testing.T) {
 	_, err = idem.Open(dir, opts)
 	if !errors.Is(err, idem.ErrCorrupt) || !strings.Contains(err.Error(), want) {
 		t.Fatalf("Open: %v, want ErrCorrupt with %q", err, want)
+	}
+}
+
+// TestNotAnIdemDir: every command taking a directory, given an
+// application's data directory, says where it looked and names the idem
+// directory inside it (or the one it is part of), and creates nothing.
+func TestNotAnIdemDir(t *testing.T) {
+	app := t.TempDir()
+	e, err := idem.Open(filepath.Join(app, "idem"), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Close(); err != nil {
+		t.Fatal(err)
+	}
+	os.WriteFile(filepath.Join(app, "journal.jsonl"), []byte("{}\n"), 0o644)
+	before := treeState(t, app)
+	engine := filepath.Join(app, "idem")
+	for _, args := range [][]string{
+		{"dump", app}, {"dump", "index", app}, {"stats", app}, {"verify", app},
+		{"forget", app, "--before", "1h"}, {"compact", app},
+		{"snapshot", app, "-o", filepath.Join(t.TempDir(), "s")},
+	} {
+		_, errs := wantCode(t, 1, args...)
+		want := fmt.Sprintf("idem %s: %s is not an idem directory: there is no WAL in %s; the idem directory inside it is %s: run 'idem %s %s'\n",
+			args[0], app, filepath.Join(app, "wal"), engine, args[0], engine)
+		if errs != want {
+			t.Errorf("idem %v:\n got %q\nwant %q", args, errs, want)
+		}
+	}
+	_, errs := wantCode(t, 1, "stats", filepath.Join(engine, "wal"))
+	if !strings.Contains(errs, "it is the wal/ subdirectory of the idem directory "+engine+": run 'idem stats "+engine+"'") {
+		t.Errorf("stats on the wal/ subdirectory: %q", errs)
+	}
+	if after := treeState(t, app); after != before {
+		t.Errorf("the commands changed %s:\n%s\n%s", app, before, after)
+	}
+	// Several idem directories (idemraft keeps one per generation).
+	for _, sub := range []string{"dedup/gen-1", "dedup/gen-2"} {
+		e, err := idem.Open(filepath.Join(app, sub), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		e.Close()
+	}
+	_, errs = wantCode(t, 1, "stats", app)
+	want := fmt.Sprintf("idem directories inside it: %s, %s, %s\n", engine, filepath.Join(app, "dedup/gen-1"), filepath.Join(app, "dedup/gen-2"))
+	if !strings.HasSuffix(errs, want) {
+		t.Errorf("stats with several idem directories inside: %q, want it to end with %q", errs, want)
+	}
+}
+
+// TestIntegrationScopes: the scopes idemhttp and idemgrpc write are shown
+// in their own words (stats, dump), JSON keeps the raw scope beside
+// them, and --scope takes either form.
+func TestIntegrationScopes(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "db")
+	e, err := idem.Open(dir, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	scopes := map[string]string{
+		idemhttp.ScopeFor("", "alice"): "idemhttp(actor=alice)",
+		idemhttp.ScopeFor("api", ""):   "idemhttp(prefix=api,shared)",
+		idemhttp.ScopeFor("", strings.Repeat("x", idemhttp.MaxVerbatimPrincipal+1)): "idemhttp(actor-sha256=" + func() string {
+			s := sha256.Sum256([]byte(strings.Repeat("x", idemhttp.MaxVerbatimPrincipal+1)))
+			return hex.EncodeToString(s[:])
+		}() + ")",
+		idemgrpc.EncodeScope("", "bob", "tenant 1"): `idemgrpc(actor=bob,fields=["tenant 1"])`,
+		idemgrpc.EncodeScope("ledger", "carol"):     "idemgrpc(prefix=ledger,actor=carol)",
+		"payments":                                  "payments",
+	}
+	for scope := range scopes {
+		if _, err := e.Do(bg, idem.Request{Scope: scope, ID: []byte("k1")}, func(context.Context) ([]byte, error) { return []byte("r"), nil }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := e.Close(); err != nil {
+		t.Fatal(err)
+	}
+	out, _ := wantCode(t, 0, "stats", dir)
+	dumpText, _ := wantCode(t, 0, "dump", dir)
+	for scope, words := range scopes {
+		if !strings.Contains(out, "\n             "+words+" ") {
+			t.Errorf("stats does not show %q:\n%s", words, out)
+		}
+		if strings.Count(dumpText, " scope="+words+" ") != 3 { // claim, commit, entry
+			t.Errorf("dump does not show scope=%s three times:\n%s", words, dumpText)
+		}
+		if words == "payments" {
+			continue
+		}
+		o, _ := wantCode(t, 0, "dump", "index", dir, "--json", "--scope", words)
+		lines := jsonLines(t, o)
+		if len(lines) != 1 || lines[0]["scope"] != scope || lines[0]["integration"] != words {
+			t.Errorf("dump index --json --scope %s: %v", words, lines)
+		}
 	}
 }

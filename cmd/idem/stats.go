@@ -47,10 +47,11 @@ type statsOpts struct {
 }
 
 type scopeStats struct {
-	Scope     string `json:"scope"`
-	Entries   int64  `json:"entries"`
-	InFlight  int64  `json:"in_flight"`
-	Committed int64  `json:"committed"`
+	Scope       string `json:"scope"`
+	Integration string `json:"integration,omitempty"` // the scope in its integration's words (scopeWords)
+	Entries     int64  `json:"entries"`
+	InFlight    int64  `json:"in_flight"`
+	Committed   int64  `json:"committed"`
 }
 
 type ageBucket struct {
@@ -122,7 +123,7 @@ func (o *statsOpts) run(c *cli, pos []string) error {
 		}
 		sc := scopes[scope]
 		if sc == nil {
-			sc = &scopeStats{Scope: scope}
+			sc = &scopeStats{Scope: scope, Integration: scopeWords(scope)}
 			scopes[scope] = sc
 		}
 		s.Entries.Total++
@@ -213,13 +214,22 @@ func (o *statsOpts) print(w io.Writer, s *statsOut) {
 		e.Total, e.InFlight, e.Committed, e.RepliesKept, humanBytes(e.ReplyBytes))
 	fmt.Fprintf(w, "             %d ids, %d sequence-mode clients\n", e.IDs, e.Clients)
 	if len(s.ByScope) > 0 {
-		fmt.Fprintf(w, "by scope     %-24s %10s %10s %10s\n", "scope", "entries", "in-flight", "committed")
-		for i, sc := range s.ByScope {
-			if i == o.top {
-				fmt.Fprintf(w, "             ... and %d more scopes (--top, --json)\n", len(s.ByScope)-o.top)
-				break
-			}
-			fmt.Fprintf(w, "             %-24s %10d %10d %10d\n", readableText([]byte(sc.Scope)), sc.Entries, sc.InFlight, sc.Committed)
+		shown := s.ByScope
+		if o.top >= 0 && o.top < len(shown) {
+			shown = shown[:o.top]
+		}
+		names := make([]string, len(shown))
+		width := 24 // the scope column: as wide as the longest shown, up to 64
+		for i, sc := range shown {
+			names[i] = showScope(sc.Scope)
+			width = max(width, min(len(names[i]), 64))
+		}
+		fmt.Fprintf(w, "by scope     %-*s %10s %10s %10s\n", width, "scope", "entries", "in-flight", "committed")
+		for i, sc := range shown {
+			fmt.Fprintf(w, "             %-*s %10d %10d %10d\n", width, names[i], sc.Entries, sc.InFlight, sc.Committed)
+		}
+		if len(shown) < len(s.ByScope) {
+			fmt.Fprintf(w, "             ... and %d more scopes (--top, --json)\n", len(s.ByScope)-len(shown))
 		}
 	}
 	fmt.Fprintf(w, "reply age   ")

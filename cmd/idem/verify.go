@@ -91,11 +91,11 @@ func describeOp(op *wal.Op) string {
 	case op.Type == wal.OpAdvance:
 		return fmt.Sprintf("advance of %d clients", len(op.Advances))
 	case len(op.ID) > 0:
-		return fmt.Sprintf("scope %s id %s", readableText([]byte(op.Scope)), readableText(op.ID))
+		return fmt.Sprintf("scope %s id %s", showScope(op.Scope), readableText(op.ID))
 	case op.Client != "":
-		return fmt.Sprintf("scope %s client %s seq %d", readableText([]byte(op.Scope)), readableText([]byte(op.Client)), op.Seq)
+		return fmt.Sprintf("scope %s client %s seq %d", showScope(op.Scope), readableText([]byte(op.Client)), op.Seq)
 	}
-	return fmt.Sprintf("scope %s", readableText([]byte(op.Scope)))
+	return fmt.Sprintf("scope %s", showScope(op.Scope))
 }
 
 func describeKey(key []byte) string {
@@ -104,9 +104,9 @@ func describeKey(key []byte) string {
 		return "unparsable key 0x" + hex.EncodeToString(key)
 	}
 	if mode == index.ModeID {
-		return fmt.Sprintf("scope %s id %s", readableText([]byte(scope)), readableText(ident))
+		return fmt.Sprintf("scope %s id %s", showScope(scope), readableText(ident))
 	}
-	return fmt.Sprintf("scope %s client %s", readableText([]byte(scope)), readableText(ident))
+	return fmt.Sprintf("scope %s client %s", showScope(scope), readableText(ident))
 }
 
 func (v *verifier) run(c *cli, pos []string) error {

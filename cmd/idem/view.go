@@ -40,7 +40,12 @@ import (
 // into it. Only the private index copy (openIndexCopy) is written.
 var dirFS = recovery.ReadOnlyFS(vfs.Default)
 
-// checkIdemDir fails with a one-line error unless dir is an idem directory.
+// checkIdemDir fails with a one-line error unless dir is an idem directory
+// (the directory given to idem.Open: see isIdemDir). An
+// application's data directory is usually not one, its engine lives in a
+// subdirectory (<dir>/idem in the examples, <dir>/dedup/gen-N under
+// idemraft), so the error (a *notIdemDirError) says where it looked and
+// names the idem directories found inside dir, or the one dir is part of.
 func checkIdemDir(dir string) error {
 	st, err := os.Stat(dir)
 	if errors.Is(err, fs.ErrNotExist) {
@@ -52,11 +57,111 @@ func checkIdemDir(dir string) error {
 	if !st.IsDir() {
 		return fmt.Errorf("%s is not a directory", dir)
 	}
-	st, err = os.Stat(filepath.Join(dir, "wal"))
-	if err != nil || !st.IsDir() {
-		return fmt.Errorf("%s is not an idem directory (it has no wal/ subdirectory)", dir)
+	if isIdemDir(dir) {
+		return nil
 	}
-	return nil
+	e := &notIdemDirError{dir: dir}
+	if parent := filepath.Dir(filepath.Clean(dir)); isIdemDir(parent) {
+		switch filepath.Base(filepath.Clean(dir)) {
+		case "wal", "index", "snapshot":
+			e.parent = parent
+		}
+	}
+	if e.parent == "" {
+		e.found, e.more = findIdemDirs(dir)
+	}
+	return e
+}
+
+// isIdemDir says whether dir is an idem directory: it holds a wal/
+// subdirectory and either the LOCK file Open creates or a WAL segment (a
+// source checkout of idem has a wal/ directory too).
+func isIdemDir(dir string) bool {
+	st, err := os.Stat(filepath.Join(dir, "wal"))
+	if err != nil || !st.IsDir() {
+		return false
+	}
+	if _, err := os.Stat(filepath.Join(dir, "LOCK")); err == nil {
+		return true
+	}
+	first, err := recovery.FirstLSN(dirFS, filepath.Join(dir, "wal"))
+	return err == nil && first > 0
+}
+
+// Bounds of findIdemDirs: how deep it looks, how many directories it reads
+// and how many idem directories it names.
+const (
+	findDepth   = 3
+	findVisits  = 2000
+	findResults = 5
+)
+
+// findIdemDirs returns the idem directories under dir (not descending into
+// them), breadth first and sorted within a level, at most findResults of
+// them (more says there were others).
+func findIdemDirs(dir string) (found []string, more bool) {
+	level, visits := []string{dir}, 0
+	for depth := 0; depth < findDepth && len(level) > 0; depth++ {
+		var next []string
+		for _, d := range level {
+			if visits++; visits > findVisits {
+				return found, more
+			}
+			ents, err := os.ReadDir(d)
+			if err != nil {
+				continue
+			}
+			for _, e := range ents {
+				if !e.IsDir() {
+					continue
+				}
+				p := filepath.Join(d, e.Name())
+				if !isIdemDir(p) {
+					next = append(next, p)
+				} else if len(found) < findResults {
+					found = append(found, p)
+				} else {
+					more = true
+				}
+			}
+		}
+		level = next
+	}
+	return found, more
+}
+
+// notIdemDirError is a directory argument that is not an idem directory.
+type notIdemDirError struct {
+	dir    string
+	parent string   // the idem directory dir is the wal/, index/ or snapshot/ of
+	found  []string // idem directories inside dir
+	more   bool     // and more than those
+}
+
+func (e *notIdemDirError) Error() string { return e.message("") }
+
+// message describes the error; with the command's name it suggests running
+// the command on the idem directory when there is exactly one.
+func (e *notIdemDirError) message(cmd string) string {
+	msg := fmt.Sprintf("%s is not an idem directory: there is no WAL in %s", e.dir, filepath.Join(e.dir, "wal"))
+	target := ""
+	switch {
+	case e.parent != "":
+		msg += fmt.Sprintf("; it is the %s/ subdirectory of the idem directory %s", filepath.Base(filepath.Clean(e.dir)), e.parent)
+		target = e.parent
+	case len(e.found) == 1 && !e.more:
+		msg += fmt.Sprintf("; the idem directory inside it is %s", e.found[0])
+		target = e.found[0]
+	case len(e.found) > 0:
+		msg += fmt.Sprintf("; idem directories inside it: %s", strings.Join(e.found, ", "))
+		if e.more {
+			msg += ", ..."
+		}
+	}
+	if target != "" && cmd != "" {
+		msg += fmt.Sprintf(": run 'idem %s %s'", cmd, target)
+	}
+	return msg
 }
 
 // oneDir checks that exactly one positional argument, an idem directory,
