@@ -30,11 +30,15 @@ it works while an application has the directory open).
   idem dump <dir>         both: the WAL, then the index
 
 Ids are printed as text when they are printable ASCII, else as 0x<hex>.
+Scopes written by an integration are printed in its words:
+idemhttp(actor=alice) for the key space idemhttp gives actor alice,
+idemgrpc(actor=bob,fields=[t1]) for an idemgrpc scope; --json keeps the raw
+scope and adds those words as "integration". --scope takes either form.
 Times are RFC 3339 in UTC. With --json every record and entry is one JSON
 object per line, with "kind" set to "record" or "entry".
 
 The index shown is the index files plus the WAL records they have not
-applied yet, replayed onto a private copy exactly as Open would; --stored
+applied yet, replayed onto a private copy by Open's own recovery code; --stored
 shows the files as they are. The filters apply to both parts: records are
 matched on their own time and LSN, entries on their commit (or claim) time
 and on the LSN of their last change.`,

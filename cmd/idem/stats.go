@@ -20,13 +20,16 @@ var statsCmd = &command{
 Summarises an idem directory without changing it (no lock is taken; it works
 while an application has the directory open):
 
-  - live entries by state (in flight, committed, replies kept) and by scope;
+  - live entries by state (in flight, committed, replies kept) and by scope
+    (a scope written by idemhttp or idemgrpc in its words, such as
+    idemhttp(actor=alice); --json adds them as "integration");
   - the age of the kept replies, by commit time;
   - WAL segments, their bytes, the first and last LSN, a torn tail if any;
   - the index's size on disk, the LSN it has applied, its forget mark.
 
 The entry counts include the WAL records the index files have not applied
-yet, replayed onto a private copy as Open would (--stored: the files only).`,
+yet, replayed onto a private copy by Open's own recovery code (--stored:
+the files only).`,
 	examples: []string{
 		"idem stats /var/lib/app/idem",
 		"idem stats /var/lib/app/idem --json | jq .entries",

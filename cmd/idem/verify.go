@@ -27,8 +27,9 @@ while an application has the directory open):
 
   1. every frame of every WAL segment (checksum, length, LSN sequence,
      padding) and every record's payload;
-  2. the index files: the WAL records they have not applied are replayed
-     onto a private copy, as Open would, and must apply cleanly;
+  2. the index files: Open's own recovery (the same code, run read-only on
+     a private copy) must succeed: the WAL must continue the index, and the
+     records the index has not applied must apply cleanly;
   3. the whole WAL is replayed from LSN 1 into a fresh in-memory index, which
      must equal the index entry by entry (missing, extra and different
      entries are named by scope and id), with the same entry count and
