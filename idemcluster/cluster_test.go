@@ -332,3 +332,22 @@ func TestClusterJoin(t *testing.T) {
 	// its snapshot: say which way n4 caught up.
 	t.Logf("n4 caught up; last_snapshot_index %s", n4.Raft().Stats()["last_snapshot_index"])
 }
+
+// The per-client reply window travels with the request: a pipelining
+// client that lost the reply of an older number gets it back.
+func TestClusterSequenceReplyWindow(t *testing.T) {
+	tc := newTestCluster(t, 3)
+	c := dial(t, tc, "ledger")
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	for seq := uint64(1); seq <= 3; seq++ {
+		req := idem.Request{Scope: "l", Client: "p", Seq: seq, KeepReplies: 10, KeepRepliesFor: time.Hour}
+		if _, err := idem.Do(ctx, c, req, func(context.Context) ([]byte, error) { return []byte(fmt.Sprint("reply-", seq)), nil }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	r, err := c.Begin(ctx, idem.Request{Scope: "l", Client: "p", Seq: 1, KeepReplies: 10, KeepRepliesFor: time.Hour})
+	if err != nil || r.Status != idem.Done || string(r.Reply) != "reply-1" {
+		t.Fatalf("retry of seq 1 within the window: %+v %v", r, err)
+	}
+}

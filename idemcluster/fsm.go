@@ -74,14 +74,18 @@ type wireRequest struct {
 	Fingerprint []byte   `msgpack:"f,omitempty"`
 	Acked       [][]byte `msgpack:"a,omitempty"`
 	TTL         int64    `msgpack:"t,omitempty"`
+	KeepReplies int      `msgpack:"kr,omitempty"`
+	KeepFor     int64    `msgpack:"kf,omitempty"`
 }
 
 func toWire(r idem.Request) *wireRequest {
-	return &wireRequest{Scope: r.Scope, ID: r.ID, Client: r.Client, Seq: r.Seq, Fingerprint: r.Fingerprint, Acked: r.Acked, TTL: int64(r.TTL)}
+	return &wireRequest{Scope: r.Scope, ID: r.ID, Client: r.Client, Seq: r.Seq, Fingerprint: r.Fingerprint, Acked: r.Acked, TTL: int64(r.TTL),
+		KeepReplies: r.KeepReplies, KeepFor: int64(r.KeepRepliesFor)}
 }
 
 func (w *wireRequest) request() idem.Request {
-	return idem.Request{Scope: w.Scope, ID: w.ID, Client: w.Client, Seq: w.Seq, Fingerprint: w.Fingerprint, Acked: w.Acked, TTL: time.Duration(w.TTL)}
+	return idem.Request{Scope: w.Scope, ID: w.ID, Client: w.Client, Seq: w.Seq, Fingerprint: w.Fingerprint, Acked: w.Acked, TTL: time.Duration(w.TTL),
+		KeepReplies: w.KeepReplies, KeepRepliesFor: time.Duration(w.KeepFor)}
 }
 
 // applied is what Apply returns to the leader's caller.

@@ -24,13 +24,17 @@ func reqFromPB(r *clusterpb.Request) (idem.Request, error) {
 	if r == nil {
 		return idem.Request{}, fmt.Errorf("%w: no request", idem.ErrInvalidRequest)
 	}
-	return idem.Request{Scope: r.Scope, ID: r.Id, Client: r.Client, Seq: r.Seq, Fingerprint: r.Fingerprint, Acked: r.Acked, TTL: r.Ttl.AsDuration()}, nil
+	return idem.Request{Scope: r.Scope, ID: r.Id, Client: r.Client, Seq: r.Seq, Fingerprint: r.Fingerprint, Acked: r.Acked, TTL: r.Ttl.AsDuration(),
+		KeepReplies: int(r.KeepReplies), KeepRepliesFor: r.KeepRepliesFor.AsDuration()}, nil
 }
 
 func reqToPB(r idem.Request) *clusterpb.Request {
-	p := &clusterpb.Request{Scope: r.Scope, Id: r.ID, Client: r.Client, Seq: r.Seq, Fingerprint: r.Fingerprint, Acked: r.Acked}
+	p := &clusterpb.Request{Scope: r.Scope, Id: r.ID, Client: r.Client, Seq: r.Seq, Fingerprint: r.Fingerprint, Acked: r.Acked, KeepReplies: int32(r.KeepReplies)}
 	if r.TTL != 0 {
 		p.Ttl = durationpb.New(r.TTL)
+	}
+	if r.KeepRepliesFor != 0 {
+		p.KeepRepliesFor = durationpb.New(r.KeepRepliesFor)
 	}
 	return p
 }

@@ -212,12 +212,12 @@ func scopeWords(scope string) string {
 			add("prefix", info.Prefix)
 		}
 		switch {
-		case info.Principal == "":
+		case info.Actor == "":
 			add("", "shared")
-		case info.PrincipalHashed:
-			add("actor-sha256", info.Principal)
+		case info.ActorHashed:
+			add("actor-sha256", info.Actor)
 		default:
-			add("actor", info.Principal)
+			add("actor", info.Actor)
 		}
 	} else if !printable(scope) {
 		prefix, actor, fields, err := idemgrpc.DecodeScope(scope)

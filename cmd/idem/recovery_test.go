@@ -368,8 +368,8 @@ func TestIntegrationScopes(t *testing.T) {
 	scopes := map[string]string{
 		idemhttp.ScopeFor("", "alice"): "idemhttp(actor=alice)",
 		idemhttp.ScopeFor("api", ""):   "idemhttp(prefix=api,shared)",
-		idemhttp.ScopeFor("", strings.Repeat("x", idemhttp.MaxVerbatimPrincipal+1)): "idemhttp(actor-sha256=" + func() string {
-			s := sha256.Sum256([]byte(strings.Repeat("x", idemhttp.MaxVerbatimPrincipal+1)))
+		idemhttp.ScopeFor("", strings.Repeat("x", idemhttp.MaxVerbatimActor+1)): "idemhttp(actor-sha256=" + func() string {
+			s := sha256.Sum256([]byte(strings.Repeat("x", idemhttp.MaxVerbatimActor+1)))
 			return hex.EncodeToString(s[:])
 		}() + ")",
 		idemgrpc.EncodeScope("", "bob", "tenant 1"): `idemgrpc(actor=bob,fields=["tenant 1"])`,
