@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"fmt"
 	"os"
+	"strconv"
 	"strings"
 
 	"golang.org/x/sys/unix"
@@ -14,10 +15,15 @@ import (
 // changes nothing: taking the lock would (vfs.Default.Lock creates, so
 // truncates, the file), and so would merely opening and closing the file
 // in a process that holds the lock (closing any descriptor of a file drops
-// the process's record locks on it). So it looks the file up in
-// /proc/locks by device and inode, which also sees a lock held by this very
-// process. Without /proc it asks with F_OFD_GETLK on a read-only descriptor
-// (which cannot drop a lock held by another process).
+// the process's record locks on it).
+//
+// So it looks the file up in /proc/locks, which also sees a lock held by
+// this very process. A line naming the file's device and inode answers. A
+// line naming only its inode (btrfs reports another device to stat than to
+// /proc/locks) answers too when the holder is this process; when it is
+// another, asking with F_OFD_GETLK on a read-only descriptor is safe (it
+// cannot drop another process's lock) and answers. Without /proc it asks
+// with F_OFD_GETLK.
 func lockHeld(path string) (bool, error) {
 	var st unix.Stat_t
 	if err := unix.Stat(path, &st); err != nil {
@@ -25,16 +31,23 @@ func lockHeld(path string) (bool, error) {
 	}
 	if pl, err := os.Open("/proc/locks"); err == nil {
 		defer pl.Close()
-		want := fmt.Sprintf("%02x:%02x:%d", unix.Major(st.Dev), unix.Minor(st.Dev), st.Ino)
+		dev := fmt.Sprintf("%02x:%02x:", unix.Major(st.Dev), unix.Minor(st.Dev))
+		ino := ":" + strconv.FormatUint(st.Ino, 10)
+		inodeOnly := false
 		sc := bufio.NewScanner(pl)
 		for sc.Scan() {
-			// "1: POSIX  ADVISORY  WRITE 3964 fe:00:9991386 0 EOF"
+			// "1: POSIX  ADVISORY  WRITE 3964 fe:00:9991386 0 EOF"; a
+			// waiter's line has "->" after the number.
 			f := strings.Fields(sc.Text())
-			if len(f) >= 6 && f[1] != "->" && f[5] == want {
+			if len(f) < 6 || f[1] == "->" || !strings.HasSuffix(f[5], ino) {
+				continue
+			}
+			if f[5] == dev+ino[1:] || f[4] == strconv.Itoa(os.Getpid()) {
 				return true, nil
 			}
+			inodeOnly = true
 		}
-		if sc.Err() == nil {
+		if sc.Err() == nil && !inodeOnly {
 			return false, nil
 		}
 	}
