@@ -244,8 +244,10 @@ func (v *verifier) run(c *cli, pos []string) error {
 	switch {
 	case seedNote:
 		// said above
-	case freshRep == nil || !copyOK || !walOK || undecodable > 0:
+	case freshRep == nil || !walOK || undecodable > 0:
 		fmt.Fprintf(c.stdout, "note      the entry-by-entry comparison was skipped: the WAL could not be replayed to its end\n")
+	case !copyOK:
+		fmt.Fprintf(c.stdout, "note      the entry-by-entry comparison was skipped: Open's recovery of the index failed (above)\n")
 	default:
 		if err := guard(func() error { v.compare(fresh, ic.ix, freshFrom); return nil }); err != nil {
 			v.problem("index", "%v", err)
