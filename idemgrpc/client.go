@@ -42,16 +42,18 @@ type RetryOptions struct {
 // IN_FLIGHT and LEASE_LOST (Aborted). Every other status is final for that
 // identity: SEQUENCE_GAP, ALREADY_COMMITTED, IDEMPOTENCY_CONFLICT and
 // INVALID_IDENTITY would fail again, and a handler's own error is the
-// answer (it consumed nothing; sending it again would run it again). A
-// handler that itself returns Unavailable or DeadlineExceeded is retried:
-// its call was aborted, so the retry runs it anew, as the code asks.
+// answer. A handler that itself returns Unavailable or DeadlineExceeded is
+// retried once: its outcome is unknown, so the server stored it and the
+// retry gets it again with FAILURE_REPLAYED, which is final.
 func Retryable(ctx context.Context, err error) bool {
 	if err == nil || ctx.Err() != nil {
 		return false
 	}
 	switch status.Code(err) {
 	case codes.Unavailable, codes.DeadlineExceeded:
-		return true
+		// A replayed handler failure is final whatever its code.
+		r, _ := ErrorReason(err)
+		return r != ReasonFailureReplayed
 	case codes.Aborted:
 		r, _ := ErrorReason(err)
 		return r == ReasonInFlight || r == ReasonLeaseLost

@@ -33,11 +33,22 @@
 //   - a call with the same identity is running: the call waits for it
 //     (Config.InFlightWait, default 2s, bounded by its deadline) and gets
 //     its response; past the wait it is answered IN_FLIGHT.
-//   - a handler error consumes no sequence and is not stored: the claim is
-//     aborted, the client gets the handler's status unchanged, and the same
-//     sequence (or key) runs again when sent again. A batch handler that
-//     applies all of its writes or none therefore consumes one sequence on
-//     success and none on failure.
+//   - a handler error that certifies the call had no effect
+//     (Config.NoEffect; by default the codes that refuse a request:
+//     InvalidArgument, FailedPrecondition, ResourceExhausted, ...)
+//     consumes no sequence and is not stored: the claim is aborted, the
+//     client gets the handler's status unchanged, and the same sequence (or
+//     key) runs again when sent again. A batch handler that applies all of
+//     its writes or none therefore consumes one sequence on success and
+//     none on a refusal.
+//   - once the handler ran, its identity is never released otherwise: any
+//     other error (Unknown, Internal, Unavailable, DeadlineExceeded, ...:
+//     the side effect may have happened) and a panic are stored, and
+//     retries get them again with FAILURE_REPLAYED; a response that cannot
+//     be stored (larger than MaxReplySize or the engine's limit, or not a
+//     protobuf message) commits a marker, and retries get
+//     RESPONSE_NOT_STORED. The handler does not run again for that
+//     identity.
 //
 // The engine keeps a client's latest response only: a retry of an older
 // sequence is ALREADY_COMMITTED. Config.TTL bounds how long the latest one
@@ -61,7 +72,7 @@
 //
 // Statuses the interceptor produces carry an errdetails.ErrorInfo with
 // domain "idem" and the reason below; handler errors pass through
-// untouched.
+// untouched (their replays carry FAILURE_REPLAYED first).
 //
 //	case                             code                reason                details
 //	sequence > last + 1              FailedPrecondition  SEQUENCE_GAP          last_committed_sequence, sequence, client_id
@@ -73,7 +84,8 @@
 //	no actor (auth failed)           Unauthenticated     (the ActorFunc's status)
 //	engine closed or failed          Unavailable         ENGINE_UNAVAILABLE
 //	ran, response not stored         Unavailable         IN_DOUBT              RetryInfo
-//	response not storable            Internal            REPLY_NOT_STORED
+//	retry, response was not storable AlreadyExists       RESPONSE_NOT_STORED   sequence, client_id
+//	retry, handler failed (effect?)  the handler's code  FAILURE_REPLAYED      the handler's details
 //
 // Why these codes, following the gRPC status code guide:
 //
@@ -95,6 +107,13 @@
 //   - ENGINE_UNAVAILABLE and IN_DOUBT are Unavailable: transient from the
 //     client's view (a restart or failover settles them), and a retry with
 //     the same identity is safe, so the standard retryable code fits.
+//   - RESPONSE_NOT_STORED is AlreadyExists, as ALREADY_COMMITTED: the call
+//     ran and a retry cannot bring its response back. (The call itself gets
+//     its response when only its size stopped it from being stored;
+//     Internal RESPONSE_NOT_STORED when it was not a storable message.)
+//   - FAILURE_REPLAYED keeps the handler's own code, so that the retry
+//     reads as the first call did; the reason makes it final (the retry
+//     interceptor never retries it, even with code Unavailable).
 //
 // UnaryClientInterceptor retries exactly the safe set: Unavailable,
 // DeadlineExceeded (while the call's own context lives), and Aborted with

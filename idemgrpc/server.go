@@ -71,10 +71,21 @@ type Config struct {
 	// RetryDelay is the RetryInfo advice sent with IN_FLIGHT (default 100ms).
 	RetryDelay time.Duration
 	// MaxReplySize bounds a stored response (default 12 MiB, the engine's
-	// default limit; set it to the engine's Options.MaxReplySize if lower).
-	// A larger response fails the call with Internal REPLY_NOT_STORED and
-	// the claim is aborted.
+	// default limit). A larger response (or one the engine refuses as
+	// larger than its own Options.MaxReplySize) is returned to the call but
+	// not stored: a marker is committed in its place, so the handler never
+	// runs again for that identity, and retries get AlreadyExists
+	// RESPONSE_NOT_STORED.
 	MaxReplySize int
+	// NoEffect reports whether a handler's error certifies that the call
+	// had no effect. Then the claim is aborted: the identity is not
+	// consumed, the error is not stored, and the same sequence or key runs
+	// the handler again. Any other error (and a panic) leaves the outcome
+	// unknown: the identity is consumed and the error stored, so that the
+	// handler never runs twice for it; retries get it again with
+	// FAILURE_REPLAYED. Default: DefaultNoEffect (the status codes that
+	// refuse a request, such as InvalidArgument or FailedPrecondition).
+	NoEffect func(err error) bool
 	// TTL, when positive, is how long a stored response is kept for
 	// retries (idem.Request.TTL: from the call's start; a retry does not
 	// extend it), like a ledger's five-minute response cache. After it a
@@ -116,6 +127,9 @@ func NewServer(cfg Config) (*Server, error) {
 	}
 	if cfg.RetryDelay <= 0 {
 		cfg.RetryDelay = 100 * time.Millisecond
+	}
+	if cfg.NoEffect == nil {
+		cfg.NoEffect = DefaultNoEffect
 	}
 	if cfg.MaxReplySize <= 0 {
 		cfg.MaxReplySize = 12 << 20
@@ -259,11 +273,14 @@ func (s *Server) serve(ctx context.Context, call *Call, r idem.Request, req any,
 		}
 		switch res.Status {
 		case idem.Done:
-			m, err := DecodeReply(res.Reply)
+			m, mk, err := decodeStored(res.Reply)
 			if err != nil {
 				return nil, status.Errorf(codes.Internal, "idemgrpc: %v", err)
 			}
 			_ = grpc.SetHeader(ctx, metadata.Pairs(ReplayHeader, "true"))
+			if mk != nil {
+				return nil, mk.err(call.Identity)
+			}
 			return m, nil
 		case idem.Fresh:
 			return s.run(ctx, call, res.Claim, req, handler)
@@ -311,56 +328,136 @@ func (s *Server) inFlight(call *Call, leaseUntil time.Time) error {
 		fmt.Sprintf("idemgrpc: %s is being processed by another call; retry with the same identity", what))
 }
 
-// run calls the handler for a fresh claim and commits its response, or
-// aborts the claim when the handler fails (the failure consumes nothing and
-// is not replayed) or panics (the panic goes on).
+// run calls the handler for a fresh claim and commits its response. Once
+// the handler has been called the identity is released (the claim aborted)
+// only when its error certifies it had no effect (NoEffect); a panic, any
+// other error, and a response that cannot be stored all commit a marker
+// instead, so that a retry never runs the handler again.
 func (s *Server) run(ctx context.Context, call *Call, c *idem.Claim, req any, handler grpc.UnaryHandler) (any, error) {
-	finished := false
-	abort := func() {
-		finished = true
-		if err := c.Abort(context.WithoutCancel(ctx)); err != nil {
-			s.cfg.Logger.Warn("idemgrpc: abort of a failed call failed; its identity stays claimed until the lease ends",
-				"method", call.Method, "client", call.Identity.Client, "seq", call.Identity.Seq, "err", err)
-		}
-	}
+	returned := false
 	defer func() {
-		if !finished {
-			abort() // the handler panicked
+		if returned {
+			return
 		}
+		// The handler panicked (the panic goes on): whatever it did stays
+		// done, so the identity is consumed with a failure.
+		s.cfg.Logger.Error("idemgrpc: the handler panicked; its identity is consumed (retries get FAILURE_REPLAYED)",
+			"method", call.Method, "client", call.Identity.Client, "seq", call.Identity.Seq)
+		st := status.Newf(codes.Internal, "idemgrpc: the handler of %s panicked", call.Method)
+		s.commitMarker(ctx, call, c, markerFailed, st)
 	}()
 	resp, err := handler(context.WithValue(ctx, callKey{}, call), req)
+	returned = true
 	if err != nil {
-		abort()
+		if s.cfg.NoEffect(err) {
+			if aerr := c.Abort(context.WithoutCancel(ctx)); aerr != nil {
+				s.cfg.Logger.Warn("idemgrpc: abort of a failed call failed; its identity stays claimed until the lease ends",
+					"method", call.Method, "client", call.Identity.Client, "seq", call.Identity.Seq, "err", aerr)
+			}
+			return nil, err
+		}
+		s.commitMarker(ctx, call, c, markerFailed, status.Convert(err))
 		return nil, err
 	}
 	m, ok := resp.(proto.Message)
 	if !ok || m == nil {
-		abort()
-		return nil, newStatus(codes.Internal, ReasonReplyNotStored, nil, 0, fmt.Sprintf("idemgrpc: %s returned %T, not a protobuf message", call.Method, resp))
+		why := fmt.Sprintf("%s returned %T, not a protobuf message", call.Method, resp)
+		s.notStored(ctx, call, c, why)
+		return nil, newStatus(codes.Internal, ReasonResponseNotStored, nil, 0, "idemgrpc: "+why+"; the call ran and will not run again")
 	}
 	b, err := EncodeReply(m)
-	if err == nil && len(b) > s.cfg.MaxReplySize {
-		err = fmt.Errorf("response of %d bytes exceeds MaxReplySize %d", len(b), s.cfg.MaxReplySize)
+	if err != nil {
+		s.notStored(ctx, call, c, err.Error())
+		return nil, newStatus(codes.Internal, ReasonResponseNotStored, nil, 0, fmt.Sprintf("idemgrpc: %v; the call ran and will not run again", err))
+	}
+	if len(b) > s.cfg.MaxReplySize {
+		s.notStored(ctx, call, c, fmt.Sprintf("%s of %d bytes, more than MaxReplySize %d", m.ProtoReflect().Descriptor().FullName(), len(b), s.cfg.MaxReplySize))
+		return resp, nil
+	}
+	err = c.Commit(context.WithoutCancel(ctx), b)
+	if errors.Is(err, idem.ErrInvalidRequest) {
+		// Larger than the engine's own limit: the claim is still open.
+		s.notStored(ctx, call, c, fmt.Sprintf("%s of %d bytes: %v", m.ProtoReflect().Descriptor().FullName(), len(b), err))
+		return resp, nil
 	}
 	if err != nil {
-		s.cfg.Logger.Error("idemgrpc: response not stored; call aborted (its side effect may run again on retry)", "method", call.Method, "err", err)
-		abort()
-		return nil, newStatus(codes.Internal, ReasonReplyNotStored, nil, 0, fmt.Sprintf("idemgrpc: %v", err))
-	}
-	finished = true
-	if err := c.Commit(context.WithoutCancel(ctx), b); err != nil {
-		if errors.Is(err, idem.ErrLeaseLost) {
-			return nil, newStatus(codes.Aborted, ReasonLeaseLost, nil, s.cfg.RetryDelay,
-				"idemgrpc: the handler outlasted the engine's lease and another call took the request over; retry with the same identity for its reply")
-		}
-		// The side effect happened but its reply is not durable: the claim
-		// stays in doubt (Server.ResolveInDoubt after a restart).
-		s.cfg.Logger.Error("idemgrpc: commit failed; the call stays in doubt until the server restarts and resolves it",
-			"method", call.Method, "client", call.Identity.Client, "seq", call.Identity.Seq, "err", err)
-		return nil, newStatus(codes.Unavailable, ReasonInDoubt, nil, s.cfg.RetryDelay,
-			fmt.Sprintf("idemgrpc: the call ran but its response could not be stored (%v); retry with the same identity", err))
+		return nil, s.commitStatus(call, err)
 	}
 	return resp, nil
+}
+
+// commitStatus is the status of a call whose handler ran but whose commit
+// failed.
+func (s *Server) commitStatus(call *Call, err error) error {
+	if errors.Is(err, idem.ErrLeaseLost) {
+		return newStatus(codes.Aborted, ReasonLeaseLost, nil, s.cfg.RetryDelay,
+			"idemgrpc: the handler outlasted the engine's lease and another call took the request over; retry with the same identity for its reply")
+	}
+	// The side effect happened but its reply is not durable: the claim
+	// stays in doubt (Server.ResolveInDoubt after a restart).
+	s.cfg.Logger.Error("idemgrpc: commit failed; the call stays in doubt until the server restarts and resolves it",
+		"method", call.Method, "client", call.Identity.Client, "seq", call.Identity.Seq, "err", err)
+	return newStatus(codes.Unavailable, ReasonInDoubt, nil, s.cfg.RetryDelay,
+		fmt.Sprintf("idemgrpc: the call ran but its response could not be stored (%v); retry with the same identity", err))
+}
+
+// notStored commits the RESPONSE_NOT_STORED marker of a call whose handler
+// succeeded but whose response cannot be stored (why says what it was).
+func (s *Server) notStored(ctx context.Context, call *Call, c *idem.Claim, why string) {
+	s.cfg.Logger.Warn("idemgrpc: response not stored; retries get RESPONSE_NOT_STORED", "method", call.Method,
+		"client", call.Identity.Client, "seq", call.Identity.Seq, "why", why)
+	s.commitMarker(ctx, call, c, markerNotStored, status.New(codes.AlreadyExists, why))
+}
+
+// maxMarker bounds a marker's status; a larger one (a handler status with
+// large details) keeps its code and the start of its message.
+const maxMarker = 4 << 10
+
+// commitMarker commits a marker in place of a response. If the engine
+// refuses it as too large (its Options.MaxReplySize is tiny), a marker of
+// the code alone is committed. A failure is logged: the claim then stays in
+// flight (in doubt if the engine failed, taken over after its lease if it
+// is lost).
+func (s *Server) commitMarker(ctx context.Context, call *Call, c *idem.Claim, url string, st *status.Status) {
+	b, err := encodeMarker(url, st)
+	if err == nil && len(b) > maxMarker {
+		b, err = encodeMarker(url, status.New(st.Code(), truncate(st.Message(), maxMarker/2)))
+	}
+	if err == nil {
+		err = c.Commit(context.WithoutCancel(ctx), b)
+		if errors.Is(err, idem.ErrInvalidRequest) {
+			if b, err = encodeMarker(url, status.New(st.Code(), "")); err == nil {
+				err = c.Commit(context.WithoutCancel(ctx), b)
+			}
+		}
+	}
+	if err != nil {
+		s.cfg.Logger.Error("idemgrpc: storing the marker of a call that ran failed", "method", call.Method,
+			"client", call.Identity.Client, "seq", call.Identity.Seq, "marker", url, "err", err)
+	}
+}
+
+// notStoredStatus is what retries of a call whose response was not stored
+// get (why: what the response was, "" if unknown).
+func notStoredStatus(id Identity, why string) error {
+	var meta map[string]string
+	what := "the call under this idempotency key"
+	if id.Client != "" {
+		meta = map[string]string{MetaClient: id.Client, MetaSequence: strconv.FormatUint(id.Seq, 10)}
+		what = fmt.Sprintf("client %q sequence %d", id.Client, id.Seq)
+	}
+	if why != "" {
+		why = " (" + why + ")"
+	}
+	return newStatus(codes.AlreadyExists, ReasonResponseNotStored, meta, 0,
+		fmt.Sprintf("idemgrpc: %s ran, but its response was not stored%s, so it cannot be replayed; the call does not run again", what, why))
+}
+
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n] + "..."
 }
 
 // engineStatus maps an engine error to a status (the table in doc.go).
@@ -448,9 +545,10 @@ type InDoubt struct {
 // ResolveInDoubt settles this server's claims left in doubt by a crash
 // (claims of other scope prefixes are left alone). decide looks in the
 // service's own state: if the call's effect happened it returns its
-// response and true (the claim is committed with it, so retries get it);
-// if not, false (the claim is aborted and a retry runs the call). Call it
-// after Open, before serving. An error from decide stops it.
+// response and true (the claim is committed with it, so retries get it;
+// with a nil response, retries get RESPONSE_NOT_STORED); if not, nil and
+// false (the claim is aborted and a retry runs the call). Call it after
+// Open, before serving. An error from decide stops it.
 func (s *Server) ResolveInDoubt(ctx context.Context, decide func(InDoubt) (proto.Message, bool, error)) (committed, aborted int, err error) {
 	claims, err := s.cfg.Engine.InDoubt()
 	if err != nil {
@@ -466,6 +564,9 @@ func (s *Server) ResolveInDoubt(ctx context.Context, decide func(InDoubt) (proto
 		if err != nil {
 			return committed, aborted, err
 		}
+		if !ran && reply != nil {
+			return committed, aborted, fmt.Errorf("idemgrpc: ResolveInDoubt: decide returned a reply for %s claim it says did not run", d.what())
+		}
 		if !ran {
 			if err := c.Claim.Abort(ctx); err != nil {
 				return committed, aborted, err
@@ -473,7 +574,14 @@ func (s *Server) ResolveInDoubt(ctx context.Context, decide func(InDoubt) (proto
 			aborted++
 			continue
 		}
-		b, err := EncodeReply(reply)
+		var b []byte
+		if reply == nil {
+			// It ran; its response is not known: retries get
+			// RESPONSE_NOT_STORED.
+			b, err = encodeMarker(markerNotStored, status.New(codes.AlreadyExists, "it ran before a restart and its response was not recovered"))
+		} else {
+			b, err = EncodeReply(reply)
+		}
 		if err != nil {
 			return committed, aborted, err
 		}
@@ -483,4 +591,11 @@ func (s *Server) ResolveInDoubt(ctx context.Context, decide func(InDoubt) (proto
 		committed++
 	}
 	return committed, aborted, nil
+}
+
+func (d InDoubt) what() string {
+	if d.Client != "" {
+		return fmt.Sprintf("client %q sequence %d", d.Client, d.Seq)
+	}
+	return fmt.Sprintf("idempotency key %q", d.Key)
 }

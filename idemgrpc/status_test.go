@@ -10,8 +10,6 @@ import (
 	"github.com/idemdb/idem/examples/ledger/ledgerpb"
 	"github.com/idemdb/idem/examples/ledger/ledgersvc"
 	"github.com/idemdb/idem/idemgrpc"
-	"github.com/idemdb/idem/idemgrpc/idemgrpcpb"
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 )
 
@@ -66,35 +64,4 @@ func TestEngineClosed(t *testing.T) {
 	}
 	_, err = idemgrpc.ServiceState(dial(t, env.addr))(ctx, "c", []string{"ns"})
 	wantStatus(t, err, codes.Unavailable, idemgrpc.ReasonUnavailable)
-}
-
-// TestReplyNotStored: a response larger than MaxReplySize fails the call
-// with Internal REPLY_NOT_STORED and consumes nothing.
-func TestReplyNotStored(t *testing.T) {
-	eng, err := idem.Open(t.TempDir(), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { eng.Close() })
-	isrv, err := idemgrpc.NewServer(idemgrpc.Config{Engine: eng, Methods: ledgersvc.Methods(), MaxReplySize: 16})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var runs atomic.Int64
-	gs := grpc.NewServer(grpc.ChainUnaryInterceptor(ledgersvc.TokenAuth(tokens), isrv.UnaryServerInterceptor()))
-	ledgerpb.RegisterLedgerServer(gs, &keyLedger{runs: &runs})
-	idemgrpcpb.RegisterClientStateServer(gs, isrv)
-	lis := listen(t)
-	go gs.Serve(lis)
-	t.Cleanup(gs.Stop)
-	ctx := as(testCtx(t), "tok-alice")
-	cc := dial(t, lis.Addr().String())
-	_, err = ledgerpb.NewLedgerClient(cc).Write(ctx, write("c", "ns", "", 1, "a", 1))
-	wantStatus(t, err, codes.Internal, idemgrpc.ReasonReplyNotStored)
-	if last, err := idemgrpc.ServiceState(cc)(ctx, "c", []string{"ns"}); err != nil || last != 0 {
-		t.Fatalf("state %d, %v", last, err)
-	}
-	if _, err := idemgrpc.NewServer(idemgrpc.Config{}); err == nil {
-		t.Fatal("NewServer without an engine succeeded")
-	}
 }

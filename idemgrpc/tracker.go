@@ -9,8 +9,6 @@ import (
 
 	"github.com/idemdb/idem/idemgrpc/idemgrpcpb"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 )
 
 // StateFunc asks the server for a client's last committed sequence number
@@ -170,11 +168,13 @@ func (t *Tracker) Resync(ctx context.Context, scope ...string) (uint64, error) {
 //     saved state was behind the server, or a retry came after the reply
 //     expired). It resyncs for the next request and returns the error:
 //     only the caller knows whether this request is the one that ran.
-//   - an error the server certifies consumed nothing (a handler's own
-//     error, INVALID_IDENTITY, an auth failure): the number is given back
-//     (saved as number - 1) so that the next request uses it.
+//   - an error the server certifies consumed nothing (a handler's error
+//     that DefaultNoEffect accepts, INVALID_IDENTITY, an auth failure): the
+//     number is given back (saved as number - 1) so that the next request
+//     uses it.
 //   - an unknown outcome (Unavailable, DeadlineExceeded, Canceled, Unknown,
-//     Internal, IN_FLIGHT, a non-status error): the number stays used; if
+//     Internal, IN_FLIGHT, a non-status error) or a consumed one
+//     (FAILURE_REPLAYED, RESPONSE_NOT_STORED): the number stays used; if
 //     the request never ran, the next one gets SEQUENCE_GAP and recovers.
 //
 // send must send the same request each time it is called with the same
@@ -220,21 +220,17 @@ func (t *Tracker) Call(ctx context.Context, scope []string, send func(ctx contex
 }
 
 // consumedNothing: the status certifies the request did not commit its
-// sequence number.
+// sequence number: the interceptor's INVALID_IDENTITY, or a handler error
+// that DefaultNoEffect accepts (the server aborted its claim). A server with
+// another Options.NoEffect heals either way: a number given back that was
+// consumed meets IDEMPOTENCY_CONFLICT, one kept that was not meets
+// SEQUENCE_GAP, and Call resyncs on both.
 func consumedNothing(err error, reason string) bool {
 	switch reason {
-	case ReasonInvalidIdentity, ReasonReplyNotStored:
+	case "":
+		return DefaultNoEffect(err)
+	case ReasonInvalidIdentity:
 		return true
-	case ReasonInFlight, ReasonInDoubt, ReasonUnavailable, ReasonLeaseLost, ReasonSequenceGap, ReasonConflict, ReasonAlreadyCommitted:
-		return false
 	}
-	st, ok := status.FromError(err)
-	if !ok {
-		return false
-	}
-	switch st.Code() {
-	case codes.OK, codes.Unavailable, codes.DeadlineExceeded, codes.Canceled, codes.Unknown, codes.Internal, codes.DataLoss:
-		return false
-	}
-	return true
+	return false
 }
