@@ -125,10 +125,22 @@
 //
 // # Client
 //
-// UnaryClientInterceptor resends the same request message (so the same
-// client_id and sequence; an idempotency key in outgoing metadata stays in
-// the context) with exponential backoff and jitter, up to MaxAttempts, never
-// sleeping past the call's deadline, honouring RetryInfo advice.
+// DialOptions gives a ClientConn the retry interceptor, which resends the
+// same request message (so the same client_id and sequence; an idempotency
+// key in outgoing metadata stays in the context) with exponential backoff
+// and jitter, up to MaxAttempts, never sleeping past the call's deadline,
+// honouring RetryInfo advice. Each attempt has a timeout
+// (RetryOptions.PerAttemptTimeout, default 10s). A connection whose peer
+// vanished without closing it (a zombie connection) swallows requests
+// silently, so after an attempt that timed out the interceptor closes the
+// ClientConn's connections that received nothing since the attempt began
+// and has it reconnect at once: the retry goes out on a new connection.
+// Keepalive pings (RetryOptions.Keepalive, default every 30s of silence
+// while calls are outstanding, 10s to answer) find such connections
+// between attempts; the server must permit them
+// (grpc.KeepaliveEnforcementPolicy, MinTime at most the client's Time).
+// UnaryClientInterceptor alone retries on the same ClientConn without
+// closing connections.
 //
 // A Tracker numbers a client's requests per scope: Call saves last used + 1
 // in a SequenceStore before sending (FileStore: fsynced file per scope;

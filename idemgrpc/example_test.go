@@ -64,8 +64,13 @@ func Example() {
 	go gs.Serve(lis)
 	defer gs.Stop()
 
-	cc, _ := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithUnaryInterceptor(idemgrpc.UnaryClientInterceptor(idemgrpc.RetryOptions{})))
+	// The retrying client: a timeout per attempt, a new connection after
+	// a timeout, keepalive.
+	dialOpts, err := idemgrpc.DialOptions(nil) // nil: the defaults
+	if err != nil {
+		panic(err)
+	}
+	cc, _ := grpc.NewClient(lis.Addr().String(), append(dialOpts, grpc.WithTransportCredentials(insecure.NewCredentials()))...)
 	defer cc.Close()
 	c := ledgerpb.NewLedgerClient(cc)
 	ctx := metadata.AppendToOutgoingContext(context.Background(), "authorization", "Bearer secret")

@@ -277,5 +277,9 @@ func serveIdem(t *testing.T, eopts *idem.Options, cfg idemgrpc.Config, impl ledg
 // mustRetry is the retry interceptor with opts.
 func mustRetry(t testing.TB, opts *idemgrpc.RetryOptions) grpc.UnaryClientInterceptor {
 	t.Helper()
-	return idemgrpc.UnaryClientInterceptor(*opts)
+	ic, err := idemgrpc.UnaryClientInterceptor(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ic
 }

@@ -336,21 +336,35 @@ func TestClientStateService(t *testing.T) {
 }
 
 // TestConcurrentRetriesRunOnce: hundreds of concurrent calls of one
-// sequence run the handler once; all get the same response.
+// sequence run the handler once; all get the same response. The handler
+// is held until every other call has met it in flight (the engine's
+// InFlightCollisions count).
 func TestConcurrentRetriesRunOnce(t *testing.T) {
 	n := 300
 	for _, wait := range []time.Duration{0, -1} { // server waits for the first; or answers IN_FLIGHT and the client retries
 		t.Run("InFlightWait="+wait.String(), func(t *testing.T) {
 			started := make(chan struct{})
 			var once sync.Once
-			env := startLedger(t, ledgersvc.Options{InFlightWait: wait, BeforeApply: func(context.Context) error {
+			var env *ledgerEnv
+			envSet := make(chan struct{})
+			env = startLedger(t, ledgersvc.Options{InFlightWait: wait, BeforeApply: func(ctx context.Context) error {
 				once.Do(func() { close(started) })
-				time.Sleep(200 * time.Millisecond)
+				<-envSet
+				tick := time.NewTicker(time.Millisecond)
+				defer tick.Stop()
+				for env.server().Engine.Stats().InFlightCollisions < uint64(n-1) {
+					select {
+					case <-ctx.Done():
+						return ctx.Err()
+					case <-tick.C:
+					}
+				}
 				return nil
 			}})
+			close(envSet)
 			ctx := testCtx(t)
 			var retries atomic.Int64
-			c := ledgerpb.NewLedgerClient(dial(t, env.addr, idemgrpc.UnaryClientInterceptor(idemgrpc.RetryOptions{
+			c := ledgerpb.NewLedgerClient(dial(t, env.addr, mustRetry(t, &idemgrpc.RetryOptions{
 				MaxAttempts: -1, InitialBackoff: 10 * time.Millisecond, MaxBackoff: 50 * time.Millisecond,
 				OnRetry: func(_ string, _ int, err error, _ time.Duration) {
 					if r, _ := idemgrpc.ErrorReason(err); r != idemgrpc.ReasonInFlight {

@@ -10,19 +10,22 @@ import (
 	"github.com/idemdb/idem/examples/ledger/ledgerpb"
 	"github.com/idemdb/idem/examples/ledger/ledgersvc"
 	"github.com/idemdb/idem/idemgrpc"
+	"github.com/idemdb/idem/internal/testclock"
 	"google.golang.org/grpc/codes"
 )
 
 // TestLeaseLost: a handler that outlives the engine's lease loses its claim
 // to a retry; its late response is not stored and it answers Aborted
-// LEASE_LOST (retryable: the retry gets the other call's response).
+// LEASE_LOST (retryable: the retry gets the other call's response). The
+// engine's clock is manual: the lease runs out when the test says so.
 func TestLeaseLost(t *testing.T) {
+	clk := testclock.New()
 	var calls atomic.Int64
-	started := make(chan struct{})
-	env := startLedger(t, ledgersvc.Options{Engine: &idem.Options{Lease: 150 * time.Millisecond}, BeforeApply: func(context.Context) error {
+	started, release := make(chan struct{}), make(chan struct{})
+	env := startLedger(t, ledgersvc.Options{Engine: &idem.Options{Clock: clk.Now, Lease: time.Minute}, BeforeApply: func(context.Context) error {
 		if calls.Add(1) == 1 {
 			close(started)
-			time.Sleep(600 * time.Millisecond)
+			<-release
 		}
 		return nil
 	}})
@@ -31,11 +34,13 @@ func TestLeaseLost(t *testing.T) {
 	first := make(chan error, 1)
 	go func() { _, err := c.Write(ctx, write("c", "ns", "", 1, "a", 1)); first <- err }()
 	<-started
-	// waits for the first until its lease ends, then takes it over and runs.
+	clk.Advance(time.Minute) // the first call's lease runs out
+	// the retry takes the request over and runs it.
 	second, err := c.Write(ctx, write("c", "ns", "", 1, "a", 1))
 	if err != nil {
 		t.Fatal(err)
 	}
+	close(release)
 	err = <-first
 	wantStatus(t, err, codes.Aborted, idemgrpc.ReasonLeaseLost)
 	if !idemgrpc.Retryable(ctx, err) {
@@ -46,6 +51,9 @@ func TestLeaseLost(t *testing.T) {
 		t.Fatal(err)
 	}
 	sameReply(t, second, again)
+	if calls.Load() != 2 || env.server().Engine.Stats().Takeovers != 1 {
+		t.Fatalf("%d handler calls, %d takeovers; want 2, 1", calls.Load(), env.server().Engine.Stats().Takeovers)
+	}
 }
 
 // TestEngineClosed: a closed engine answers Unavailable ENGINE_UNAVAILABLE

@@ -13,6 +13,7 @@ import (
 	"github.com/idemdb/idem/idemgrpc"
 	"github.com/idemdb/idem/idemgrpc/idemgrpcpb"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/keepalive"
 )
 
 // Options configure Start.
@@ -66,7 +67,11 @@ func Start(dir string, lis net.Listener, o Options) (*Server, error) {
 		return nil, err
 	}
 	l.BeforeApply, l.AfterApply = o.BeforeApply, o.AfterApply
-	gs := grpc.NewServer(grpc.ChainUnaryInterceptor(TokenAuth(o.Tokens), isrv.UnaryServerInterceptor()))
+	gs := grpc.NewServer(grpc.ChainUnaryInterceptor(TokenAuth(o.Tokens), isrv.UnaryServerInterceptor()),
+		// idemgrpc.DialOptions' clients ping after 30s of silence (10s
+		// is grpc-go's floor): allow it, or grpc-go's default policy
+		// (5 minutes) closes their connections with GOAWAY too_many_pings.
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second}))
 	ledgerpb.RegisterLedgerServer(gs, l)
 	idemgrpcpb.RegisterClientStateServer(gs, isrv)
 	s := &Server{Engine: eng, Idem: isrv, Ledger: l, GRPC: gs, done: make(chan error, 1)}
