@@ -67,6 +67,10 @@
 // an actor field or header sent by the client is never read. Since the
 // actor is part of the scope, one actor can neither read (GetClientState)
 // nor advance another's sequences, nor see its stored responses.
+// UserActor, ClientActor and SystemActor form the ledger's actor format,
+// "user:<id>", "client:<id>" and "system:<name>", from an IDFunc reading
+// the authenticated context (ClientActor(TLSName) from a verified client
+// certificate).
 //
 // # Status mapping
 //
