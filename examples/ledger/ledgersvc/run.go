@@ -12,8 +12,13 @@ import (
 	"github.com/idemdb/idem/examples/ledger/ledgerpb"
 	"github.com/idemdb/idem/idemgrpc"
 	"github.com/idemdb/idem/idemgrpc/idemgrpcpb"
+	// errdetails registers google/rpc/error_details.proto, which
+	// reflection serves so that clients decode idemgrpc's ErrorInfo and
+	// RetryInfo details (idemgrpc links it too; this says it is needed).
+	_ "google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/reflection"
 )
 
 // Options configure Start.
@@ -45,7 +50,8 @@ type Server struct {
 
 // Start opens dir (dir/idem for the engine, dir/ledger for the journal),
 // settles calls left in doubt, and serves the Ledger and ClientState
-// services on lis behind the token check and the idemgrpc interceptor.
+// services on lis behind the token check and the idemgrpc interceptor, with
+// server reflection (v1 and v1alpha).
 func Start(dir string, lis net.Listener, o Options) (*Server, error) {
 	if len(o.Tokens) == 0 {
 		return nil, errors.New("ledger: no tokens configured")
@@ -74,6 +80,10 @@ func Start(dir string, lis net.Listener, o Options) (*Server, error) {
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second}))
 	ledgerpb.RegisterLedgerServer(gs, l)
 	idemgrpcpb.RegisterClientStateServer(gs, isrv)
+	// Server reflection: grpcurl and other tools list the services and
+	// fetch the descriptors of their messages and of the error details
+	// (google.rpc.ErrorInfo, RetryInfo) without .proto files.
+	reflection.Register(gs)
 	s := &Server{Engine: eng, Idem: isrv, Ledger: l, GRPC: gs, done: make(chan error, 1)}
 	go func() { s.done <- gs.Serve(lis) }()
 	return s, nil
