@@ -2,6 +2,7 @@ package idem
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -17,7 +18,7 @@ import (
 
 func clientState(t testing.TB, e *Engine, scope, client string) uint64 {
 	t.Helper()
-	n, err := e.ClientState(scope, client)
+	n, err := e.ClientState(context.Background(), scope, client)
 	if err != nil {
 		t.Fatalf("ClientState(%q, %q): %v", scope, client, err)
 	}
@@ -130,7 +131,7 @@ func TestCommitAdvanceRefusals(t *testing.T) {
 	if err := res.Claim.CommitAdvance(bg, id("rx"), Advance{Scope: "o", Client: "q", Seq: 5}); !errors.Is(err, ErrInFlight) {
 		t.Fatalf("advance of a client in flight: %v", err)
 	}
-	if l, _ := e.Lookup("s", id("x")); l.Status != InFlight {
+	if l, _ := e.Lookup(context.Background(), Request{Scope: "s", ID: id("x")}); l.Status != InFlight {
 		t.Fatalf("x after the refused advance: %v", l.Status)
 	}
 	if err := own.Claim.Commit(bg, id("q1")); err != nil {
@@ -212,7 +213,7 @@ func TestCommitAdvanceAtomicAtEverySyncPoint(t *testing.T) {
 				if off%7 == 0 {
 					continue
 				}
-				l, err := e.Lookup("ev", id(fmt.Sprintf("p%d-%d", p, off)))
+				l, err := e.Lookup(context.Background(), Request{Scope: "ev", ID: id(fmt.Sprintf("p%d-%d", p, off))})
 				if err != nil {
 					t.Fatal(err)
 				}

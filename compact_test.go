@@ -44,7 +44,7 @@ func runWorkload(t testing.TB, e *Engine, clk *testclock.Clock, seed uint64, ops
 		case k < 4:
 			c := w.clients[rng.IntN(len(w.clients))]
 			if _, ok := seqs[s+c]; !ok {
-				seqs[s+c], _ = e.ClientState(s, c)
+				seqs[s+c], _ = e.ClientState(context.Background(), s, c)
 			}
 			n := seqs[s+c] + 1
 			res, err := e.Begin(bg, Request{Scope: s, Client: c, Seq: n})
@@ -86,15 +86,14 @@ func (w workload) state(t testing.TB, e *Engine) map[string]string {
 	out := snapshotState(t, e, w.scopes, w.ids)
 	for _, s := range w.scopes {
 		for _, c := range w.clients {
-			n, err := e.ClientState(s, c)
+			n, err := e.ClientState(context.Background(), s, c)
 			if err != nil {
 				t.Fatal(err)
 			}
-			l, err := e.LookupSeq(s, c, max(n, 1))
-			if err != nil {
-				t.Fatal(err)
-			}
-			out["client/"+s+"/"+c] = fmt.Sprintf("%d %v %x", n, l.Status, l.Reply)
+			// Lookup answers as Begin would: a number whose reply is no
+			// longer kept is *AlreadyCommittedError, part of the state.
+			l, err := e.Lookup(context.Background(), Request{Scope: s, Client: c, Seq: max(n, 1)})
+			out["client/"+s+"/"+c] = fmt.Sprintf("%d %v %x %v", n, l.Status, l.Reply, err)
 		}
 	}
 	return out
@@ -275,7 +274,7 @@ func TestMaxEntriesEvictsOldest(t *testing.T) {
 	}
 	check := func(e *Engine) {
 		for i := 0; i < 300; i++ {
-			l, _ := e.Lookup("", []byte(fmt.Sprint("k", i)))
+			l, _ := e.Lookup(context.Background(), Request{Scope: "", ID: []byte(fmt.Sprint("k", i))})
 			if want := i >= 200; (l.Status == Done) != want {
 				t.Fatalf("k%d: %v", i, l.Status)
 			}
@@ -320,7 +319,7 @@ func TestRetentionCleanupAndAbandonedClaims(t *testing.T) {
 	e = openMem(t, fs, opts)
 	defer e.Close()
 	mustBegin(t, e, Request{ID: id("abandoned")}, Fresh)
-	if n, _ := e.ClientState("", "c"); n != 1 {
+	if n, _ := e.ClientState(context.Background(), "", "c"); n != 1 {
 		t.Fatalf("client state %d", n)
 	}
 	if _, err := e.Begin(bg, Request{Client: "c", Seq: 1}); !errors.Is(err, ErrAlreadyCommitted) {

@@ -91,13 +91,13 @@ func TestStatusesAndFingerprints(t *testing.T) {
 	// Scopes are separate id spaces.
 	mustBegin(t, e, Request{Scope: "t", ID: id("a")}, Fresh)
 	// Lookup.
-	if l, _ := e.Lookup("s", id("a")); l.Status != Done || string(l.Reply) != "reply-a" {
+	if l, _ := e.Lookup(context.Background(), Request{Scope: "s", ID: id("a")}); l.Status != Done || string(l.Reply) != "reply-a" {
 		t.Fatalf("lookup %+v", l)
 	}
-	if l, _ := e.Lookup("s", id("zz")); l.Status != Absent {
+	if l, _ := e.Lookup(context.Background(), Request{Scope: "s", ID: id("zz")}); l.Status != Absent {
 		t.Fatalf("lookup absent %+v", l)
 	}
-	if l, _ := e.Lookup("t", id("a")); l.Status != InFlight {
+	if l, _ := e.Lookup(context.Background(), Request{Scope: "t", ID: id("a")}); l.Status != InFlight {
 		t.Fatalf("lookup in flight %+v", l)
 	}
 	st := e.Stats()
@@ -184,7 +184,7 @@ func TestSequenceMode(t *testing.T) {
 	fs := vfs.NewMem()
 	e := openMem(t, fs, nil)
 	seq := func(n uint64) Request { return Request{Scope: "ns", Client: "c1", Seq: n} }
-	if n, _ := e.ClientState("ns", "c1"); n != 0 {
+	if n, _ := e.ClientState(context.Background(), "ns", "c1"); n != 0 {
 		t.Fatalf("fresh client state %d", n)
 	}
 	var gap *SequenceGapError
@@ -210,7 +210,7 @@ func TestSequenceMode(t *testing.T) {
 	if err := r.Claim.Abort(bg); err != nil {
 		t.Fatal(err)
 	}
-	if n, _ := e.ClientState("ns", "c1"); n != 1 {
+	if n, _ := e.ClientState(context.Background(), "ns", "c1"); n != 1 {
 		t.Fatalf("state after abort %d", n)
 	}
 	r = mustBegin(t, e, seq(2), Fresh)
@@ -247,7 +247,7 @@ func TestSequenceMode(t *testing.T) {
 	if err == nil || err.Error() != "boom" {
 		t.Fatalf("do failure: %v", err)
 	}
-	if n, _ := e.ClientState("ns", "c1"); n != 3 {
+	if n, _ := e.ClientState(context.Background(), "ns", "c1"); n != 3 {
 		t.Fatalf("state %d", n)
 	}
 	// Starting seq 4 (even if it failed) promised seq 3 is never retried.
@@ -257,7 +257,7 @@ func TestSequenceMode(t *testing.T) {
 	e.Close()
 	e = openMem(t, fs, nil)
 	defer e.Close()
-	if n, _ := e.ClientState("ns", "c1"); n != 3 {
+	if n, _ := e.ClientState(context.Background(), "ns", "c1"); n != 3 {
 		t.Fatalf("state after reopen %d", n)
 	}
 	if _, err := e.Begin(bg, seq(2)); !errors.Is(err, ErrAlreadyCommitted) {
@@ -310,14 +310,14 @@ func TestAckAndForgetSurviveReplay(t *testing.T) {
 			if i < 4 {
 				want = Absent
 			}
-			if l, _ := e.Lookup("s", []byte(fmt.Sprint("new", i))); l.Status != want {
+			if l, _ := e.Lookup(context.Background(), Request{Scope: "s", ID: []byte(fmt.Sprint("new", i))}); l.Status != want {
 				t.Fatalf("new%d: %v want %v", i, l.Status, want)
 			}
-			if l, _ := e.Lookup("s", []byte(fmt.Sprint("old", i))); l.Status != Absent {
+			if l, _ := e.Lookup(context.Background(), Request{Scope: "s", ID: []byte(fmt.Sprint("old", i))}); l.Status != Absent {
 				t.Fatalf("old%d: %v", i, l.Status)
 			}
 		}
-		if n, _ := e.ClientState("s", "c"); n != 1 {
+		if n, _ := e.ClientState(context.Background(), "s", "c"); n != 1 {
 			t.Fatalf("forget must keep the sequence number, got %d", n)
 		}
 		if _, err := e.Begin(bg, Request{Scope: "s", Client: "c", Seq: 1}); !errors.Is(err, ErrAlreadyCommitted) {
@@ -362,7 +362,7 @@ func snapshotState(t testing.TB, e *Engine, scopes []string, ids [][]byte) map[s
 	out := map[string]string{}
 	for _, s := range scopes {
 		for _, i := range ids {
-			l, err := e.Lookup(s, i)
+			l, err := e.Lookup(context.Background(), Request{Scope: s, ID: i})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -602,7 +602,7 @@ func TestDoAbortsOnErrorAndPanic(t *testing.T) {
 		}()
 		_, _ = e.Do(bg, r, func(context.Context) ([]byte, error) { panic("fn panics") })
 	}()
-	if l, _ := e.Lookup("", id("p")); l.Status != Absent {
+	if l, _ := e.Lookup(context.Background(), Request{Scope: "", ID: id("p")}); l.Status != Absent {
 		t.Fatalf("after panic: %v", l.Status)
 	}
 	out, err := e.Do(bg, r, func(context.Context) ([]byte, error) { return id("ok"), nil })
@@ -620,7 +620,7 @@ func TestDoAbortsOnErrorAndPanic(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 		_ = res.Claim.Commit(bg, id("w-reply"))
 	}()
-	w, err := e.Wait(bg, "", id("w"))
+	w, err := e.Wait(bg, Request{Scope: "", ID: id("w")})
 	if err != nil || w.Status != Done || string(w.Reply) != "w-reply" {
 		t.Fatalf("wait: %+v %v", w, err)
 	}
@@ -635,13 +635,13 @@ func TestWaitSeq(t *testing.T) {
 	seq := func(n uint64) Request { return Request{Scope: "s", Client: "c", Seq: n} }
 
 	// Not in flight: at once.
-	if r, err := e.WaitSeq(bg, "s", "c", 1); err != nil || r.Status != Absent {
+	if r, err := e.Wait(bg, Request{Scope: "s", Client: "c", Seq: 1}); err != nil || r.Status != Absent {
 		t.Fatalf("wait on a free number: %+v %v", r, err)
 	}
 	// Committed meanwhile.
 	res := mustBegin(t, e, seq(1), Fresh)
 	ctx, cancel := context.WithTimeout(bg, 20*time.Millisecond)
-	if _, err := e.WaitSeq(ctx, "s", "c", 1); !errors.Is(err, context.DeadlineExceeded) {
+	if _, err := e.Wait(ctx, Request{Scope: "s", Client: "c", Seq: 1}); !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("wait bounded by ctx: %v", err)
 	}
 	cancel()
@@ -649,7 +649,7 @@ func TestWaitSeq(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 		_ = res.Claim.Commit(bg, id("r1"))
 	}()
-	if r, err := e.WaitSeq(bg, "s", "c", 1); err != nil || r.Status != Done || string(r.Reply) != "r1" || r.Seq != 1 {
+	if r, err := e.Wait(bg, Request{Scope: "s", Client: "c", Seq: 1}); err != nil || r.Status != Done || string(r.Reply) != "r1" || r.Seq != 1 {
 		t.Fatalf("wait for a commit: %+v %v", r, err)
 	}
 	// Aborted meanwhile: the number is free again.
@@ -658,20 +658,20 @@ func TestWaitSeq(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 		_ = res.Claim.Abort(bg)
 	}()
-	if r, err := e.WaitSeq(bg, "s", "c", 2); err != nil || r.Status != Absent {
+	if r, err := e.Wait(bg, Request{Scope: "s", Client: "c", Seq: 2}); err != nil || r.Status != Absent {
 		t.Fatalf("wait for an abort: %+v %v", r, err)
 	}
 	mustBegin(t, e, seq(2), Fresh)
 	// Another number of the same client is not waited for: seq 1 is
-	// answered at once, as LookupSeq does (its reply went when seq 2 was
-	// claimed).
+	// answered at once, as Lookup does (its reply went when seq 2 was
+	// claimed: ErrAlreadyCommitted, as Begin says).
 	ctx, cancel = context.WithTimeout(bg, 5*time.Second)
 	defer cancel()
-	r, err := e.WaitSeq(ctx, "s", "c", 1)
-	if l, lerr := e.LookupSeq("s", "c", 1); err != nil || lerr != nil || r.Status != l.Status || r.Status == InFlight {
-		t.Fatalf("wait on seq 1 while seq 2 is claimed: %+v %v; LookupSeq says %+v %v", r, err, l, lerr)
+	r, err := e.Wait(ctx, Request{Scope: "s", Client: "c", Seq: 1})
+	if l, lerr := e.Lookup(bg, Request{Scope: "s", Client: "c", Seq: 1}); !errors.Is(err, ErrAlreadyCommitted) || fmt.Sprint(lerr) != fmt.Sprint(err) || r.Status != l.Status {
+		t.Fatalf("wait on seq 1 while seq 2 is claimed: %+v %v; Lookup says %+v %v", r, err, l, lerr)
 	}
-	if _, err := e.WaitSeq(bg, "s", "", 1); !errors.Is(err, ErrInvalidRequest) {
+	if _, err := e.Wait(bg, Request{Scope: "s", Client: "", Seq: 1}); !errors.Is(err, ErrInvalidRequest) {
 		t.Fatalf("wait without a client: %v", err)
 	}
 }
@@ -934,7 +934,7 @@ func (m model) clone() model {
 func (m model) check(t *testing.T, n int, e *Engine) {
 	t.Helper()
 	for x, reply := range m.committed {
-		l, err := e.Lookup("", []byte(x))
+		l, err := e.Lookup(context.Background(), Request{Scope: "", ID: []byte(x)})
 		if err != nil {
 			t.Fatalf("image %d: lookup %s: %v", n, x, err)
 		}
@@ -946,7 +946,7 @@ func (m model) check(t *testing.T, n int, e *Engine) {
 		}
 	}
 	for x := range m.claimed {
-		l, _ := e.Lookup("", []byte(x))
+		l, _ := e.Lookup(context.Background(), Request{Scope: "", ID: []byte(x)})
 		if l.Status == Absent && x != m.acking {
 			t.Fatalf("image %d: acknowledged claim %s is absent (could run twice)", n, x)
 		}
@@ -958,7 +958,7 @@ func (m model) check(t *testing.T, n int, e *Engine) {
 		if m.claimed[x] {
 			continue
 		}
-		l, _ := e.Lookup("", []byte(x))
+		l, _ := e.Lookup(context.Background(), Request{Scope: "", ID: []byte(x)})
 		if l.Status == Done {
 			// It may have been committed again after the ack; the model
 			// records that in committed, so Done here means resurrection.
@@ -983,7 +983,7 @@ func TestInDoubtRecovery(t *testing.T) {
 	// Retries see InFlight, not Fresh.
 	mustBegin(t, e, Request{ID: id("commit-me")}, InFlight)
 	mustBegin(t, e, Request{Client: "c", Seq: 1}, InFlight)
-	ds, err := e.InDoubt()
+	ds, err := e.InDoubt(context.Background(), "")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -1016,13 +1016,13 @@ func TestInDoubtRecovery(t *testing.T) {
 		t.Fatal(string(d.Reply))
 	}
 	mustBegin(t, e, Request{ID: id("abort-me")}, Fresh)
-	if n, _ := e.ClientState("", "c"); n != 1 {
+	if n, _ := e.ClientState(context.Background(), "", "c"); n != 1 {
 		t.Fatalf("client state %d", n)
 	}
 	// The unresolved one is taken over once its lease ran out.
 	clk.Advance(2 * time.Minute)
 	mustBegin(t, e, Request{ID: id("expire-me")}, Fresh)
-	if ds, _ := e.InDoubt(); len(ds) != 0 {
+	if ds, _ := e.InDoubt(context.Background(), ""); len(ds) != 0 {
 		t.Fatalf("still in doubt: %d", len(ds))
 	}
 }
@@ -1080,7 +1080,7 @@ func TestFailStopOnSyncError(t *testing.T) {
 	defer e.Close()
 	mustBegin(t, e, Request{ID: id("before")}, Done)
 	// x's commit may or may not have reached the disk; it is never Fresh.
-	if l, _ := e.Lookup("", id("x")); l.Status == Absent {
+	if l, _ := e.Lookup(context.Background(), Request{Scope: "", ID: id("x")}); l.Status == Absent {
 		t.Fatalf("x is absent after a failed commit")
 	}
 }
@@ -1224,7 +1224,7 @@ func TestUnlockedReadNotInstalledAfterEviction(t *testing.T) {
 			c := []byte(fmt.Sprint("other-", n))
 			if e.shardIdx(index.EntryKey(nil, "", index.ModeID, c)) == shard {
 				n++
-				if l, err := e.Lookup("", c); err != nil || l.Status != Absent {
+				if l, err := e.Lookup(context.Background(), Request{Scope: "", ID: c}); err != nil || l.Status != Absent {
 					t.Fatalf("lookup %s: %v %v", c, l.Status, err)
 				}
 				return
@@ -1242,7 +1242,7 @@ func TestUnlockedReadNotInstalledAfterEviction(t *testing.T) {
 	defer func() { testHookUnlockedRead = nil }()
 	got := make(chan Result, 1)
 	go func() {
-		l, err := e.Lookup("", k)
+		l, err := e.Lookup(context.Background(), Request{Scope: "", ID: k})
 		if err != nil {
 			t.Error(err)
 		}
@@ -1261,7 +1261,7 @@ func TestUnlockedReadNotInstalledAfterEviction(t *testing.T) {
 	if l := <-got; l.Status != Absent {
 		t.Fatalf("lookup after the ack: %v %q (a stale read was installed)", l.Status, l.Reply)
 	}
-	if l, _ := e.Lookup("", k); l.Status != Absent {
+	if l, _ := e.Lookup(context.Background(), Request{Scope: "", ID: k}); l.Status != Absent {
 		t.Fatalf("second lookup: %v", l.Status)
 	}
 }

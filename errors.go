@@ -77,3 +77,11 @@ func (e *AlreadyCommittedError) Is(target error) bool { return target == ErrAlre
 func invalid(format string, args ...any) error {
 	return fmt.Errorf("%w: %s", ErrInvalidRequest, fmt.Sprintf(format, args...))
 }
+
+// ErrInDoubt: the operation was sent but its outcome is unknown: the
+// caller stopped waiting (ctx ended) or the connection to the store broke
+// before the answer came. It may or may not have taken effect. Retry the
+// same call (Begin by the same owner, Commit and Abort of the same claim
+// are idempotent) or resolve it through InDoubt. The embedded Engine never
+// returns it: its Commit and Abort wait for their fsync.
+var ErrInDoubt = errors.New("idem: outcome unknown (in doubt)")

@@ -85,7 +85,7 @@ func testIndexDiskFull(t *testing.T, match func(string) bool) {
 	e = openMem(t, mem.CrashClone(vfs.CrashCloneCfg{}), nil)
 	defer e.Close()
 	for k := range acked {
-		l, err := e.Lookup("", []byte(k))
+		l, err := e.Lookup(context.Background(), Request{Scope: "", ID: []byte(k)})
 		if err != nil || l.Status != Done || string(l.Reply) != k {
 			t.Fatalf("%s after reopen: %v %q %v", k, l.Status, l.Reply, err)
 		}

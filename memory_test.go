@@ -54,7 +54,7 @@ func TestMemoryBudgetHonoured(t *testing.T) {
 	doFresh(t, e, "budget", n, 16, 128)
 	// Lookups of committed ids fill the block cache and the table.
 	for i := 0; i < n; i += 7 {
-		if l, err := e.Lookup("", []byte(fmt.Sprintf("budget-%010d", i))); err != nil || l.Status != Done {
+		if l, err := e.Lookup(context.Background(), Request{Scope: "", ID: []byte(fmt.Sprintf("budget-%010d", i))}); err != nil || l.Status != Done {
 			t.Fatalf("lookup %d: %v %v", i, l.Status, err)
 		}
 	}
@@ -272,7 +272,7 @@ func TestClientStateWhileApplierBehind(t *testing.T) {
 			defer wg.Done()
 			last := uint64(0)
 			for last < perClient {
-				n, err := e.ClientState("s", name)
+				n, err := e.ClientState(context.Background(), "s", name)
 				if err != nil {
 					t.Error(err)
 					return

@@ -8,25 +8,41 @@ import (
 	"github.com/idemdb/idem/wal"
 )
 
-// SyncMode says when a write counts as durable. It is the WAL's mode.
-type SyncMode = wal.SyncMode
+// SyncMode says when a write counts as durable.
+type SyncMode int
 
 const (
 	// SyncAlways: Commit (and a Fresh Begin) return only after the record
 	// is fsynced. Concurrent callers share one fsync (group commit). Nothing
 	// acknowledged is lost in a machine crash. The default.
-	SyncAlways = wal.SyncAlways
+	SyncAlways SyncMode = iota
 	// SyncInterval: records are written to the OS at once and fsynced every
 	// Options.SyncInterval. A process crash loses nothing; a machine crash
 	// may lose the last interval.
-	SyncInterval = wal.SyncInterval
+	SyncInterval
 	// SyncNever: records are written to the OS at once; fsync happens only
 	// at segment rotation, compaction, Close and after each MemoryBudget/128
 	// of log written (2 MiB by default: records are held in memory until
 	// their fsync). A process crash loses nothing; a machine crash may lose
 	// everything since the last of those.
-	SyncNever = wal.SyncNever
+	SyncNever
 )
+
+// String returns "always", "interval" or "never".
+func (m SyncMode) String() string { return m.wal().String() }
+
+// wal is the WAL's mode of the same name.
+func (m SyncMode) wal() wal.SyncMode {
+	switch m {
+	case SyncInterval:
+		return wal.SyncInterval
+	case SyncNever:
+		return wal.SyncNever
+	case SyncAlways:
+		return wal.SyncAlways
+	}
+	return wal.SyncMode(m)
+}
 
 // Options configure an Engine. The zero value (or nil) is a safe default.
 type Options struct {

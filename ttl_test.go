@@ -2,6 +2,7 @@ package idem
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"testing"
@@ -39,11 +40,11 @@ func TestRequestTTLTimingTable(t *testing.T) {
 		t.Fatalf("clock at %v", got)
 	}
 	mustBegin(t, e, r, Done)
-	if l, _ := e.Lookup("items", id("new-key-123")); l.Status != Done {
+	if l, _ := e.Lookup(context.Background(), Request{Scope: "items", ID: id("new-key-123")}); l.Status != Done {
 		t.Fatalf("lookup at T+60m: %v", l.Status)
 	}
 	clk.Advance(time.Minute) // T+61m
-	if l, _ := e.Lookup("items", id("new-key-123")); l.Status != Absent {
+	if l, _ := e.Lookup(context.Background(), Request{Scope: "items", ID: id("new-key-123")}); l.Status != Absent {
 		t.Fatalf("lookup at T+61m: %v", l.Status)
 	}
 	res = mustBegin(t, e, r, Fresh)
@@ -102,17 +103,17 @@ func TestTTLCleanupSharedEngine(t *testing.T) {
 	}
 	check := func(e *Engine) {
 		t.Helper()
-		if l, _ := e.Lookup("http", id("short-7")); l.Status != Absent {
+		if l, _ := e.Lookup(context.Background(), Request{Scope: "http", ID: id("short-7")}); l.Status != Absent {
 			t.Fatalf("short: %v", l.Status)
 		}
-		if l, _ := e.Lookup("sink", id("long-10")); l.Status != Done || string(l.Reply) != "l" {
+		if l, _ := e.Lookup(context.Background(), Request{Scope: "sink", ID: id("long-10")}); l.Status != Done || string(l.Reply) != "l" {
 			t.Fatalf("long: %v", l.Status)
 		}
-		if l, _ := e.Lookup("none", id("forever")); l.Status != Done {
+		if l, _ := e.Lookup(context.Background(), Request{Scope: "none", ID: id("forever")}); l.Status != Done {
 			t.Fatalf("forever: %v", l.Status)
 		}
 		// The client keeps its number; its reply is gone.
-		if last, err := e.ClientState("seq", "c"); err != nil || last != 1 {
+		if last, err := e.ClientState(context.Background(), "seq", "c"); err != nil || last != 1 {
 			t.Fatalf("client state %d %v", last, err)
 		}
 		if _, err := e.Begin(bg, Request{Scope: "seq", Client: "c", Seq: 1}); !errors.Is(err, ErrAlreadyCommitted) {
@@ -205,17 +206,17 @@ func TestTTLSurvivesSnapshotRestore(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer r.Close()
-	if l, _ := r.Lookup("", id("after")); l.Status != Absent {
+	if l, _ := r.Lookup(context.Background(), Request{Scope: "", ID: id("after")}); l.Status != Absent {
 		t.Fatalf("after: %v", l.Status)
 	}
-	if l, _ := r.Lookup("", id("a")); l.Status != Done || !l.ExpiresAt.Equal(testclock.Epoch.Add(time.Minute)) {
+	if l, _ := r.Lookup(context.Background(), Request{Scope: "", ID: id("a")}); l.Status != Done || !l.ExpiresAt.Equal(testclock.Epoch.Add(time.Minute)) {
 		t.Fatalf("a: %v %v", l.Status, l.ExpiresAt)
 	}
 	clk.Advance(2 * time.Minute)
 	if got, err := r.CleanupExpired(bg); err != nil || got != 1 {
 		t.Fatalf("cleanup after restore: %d %v", got, err)
 	}
-	if l, _ := r.Lookup("", id("b")); l.Status != Done {
+	if l, _ := r.Lookup(context.Background(), Request{Scope: "", ID: id("b")}); l.Status != Done {
 		t.Fatalf("b: %v", l.Status)
 	}
 	if !r.Now().Equal(clk.Now()) {

@@ -675,19 +675,19 @@ func FuzzRestore(f *testing.F) {
 				continue
 			}
 			if mode == 'i' {
-				_, _ = e.Lookup(scope, ident)
+				_, _ = e.Lookup(context.Background(), idem.Request{Scope: scope, ID: ident})
 				if res, err := e.Begin(ctx, idem.Request{Scope: scope, ID: ident}); err == nil && res.Status == idem.Fresh {
 					_ = res.Claim.Commit(ctx, []byte("r"))
 				}
 			} else {
-				n, _ := e.ClientState(scope, string(ident))
-				_, _ = e.LookupSeq(scope, string(ident), n+1)
+				n, _ := e.ClientState(context.Background(), scope, string(ident))
+				_, _ = e.Lookup(context.Background(), idem.Request{Scope: scope, Client: string(ident), Seq: n + 1})
 				if res, err := e.Begin(ctx, idem.Request{Scope: scope, Client: string(ident), Seq: n + 1}); err == nil && res.Status == idem.Fresh {
 					_ = res.Claim.Abort(ctx)
 				}
 			}
 		}
-		if ds, err := e.InDoubt(); err == nil {
+		if ds, err := e.InDoubt(context.Background(), ""); err == nil {
 			for _, d := range ds {
 				_ = d.Claim.Abort(ctx)
 			}

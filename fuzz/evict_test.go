@@ -106,7 +106,7 @@ func TestMaxEntriesEvictionCrash(t *testing.T) {
 	check := func(n int, img image, e *idem.Engine, after string) {
 		kept := map[int]bool{}
 		for i := 0; i < ids; i++ {
-			l, err := e.Lookup("", idOf(i))
+			l, err := e.Lookup(context.Background(), idem.Request{Scope: "", ID: idOf(i)})
 			if err != nil {
 				t.Fatalf("image %d %s: %v", n, after, err)
 			}

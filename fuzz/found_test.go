@@ -72,17 +72,17 @@ func TestInDoubtListsForgottenClaim(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer e.Close()
-	if ds, err := e.InDoubt(); err != nil || len(ds) != 1 {
+	if ds, err := e.InDoubt(context.Background(), ""); err != nil || len(ds) != 1 {
 		t.Fatalf("in doubt after reopen: %v %v", ds, err)
 	}
 	clk.Advance(time.Hour)
 	if err := e.Forget(ctx, clk.Now()); err != nil { // the lease ended long before: the claim goes
 		t.Fatal(err)
 	}
-	if l, err := e.Lookup("", []byte("x")); err != nil || l.Status != idem.Absent {
+	if l, err := e.Lookup(context.Background(), idem.Request{Scope: "", ID: []byte("x")}); err != nil || l.Status != idem.Absent {
 		t.Fatalf("lookup after forget: %v %v", l.Status, err)
 	}
-	ds, err := e.InDoubt()
+	ds, err := e.InDoubt(context.Background(), "")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -630,7 +630,7 @@ func (r *runner) fired() error {
 // resolve finishes the i-th claim InDoubt lists (recover-and-commit or
 // recover-and-abort).
 func (r *runner) resolve(i int, commit bool, replyKind int) error {
-	ds, err := r.e.InDoubt()
+	ds, err := r.e.InDoubt(context.Background(), "")
 	if err != nil {
 		return fault(err, r.m.clone())
 	}
@@ -698,7 +698,7 @@ func (r *runner) wait(scope, id string) error {
 	}
 	r.logf("wait %v -> want %v", mkey{scope, modeID, id}, x.obs())
 	ctx, cancel := stepCtx()
-	res, err := r.e.Wait(ctx, scope, []byte(id))
+	res, err := r.e.Wait(ctx, idem.Request{Scope: scope, ID: []byte(id)})
 	cancel()
 	if err != nil {
 		return fault(err, r.m.clone())

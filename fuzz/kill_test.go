@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -67,7 +68,7 @@ func killChild(dir string, start int) int {
 		}
 		return effects.Sync()
 	}
-	seq, err := e.ClientState(killScope, killClient)
+	seq, err := e.ClientState(context.Background(), killScope, killClient)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "child: client state:", err)
 		return 3
@@ -254,12 +255,12 @@ func TestSIGKILL(t *testing.T) {
 			if ids[id] != 1 {
 				t.Fatalf("kill %d: acknowledged %s ran %d times", k, id, ids[id])
 			}
-			l, err := e.Lookup(killScope, []byte(id))
+			l, err := e.Lookup(context.Background(), idem.Request{Scope: killScope, ID: []byte(id)})
 			if err != nil || l.Status != idem.Done || !bytes.Equal(l.Reply, idReply(id)) {
 				t.Fatalf("kill %d: acknowledged %s: %v %q %v", k, id, l.Status, l.Reply, err)
 			}
 		}
-		ds, err := e.InDoubt()
+		ds, err := e.InDoubt(context.Background(), "")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -288,7 +289,7 @@ func TestSIGKILL(t *testing.T) {
 		}
 		for i := 0; i <= last+1; i++ {
 			id := killID(i)
-			l, err := e.Lookup(killScope, []byte(id))
+			l, err := e.Lookup(context.Background(), idem.Request{Scope: killScope, ID: []byte(id)})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -300,7 +301,7 @@ func TestSIGKILL(t *testing.T) {
 		for n := range seqs {
 			maxSeq = max(maxSeq, n)
 		}
-		if n, err := e.ClientState(killScope, killClient); err != nil || n != maxSeq || n < ackedSeq {
+		if n, err := e.ClientState(context.Background(), killScope, killClient); err != nil || n != maxSeq || n < ackedSeq {
 			t.Fatalf("kill %d: client state %d (%v), last effect %d, last acknowledged %d", k, n, err, maxSeq, ackedSeq)
 		}
 		// Starting seq n+1 drops the reply of n (it is never retried), even
@@ -311,12 +312,13 @@ func TestSIGKILL(t *testing.T) {
 		lastMaxSeq = maxSeq
 		seqReplyGone = seqReplyGone || seqAborted
 		if maxSeq > 0 {
-			l, err := e.LookupSeq(killScope, killClient, maxSeq)
-			want := idem.Done
+			l, err := e.Lookup(context.Background(), idem.Request{Scope: killScope, Client: killClient, Seq: maxSeq})
+			want, wantErr := idem.Done, error(nil)
 			if seqReplyGone {
-				want = idem.Absent
+				// Lookup answers as Begin: the number ran, its reply went.
+				want, wantErr = idem.Absent, idem.ErrAlreadyCommitted
 			}
-			if err != nil || l.Status != want || (want == idem.Done && !bytes.Equal(l.Reply, seqReply(maxSeq))) {
+			if !errors.Is(err, wantErr) || l.Status != want || (want == idem.Done && !bytes.Equal(l.Reply, seqReply(maxSeq))) {
 				t.Fatalf("kill %d: seq %d: %v %q %v, want %v", k, maxSeq, l.Status, l.Reply, err, want)
 			}
 		}

@@ -2,6 +2,7 @@ package fuzz
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"hash/crc32"
@@ -391,26 +392,31 @@ func observeEngine(e *idem.Engine) (map[string]string, error) {
 	out := map[string]string{}
 	for _, s := range modelScopes {
 		for _, id := range modelIDs {
-			r, err := e.Lookup(s, []byte(id))
+			r, err := e.Lookup(context.Background(), idem.Request{Scope: s, ID: []byte(id)})
 			if err != nil {
 				return nil, fmt.Errorf("lookup %s/%s: %w", s, id, err)
 			}
 			out[mkey{s, modeID, id}.String()] = resObs(r)
 		}
 		for _, c := range modelClients {
-			n, err := e.ClientState(s, c)
+			n, err := e.ClientState(context.Background(), s, c)
 			if err != nil {
 				return nil, fmt.Errorf("client state %s/%s: %w", s, c, err)
 			}
 			line := fmt.Sprintf("state %d", n)
 			if n > 0 {
-				r, err := e.LookupSeq(s, c, n)
+				r, err := e.Lookup(context.Background(), idem.Request{Scope: s, Client: c, Seq: n})
+				if errors.Is(err, idem.ErrAlreadyCommitted) {
+					// Lookup answers as Begin: the last number whose reply
+					// is no longer kept (the model's absent).
+					r, err = idem.Result{Status: idem.Absent}, nil
+				}
 				if err != nil {
 					return nil, fmt.Errorf("lookup seq %s/%s/%d: %w", s, c, n, err)
 				}
 				line += "; last: " + resObs(r)
 			}
-			r, err := e.LookupSeq(s, c, n+1)
+			r, err := e.Lookup(context.Background(), idem.Request{Scope: s, Client: c, Seq: n + 1})
 			if err != nil {
 				return nil, fmt.Errorf("lookup seq %s/%s/%d: %w", s, c, n+1, err)
 			}
@@ -418,7 +424,7 @@ func observeEngine(e *idem.Engine) (map[string]string, error) {
 			out[mkey{s, modeClient, c}.String()] = line
 		}
 	}
-	ds, err := e.InDoubt()
+	ds, err := e.InDoubt(context.Background(), "")
 	if err != nil {
 		return nil, fmt.Errorf("in doubt: %w", err)
 	}

@@ -306,9 +306,9 @@ func (s *Server) wait(ctx context.Context, r idem.Request, until time.Time) erro
 	// Only ctx's end is this call's error. wctx's deadline: the loop answers
 	// IN_FLIGHT; anything else: Begin again says what it is.
 	if len(r.ID) > 0 {
-		_, _ = e.Wait(wctx, r.Scope, r.ID)
+		_, _ = e.Wait(wctx, idem.Request{Scope: r.Scope, ID: r.ID})
 	} else {
-		_, _ = e.WaitSeq(wctx, r.Scope, r.Client, r.Seq)
+		_, _ = e.Wait(wctx, idem.Request{Scope: r.Scope, Client: r.Client, Seq: r.Seq})
 	}
 	return ctx.Err()
 }
@@ -510,7 +510,7 @@ func (s *Server) ClientState(ctx context.Context, client string, scope ...string
 	if client == "" {
 		return 0, invalidIdentity("empty client_id")
 	}
-	last, err := s.cfg.Engine.ClientState(EncodeScope(s.cfg.ScopePrefix, actor, scope...), client)
+	last, err := s.cfg.Engine.ClientState(ctx, EncodeScope(s.cfg.ScopePrefix, actor, scope...), client)
 	if err != nil {
 		return 0, s.engineStatus(err, idem.Request{})
 	}
@@ -550,7 +550,7 @@ type InDoubt struct {
 // false (the claim is aborted and a retry runs the call). Call it after
 // Open, before serving. An error from decide stops it.
 func (s *Server) ResolveInDoubt(ctx context.Context, decide func(InDoubt) (proto.Message, bool, error)) (committed, aborted int, err error) {
-	claims, err := s.cfg.Engine.InDoubt()
+	claims, err := s.cfg.Engine.InDoubt(ctx, "")
 	if err != nil {
 		return 0, 0, err
 	}

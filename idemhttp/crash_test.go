@@ -1,6 +1,7 @@
 package idemhttp_test
 
 import (
+	"context"
 	"net/http"
 	"path/filepath"
 	"slices"
@@ -93,7 +94,7 @@ func TestCrashInFlight(t *testing.T) {
 	}
 
 	// Start-up resolution, as the package documentation shows.
-	doubts, err := e.InDoubt()
+	doubts, err := e.InDoubt(context.Background(), "")
 	if err != nil {
 		t.Fatal(err)
 	}

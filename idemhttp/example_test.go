@@ -79,7 +79,7 @@ func ExampleParseKey() {
 		log.Fatal(err)
 	}
 	ctx := context.Background()
-	doubts, err := e.InDoubt()
+	doubts, err := e.InDoubt(context.Background(), "")
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -78,7 +78,7 @@ func TestTruncatedBody(t *testing.T) {
 	if err := json.NewDecoder(resp.Body).Decode(&eb); err != nil || resp.StatusCode != 400 || eb.ErrorCode != CodeBodyUnreadable || eb.IdempotencyKey != "cut" {
 		t.Fatalf("%d %+v %v", resp.StatusCode, eb, err)
 	}
-	if res, err := e.Lookup(ScopeFor("", ""), []byte("cut")); err != nil || res.Status != idem.Absent {
+	if res, err := e.Lookup(context.Background(), idem.Request{Scope: ScopeFor("", ""), ID: []byte("cut")}); err != nil || res.Status != idem.Absent {
 		t.Fatalf("key %v %v", res.Status, err)
 	}
 }

@@ -2,6 +2,7 @@ package idemhttp_test
 
 import (
 	"bufio"
+	"context"
 	"fmt"
 	"net"
 	"net/http"
@@ -146,7 +147,7 @@ func TestSIGKILLInFlight(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer e.Close()
-	doubts, err := e.InDoubt()
+	doubts, err := e.InDoubt(context.Background(), "")
 	if err != nil || len(doubts) != 1 {
 		t.Fatalf("in doubt: %v %v", doubts, err)
 	}

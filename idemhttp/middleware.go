@@ -228,7 +228,7 @@ func (h *handler) serveKey(w http.ResponseWriter, r *http.Request, scope, key st
 		case idem.InFlight:
 			if left := time.Until(waitUntil); left > 0 {
 				wctx, cancel := context.WithTimeout(ctx, left)
-				_, err := h.e.Wait(wctx, scope, id)
+				_, err := h.e.Wait(wctx, idem.Request{Scope: scope, ID: id})
 				cancel()
 				if err == nil {
 					continue // finished (or its lease ran out): ask again

@@ -463,7 +463,7 @@ func TestPrincipalsKeptApart(t *testing.T) {
 	}
 	// The engine holds them in scopes ScopeFor names.
 	for _, p := range []string{"alice", "bob"} {
-		res, err := e.Lookup(idemhttp.ScopeFor("", p), []byte("same-key"))
+		res, err := e.Lookup(context.Background(), idem.Request{Scope: idemhttp.ScopeFor("", p), ID: []byte("same-key")})
 		if err != nil || res.Status != idem.Done {
 			t.Fatalf("%s: %v %v", p, res.Status, err)
 		}
@@ -492,7 +492,7 @@ func TestAckedKeys(t *testing.T) {
 		post(t, ctx, srv, k, item1, auth...)
 	}
 	lookup := func(k string) idem.Status {
-		res, err := e.Lookup(scope, []byte(k))
+		res, err := e.Lookup(context.Background(), idem.Request{Scope: scope, ID: []byte(k)})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -529,7 +529,7 @@ func TestAckedKeys(t *testing.T) {
 	shared := serve(t, idemhttp.Middleware(e, &idemhttp.Options{Scope: "shared"})(app))
 	post(t, ctx, shared, "s1", item1)
 	post(t, ctx, shared, "s2", item1, idemhttp.HeaderAckedKeys, "s1")
-	if res, _ := e.Lookup(idemhttp.ScopeFor("shared", ""), []byte("s1")); res.Status != idem.Done {
+	if res, _ := e.Lookup(context.Background(), idem.Request{Scope: idemhttp.ScopeFor("shared", ""), ID: []byte("s1")}); res.Status != idem.Done {
 		t.Fatalf("s1 acked without a principal: %v", res.Status)
 	}
 }
@@ -711,7 +711,7 @@ func TestClientDisconnect(t *testing.T) {
 		// The middleware finishes after the handler returned: wait for it.
 		var st idem.Status
 		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
-			res, _ := e.Lookup(idemhttp.ScopeFor("", ""), []byte("gone"+path[1:]))
+			res, _ := e.Lookup(context.Background(), idem.Request{Scope: idemhttp.ScopeFor("", ""), ID: []byte("gone" + path[1:])})
 			if st = res.Status; st != idem.InFlight {
 				break
 			}

@@ -322,7 +322,7 @@ func TestTransportAcksKeys(t *testing.T) {
 	}
 	scope := idemhttp.ScopeFor("", "alice")
 	status := func(k string) idem.Status {
-		res, err := e.Lookup(scope, []byte(k))
+		res, err := e.Lookup(context.Background(), idem.Request{Scope: scope, ID: []byte(k)})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -427,9 +427,9 @@ func (f *FSM) Lookup(req idem.Request) (*Response, bool) {
 	var res idem.Result
 	var err error
 	if len(req.ID) > 0 {
-		res, err = f.cur.e.Lookup(req.Scope, req.ID)
+		res, err = f.cur.e.Lookup(context.Background(), idem.Request{Scope: req.Scope, ID: req.ID})
 	} else {
-		res, err = f.cur.e.LookupSeq(req.Scope, req.Client, req.Seq)
+		res, err = f.cur.e.Lookup(context.Background(), idem.Request{Scope: req.Scope, Client: req.Client, Seq: req.Seq})
 	}
 	if err != nil || res.Status != idem.Done {
 		return nil, false

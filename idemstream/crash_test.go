@@ -168,7 +168,7 @@ func frontierExact(e *idem.Engine, name string, evs []Event) error {
 	committed := map[string]bool{}
 	lo := map[string]uint64{}
 	for _, ev := range evs {
-		res, err := e.Lookup(scope, ev.ID)
+		res, err := e.Lookup(context.Background(), idem.Request{Scope: scope, ID: ev.ID})
 		if err != nil {
 			return err
 		}
@@ -183,7 +183,7 @@ func frontierExact(e *idem.Engine, name string, evs []Event) error {
 		lo[rec.Partition] = max(lo[rec.Partition], rec.Offset)
 	}
 	for p := range maxOffsets(evs) {
-		f, err := e.ClientState(frontierScope(name), frontierClient(p))
+		f, err := e.ClientState(context.Background(), frontierScope(name), frontierClient(p))
 		if err != nil {
 			return err
 		}
@@ -220,7 +220,7 @@ func newSinkWithHook(ctx context.Context, e *idem.Engine, name string, opts Sink
 
 func mustInDoubt(t *testing.T, e *idem.Engine) []idem.InDoubtClaim {
 	t.Helper()
-	d, err := e.InDoubt()
+	d, err := e.InDoubt(context.Background(), "")
 	if err != nil {
 		t.Fatal(err)
 	}

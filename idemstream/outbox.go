@@ -178,7 +178,7 @@ func NewOutbox(ctx context.Context, e *idem.Engine, name string, opts OutboxOpti
 }
 
 func (o *Outbox) recover(ctx context.Context) error {
-	doubts, err := o.e.InDoubt()
+	doubts, err := o.e.InDoubt(ctx, "")
 	if err != nil {
 		return fmt.Errorf("idemstream: outbox %q: listing in-doubt claims: %w", o.name, err)
 	}
@@ -195,7 +195,7 @@ func (o *Outbox) recover(ctx context.Context) error {
 			continue
 		}
 		_, key := outboxID(sink, id, i)
-		res, err := o.e.Lookup(sinkScope(sink), id)
+		res, err := o.e.Lookup(ctx, idem.Request{Scope: sinkScope(sink), ID: id})
 		if err != nil {
 			return fmt.Errorf("idemstream: outbox %q: reading event %q of pending message %s: %w", o.name, id, key, err)
 		}

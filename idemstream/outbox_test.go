@@ -161,7 +161,7 @@ func TestOutboxDeliversExactlyOnceAcrossCrashes(t *testing.T) {
 			waitApplied(t, e)
 			for _, ev := range evs {
 				id, key := outboxID("orders", ev.ID, 0)
-				if res, _ := e.Lookup(outboxScope("out"), id); res.Status != idem.Absent {
+				if res, _ := e.Lookup(context.Background(), idem.Request{Scope: outboxScope("out"), ID: id}); res.Status != idem.Absent {
 					t.Fatalf("delivered message %s still recorded (%v)", key, res.Status)
 				}
 			}

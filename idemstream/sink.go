@@ -178,7 +178,7 @@ func (s *Sink) Close() error {
 }
 
 func (s *Sink) recover(ctx context.Context) error {
-	doubts, err := s.e.InDoubt()
+	doubts, err := s.e.InDoubt(ctx, "")
 	if err != nil {
 		return fmt.Errorf("idemstream: sink %q: listing in-doubt claims: %w", s.name, err)
 	}
@@ -381,7 +381,7 @@ func (s *Sink) Apply(ctx context.Context, ev Event, h Handler) (out Outcome, err
 // Lookup reports whether the event id is committed, and its record, without
 // claiming it.
 func (s *Sink) Lookup(id []byte) (Outcome, bool, error) {
-	res, err := s.e.Lookup(s.scope, id)
+	res, err := s.e.Lookup(context.Background(), idem.Request{Scope: s.scope, ID: id})
 	if err != nil {
 		return Outcome{}, false, err
 	}
@@ -429,7 +429,7 @@ func (s *Sink) advanceReplayed(ctx context.Context, ev *Event) error {
 		return nil
 	}
 	client := frontierClient(ev.Partition)
-	n, err := s.e.ClientState(s.fscope, client)
+	n, err := s.e.ClientState(ctx, s.fscope, client)
 	if err == nil && n < ev.Offset {
 		if err = s.e.Advance(ctx, idem.Advance{Scope: s.fscope, Client: client, Seq: ev.Offset}); err == nil {
 			s.frontierWrites.Add(1)
@@ -456,7 +456,7 @@ func (s *Sink) advanceReplayed(ctx context.Context, ev *Event) error {
 // frontier alone should apply each partition's events in order
 // (ConsumeOptions.Concurrency 1, or one consumer per partition).
 func (s *Sink) Frontier(partition string) (offset uint64, ok bool, err error) {
-	n, err := s.e.ClientState(s.fscope, frontierClient(partition))
+	n, err := s.e.ClientState(context.Background(), s.fscope, frontierClient(partition))
 	if err != nil {
 		return 0, false, fmt.Errorf("idemstream: sink %q: frontier of partition %q: %w", s.name, partition, err)
 	}

@@ -285,7 +285,7 @@ func (t *TwoPhase[Txn]) record(ctx context.Context, id []byte, v any, c *idem.Cl
 
 // read returns the sealed record id into v (false if absent).
 func (t *TwoPhase[Txn]) read(id []byte, v any) (bool, error) {
-	res, err := t.e.Lookup(t.scope, id)
+	res, err := t.e.Lookup(context.Background(), idem.Request{Scope: t.scope, ID: id})
 	if err != nil {
 		return false, fmt.Errorf("idemstream: two-phase %q: reading %s: %w", t.name, id, err)
 	}
@@ -300,11 +300,11 @@ func (t *TwoPhase[Txn]) read(id []byte, v any) (bool, error) {
 
 func (t *TwoPhase[Txn]) recover(ctx context.Context) (RecoveryReport, error) {
 	rep := RecoveryReport{Action: "none"}
-	doubts, err := t.e.InDoubt()
+	doubts, err := t.e.InDoubt(ctx, "")
 	if err != nil {
 		return rep, fmt.Errorf("idemstream: two-phase %q: listing in-doubt claims: %w", t.name, err)
 	}
-	k, err := t.e.ClientState(t.scope, ckptClient)
+	k, err := t.e.ClientState(ctx, t.scope, ckptClient)
 	if err != nil {
 		return rep, fmt.Errorf("idemstream: two-phase %q: %w", t.name, err)
 	}
@@ -358,7 +358,7 @@ func (t *TwoPhase[Txn]) recover(ctx context.Context) (RecoveryReport, error) {
 	if k > 0 {
 		var open openRecord
 		hasOpen := false
-		res, err := t.e.LookupSeq(t.scope, ckptClient, k)
+		res, err := t.e.Lookup(ctx, idem.Request{Scope: t.scope, Client: ckptClient, Seq: k})
 		switch {
 		case err == nil && res.Status == idem.Done:
 			if err := unseal(res.Reply, maxSealedBytes, &open); err != nil {

@@ -412,7 +412,7 @@ func TestTwoPhaseRecordsBounded(t *testing.T) {
 	}
 	for k := uint64(1); k <= 5; k++ {
 		for _, kind := range []string{"c", "d"} {
-			res, err := e.Lookup(twoPhaseScope("tx"), ckptID(kind, k))
+			res, err := e.Lookup(context.Background(), idem.Request{Scope: twoPhaseScope("tx"), ID: ckptID(kind, k)})
 			if err != nil {
 				t.Fatal(err)
 			}

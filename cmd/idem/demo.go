@@ -416,7 +416,7 @@ func (o *demoOpts) finish(c *cli, eng *idem.Engine, store demoStore, plan []demo
 	for _, l := range ledger {
 		executed[l.ID] = l.Reply
 	}
-	doubts, err := eng.InDoubt()
+	doubts, err := eng.InDoubt(context.Background(), "")
 	if err != nil {
 		return err
 	}
@@ -535,7 +535,7 @@ func (o *demoOpts) check(c *cli, eng *idem.Engine, store demoStore, plan []demoR
 		if _, ok := got[id]; !ok {
 			lost = append(lost, id)
 		}
-		res, err := eng.Lookup(demoScope, []byte(id))
+		res, err := eng.Lookup(context.Background(), idem.Request{Scope: demoScope, ID: []byte(id)})
 		if err != nil {
 			return err
 		}

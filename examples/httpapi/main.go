@@ -124,7 +124,7 @@ func (s *service) loadItems(path string) error {
 // made, its response is stored (retries get it); if not, the key is released
 // (the retry creates the item).
 func (s *service) resolveInDoubt(ctx context.Context) error {
-	doubts, err := s.e.InDoubt()
+	doubts, err := s.e.InDoubt(ctx, "")
 	if err != nil {
 		return err
 	}

@@ -98,7 +98,7 @@ func TestResolveInDoubtAtStart(t *testing.T) {
 	}
 	defer s.close()
 	for k, want := range map[string]idem.Status{"made": idem.Done, "not-made": idem.Absent} {
-		res, err := s.e.Lookup(scope, []byte(k))
+		res, err := s.e.Lookup(context.Background(), idem.Request{Scope: scope, ID: []byte(k)})
 		if err != nil || res.Status != want {
 			t.Fatalf("%s: %v %v, want %v", k, res.Status, err, want)
 		}

@@ -1,0 +1,223 @@
+package idem
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/idemdb/idem/index"
+	"github.com/idemdb/idem/wal"
+)
+
+// Begin looks the request up and, if it is new, claims it for the caller.
+//
+//   - Fresh: the caller owns the id; run the side effect, then
+//     Result.Claim.Commit(reply) or Abort(). The claim is durable when Begin
+//     returns (unless Options.RelaxedClaims).
+//   - Done: Result.Reply is the committed reply; nothing must run.
+//   - InFlight: someone else owns the id until Result.LeaseUntil.
+//
+// ctx is consulted before anything is written: a Begin whose ctx has ended
+// claims nothing. Once the claim is appended, Begin waits for its fsync
+// whatever ctx says, so that a Fresh claim is never handed out half made,
+// nor left behind unowned.
+//
+// Errors: ErrConflict (fingerprint mismatch), *SequenceGapError,
+// ErrAlreadyCommitted, ErrInvalidRequest, ErrClosed, ErrFailed.
+func (e *Engine) Begin(ctx context.Context, req Request) (Result, error) {
+	res, _, err := e.begin(ctx, req)
+	return res, err
+}
+
+// verdict is what a request meets in the current entry: the one
+// classification that Begin, Lookup and Wait share, so that a read names
+// a request exactly as Begin does (its fingerprint included).
+type verdict int
+
+const (
+	vClaim            verdict = iota // unknown (or expired, or its lease ran out): Begin claims it
+	vDone                            // committed, fingerprint matches: the reply
+	vInFlight                        // claimed by a live lease, fingerprint matches
+	vConflict                        // fingerprint mismatch (committed or in flight)
+	vAlreadyCommitted                // sequence at or below the last, reply not kept
+	vGap                             // sequence beyond last+1
+)
+
+// classifyLocked classifies the request k (fingerprint fp) against cur, the
+// key's current entry, at now. For vDone and vInFlight res is the result;
+// for the errors err is the error; for vClaim, takeover says the entry is
+// a claim whose lease ran out and expired an expired committed reply.
+func (e *Engine) classifyLocked(cur *index.Entry, k reqKey, fp []byte, now time.Time) (v verdict, res Result, err error, takeover, expired bool) {
+	if k.mode == index.ModeID {
+		switch {
+		case cur != nil && cur.Committed && !e.expired(cur, now):
+			if !fpMatch(cur.Fingerprint, fp) {
+				return vConflict, Result{}, fmt.Errorf("%w: scope %q id %s", ErrConflict, k.scope, printable(k.ident)), false, false
+			}
+			return vDone, doneResult(cur), nil, false, false
+		case cur != nil && cur.Committed:
+			return vClaim, Result{}, nil, false, true // retention or TTL ran out: runs again as new
+		case cur != nil && cur.InFlight:
+			if !fpMatch(cur.ClaimFP, fp) {
+				return vConflict, Result{}, fmt.Errorf("%w: scope %q id %s (in flight)", ErrConflict, k.scope, printable(k.ident)), false, false
+			}
+			if now.UnixNano() < cur.LeaseUntil {
+				return vInFlight, Result{Status: InFlight, LeaseUntil: time.Unix(0, cur.LeaseUntil)}, nil, false, false
+			}
+			return vClaim, Result{}, nil, true, false
+		}
+		return vClaim, Result{}, nil, false, false
+	}
+	var last uint64
+	if cur != nil && cur.Committed {
+		last = cur.Seq
+	}
+	switch {
+	case k.seq <= last:
+		if k.seq == last && cur.ReplyKept && !e.expired(cur, now) {
+			if !fpMatch(cur.Fingerprint, fp) {
+				return vConflict, Result{}, fmt.Errorf("%w: scope %q client %q seq %d", ErrConflict, k.scope, k.ident, k.seq), false, false
+			}
+			return vDone, doneResult(cur), nil, false, false
+		}
+		return vAlreadyCommitted, Result{Seq: k.seq}, &AlreadyCommittedError{Scope: k.scope, Client: string(k.ident), Seq: k.seq, Last: last}, false, false
+	case k.seq == last+1:
+		if cur != nil && cur.InFlight {
+			if !fpMatch(cur.ClaimFP, fp) {
+				return vConflict, Result{}, fmt.Errorf("%w: scope %q client %q seq %d (in flight)", ErrConflict, k.scope, k.ident, k.seq), false, false
+			}
+			if now.UnixNano() < cur.LeaseUntil {
+				return vInFlight, Result{Status: InFlight, LeaseUntil: time.Unix(0, cur.LeaseUntil), Seq: k.seq}, nil, false, false
+			}
+			return vClaim, Result{}, nil, true, false
+		}
+		return vClaim, Result{}, nil, false, false
+	default:
+		return vGap, Result{}, &SequenceGapError{Scope: k.scope, Client: string(k.ident), Seq: k.seq, Last: last}, false, false
+	}
+}
+
+// fingerprint is the request's fingerprint as stored: empty means unchecked.
+func fingerprint(req *Request) []byte {
+	if len(req.Fingerprint) == 0 {
+		return nil
+	}
+	return req.Fingerprint
+}
+
+func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error) {
+	k, err := e.validate(&req)
+	if err != nil {
+		return Result{}, k, err
+	}
+	if err := ctx.Err(); err != nil {
+		return Result{}, k, err
+	}
+	if err := e.enter(); err != nil {
+		return Result{}, k, err
+	}
+	defer e.leave()
+	fp := fingerprint(&req)
+	now := e.o.Clock()
+	var (
+		unlock func()
+		sl     *slot
+	)
+	if len(k.ackKey) == 0 {
+		sl, unlock, err = e.lockSlot(k.key)
+		if err != nil {
+			return Result{}, k, err
+		}
+	} else {
+		unlock = e.lockKeys(append([][]byte{k.key}, k.ackKey...)...)
+		sl, err = e.slotLocked(k.key)
+		if err != nil {
+			unlock()
+			return Result{}, k, err
+		}
+	}
+	cur := e.current(sl, k.mode)
+	v, res, verr, takeover, expired := e.classifyLocked(cur, k, fp, now)
+	switch v {
+	case vDone:
+		unlock()
+		e.st.hits.Add(1)
+		return res, k, e.waitDurable(cur.CommitLSN)
+	case vInFlight:
+		unlock()
+		e.st.collisions.Add(1)
+		return res, k, nil
+	case vConflict:
+		unlock()
+		e.st.conflicts.Add(1)
+		return Result{}, k, verr
+	case vAlreadyCommitted:
+		unlock()
+		e.st.alreadyCommitted.Add(1)
+		return res, k, verr
+	case vGap:
+		unlock()
+		e.st.gaps.Add(1)
+		return Result{}, k, verr
+	}
+	if expired {
+		e.st.expired.Add(1) // retention or TTL ran out: runs again as new (T+61m for a one-hour TTL)
+	}
+	// Claim it.
+	lease := now.Add(e.o.Lease)
+	op := &wal.Op{
+		Type: wal.OpClaim, Scope: k.scope, Fingerprint: fp, Acked: k.acked,
+		Time: now.UnixNano(), LeaseUntil: lease.UnixNano(),
+	}
+	var expiresAt time.Time
+	if req.TTL > 0 {
+		expiresAt = now.Add(req.TTL)
+		op.ExpiresAt = expiresAt.UnixNano()
+	}
+	if k.mode == index.ModeID {
+		op.ID = k.ident
+		if cur == nil {
+			op.Flags |= wal.ClaimFlagNew
+		}
+	} else {
+		op.Client, op.Seq = string(k.ident), k.seq
+	}
+	ts, err := index.Transitions(op, 0, e.getLocked)
+	if err != nil {
+		unlock()
+		return Result{}, k, err
+	}
+	lsn, err := e.appendOp(op, ts)
+	unlock()
+	if err != nil {
+		return Result{}, k, err
+	}
+	if takeover {
+		e.st.takeovers.Add(1)
+	}
+	e.st.misses.Add(1)
+	if !e.o.RelaxedClaims {
+		if err := e.waitDurable(lsn); err != nil {
+			return Result{}, k, err
+		}
+	}
+	c := newEngineClaim(e, k, lsn, fp, lease)
+	return Result{Status: Fresh, Claim: c, LeaseUntil: lease, Seq: k.seq, ExpiresAt: expiresAt}, k, nil
+}
+
+func doneResult(en *index.Entry) Result {
+	r := Result{Status: Done, Reply: en.Reply, CommittedAt: time.Unix(0, en.CommitTime), Seq: en.Seq}
+	if en.ExpiresAt != 0 {
+		r.ExpiresAt = time.Unix(0, en.ExpiresAt)
+	}
+	return r
+}
+
+// fpMatch: an unchecked request matches anything; a checked one needs the
+// same fingerprint, and never matches an entry stored without one.
+func fpMatch(stored, asked []byte) bool {
+	if asked == nil {
+		return true
+	}
+	return stored != nil && string(stored) == string(asked)
+}

@@ -1,0 +1,301 @@
+package idem
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"time"
+
+	"github.com/idemdb/idem/index"
+	"github.com/idemdb/idem/wal"
+)
+
+// Claim is the ownership of one request handed out by a Fresh Begin (or by
+// InDoubt after a restart). Exactly one of Commit, CommitAdvance or Abort
+// should be called; a second one returns ErrLeaseLost and writes nothing.
+//
+// The contract, for every Store: once a claim exists, Commit and Abort
+// always write their record, whatever ctx says; ctx may only bound how
+// long the caller waits for the outcome. So a handler may pass the
+// request's own context (r.Context() after the client hung up, a gRPC
+// deadline that passed): the id is committed or released, never left in
+// flight until its lease runs out. The Engine does not consult ctx in
+// Commit and Abort at all (they wait for their fsync); a Store that stops
+// waiting returns an error matching ErrInDoubt.
+type Claim struct {
+	b          ClaimBackend // nil for the Engine's own claims (ec)
+	ec         engineClaim
+	leaseUntil time.Time
+	finished   atomic.Bool
+}
+
+// engineClaim is the Engine's backend of a claim, kept inside Claim so
+// that a Fresh Begin allocates one object.
+type engineClaim struct {
+	e   *Engine
+	k   reqKey
+	lsn wal.LSN
+	fp  []byte
+}
+
+func newEngineClaim(e *Engine, k reqKey, lsn wal.LSN, fp []byte, leaseUntil time.Time) *Claim {
+	return &Claim{ec: engineClaim{e: e, k: k, lsn: lsn, fp: fp}, leaseUntil: leaseUntil}
+}
+
+// LeaseUntil is when the claim's lease runs out.
+func (c *Claim) LeaseUntil() time.Time { return c.leaseUntil }
+
+// Commit stores reply as the id's reply, durably (in SyncAlways mode) when it
+// returns, and wakes callers waiting for it. If the lease ran out and another
+// caller took the id over, it returns ErrLeaseLost and changes nothing. It
+// writes its record whatever ctx says (see Claim). A reply larger than
+// Options.MaxReplySize is ErrInvalidRequest, and the claim stays open.
+func (c *Claim) Commit(ctx context.Context, reply []byte) error {
+	return c.finish(ctx, false, reply, nil)
+}
+
+// Abort releases the id: it is unknown again (a sequence number is not
+// consumed). Use it when the side effect failed and did not happen. It
+// writes its record whatever ctx says (see Claim).
+func (c *Claim) Abort(ctx context.Context) error {
+	return c.finish(ctx, true, nil, nil)
+}
+
+// finish runs the one finish a claim gets. A finish that wrote nothing
+// because the request was refused (ErrInvalidRequest, ErrInFlight) leaves
+// the claim open.
+func (c *Claim) finish(ctx context.Context, abort bool, reply []byte, adv []Advance) error {
+	if c.finished.Swap(true) {
+		return fmt.Errorf("%w: the claim was already committed or aborted", ErrLeaseLost)
+	}
+	if reply == nil && !abort {
+		reply = []byte{}
+	}
+	var err error
+	switch {
+	case c.b == nil && abort:
+		err = c.ec.abort()
+	case c.b == nil:
+		err = c.ec.commit(reply, adv)
+	case abort:
+		err = c.b.Abort(ctx)
+	default:
+		err = c.b.Commit(ctx, reply, adv)
+	}
+	if err != nil && (errors.Is(err, ErrInvalidRequest) || errors.Is(err, ErrInFlight)) {
+		c.finished.Store(false)
+	}
+	return err
+}
+
+// Advance names a sequence-mode client (Scope, Client) whose last
+// committed sequence number a commit raises to at least Seq, in the commit's
+// own record (Claim.CommitAdvance). Numbers never go down: an advance to a
+// number at or below the client's is a no-op. ClientState returns the
+// number, which survives Forget, Ack, retention and TTL cleanup as every
+// client's number does.
+type Advance struct {
+	Scope  string
+	Client string
+	Seq    uint64
+}
+
+// maxAdvances bounds the advances of one commit.
+const maxAdvances = 1024
+
+// CommitAdvance is Commit that also advances the sequence-mode clients adv
+// in the same WAL record: after a crash either the reply and every advance
+// are there, or none is. A stream consumer keeps its commit frontier this
+// way (the client is the partition, Seq its offset): the offset is durable
+// exactly when the event's effect is.
+//
+// Each advance needs a client name (1..MaxIDLen bytes), Seq >= 1, and a
+// distinct client that is not the claim's own key. A client with a claim in
+// flight cannot be advanced: CommitAdvance returns ErrInFlight, writes
+// nothing and leaves the claim open (Commit, Abort or CommitAdvance it again).
+// A raised client's kept reply is dropped, as a claim of a later number
+// drops it.
+func (c *Claim) CommitAdvance(ctx context.Context, reply []byte, adv ...Advance) error {
+	return c.finish(ctx, false, reply, adv)
+}
+
+// checkAdvances validates adv and returns them for the WAL with the keys
+// to lock: own (the committed key; nil for none) first, then one per
+// advance.
+func (e *Engine) checkAdvances(adv []Advance, own []byte) ([]wal.Advance, [][]byte, error) {
+	if len(adv) > maxAdvances {
+		return nil, nil, invalid("%d advances exceed %d", len(adv), maxAdvances)
+	}
+	keys := make([][]byte, 0, len(adv)+1)
+	seen := make(map[string]bool, len(adv)+1)
+	if own != nil {
+		keys = append(keys, own)
+		seen[string(own)] = true
+	}
+	wadv := make([]wal.Advance, len(adv))
+	for i, a := range adv {
+		if a.Client == "" || len(a.Client) > e.o.MaxIDLen || len(a.Scope) > e.o.MaxIDLen {
+			return nil, nil, invalid("advance %d: client name must be 1..%d bytes and scope at most %d (client %d bytes, scope %d)", i, e.o.MaxIDLen, e.o.MaxIDLen, len(a.Client), len(a.Scope))
+		}
+		if a.Seq == 0 {
+			return nil, nil, invalid("advance %d: client %q to sequence number 0 (numbers start at 1)", i, a.Client)
+		}
+		k := index.EntryKey(nil, a.Scope, index.ModeClient, []byte(a.Client))
+		if seen[string(k)] {
+			return nil, nil, invalid("advance %d: client %q in scope %q is named twice or is the committed key", i, a.Client, a.Scope)
+		}
+		seen[string(k)] = true
+		keys = append(keys, k)
+		wadv[i] = wal.Advance{Scope: a.Scope, Client: a.Client, Seq: a.Seq}
+	}
+	return wadv, keys, nil
+}
+
+// advancesInFlightLocked returns ErrInFlight if a client of adv (whose keys
+// are locked) has a claim in flight.
+func (e *Engine) advancesInFlightLocked(adv []wal.Advance, keys [][]byte) error {
+	for i, a := range adv {
+		sl, err := e.slotLocked(keys[i])
+		if err != nil {
+			return err
+		}
+		if en := e.current(sl, index.ModeClient); en != nil && en.InFlight {
+			return fmt.Errorf("%w: cannot advance client %q in scope %q to %d: its sequence number %d is claimed", ErrInFlight, a.Client, a.Scope, a.Seq, en.ClaimSeq)
+		}
+	}
+	return nil
+}
+
+// Advance raises the sequence-mode clients adv, without a commit, in one
+// WAL record, durable when it returns (SyncAlways): a position whose
+// effect was committed earlier by another record (a stream consumer that
+// replays a redelivered event found at a new offset). Same rules as
+// Claim.CommitAdvance: ErrInvalidRequest, or ErrInFlight (nothing written)
+// for a client with a claim in flight; an advance to a number at or below
+// the client's changes nothing, and when every one is such, no record is
+// written.
+func (e *Engine) Advance(ctx context.Context, adv ...Advance) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if len(adv) == 0 {
+		return nil
+	}
+	wadv, keys, err := e.checkAdvances(adv, nil)
+	if err != nil {
+		return err
+	}
+	if err := e.enter(); err != nil {
+		return err
+	}
+	defer e.leave()
+	unlock := e.lockKeys(keys...)
+	if err := e.advancesInFlightLocked(wadv, keys); err != nil {
+		unlock()
+		return err
+	}
+	op := &wal.Op{Type: wal.OpAdvance, Time: e.o.Clock().UnixNano(), Advances: wadv}
+	ts, err := index.Transitions(op, 0, e.getLocked)
+	if err != nil {
+		unlock()
+		return err
+	}
+	var lsn wal.LSN
+	if len(ts) == 0 {
+		// Nothing to raise: wait for the records that raised them.
+		for _, k := range keys {
+			if sl, err := e.slotLocked(k); err == nil && sl.e != nil && sl.e.CommitLSN > lsn {
+				lsn = sl.e.CommitLSN
+			}
+		}
+		unlock()
+		if lsn == 0 {
+			return nil
+		}
+		return e.waitDurable(lsn)
+	}
+	lsn, err = e.appendOp(op, ts)
+	unlock()
+	if err != nil {
+		return err
+	}
+	return e.waitDurable(lsn)
+}
+
+func (c *engineClaim) commit(reply []byte, adv []Advance) error {
+	e := c.e
+	if len(reply) > e.o.MaxReplySize {
+		return invalid("reply of %d bytes exceeds %d", len(reply), e.o.MaxReplySize)
+	}
+	if len(adv) == 0 {
+		return c.write(wal.OpCommit, reply, nil, nil)
+	}
+	wadv, keys, err := e.checkAdvances(adv, c.k.key)
+	if err != nil {
+		return err
+	}
+	return c.write(wal.OpCommitAdvance, reply, wadv, keys)
+}
+
+func (c *engineClaim) abort() error { return c.write(wal.OpAbort, nil, nil, nil) }
+
+// write appends the claim's commit or abort record and waits for its
+// fsync. It does not take a ctx: once a claim exists its finish is always
+// written (see Claim).
+func (c *engineClaim) write(typ byte, reply []byte, adv []wal.Advance, keys [][]byte) error {
+	e := c.e
+	if err := e.enter(); err != nil {
+		return err
+	}
+	defer e.leave()
+	k := c.k
+	var unlock func()
+	if keys == nil { // Commit, Abort: the claim's key alone (no slice to build)
+		unlock = e.lockKeys(k.key)
+	} else {
+		unlock = e.lockKeys(keys...)
+	}
+	sl, err := e.slotLocked(k.key)
+	if err != nil {
+		unlock()
+		return err
+	}
+	cur := e.current(sl, k.mode)
+	if cur == nil || !cur.InFlight || cur.ClaimLSN != c.lsn {
+		unlock()
+		e.st.leaseLost.Add(1)
+		return fmt.Errorf("%w: scope %q %s", ErrLeaseLost, k.scope, printable(k.ident))
+	}
+	if len(adv) > 0 {
+		if err := e.advancesInFlightLocked(adv, keys[1:]); err != nil {
+			unlock()
+			return err
+		}
+	}
+	op := &wal.Op{Type: typ, Scope: k.scope, ClaimLSN: c.lsn, Time: e.o.Clock().UnixNano(), Reply: reply, Advances: adv}
+	if k.mode == index.ModeID {
+		op.ID = k.ident
+	} else {
+		op.Client, op.Seq = string(k.ident), k.seq
+	}
+	ts, err := index.Transitions(op, 0, e.getLocked)
+	if err != nil {
+		unlock()
+		return err
+	}
+	lsn, err := e.appendOp(op, ts)
+	var waiters chan struct{}
+	if err == nil {
+		waiters, sl.waiters = sl.waiters, nil
+	}
+	unlock()
+	if err != nil {
+		return err
+	}
+	err = e.waitDurable(lsn)
+	if waiters != nil {
+		close(waiters)
+	}
+	return err
+}

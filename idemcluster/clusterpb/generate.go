@@ -1,0 +1,12 @@
+// Package clusterpb holds the generated code of the idem cluster's client
+// protocol (cluster.proto): the gRPC services Idem (the store) and Cluster
+// (membership), for clients in any language.
+package clusterpb
+
+// Regenerate with protoc (Debian: protobuf-compiler, and libprotobuf-dev for
+// the well-known types) and the plugins
+//
+//	go install google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.12
+//	go install google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.6.2
+//
+//go:generate protoc --go_out=. --go_opt=paths=source_relative --go-grpc_out=. --go-grpc_opt=paths=source_relative cluster.proto

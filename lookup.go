@@ -1,0 +1,155 @@
+package idem
+
+import (
+	"context"
+	"time"
+
+	"github.com/idemdb/idem/index"
+)
+
+// Lookup answers what Begin would answer for req, without claiming and
+// without counting a hit or a miss: Absent where Begin would hand out a
+// Fresh claim (Result.Seq names the number for sequence mode), Done with
+// the reply, InFlight with the owner's lease (also once the lease ran out,
+// until another caller takes the id over: LeaseUntil is then in the
+// past), and the same errors
+// (ErrConflict when the fingerprint differs, exactly as Begin checks it;
+// *SequenceGapError; *AlreadyCommittedError). Acked ids in req are
+// ignored: a read removes nothing. ctx is consulted before the read.
+func (e *Engine) Lookup(ctx context.Context, req Request) (Result, error) {
+	k, err := e.validate(&req)
+	if err != nil {
+		return Result{}, err
+	}
+	if err := ctx.Err(); err != nil {
+		return Result{}, err
+	}
+	if err := e.enter(); err != nil {
+		return Result{}, err
+	}
+	defer e.leave()
+	sl, unlock, err := e.lockSlot(k.key)
+	if err != nil {
+		return Result{}, err
+	}
+	cur := e.current(sl, k.mode)
+	v, res, verr := e.readLocked(cur, k, fingerprint(&req), e.o.Clock())
+	unlock()
+	if v == vDone {
+		if err := e.waitDurable(cur.CommitLSN); err != nil {
+			return Result{}, err
+		}
+	}
+	return res, verr
+}
+
+// readLocked is classifyLocked for the reads: a request Begin would claim
+// is Absent, except a claim whose lease ran out and that nobody took over
+// yet: it is still InFlight (its owner may still commit it), with its
+// LeaseUntil in the past, and Wait does not wait for it.
+func (e *Engine) readLocked(cur *index.Entry, k reqKey, fp []byte, now time.Time) (verdict, Result, error) {
+	v, res, err, takeover, _ := e.classifyLocked(cur, k, fp, now)
+	switch {
+	case v == vClaim && takeover:
+		res = Result{Status: InFlight, LeaseUntil: time.Unix(0, cur.LeaseUntil), Seq: k.seq}
+	case v == vClaim:
+		res = Result{Status: Absent, Seq: k.seq}
+	}
+	return v, res, err
+}
+
+// Wait blocks while req is in flight (until its claim is committed or
+// aborted, its lease runs out, or ctx ends) and returns what Lookup then
+// says, with the same fingerprint check: a request whose fingerprint
+// differs from the claim's is ErrConflict at once, not a wait.
+func (e *Engine) Wait(ctx context.Context, req Request) (Result, error) {
+	k, err := e.validate(&req)
+	if err != nil {
+		return Result{}, err
+	}
+	return e.waitKey(ctx, k, fingerprint(&req))
+}
+
+func (e *Engine) waitKey(ctx context.Context, k reqKey, fp []byte) (Result, error) {
+	for {
+		if err := ctx.Err(); err != nil {
+			return Result{}, err
+		}
+		if err := e.enter(); err != nil {
+			return Result{}, err
+		}
+		unlock := e.lockKeys(k.key)
+		sl, err := e.slotLocked(k.key)
+		if err != nil {
+			unlock()
+			e.leave()
+			return Result{}, err
+		}
+		cur := e.current(sl, k.mode)
+		now := e.o.Clock()
+		v, res, verr := e.readLocked(cur, k, fp, now)
+		if v == vInFlight {
+			if sl.waiters == nil {
+				sl.waiters = make(chan struct{})
+			}
+			ch := sl.waiters
+			left := time.Duration(cur.LeaseUntil - now.UnixNano())
+			unlock()
+			e.leave()
+			t := time.NewTimer(left)
+			select {
+			case <-ch:
+			case <-t.C:
+			case <-ctx.Done():
+				t.Stop()
+				return Result{}, ctx.Err()
+			}
+			t.Stop()
+			continue
+		}
+		unlock()
+		e.leave()
+		if v == vDone {
+			if err := e.waitDurable(cur.CommitLSN); err != nil {
+				return Result{}, err
+			}
+		}
+		return res, verr
+	}
+}
+
+// ClientState returns the client's last committed sequence number in scope
+// (0 for a client never seen). The client resumes at that number + 1.
+func (e *Engine) ClientState(ctx context.Context, scope, client string) (uint64, error) {
+	if client == "" || len(client) > e.o.MaxIDLen || len(scope) > e.o.MaxIDLen {
+		return 0, invalid("client name must be 1..%d bytes", e.o.MaxIDLen)
+	}
+	if err := ctx.Err(); err != nil {
+		return 0, err
+	}
+	if err := e.enter(); err != nil {
+		return 0, err
+	}
+	defer e.leave()
+	key := index.EntryKey(nil, scope, index.ModeClient, []byte(client))
+	unlock := e.lockKeys(key)
+	sl, err := e.slotLocked(key)
+	if err != nil {
+		unlock()
+		return 0, err
+	}
+	if sl.e == nil || !sl.e.Committed {
+		unlock()
+		return 0, nil
+	}
+	seq, lsn := sl.e.Seq, sl.e.CommitLSN
+	// Wait for the number's record without the key's lock, as every other
+	// read does: the applier takes the shard's lock to unpin what it
+	// applied, and the WAL's sync goroutine waits for the applier once
+	// the records waiting for it reach their bound.
+	unlock()
+	if err := e.waitDurable(lsn); err != nil {
+		return 0, err
+	}
+	return seq, nil
+}

@@ -1,0 +1,326 @@
+package idem
+
+import (
+	"errors"
+	"fmt"
+	"hash/maphash"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/idemdb/idem/index"
+	"github.com/idemdb/idem/wal"
+)
+
+var payloadPool = sync.Pool{New: func() any { b := make([]byte, 0, 512); return &b }}
+
+// ---- keys and the in-memory table ----
+
+// reqKey is a validated request identity.
+type reqKey struct {
+	scope  string
+	mode   byte
+	ident  []byte // id, or client name
+	seq    uint64
+	key    []byte // index entry key
+	acked  [][]byte
+	ackKey [][]byte
+}
+
+func (e *Engine) validate(r *Request) (reqKey, error) {
+	max := e.o.MaxIDLen
+	if len(r.Scope) > max {
+		return reqKey{}, invalid("scope of %d bytes exceeds %d", len(r.Scope), max)
+	}
+	if len(r.Fingerprint) > max {
+		return reqKey{}, invalid("fingerprint of %d bytes exceeds %d", len(r.Fingerprint), max)
+	}
+	if r.TTL < 0 {
+		return reqKey{}, invalid("negative TTL %v", r.TTL)
+	}
+	k := reqKey{scope: r.Scope}
+	switch {
+	case len(r.ID) > 0 && (r.Client != "" || r.Seq != 0):
+		return reqKey{}, invalid("both an id and a client/seq were given; use one identity")
+	case len(r.ID) > 0:
+		if len(r.ID) > max {
+			return reqKey{}, invalid("id of %d bytes exceeds %d", len(r.ID), max)
+		}
+		k.mode, k.ident = index.ModeID, r.ID
+	case r.Client != "":
+		if r.Seq == 0 {
+			return reqKey{}, invalid("client %q without a sequence number (sequences start at 1)", r.Client)
+		}
+		if len(r.Client) > max {
+			return reqKey{}, invalid("client name of %d bytes exceeds %d", len(r.Client), max)
+		}
+		k.mode, k.ident, k.seq = index.ModeClient, []byte(r.Client), r.Seq
+	case r.Seq != 0:
+		return reqKey{}, invalid("sequence number %d without a client", r.Seq)
+	default:
+		return reqKey{}, invalid("empty id")
+	}
+	k.key = index.EntryKey(nil, k.scope, k.mode, k.ident)
+	if len(r.Acked) > 4096 {
+		return reqKey{}, invalid("%d acked ids exceed 4096", len(r.Acked))
+	}
+	for _, a := range r.Acked {
+		if len(a) == 0 || len(a) > max {
+			return reqKey{}, invalid("acked id of %d bytes (want 1..%d)", len(a), max)
+		}
+		if k.mode == index.ModeID && string(a) == string(r.ID) {
+			return reqKey{}, invalid("a request cannot ack its own id")
+		}
+		k.acked = append(k.acked, a)
+		k.ackKey = append(k.ackKey, index.EntryKey(nil, k.scope, index.ModeID, a))
+	}
+	return k, nil
+}
+
+func (e *Engine) shardIdx(key []byte) int { return int(maphash.Bytes(e.seed, key) % numShards) }
+
+func (e *Engine) shardOf(key []byte) *shard { return &e.shards[e.shardIdx(key)] }
+
+// lockKeys locks the shards of keys in index order (so that multi-key
+// operations never deadlock) and returns the unlock function.
+func (e *Engine) lockKeys(keys ...[]byte) func() {
+	if len(keys) == 1 {
+		sh := e.shardOf(keys[0])
+		sh.mu.Lock()
+		return sh.unlock
+	}
+	idx := make([]int, 0, len(keys))
+	for _, k := range keys {
+		idx = append(idx, e.shardIdx(k))
+	}
+	slices.Sort(idx)
+	idx = slices.Compact(idx)
+	for _, i := range idx {
+		e.shards[i].mu.Lock()
+	}
+	return func() {
+		for j := len(idx) - 1; j >= 0; j-- {
+			e.shards[idx[j]].mu.Unlock()
+		}
+	}
+}
+
+func (e *Engine) lockAll() func() {
+	for i := range e.shards {
+		e.shards[i].mu.Lock()
+	}
+	return func() {
+		for i := len(e.shards) - 1; i >= 0; i-- {
+			e.shards[i].mu.Unlock()
+		}
+	}
+}
+
+// slotLocked returns key's slot, loading it from the index if needed. The
+// shard's lock must be held.
+func (e *Engine) slotLocked(key []byte) (*slot, error) {
+	sh := e.shardOf(key)
+	if sl := sh.m[string(key)]; sl != nil {
+		return sl, nil
+	}
+	en, err := e.ix.Get(key)
+	if err != nil {
+		return nil, wrapCorrupt(err)
+	}
+	return e.installLocked(sh, key, en), nil
+}
+
+// installLocked puts a slot holding en, as read from the index, into sh
+// (whose lock is held) and evicts past the shard's share, never that slot.
+func (e *Engine) installLocked(sh *shard, key []byte, en *index.Entry) *slot {
+	sl := &slot{e: en, size: slotSize(key, en)}
+	k := string(key)
+	sh.m[k] = sl
+	sh.bytes += sl.size
+	e.evictLocked(sh, k)
+	return sl
+}
+
+// lockSlot locks key's shard and returns key's slot and the unlock
+// function. A slot that is not in memory is read from the index without
+// holding the shard's lock, so that a lookup that has to read the disk (a
+// duplicate of an id committed long ago, while Pebble compacts) does not
+// stall every other key of its shard behind it.
+//
+// The read is installed only if the key still has no slot and no slot of
+// the shard was evicted meanwhile. That makes it current: every change to
+// a key goes through its slot, which stays in memory (pinned) until the
+// index has applied it; so if no slot was evicted, no change to the key
+// can have been made and applied during the read. Forget marks change the
+// index without the slots, but readers apply the newest mark to whatever
+// they read (Engine.current). Otherwise the key is read again under the
+// lock.
+func (e *Engine) lockSlot(key []byte) (*slot, func(), error) {
+	sh := e.shardOf(key)
+	sh.mu.Lock()
+	if sl := sh.m[string(key)]; sl != nil {
+		return sl, sh.unlock, nil
+	}
+	gen := sh.gen
+	sh.mu.Unlock()
+	en, err := e.ix.Get(key)
+	if testHookUnlockedRead != nil {
+		testHookUnlockedRead(key)
+	}
+	sh.mu.Lock()
+	if sl := sh.m[string(key)]; sl != nil {
+		return sl, sh.unlock, nil
+	}
+	if err != nil || sh.gen != gen {
+		sl, err := e.slotLocked(key)
+		if err != nil {
+			sh.mu.Unlock()
+			return nil, nil, err
+		}
+		return sl, sh.unlock, nil
+	}
+	return e.installLocked(sh, key, en), sh.unlock, nil
+}
+
+// testHookUnlockedRead, set by tests only, runs after lockSlot read key
+// from the index without the shard's lock, before it takes the lock again.
+var testHookUnlockedRead func(key []byte)
+
+func slotSize(key []byte, en *index.Entry) int64 {
+	n := int64(len(key)) + 160
+	if en != nil {
+		n += int64(len(en.Reply) + len(en.Fingerprint) + len(en.ClaimFP))
+	}
+	return n
+}
+
+// evictLocked drops clean, unpinned slots while the shard is over its share
+// of CacheSize, never the slot keep (just loaded: its caller is about to use
+// it). Go's map iteration order is random, which makes this a random
+// eviction: cheap, and good enough in front of Pebble's own cache.
+func (e *Engine) evictLocked(sh *shard, keep string) {
+	limit := e.o.CacheSize / numShards
+	if sh.bytes <= limit {
+		return
+	}
+	target := limit - limit/8
+	// Look at a bounded number of slots: when most are pinned (a burst of
+	// claims, or SyncNever before its next fsync) a full scan on every
+	// insert would be quadratic. The shard may then stay over its share
+	// until slots are unpinned; pinned slots are needed anyway.
+	seen := 0
+	for k, sl := range sh.m {
+		if sh.bytes <= target || seen >= evictScan {
+			return
+		}
+		seen++
+		if sl.dirty != 0 || sl.waiters != nil || (sl.e != nil && sl.e.InFlight) || k == keep {
+			continue
+		}
+		delete(sh.m, k)
+		sh.gen++
+		sh.bytes -= sl.size
+	}
+}
+
+// evictScan bounds the slots one eviction pass looks at.
+const evictScan = 64
+
+// setLocked publishes a new entry for a slot after its record was appended.
+// The slot must be key's slot in the map: a dirty entry that is not in the
+// map would be invisible to the next caller, who would read the index.
+func (e *Engine) setLocked(key []byte, sl *slot, en *index.Entry, lsn wal.LSN) {
+	sh := e.shardOf(key)
+	if sh.m[string(key)] != sl {
+		panic(fmt.Sprintf("idem: slot of key %x is not in its shard", key)) // invariant
+	}
+	sh.bytes -= sl.size
+	sl.e = en
+	sl.dirty = lsn
+	sl.size = slotSize(key, en)
+	sh.bytes += sl.size
+}
+
+// current returns the slot's entry as the newest forget mark leaves it.
+func (e *Engine) current(sl *slot, mode byte) *index.Entry {
+	return index.Normalize(sl.e, mode, *e.mark.Load())
+}
+
+// expired says whether retention has expired en's reply (a decision made
+// with the clock now; the log learns of it through forget records).
+func (e *Engine) expired(en *index.Entry, now time.Time) bool {
+	if !en.HasTimeKey() {
+		return false
+	}
+	if en.ExpiresAt != 0 && en.ExpiresAt < now.UnixNano() {
+		return true // its TTL ran out: expires_at < now
+	}
+	return e.o.Retention > 0 && en.CommitTime < now.Add(-e.o.Retention).UnixNano()
+}
+
+// getLocked is the Transitions callback for the live path: every key it is
+// asked for is locked by the caller.
+func (e *Engine) getLocked(key []byte, mode byte) (*index.Entry, error) {
+	sl, err := e.slotLocked(key)
+	if err != nil {
+		return nil, err
+	}
+	return e.current(sl, mode), nil
+}
+
+// appendOp appends op, whose transitions ts were computed with the caller
+// holding the locks of every key they touch, stamps the LSN into them and
+// publishes them to the slots. It returns the LSN; the caller still holds
+// the locks and waits for durability after releasing them.
+func (e *Engine) appendOp(op *wal.Op, ts []index.Transition) (wal.LSN, error) {
+	// The payload is copied into the WAL's buffer by AppendWith: encode it
+	// into a pooled buffer.
+	pb := payloadPool.Get().(*[]byte)
+	defer func() {
+		if cap(*pb) <= 64<<10 {
+			payloadPool.Put(pb)
+		}
+	}()
+	payload, err := wal.EncodeOp((*pb)[:0], op)
+	*pb = payload
+	if err != nil {
+		return 0, err
+	}
+	up := &index.Update{Transitions: ts}
+	lsn, err := e.w.AppendWith(op.Type, payload, func(lsn wal.LSN) any {
+		up.LSN = lsn
+		index.Stamp(ts, op.Type, lsn)
+		return up
+	})
+	if err != nil {
+		return 0, e.failure(err)
+	}
+	for _, t := range ts {
+		sl, err := e.slotLocked(t.Key)
+		if err != nil { // cannot happen: every key was loaded by getLocked
+			return 0, err
+		}
+		e.setLocked(t.Key, sl, t.Next, lsn)
+		if op.Type != wal.OpExpire && t.Next == nil && t.Prev != nil && t.Prev.Committed {
+			e.st.acked.Add(1)
+		}
+	}
+	return lsn, nil
+}
+
+func (e *Engine) failure(err error) error {
+	if errors.Is(err, wal.ErrClosed) {
+		return ErrClosed
+	}
+	if errors.Is(err, ErrFailed) {
+		return err
+	}
+	return fmt.Errorf("%w: %w", ErrFailed, err)
+}
+
+func (e *Engine) waitDurable(lsn wal.LSN) error {
+	if err := e.w.WaitDurable(lsn); err != nil {
+		return e.failure(err)
+	}
+	return nil
+}
