@@ -232,7 +232,10 @@ func TestTracker(t *testing.T) {
 	c := ledgerpb.NewLedgerClient(cc)
 	store := idemgrpc.NewMemoryStore()
 	var stateCalls atomic.Int64
-	tr := idemgrpc.NewTracker("c", store, countingState(idemgrpc.ServiceState(cc), &stateCalls))
+	tr, err := idemgrpc.NewTracker("c", store, countingState(idemgrpc.ServiceState(cc), &stateCalls), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	key := idemgrpc.StoreKey("c", "ns")
 
 	for want := uint64(1); want <= 3; want++ {
@@ -270,7 +273,7 @@ func TestTracker(t *testing.T) {
 
 	// a handler error: the number is given back and reused.
 	fail.Store(true)
-	err := trackedWrite(c, ctx, tr, "ns", "", "a", 1, nil)
+	err = trackedWrite(c, ctx, tr, "ns", "", "a", 1, nil)
 	wantStatus(t, err, codes.FailedPrecondition, "")
 	fail.Store(false)
 	before := stateCalls.Load()
@@ -325,7 +328,11 @@ func TestTrackerFileStore(t *testing.T) {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { fs.Close() })
-		return fs, idemgrpc.NewTracker("c", fs, countingState(idemgrpc.ServiceState(cc), &stateCalls))
+		tr, err := idemgrpc.NewTracker("c", fs, countingState(idemgrpc.ServiceState(cc), &stateCalls), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return fs, tr
 	}
 	fs, tr := open()
 	var r *ledgerpb.WriteSuccess

@@ -34,11 +34,11 @@ func TestResponseNotStored(t *testing.T) {
 	for _, tc := range []struct {
 		name      string
 		eopts     *idem.Options
-		cfg       idemgrpc.Config
+		cfg       idemgrpc.Options
 		inner     []grpc.UnaryServerInterceptor
 		firstCode codes.Code // OK: the first call gets its response
 	}{
-		{name: "MaxReplySize", cfg: idemgrpc.Config{MaxReplySize: 16}},
+		{name: "MaxReplySize", cfg: idemgrpc.Options{MaxReplySize: 16}},
 		{name: "EngineLimit", eopts: &idem.Options{MaxReplySize: 64}},
 		{name: "NotAMessage", inner: []grpc.UnaryServerInterceptor{notMessage}, firstCode: codes.Internal},
 	} {
@@ -122,7 +122,7 @@ func TestHandlerFailureConsumed(t *testing.T) {
 				}()
 				return h(ctx, req)
 			}
-			srv := serveIdem(t, nil, idemgrpc.Config{NoEffect: tc.noEffect}, l, []grpc.UnaryServerInterceptor{recovery}, nil)
+			srv := serveIdem(t, nil, idemgrpc.Options{NoEffect: tc.noEffect}, l, []grpc.UnaryServerInterceptor{recovery}, nil)
 			ctx := as(testCtx(t), "tok-alice")
 			var retries atomic.Int64
 			c := ledgerpb.NewLedgerClient(srv.cc)

@@ -8,15 +8,21 @@
 //
 // # Server
 //
-//	srv, err := idemgrpc.NewServer(idemgrpc.Config{
-//		Engine: eng, // *idem.Engine
+//	srv, err := idemgrpc.NewServer(store, &idemgrpc.Options{ // store: an *idem.Engine or any idem.Store
 //		Methods: map[string]idemgrpc.IdentifyFunc{
 //			"/ledger.v1.Ledger/Write": identify, // client_id, sequence, scope fields from the message
 //		},
 //		Actor: idemgrpc.ContextActor, // the default: set by your auth interceptor with WithActor
 //	})
 //	gs := grpc.NewServer(grpc.ChainUnaryInterceptor(auth, srv.UnaryServerInterceptor()))
+//	ledgerpb.RegisterLedgerServer(gs, ledger)
 //	idemgrpcpb.RegisterClientStateServer(gs, srv) // GetClientState
+//	err = srv.Check(gs) // every listed method is a registered unary method
+//
+// Configuration errors are returned (NewServer: the options; Check: a
+// listed method that is not registered, or is streaming, which the unary
+// interceptor would let run without exactly-once). The interceptor refuses
+// every call until Check has passed.
 //
 // For each listed method the interceptor takes the call's identity
 // (IdentifyFunc: from the message, SequenceFromMessage; or from metadata,
@@ -31,10 +37,10 @@
 //     it, which for messages without map fields gives the same bytes) with
 //     the header idem-replay: true; nothing runs.
 //   - a call with the same identity is running: the call waits for it
-//     (Config.InFlightWait, default 2s, bounded by its deadline) and gets
+//     (Options.InFlightWait, default 2s, bounded by its deadline) and gets
 //     its response; past the wait it is answered IN_FLIGHT.
 //   - a handler error that certifies the call had no effect
-//     (Config.NoEffect; by default the codes that refuse a request:
+//     (Options.NoEffect; by default the codes that refuse a request:
 //     InvalidArgument, FailedPrecondition, ResourceExhausted, ...)
 //     consumes no sequence and is not stored: the claim is aborted, the
 //     client gets the handler's status unchanged, and the same sequence (or
@@ -51,17 +57,17 @@
 //     identity.
 //
 // The engine keeps a client's latest response only: a retry of an older
-// sequence is ALREADY_COMMITTED. Config.TTL bounds how long the latest one
+// sequence is ALREADY_COMMITTED. Options.TTL bounds how long the latest one
 // is kept (a ledger's five-minute response cache); after it, it too is
 // ALREADY_COMMITTED. The sequence number itself is never forgotten.
 //
 // # Scope and actor
 //
-// The engine scope of a call is EncodeScope(Config.ScopePrefix, actor,
+// The engine scope of a call is EncodeScope(Options.ScopePrefix, actor,
 // Identity.Scope...): each element length-prefixed, so no two distinct
 // (prefix, actor, fields) tuples share a scope. Namespace-level writes
 // ([namespace]) and vault-level writes ([namespace, vault]) are separate
-// sequence streams. The actor comes only from Config.Actor, a function of
+// sequence streams. The actor comes only from Options.Actor, a function of
 // the authenticated context (ContextActor reads what an auth interceptor
 // stored with WithActor; TLSActor reads the verified client certificate);
 // an actor field or header sent by the client is never read. Since the

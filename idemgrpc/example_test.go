@@ -39,8 +39,7 @@ func Example() {
 
 	// The exactly-once layer: Write's identity is its client_id and
 	// sequence, in the namespace_id scope, under the caller's actor.
-	srv, err := idemgrpc.NewServer(idemgrpc.Config{
-		Engine: eng,
+	srv, err := idemgrpc.NewServer(eng, &idemgrpc.Options{
 		Methods: map[string]idemgrpc.IdentifyFunc{
 			"/idem.examples.ledger.v1.Ledger/Write": idemgrpc.SequenceFromMessage(func(m proto.Message) []string {
 				return []string{m.(*ledgerpb.WriteRequest).GetNamespaceId()}
@@ -60,6 +59,9 @@ func Example() {
 	gs := grpc.NewServer(grpc.ChainUnaryInterceptor(auth, srv.UnaryServerInterceptor()))
 	ledgerpb.RegisterLedgerServer(gs, &ledger{})
 	idemgrpcpb.RegisterClientStateServer(gs, srv)
+	if err := srv.Check(gs); err != nil { // every listed method is a registered unary method
+		panic(err)
+	}
 	lis, _ := net.Listen("tcp", "127.0.0.1:0")
 	go gs.Serve(lis)
 	defer gs.Stop()

@@ -11,3 +11,13 @@ func WithRetryClock(o RetryOptions, now func() time.Time, sleep func(ctx context
 	o.now, o.sleep = now, sleep
 	return &o
 }
+
+// StoreKey is the SequenceStore key of client in the scope fields.
+var StoreKey = storeKey
+
+// Delete forgets key (a lost state).
+func (s *MemoryStore) Delete(key string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.m, key)
+}

@@ -211,8 +211,6 @@ func listen(t *testing.T) net.Listener {
 	return lis
 }
 
-func netListen() (net.Listener, error) { return net.Listen("tcp", "127.0.0.1:0") }
-
 func dialB(b *testing.B, addr string) *grpc.ClientConn {
 	b.Helper()
 	cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
@@ -249,18 +247,17 @@ type idemServer struct {
 	cc   *grpc.ClientConn
 }
 
-func serveIdem(t *testing.T, eopts *idem.Options, cfg idemgrpc.Config, impl ledgerpb.LedgerServer, outer, inner []grpc.UnaryServerInterceptor) *idemServer {
+func serveIdem(t *testing.T, eopts *idem.Options, opts idemgrpc.Options, impl ledgerpb.LedgerServer, outer, inner []grpc.UnaryServerInterceptor) *idemServer {
 	t.Helper()
 	eng, err := idem.Open(t.TempDir(), eopts)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { eng.Close() })
-	cfg.Engine = eng
-	if cfg.Methods == nil {
-		cfg.Methods = ledgersvc.Methods()
+	if opts.Methods == nil {
+		opts.Methods = ledgersvc.Methods()
 	}
-	isrv, err := idemgrpc.NewServer(cfg)
+	isrv, err := idemgrpc.NewServer(eng, &opts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -268,10 +265,25 @@ func serveIdem(t *testing.T, eopts *idem.Options, cfg idemgrpc.Config, impl ledg
 	gs := grpc.NewServer(grpc.ChainUnaryInterceptor(chain...))
 	ledgerpb.RegisterLedgerServer(gs, impl)
 	idemgrpcpb.RegisterClientStateServer(gs, isrv)
-	lis := listen(t)
+	return &idemServer{idem: isrv, cc: dial(t, serve(t, isrv, gs))}
+}
+
+// serve checks isrv (if any) against gs's services and serves gs on 127.0.0.1
+// until the test ends; it returns the address.
+func serve(t testing.TB, isrv *idemgrpc.Server, gs *grpc.Server) string {
+	t.Helper()
+	if isrv != nil {
+		if err := isrv.Check(gs); err != nil {
+			t.Fatal(err)
+		}
+	}
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
 	go gs.Serve(lis)
 	t.Cleanup(gs.Stop)
-	return &idemServer{idem: isrv, cc: dial(t, lis.Addr().String())}
+	return lis.Addr().String()
 }
 
 // mustRetry is the retry interceptor with opts.

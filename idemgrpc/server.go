@@ -6,7 +6,11 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
+	"slices"
 	"strconv"
+	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/idemdb/idem"
@@ -20,7 +24,7 @@ import (
 
 // Identity is who a call is, for exactly-once purposes: either a per-client
 // sequence (Client and Seq) or an idempotency key (Key), within the service's
-// scope fields. The actor is added by the server (Config.Actor), never taken
+// scope fields. The actor is added by the server (Options.Actor), never taken
 // from here.
 type Identity struct {
 	// Scope holds the service's scope fields, for example [namespace] or
@@ -40,13 +44,14 @@ type Identity struct {
 // error becomes InvalidArgument with reason INVALID_IDENTITY. Nothing runs.
 type IdentifyFunc func(ctx context.Context, req proto.Message) (Identity, error)
 
-// Config configures a Server.
-type Config struct {
-	// Engine stores claims and replies (required).
-	Engine *idem.Engine
+// Options configure a Server. nil or a zero field means its default.
+type Options struct {
 	// Methods maps full method names ("/pkg.Service/Method") to the
 	// function giving their identity. Only these methods are exactly-once;
-	// every other method passes through the interceptor untouched.
+	// every other method passes through the interceptor untouched. Each
+	// must be a unary method of a service registered on the gRPC server:
+	// Server.Check verifies it, and the interceptor serves nothing until
+	// Check has passed.
 	Methods map[string]IdentifyFunc
 	// Actor gives the caller's actor from the authenticated context
 	// (default ContextActor). The actor is part of every scope.
@@ -105,47 +110,122 @@ type Config struct {
 // ClientState service (GetClientState). Safe for concurrent use.
 type Server struct {
 	idemgrpcpb.UnimplementedClientStateServer
-	cfg Config
+	store   idem.Store
+	o       Options
+	checked atomic.Bool
 }
 
-// NewServer checks cfg and returns a Server.
-func NewServer(cfg Config) (*Server, error) {
-	if cfg.Engine == nil {
-		return nil, errors.New("idemgrpc: Config.Engine is required")
+// NewServer returns a Server storing its claims and responses in store
+// (an *idem.Engine, or any idem.Store). Configuration errors name the
+// field and the value. Register the services on the gRPC server, then call
+// Check.
+func NewServer(store idem.Store, opts *Options) (*Server, error) {
+	if store == nil {
+		return nil, errors.New("idemgrpc: NewServer: the store is nil")
 	}
-	if cfg.Actor == nil {
-		cfg.Actor = ContextActor
+	var o Options
+	if opts != nil {
+		o = *opts
 	}
-	if cfg.ScopePrefix == "" {
-		cfg.ScopePrefix = "grpc"
+	bad := func(field string, v any, why string) (*Server, error) {
+		return nil, fmt.Errorf("idemgrpc: Options.%s: %v: %s", field, v, why)
 	}
-	if cfg.Fingerprint == nil {
-		cfg.Fingerprint = DefaultFingerprint
+	switch {
+	case o.RetryDelay < 0:
+		return bad("RetryDelay", o.RetryDelay, "negative")
+	case o.MaxReplySize < 0:
+		return bad("MaxReplySize", o.MaxReplySize, "negative")
+	case o.TTL < 0:
+		return bad("TTL", o.TTL, "negative (0 keeps responses until the next sequence)")
 	}
-	if cfg.InFlightWait == 0 {
-		cfg.InFlightWait = 2 * time.Second
+	if o.Actor == nil {
+		o.Actor = ContextActor
 	}
-	if cfg.RetryDelay <= 0 {
-		cfg.RetryDelay = 100 * time.Millisecond
+	if o.ScopePrefix == "" {
+		o.ScopePrefix = "grpc"
 	}
-	if cfg.NoEffect == nil {
-		cfg.NoEffect = DefaultNoEffect
+	if o.Fingerprint == nil {
+		o.Fingerprint = DefaultFingerprint
 	}
-	if cfg.MaxReplySize <= 0 {
-		cfg.MaxReplySize = 12 << 20
+	if o.InFlightWait == 0 {
+		o.InFlightWait = 2 * time.Second
 	}
-	if cfg.Logger == nil {
-		cfg.Logger = slog.New(slog.DiscardHandler)
+	if o.RetryDelay == 0 {
+		o.RetryDelay = 100 * time.Millisecond
 	}
-	m := make(map[string]IdentifyFunc, len(cfg.Methods))
-	for k, f := range cfg.Methods {
+	if o.NoEffect == nil {
+		o.NoEffect = DefaultNoEffect
+	}
+	if o.MaxReplySize == 0 {
+		o.MaxReplySize = 12 << 20
+	}
+	if o.Logger == nil {
+		o.Logger = slog.New(slog.DiscardHandler)
+	}
+	m := make(map[string]IdentifyFunc, len(o.Methods))
+	for k, f := range o.Methods {
+		if _, _, err := splitMethod(k); err != nil {
+			return bad("Methods", k, err.Error())
+		}
 		if f == nil {
-			return nil, fmt.Errorf("idemgrpc: Config.Methods[%q] is nil", k)
+			return bad("Methods", k, "nil IdentifyFunc")
 		}
 		m[k] = f
 	}
-	cfg.Methods = m
-	return &Server{cfg: cfg}, nil
+	o.Methods = m
+	return &Server{store: store, o: o}, nil
+}
+
+// splitMethod splits "/pkg.Service/Method".
+func splitMethod(full string) (service, method string, err error) {
+	rest, ok := strings.CutPrefix(full, "/")
+	if ok {
+		service, method, ok = strings.Cut(rest, "/")
+	}
+	if !ok || service == "" || method == "" || strings.Contains(method, "/") {
+		return "", "", errors.New(`not a full method name "/package.Service/Method"`)
+	}
+	return service, method, nil
+}
+
+// ServiceInfoProvider lists the services registered on a gRPC server:
+// *grpc.Server implements it.
+type ServiceInfoProvider interface {
+	GetServiceInfo() map[string]grpc.ServiceInfo
+}
+
+// Check verifies every method of Options.Methods against the services
+// registered on gs (a *grpc.Server, after its services were registered):
+// an unknown method, or a streaming one (the interceptor is unary: it
+// would run without exactly-once), is an error naming it. Until Check has
+// passed, the interceptor answers every call Internal, so that no
+// misconfigured method runs.
+func (s *Server) Check(gs ServiceInfoProvider) error {
+	if gs == nil {
+		return errors.New("idemgrpc: Check: no gRPC server")
+	}
+	info := gs.GetServiceInfo()
+	var errs []error
+	for _, full := range slices.Sorted(maps.Keys(s.o.Methods)) {
+		service, method, _ := splitMethod(full)
+		si, ok := info[service]
+		if !ok {
+			errs = append(errs, fmt.Errorf("idemgrpc: Options.Methods: unknown method %s: service %s not registered", full, service))
+			continue
+		}
+		i := slices.IndexFunc(si.Methods, func(m grpc.MethodInfo) bool { return m.Name == method })
+		switch {
+		case i < 0:
+			errs = append(errs, fmt.Errorf("idemgrpc: Options.Methods: unknown method %s: service %s has no method %s", full, service, method))
+		case si.Methods[i].IsClientStream || si.Methods[i].IsServerStream:
+			errs = append(errs, fmt.Errorf("idemgrpc: Options.Methods: %s is a streaming method: only unary methods can be exactly-once", full))
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
+	s.checked.Store(true)
+	return nil
 }
 
 // DefaultFingerprint is SHA-256 over the full method name, a zero byte and
@@ -190,7 +270,7 @@ const ReplayHeader = "idem-replay"
 
 // actor runs the ActorFunc and turns its failures into statuses.
 func (s *Server) actor(ctx context.Context) (string, error) {
-	a, err := s.cfg.Actor(ctx)
+	a, err := s.o.Actor(ctx)
 	if err != nil {
 		if _, ok := status.FromError(err); ok {
 			return "", err
@@ -228,7 +308,11 @@ func checkIdentity(id Identity) error {
 // s.UnaryServerInterceptor())) so that the actor is known.
 func (s *Server) UnaryServerInterceptor() grpc.UnaryServerInterceptor {
 	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
-		identify, ok := s.cfg.Methods[info.FullMethod]
+		if !s.checked.Load() {
+			s.o.Logger.Error("idemgrpc: a call before Server.Check passed; refused", "method", info.FullMethod)
+			return nil, status.Errorf(codes.Internal, "idemgrpc: the server is not ready: Server.Check was not called after registering its services (call to %s refused)", info.FullMethod)
+		}
+		identify, ok := s.o.Methods[info.FullMethod]
 		if !ok {
 			return handler(ctx, req)
 		}
@@ -250,12 +334,12 @@ func (s *Server) UnaryServerInterceptor() grpc.UnaryServerInterceptor {
 		if err := checkIdentity(id); err != nil {
 			return nil, err
 		}
-		call := &Call{Method: info.FullMethod, Actor: actor, Identity: id, Scope: EncodeScope(s.cfg.ScopePrefix, actor, id.Scope...)}
-		fp, err := s.cfg.Fingerprint(info.FullMethod, msg)
+		call := &Call{Method: info.FullMethod, Actor: actor, Identity: id, Scope: EncodeScope(s.o.ScopePrefix, actor, id.Scope...)}
+		fp, err := s.o.Fingerprint(info.FullMethod, msg)
 		if err != nil {
 			return nil, status.Errorf(codes.Internal, "idemgrpc: fingerprint of %s: %v", info.FullMethod, err)
 		}
-		r := idem.Request{Scope: call.Scope, Client: id.Client, Seq: id.Seq, Fingerprint: fp, TTL: s.cfg.TTL}
+		r := idem.Request{Scope: call.Scope, Client: id.Client, Seq: id.Seq, Fingerprint: fp, TTL: s.o.TTL}
 		if id.Key != "" {
 			r.ID = []byte(id.Key)
 		}
@@ -264,53 +348,46 @@ func (s *Server) UnaryServerInterceptor() grpc.UnaryServerInterceptor {
 }
 
 func (s *Server) serve(ctx context.Context, call *Call, r idem.Request, req any, handler grpc.UnaryHandler) (any, error) {
-	e := s.cfg.Engine
-	waitUntil := time.Now().Add(s.cfg.InFlightWait)
+	waitUntil := time.Now().Add(s.o.InFlightWait)
 	for {
-		res, err := e.Begin(ctx, r)
+		res, err := s.store.Begin(ctx, r)
 		if err != nil {
-			return nil, s.engineStatus(err, r)
+			return nil, s.storeStatus(err, r)
 		}
 		switch res.Status {
-		case idem.Done:
-			m, mk, err := decodeStored(res.Reply)
-			if err != nil {
-				return nil, status.Errorf(codes.Internal, "idemgrpc: %v", err)
-			}
-			_ = grpc.SetHeader(ctx, metadata.Pairs(ReplayHeader, "true"))
-			if mk != nil {
-				return nil, mk.err(call.Identity)
-			}
-			return m, nil
 		case idem.Fresh:
 			return s.run(ctx, call, res.Claim, req, handler)
 		case idem.InFlight:
-			if s.cfg.InFlightWait < 0 || !time.Now().Before(waitUntil) {
+			if s.o.InFlightWait < 0 || !time.Now().Before(waitUntil) {
 				return nil, s.inFlight(call, res.LeaseUntil)
 			}
-			if err := s.wait(ctx, r, waitUntil); err != nil {
-				return nil, status.FromContextError(err).Err()
+			wctx, cancel := context.WithDeadline(ctx, waitUntil)
+			res, err = s.store.Wait(wctx, r)
+			cancel()
+			switch {
+			case ctx.Err() != nil:
+				return nil, status.FromContextError(ctx.Err()).Err()
+			case errors.Is(err, context.DeadlineExceeded):
+				continue // waited long enough: IN_FLIGHT
+			case err != nil:
+				return nil, s.storeStatus(err, r)
+			case res.Status != idem.Done:
+				continue // released, or the lease ran out: Begin claims it
 			}
-		default:
-			return nil, status.Errorf(codes.Internal, "idemgrpc: unexpected engine status %v", res.Status)
 		}
+		if res.Status != idem.Done {
+			return nil, status.Errorf(codes.Internal, "idemgrpc: unexpected store status %v", res.Status)
+		}
+		m, mk, err := decodeStored(res.Reply)
+		if err != nil {
+			return nil, status.Errorf(codes.Internal, "idemgrpc: %v", err)
+		}
+		_ = grpc.SetHeader(ctx, metadata.Pairs(ReplayHeader, "true"))
+		if mk != nil {
+			return nil, mk.err(call.Identity)
+		}
+		return m, nil
 	}
-}
-
-// wait blocks until r is no longer in flight, its owner's lease ends (Begin
-// then takes it over), until, or ctx's end (the only error).
-func (s *Server) wait(ctx context.Context, r idem.Request, until time.Time) error {
-	e := s.cfg.Engine
-	wctx, cancel := context.WithDeadline(ctx, until)
-	defer cancel()
-	// Only ctx's end is this call's error. wctx's deadline: the loop answers
-	// IN_FLIGHT; anything else: Begin again says what it is.
-	if len(r.ID) > 0 {
-		_, _ = e.Wait(wctx, idem.Request{Scope: r.Scope, ID: r.ID})
-	} else {
-		_, _ = e.Wait(wctx, idem.Request{Scope: r.Scope, Client: r.Client, Seq: r.Seq})
-	}
-	return ctx.Err()
 }
 
 func (s *Server) inFlight(call *Call, leaseUntil time.Time) error {
@@ -324,7 +401,7 @@ func (s *Server) inFlight(call *Call, leaseUntil time.Time) error {
 		meta[MetaClient] = call.Identity.Client
 		meta[MetaSequence] = strconv.FormatUint(call.Identity.Seq, 10)
 	}
-	return newStatus(codes.Aborted, ReasonInFlight, meta, s.cfg.RetryDelay,
+	return newStatus(codes.Aborted, ReasonInFlight, meta, s.o.RetryDelay,
 		fmt.Sprintf("idemgrpc: %s is being processed by another call; retry with the same identity", what))
 }
 
@@ -341,7 +418,7 @@ func (s *Server) run(ctx context.Context, call *Call, c *idem.Claim, req any, ha
 		}
 		// The handler panicked (the panic goes on): whatever it did stays
 		// done, so the identity is consumed with a failure.
-		s.cfg.Logger.Error("idemgrpc: the handler panicked; its identity is consumed (retries get FAILURE_REPLAYED)",
+		s.o.Logger.Error("idemgrpc: the handler panicked; its identity is consumed (retries get FAILURE_REPLAYED)",
 			"method", call.Method, "client", call.Identity.Client, "seq", call.Identity.Seq)
 		st := status.Newf(codes.Internal, "idemgrpc: the handler of %s panicked", call.Method)
 		s.commitMarker(ctx, call, c, markerFailed, st)
@@ -349,9 +426,9 @@ func (s *Server) run(ctx context.Context, call *Call, c *idem.Claim, req any, ha
 	resp, err := handler(context.WithValue(ctx, callKey{}, call), req)
 	returned = true
 	if err != nil {
-		if s.cfg.NoEffect(err) {
-			if aerr := c.Abort(context.WithoutCancel(ctx)); aerr != nil {
-				s.cfg.Logger.Warn("idemgrpc: abort of a failed call failed; its identity stays claimed until the lease ends",
+		if s.o.NoEffect(err) {
+			if aerr := c.Abort(ctx); aerr != nil {
+				s.o.Logger.Warn("idemgrpc: abort of a failed call failed; its identity stays claimed until the lease ends",
 					"method", call.Method, "client", call.Identity.Client, "seq", call.Identity.Seq, "err", aerr)
 			}
 			return nil, err
@@ -370,11 +447,11 @@ func (s *Server) run(ctx context.Context, call *Call, c *idem.Claim, req any, ha
 		s.notStored(ctx, call, c, err.Error())
 		return nil, newStatus(codes.Internal, ReasonResponseNotStored, nil, 0, fmt.Sprintf("idemgrpc: %v; the call ran and will not run again", err))
 	}
-	if len(b) > s.cfg.MaxReplySize {
-		s.notStored(ctx, call, c, fmt.Sprintf("%s of %d bytes, more than MaxReplySize %d", m.ProtoReflect().Descriptor().FullName(), len(b), s.cfg.MaxReplySize))
+	if len(b) > s.o.MaxReplySize {
+		s.notStored(ctx, call, c, fmt.Sprintf("%s of %d bytes, more than MaxReplySize %d", m.ProtoReflect().Descriptor().FullName(), len(b), s.o.MaxReplySize))
 		return resp, nil
 	}
-	err = c.Commit(context.WithoutCancel(ctx), b)
+	err = c.Commit(ctx, b)
 	if errors.Is(err, idem.ErrInvalidRequest) {
 		// Larger than the engine's own limit: the claim is still open.
 		s.notStored(ctx, call, c, fmt.Sprintf("%s of %d bytes: %v", m.ProtoReflect().Descriptor().FullName(), len(b), err))
@@ -390,21 +467,21 @@ func (s *Server) run(ctx context.Context, call *Call, c *idem.Claim, req any, ha
 // failed.
 func (s *Server) commitStatus(call *Call, err error) error {
 	if errors.Is(err, idem.ErrLeaseLost) {
-		return newStatus(codes.Aborted, ReasonLeaseLost, nil, s.cfg.RetryDelay,
+		return newStatus(codes.Aborted, ReasonLeaseLost, nil, s.o.RetryDelay,
 			"idemgrpc: the handler outlasted the engine's lease and another call took the request over; retry with the same identity for its reply")
 	}
 	// The side effect happened but its reply is not durable: the claim
 	// stays in doubt (Server.ResolveInDoubt after a restart).
-	s.cfg.Logger.Error("idemgrpc: commit failed; the call stays in doubt until the server restarts and resolves it",
+	s.o.Logger.Error("idemgrpc: commit failed; the call stays in doubt until the server restarts and resolves it",
 		"method", call.Method, "client", call.Identity.Client, "seq", call.Identity.Seq, "err", err)
-	return newStatus(codes.Unavailable, ReasonInDoubt, nil, s.cfg.RetryDelay,
+	return newStatus(codes.Unavailable, ReasonInDoubt, nil, s.o.RetryDelay,
 		fmt.Sprintf("idemgrpc: the call ran but its response could not be stored (%v); retry with the same identity", err))
 }
 
 // notStored commits the RESPONSE_NOT_STORED marker of a call whose handler
 // succeeded but whose response cannot be stored (why says what it was).
 func (s *Server) notStored(ctx context.Context, call *Call, c *idem.Claim, why string) {
-	s.cfg.Logger.Warn("idemgrpc: response not stored; retries get RESPONSE_NOT_STORED", "method", call.Method,
+	s.o.Logger.Warn("idemgrpc: response not stored; retries get RESPONSE_NOT_STORED", "method", call.Method,
 		"client", call.Identity.Client, "seq", call.Identity.Seq, "why", why)
 	s.commitMarker(ctx, call, c, markerNotStored, status.New(codes.AlreadyExists, why))
 }
@@ -424,15 +501,15 @@ func (s *Server) commitMarker(ctx context.Context, call *Call, c *idem.Claim, ur
 		b, err = encodeMarker(url, status.New(st.Code(), truncate(st.Message(), maxMarker/2)))
 	}
 	if err == nil {
-		err = c.Commit(context.WithoutCancel(ctx), b)
+		err = c.Commit(ctx, b)
 		if errors.Is(err, idem.ErrInvalidRequest) {
 			if b, err = encodeMarker(url, status.New(st.Code(), "")); err == nil {
-				err = c.Commit(context.WithoutCancel(ctx), b)
+				err = c.Commit(ctx, b)
 			}
 		}
 	}
 	if err != nil {
-		s.cfg.Logger.Error("idemgrpc: storing the marker of a call that ran failed", "method", call.Method,
+		s.o.Logger.Error("idemgrpc: storing the marker of a call that ran failed", "method", call.Method,
 			"client", call.Identity.Client, "seq", call.Identity.Seq, "marker", url, "err", err)
 	}
 }
@@ -460,8 +537,8 @@ func truncate(s string, n int) string {
 	return s[:n] + "..."
 }
 
-// engineStatus maps an engine error to a status (the table in doc.go).
-func (s *Server) engineStatus(err error, r idem.Request) error {
+// storeStatus maps a store error to a status (the table in doc.go).
+func (s *Server) storeStatus(err error, r idem.Request) error {
 	var (
 		gap  *idem.SequenceGapError
 		done *idem.AlreadyCommittedError
@@ -499,7 +576,7 @@ func (s *Server) engineStatus(err error, r idem.Request) error {
 }
 
 // ClientState returns the caller's last committed sequence of client in the
-// scope fields (the actor comes from ctx through Config.Actor). Errors are
+// scope fields (the actor comes from ctx through Options.Actor). Errors are
 // gRPC statuses. Services with their own GetClientState message (per
 // namespace, per vault) call it.
 func (s *Server) ClientState(ctx context.Context, client string, scope ...string) (uint64, error) {
@@ -510,9 +587,9 @@ func (s *Server) ClientState(ctx context.Context, client string, scope ...string
 	if client == "" {
 		return 0, invalidIdentity("empty client_id")
 	}
-	last, err := s.cfg.Engine.ClientState(ctx, EncodeScope(s.cfg.ScopePrefix, actor, scope...), client)
+	last, err := s.store.ClientState(ctx, EncodeScope(s.o.ScopePrefix, actor, scope...), client)
 	if err != nil {
-		return 0, s.engineStatus(err, idem.Request{})
+		return 0, s.storeStatus(err, idem.Request{})
 	}
 	return last, nil
 }
@@ -550,13 +627,14 @@ type InDoubt struct {
 // false (the claim is aborted and a retry runs the call). Call it after
 // Open, before serving. An error from decide stops it.
 func (s *Server) ResolveInDoubt(ctx context.Context, decide func(InDoubt) (proto.Message, bool, error)) (committed, aborted int, err error) {
-	claims, err := s.cfg.Engine.InDoubt(ctx, "")
+	// EncodeScope's output starts with the length-prefixed ScopePrefix.
+	claims, err := s.store.InDoubt(ctx, string(appendField(nil, s.o.ScopePrefix)))
 	if err != nil {
 		return 0, 0, err
 	}
 	for _, c := range claims {
 		prefix, actor, fields, derr := DecodeScope(c.Scope)
-		if derr != nil || prefix != s.cfg.ScopePrefix {
+		if derr != nil || prefix != s.o.ScopePrefix {
 			continue
 		}
 		d := InDoubt{Actor: actor, Scope: fields, Client: c.Client, Seq: c.Seq, Key: string(c.ID), ClaimedAt: c.ClaimedAt, EngineScope: c.Scope}

@@ -106,7 +106,7 @@ func TestValidationRules(t *testing.T) {
 	}
 }
 
-// TestResponseTTL: with Config.TTL a stored response is kept for that long
+// TestResponseTTL: with Options.TTL a stored response is kept for that long
 // (the ledger's five-minute cache); after it the last sequence is
 // ALREADY_COMMITTED and the next one still runs.
 func TestResponseTTL(t *testing.T) {
@@ -455,7 +455,7 @@ func TestIdempotencyKeyMetadata(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { eng.Close() })
-	isrv, err := idemgrpc.NewServer(idemgrpc.Config{Engine: eng, Methods: map[string]idemgrpc.IdentifyFunc{
+	isrv, err := idemgrpc.NewServer(eng, &idemgrpc.Options{Methods: map[string]idemgrpc.IdentifyFunc{
 		ledgersvc.MethodWrite: idemgrpc.KeyFromMetadata(""),
 	}})
 	if err != nil {
@@ -464,11 +464,8 @@ func TestIdempotencyKeyMetadata(t *testing.T) {
 	var runs atomic.Int64
 	gs := grpc.NewServer(grpc.ChainUnaryInterceptor(ledgersvc.TokenAuth(tokens), isrv.UnaryServerInterceptor()))
 	ledgerpb.RegisterLedgerServer(gs, &keyLedger{runs: &runs})
-	lis := listen(t)
-	go gs.Serve(lis)
-	t.Cleanup(gs.Stop)
 	ctx := testCtx(t)
-	c := ledgerpb.NewLedgerClient(dial(t, lis.Addr().String()))
+	c := ledgerpb.NewLedgerClient(dial(t, serve(t, isrv, gs)))
 	withKey := func(k ...string) context.Context {
 		ctx := as(ctx, "tok-alice")
 		for _, v := range k {

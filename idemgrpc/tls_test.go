@@ -87,7 +87,7 @@ func TestTLSActor(t *testing.T) {
 				t.Fatal(err)
 			}
 			t.Cleanup(func() { eng.Close() })
-			isrv, err := idemgrpc.NewServer(idemgrpc.Config{Engine: eng, Actor: af.actor, Methods: ledgersvc.Methods()})
+			isrv, err := idemgrpc.NewServer(eng, &idemgrpc.Options{Actor: af.actor, Methods: ledgersvc.Methods()})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -96,15 +96,13 @@ func TestTLSActor(t *testing.T) {
 				ClientCAs: ca.pool, ClientAuth: tls.RequireAndVerifyClientCert, MinVersion: tls.VersionTLS13})
 			gs := grpc.NewServer(grpc.Creds(creds), grpc.UnaryInterceptor(isrv.UnaryServerInterceptor()))
 			ledgerpb.RegisterLedgerServer(gs, l)
-			lis := listen(t)
-			go gs.Serve(lis)
-			t.Cleanup(gs.Stop)
+			addr := serve(t, isrv, gs)
 			ctx := testCtx(t)
 			for _, tc := range []struct{ cn, uri, want string }{
 				{"alice", "", af.prefix + "alice"},
 				{"bob", "spiffe://example.org/bob", af.prefix + "spiffe://example.org/bob"},
 			} {
-				cc, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{
+				cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{
 					Certificates: []tls.Certificate{ca.issue(t, tc.cn, tc.uri, false)}, RootCAs: ca.pool, MinVersion: tls.VersionTLS13})))
 				if err != nil {
 					t.Fatal(err)

@@ -42,36 +42,60 @@ type Tracker struct {
 	client string
 	store  SequenceStore
 	state  StateFunc
-	// MaxResyncs bounds how often one Call asks the server and sends again
-	// after SEQUENCE_GAP or IDEMPOTENCY_CONFLICT (default 3).
-	MaxResyncs int
-	// Logger receives warnings (a corrupt saved state). Default: discard.
-	Logger *slog.Logger
+	o      TrackerOptions
 
 	mu     sync.Mutex
 	scopes map[string]chan struct{}
 }
 
-// NewTracker returns a tracker for client, saving to store and recovering
-// through state (usually ServiceState(conn)).
-func NewTracker(client string, store SequenceStore, state StateFunc) *Tracker {
-	return &Tracker{client: client, store: store, state: state, MaxResyncs: 3, scopes: map[string]chan struct{}{}}
+// TrackerOptions configure a Tracker. nil or a zero field means its
+// default.
+type TrackerOptions struct {
+	// MaxResyncs bounds how often one Call asks the server and sends again
+	// after SEQUENCE_GAP or IDEMPOTENCY_CONFLICT (default 3).
+	MaxResyncs int
+	// Logger receives warnings (a corrupt saved state). Default: discard.
+	Logger *slog.Logger
+}
+
+// maxClientID is the engine's bound on a client id (idem.Request.Client).
+const maxClientID = 1024
+
+// NewTracker returns a tracker for client (1 to 1024 bytes), saving to
+// store and recovering through state (usually ServiceState(conn)).
+func NewTracker(client string, store SequenceStore, state StateFunc, opts *TrackerOptions) (*Tracker, error) {
+	var o TrackerOptions
+	if opts != nil {
+		o = *opts
+	}
+	switch {
+	case client == "" || len(client) > maxClientID:
+		return nil, fmt.Errorf("idemgrpc: NewTracker: client id of %d bytes; want 1 to %d", len(client), maxClientID)
+	case store == nil:
+		return nil, errors.New("idemgrpc: NewTracker: the SequenceStore is nil")
+	case state == nil:
+		return nil, errors.New("idemgrpc: NewTracker: the StateFunc is nil (it recovers a lost state: ServiceState(conn))")
+	case o.MaxResyncs < 0:
+		return nil, fmt.Errorf("idemgrpc: TrackerOptions.MaxResyncs: %d: negative", o.MaxResyncs)
+	}
+	if o.MaxResyncs == 0 {
+		o.MaxResyncs = 3
+	}
+	if o.Logger == nil {
+		o.Logger = slog.New(slog.DiscardHandler)
+	}
+	return &Tracker{client: client, store: store, state: state, o: o, scopes: map[string]chan struct{}{}}, nil
 }
 
 // Client returns the tracker's client id.
 func (t *Tracker) Client() string { return t.client }
 
-// StoreKey is the SequenceStore key of client in the scope fields.
-func StoreKey(client string, scope ...string) string {
+// storeKey is the SequenceStore key of client in the scope fields.
+func storeKey(client string, scope ...string) string {
 	return EncodeScope("seq", client, scope...)
 }
 
-func (t *Tracker) logger() *slog.Logger {
-	if t.Logger != nil {
-		return t.Logger
-	}
-	return slog.New(slog.DiscardHandler)
-}
+func (t *Tracker) logger() *slog.Logger { return t.o.Logger }
 
 // lock takes the scope's turn (bounded by ctx).
 func (t *Tracker) lock(ctx context.Context, key string) (func(), error) {
@@ -117,9 +141,6 @@ func (t *Tracker) next(ctx context.Context, key string, scope []string) (uint64,
 
 // resync asks the server and saves its last committed number as last used.
 func (t *Tracker) resync(ctx context.Context, key string, scope []string) (uint64, error) {
-	if t.state == nil {
-		return 0, errors.New("idemgrpc: tracker has no StateFunc to recover its sequence from")
-	}
 	last, err := t.state(ctx, t.client, scope)
 	if err != nil {
 		return 0, fmt.Errorf("idemgrpc: GetClientState of client %q: %w", t.client, err)
@@ -135,7 +156,7 @@ func (t *Tracker) resync(ctx context.Context, key string, scope []string) (uint6
 // it (only) to retry that request. Prefer Call, which also handles the
 // outcome.
 func (t *Tracker) Next(ctx context.Context, scope ...string) (uint64, error) {
-	key := StoreKey(t.client, scope...)
+	key := storeKey(t.client, scope...)
 	unlock, err := t.lock(ctx, key)
 	if err != nil {
 		return 0, err
@@ -147,7 +168,7 @@ func (t *Tracker) Next(ctx context.Context, scope ...string) (uint64, error) {
 // Resync asks the server for the client's last committed number in the
 // scope and saves it as the last used one: the next request gets it + 1.
 func (t *Tracker) Resync(ctx context.Context, scope ...string) (uint64, error) {
-	key := StoreKey(t.client, scope...)
+	key := storeKey(t.client, scope...)
 	unlock, err := t.lock(ctx, key)
 	if err != nil {
 		return 0, err
@@ -180,7 +201,7 @@ func (t *Tracker) Resync(ctx context.Context, scope ...string) (uint64, error) {
 // send must send the same request each time it is called with the same
 // number (the retry interceptor inside it resends it as is).
 func (t *Tracker) Call(ctx context.Context, scope []string, send func(ctx context.Context, seq uint64) error) error {
-	key := StoreKey(t.client, scope...)
+	key := storeKey(t.client, scope...)
 	unlock, err := t.lock(ctx, key)
 	if err != nil {
 		return err
@@ -197,7 +218,7 @@ func (t *Tracker) Call(ctx context.Context, scope []string, send func(ctx contex
 		}
 		reason, _ := ErrorReason(err)
 		switch {
-		case (reason == ReasonSequenceGap || reason == ReasonConflict) && resyncs < t.MaxResyncs:
+		case (reason == ReasonSequenceGap || reason == ReasonConflict) && resyncs < t.o.MaxResyncs:
 			if _, rerr := t.resync(ctx, key, scope); rerr != nil {
 				return errors.Join(err, rerr)
 			}

@@ -102,7 +102,12 @@ func run(addr, token, client, ns, vault, stateDir string, drop bool, timeout tim
 		if err != nil {
 			return nil, nil, err
 		}
-		return idemgrpc.NewTracker(client, fs, idemgrpc.ServiceState(cc)), func() { fs.Close() }, nil
+		tr, err := idemgrpc.NewTracker(client, fs, idemgrpc.ServiceState(cc), nil)
+		if err != nil {
+			fs.Close()
+			return nil, nil, err
+		}
+		return tr, func() { fs.Close() }, nil
 	}
 	switch cmd := args[0]; cmd {
 	case "write", "batch":

@@ -27,10 +27,10 @@ type Options struct {
 	Tokens map[string]string
 	// Engine options (nil: defaults, fsync before acknowledging).
 	Engine *idem.Options
-	// TTL of stored responses (idemgrpc.Config.TTL; 0: kept until the
+	// TTL of stored responses (idemgrpc.Options.TTL; 0: kept until the
 	// client's next sequence).
 	TTL time.Duration
-	// InFlightWait (idemgrpc.Config.InFlightWait; 0: its default).
+	// InFlightWait (idemgrpc.Options.InFlightWait; 0: its default).
 	InFlightWait time.Duration
 	Logger       *slog.Logger
 	// AfterApply is copied to Ledger.AfterApply.
@@ -60,8 +60,8 @@ func Start(dir string, lis net.Listener, o Options) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	isrv, err := idemgrpc.NewServer(idemgrpc.Config{
-		Engine: eng, Methods: Methods(), TTL: o.TTL, InFlightWait: o.InFlightWait, Logger: o.Logger,
+	isrv, err := idemgrpc.NewServer(eng, &idemgrpc.Options{
+		Methods: Methods(), TTL: o.TTL, InFlightWait: o.InFlightWait, Logger: o.Logger,
 	})
 	if err != nil {
 		eng.Close()
@@ -84,6 +84,11 @@ func Start(dir string, lis net.Listener, o Options) (*Server, error) {
 	// fetch the descriptors of their messages and of the error details
 	// (google.rpc.ErrorInfo, RetryInfo) without .proto files.
 	reflection.Register(gs)
+	if err := isrv.Check(gs); err != nil {
+		l.Close()
+		eng.Close()
+		return nil, err
+	}
 	s := &Server{Engine: eng, Idem: isrv, Ledger: l, GRPC: gs, done: make(chan error, 1)}
 	go func() { s.done <- gs.Serve(lis) }()
 	return s, nil
