@@ -40,6 +40,7 @@ func TestResponseNotStored(t *testing.T) {
 	}{
 		{name: "MaxReplySize", cfg: idemgrpc.Options{MaxReplySize: 16}},
 		{name: "EngineLimit", eopts: &idem.Options{MaxReplySize: 64}},
+		{name: "TinyEngineLimit", eopts: &idem.Options{MaxReplySize: 1}}, // not even a marker fits: an empty reply
 		{name: "NotAMessage", inner: []grpc.UnaryServerInterceptor{notMessage}, firstCode: codes.Internal},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -161,6 +161,19 @@
 // meets a gap and recovers). Per-client sequences allow one outstanding
 // request per scope; Call serializes them.
 //
+// # Stored responses
+//
+// The reply stored for a call (idem.Request's reply bytes) is a
+// google.protobuf.Any, marshaled deterministically: the response under
+// "type.googleapis.com/" and its full type name (EncodeReply), or a marker
+// under a URL naming no protobuf type, whose value is a google.rpc.Status:
+// "idemdb.dev/idemgrpc/response-not-stored" (the handler ran, its response
+// was not stored; the status message says why) or
+// "idemdb.dev/idemgrpc/handler-failed" (the handler's failure, replayed
+// with FAILURE_REPLAYED). An empty reply reads as response-not-stored. A
+// stored reply outlives the binary that wrote it, so these URLs and this
+// encoding do not change.
+//
 // # Restarts
 //
 // Stored responses are in the engine's log, so a retry after a server

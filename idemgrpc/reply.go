@@ -50,7 +50,9 @@ func DecodeReply(b []byte) (proto.Message, error) {
 // google.protobuf.Any: a response under its own type URL
 // ("type.googleapis.com/" + the message's full name), or one of these
 // markers, whose value is a google.rpc.Status. Their URLs name no protobuf
-// type, so no response can be mistaken for one.
+// type, so no response can be mistaken for one. An empty reply (what is
+// left when the engine refuses even a marker as too large) reads as
+// markerNotStored.
 const (
 	// markerNotStored: the handler ran and succeeded, but its response
 	// could not be stored (not a protobuf message, not encodable, or larger
@@ -88,6 +90,10 @@ func (m *marker) err(id Identity) error {
 
 // decodeStored decodes a stored reply: a response, or a marker.
 func decodeStored(b []byte) (proto.Message, *marker, error) {
+	if len(b) == 0 {
+		// The last-resort marker of an engine too small for any other.
+		return nil, &marker{url: markerNotStored, st: &spb.Status{}}, nil
+	}
 	a := new(anypb.Any)
 	if err := proto.Unmarshal(b, a); err != nil {
 		return nil, nil, fmt.Errorf("idemgrpc: stored reply is not a google.protobuf.Any: %w", err)

@@ -492,7 +492,7 @@ const maxMarker = 4 << 10
 
 // commitMarker commits a marker in place of a response. If the engine
 // refuses it as too large (its Options.MaxReplySize is tiny), a marker of
-// the code alone is committed. A failure is logged: the claim then stays in
+// the code alone is committed, and failing that an empty reply. A failure is logged: the claim then stays in
 // flight (in doubt if the engine failed, taken over after its lease if it
 // is lost).
 func (s *Server) commitMarker(ctx context.Context, call *Call, c *idem.Claim, url string, st *status.Status) {
@@ -506,6 +506,9 @@ func (s *Server) commitMarker(ctx context.Context, call *Call, c *idem.Claim, ur
 			if b, err = encodeMarker(url, status.New(st.Code(), "")); err == nil {
 				err = c.Commit(ctx, b)
 			}
+		}
+		if errors.Is(err, idem.ErrInvalidRequest) {
+			err = c.Commit(ctx, nil) // read as RESPONSE_NOT_STORED
 		}
 	}
 	if err != nil {
