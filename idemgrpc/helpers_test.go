@@ -61,7 +61,7 @@ func (e *ledgerEnv) start() {
 	if err != nil {
 		e.t.Fatal(err)
 	}
-	srv, err := ledgersvc.Start(e.dir, lis, e.opts)
+	srv, err := ledgersvc.Start(e.dir, lis, &e.opts)
 	if err != nil {
 		lis.Close()
 		e.t.Fatal(err)

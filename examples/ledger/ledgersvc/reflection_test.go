@@ -31,7 +31,7 @@ func TestReflection(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv, err := ledgersvc.Start(t.TempDir(), lis, ledgersvc.Options{Tokens: map[string]string{"tok": "user:alice"}})
+	srv, err := ledgersvc.Start(t.TempDir(), lis, &ledgersvc.Options{Tokens: map[string]string{"tok": "user:alice"}})
 	if err != nil {
 		t.Fatal(err)
 	}

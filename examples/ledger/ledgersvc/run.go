@@ -21,7 +21,7 @@ import (
 	"google.golang.org/grpc/reflection"
 )
 
-// Options configure Start.
+// Options configure Start (Tokens is required).
 type Options struct {
 	// Tokens maps bearer tokens to actors (required).
 	Tokens map[string]string
@@ -52,10 +52,11 @@ type Server struct {
 // settles calls left in doubt, and serves the Ledger and ClientState
 // services on lis behind the token check and the idemgrpc interceptor, with
 // server reflection (v1 and v1alpha).
-func Start(dir string, lis net.Listener, o Options) (*Server, error) {
-	if len(o.Tokens) == 0 {
-		return nil, errors.New("ledger: no tokens configured")
+func Start(dir string, lis net.Listener, opts *Options) (*Server, error) {
+	if opts == nil || len(opts.Tokens) == 0 {
+		return nil, errors.New("ledger: Options.Tokens: none configured")
 	}
+	o := *opts
 	eng, err := idem.Open(filepath.Join(dir, "idem"), o.Engine)
 	if err != nil {
 		return nil, err
