@@ -52,8 +52,11 @@ type RetryOptions struct {
 	// call's whole deadline, or forever). An attempt that runs out is
 	// retried while the call's context lives; with DialOptions the retry
 	// goes out on a new connection (see there). Set it above the slowest
-	// handler's time: the server stores what a handler that ran returns,
-	// even after the attempt gave up, and the retry gets it.
+	// handler's time and above the time to open a connection: the server
+	// stores what a handler that ran returns, even after the attempt gave
+	// up, and the retry gets it, but an attempt that always runs out never
+	// succeeds, and with DialOptions it closes a connection still in its
+	// handshake.
 	PerAttemptTimeout time.Duration
 	// Keepalive is what DialOptions sets with grpc.WithKeepaliveParams
 	// (zero: Time DefaultKeepaliveTime, Timeout DefaultKeepaliveTimeout,

@@ -70,7 +70,10 @@ func TestRetryAttemptTimeout(t *testing.T) {
 	ctx := testCtx(t)
 	var codesSeen sync.Map
 	c := ledgerpb.NewLedgerClient(dial(t, env.addr, mustRetry(t, &idemgrpc.RetryOptions{
-		PerAttemptTimeout: 50 * time.Millisecond, InitialBackoff: 10 * time.Millisecond, MaxAttempts: -1,
+		// The first attempt times out whatever the value (the handler waits
+		// for the retry); the others must have time to finish on a loaded
+		// machine.
+		PerAttemptTimeout: time.Second, InitialBackoff: 10 * time.Millisecond, MaxBackoff: 100 * time.Millisecond, MaxAttempts: -1,
 		OnRetry: func(_ string, _ int, err error, _ time.Duration) {
 			codesSeen.Store(status.Code(err), true)
 			if status.Code(err) == codes.DeadlineExceeded {
@@ -600,7 +603,9 @@ func TestTimeoutReconnectsEstablished(t *testing.T) {
 		}
 	}()
 	dialOpts, err := idemgrpc.DialOptions(&idemgrpc.RetryOptions{
-		PerAttemptTimeout: 200 * time.Millisecond, MaxAttempts: -1, InitialBackoff: 10 * time.Millisecond, MaxBackoff: 50 * time.Millisecond,
+		// long enough for a call on a loaded machine: only the silent
+		// connection must time out.
+		PerAttemptTimeout: time.Second, MaxAttempts: -1, InitialBackoff: 10 * time.Millisecond, MaxBackoff: 50 * time.Millisecond,
 	})
 	if err != nil {
 		t.Fatal(err)
