@@ -55,8 +55,7 @@ type RetryOptions struct {
 	// handler's time and above the time to open a connection: the server
 	// stores what a handler that ran returns, even after the attempt gave
 	// up, and the retry gets it, but an attempt that always runs out never
-	// succeeds, and with DialOptions it closes a connection still in its
-	// handshake.
+	// succeeds.
 	PerAttemptTimeout time.Duration
 	// Keepalive is what DialOptions sets with grpc.WithKeepaliveParams
 	// (zero: Time DefaultKeepaliveTime, Timeout DefaultKeepaliveTimeout,
@@ -219,10 +218,12 @@ func UnaryClientInterceptor(opts *RetryOptions) (grpc.UnaryClientInterceptor, er
 //   - the retry interceptor (UnaryClientInterceptor);
 //   - a dialer (RetryOptions.Dial) whose connections the interceptor can
 //     close: after an attempt runs out of time, every connection of this
-//     ClientConn that received nothing since the attempt began (its peer is
-//     gone, or it never completed its handshake) is closed, and the
-//     ClientConn is asked to reconnect at once (ResetConnectBackoff,
-//     Connect), so that the retry goes out on a new connection;
+//     ClientConn that was open when the attempt began and received nothing
+//     since (its peer is gone, or it never completed its handshake) is
+//     closed, and the ClientConn is asked to reconnect at once
+//     (ResetConnectBackoff, Connect), so that the retry goes out on a new
+//     connection (a connection opened during the attempt gets one more
+//     attempt's time);
 //   - keepalive (RetryOptions.Keepalive), which finds dead connections
 //     between calls as well.
 //

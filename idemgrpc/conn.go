@@ -33,20 +33,22 @@ func (t *connTracker) dial(ctx context.Context, addr string) (net.Conn, error) {
 	if err != nil {
 		return nil, err
 	}
-	tc := &trackedConn{Conn: c, t: t}
+	tc := &trackedConn{Conn: c, t: t, opened: mono()}
 	t.mu.Lock()
 	t.conns[tc] = struct{}{}
 	t.mu.Unlock()
 	return tc, nil
 }
 
-// closeSilent closes the connections that received nothing since began
-// (a mono reading) and returns how many.
+// closeSilent closes the connections opened before began (a mono reading)
+// that received nothing since, and returns how many. A connection opened
+// during the attempt is left its chance: a slow handshake is not a dead
+// peer, and the next attempt that times out closes it if it stays silent.
 func (t *connTracker) closeSilent(began int64) int {
 	t.mu.Lock()
 	var silent []*trackedConn
 	for c := range t.conns {
-		if c.lastRead.Load() < began {
+		if c.opened < began && c.lastRead.Load() < began {
 			silent = append(silent, c)
 		}
 	}
@@ -61,6 +63,7 @@ func (t *connTracker) closeSilent(began int64) int {
 type trackedConn struct {
 	net.Conn
 	t        *connTracker
+	opened   int64        // mono of the dial
 	lastRead atomic.Int64 // mono of the last read that returned data; 0: none
 }
 
