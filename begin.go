@@ -41,6 +41,7 @@ const (
 	vConflict                        // fingerprint mismatch (committed or in flight)
 	vAlreadyCommitted                // sequence at or below the last, reply not kept
 	vGap                             // sequence beyond last+1
+	vFailed                          // reading an older sequence's reply failed (err)
 )
 
 // classifyLocked classifies the request k (fingerprint fp) against cur, the
@@ -74,11 +75,21 @@ func (e *Engine) classifyLocked(cur *index.Entry, k reqKey, fp []byte, now time.
 	}
 	switch {
 	case k.seq <= last:
-		if k.seq == last && cur.ReplyKept && !e.expired(cur, now) {
-			if !fpMatch(cur.Fingerprint, fp) {
+		kept := cur // seq == last: the client's entry holds its reply
+		if k.seq < last {
+			// An older number: its reply, while inside the client's reply
+			// window, is under its sequence key (same shard and lock as
+			// the client's key).
+			var err error
+			if kept, err = e.olderReplyLocked(k); err != nil {
+				return vFailed, Result{}, err, false, false
+			}
+		}
+		if kept != nil && kept.ReplyKept && !e.expired(kept, now) {
+			if !fpMatch(kept.Fingerprint, fp) {
 				return vConflict, Result{}, fmt.Errorf("%w: scope %q client %q seq %d", ErrConflict, k.scope, k.ident, k.seq), false, false
 			}
-			return vDone, doneResult(cur), nil, false, false
+			return vDone, doneResult(kept), nil, false, false
 		}
 		return vAlreadyCommitted, Result{Seq: k.seq}, &AlreadyCommittedError{Scope: k.scope, Client: string(k.ident), Seq: k.seq, Last: last}, false, false
 	case k.seq == last+1:
@@ -95,6 +106,17 @@ func (e *Engine) classifyLocked(cur *index.Entry, k reqKey, fp []byte, now time.
 	default:
 		return vGap, Result{}, &SequenceGapError{Scope: k.scope, Client: string(k.ident), Seq: k.seq, Last: last}, false, false
 	}
+}
+
+// olderReplyLocked returns the entry of the client's sequence key for
+// k.seq (nil if none). The client key's lock is held, which covers it.
+func (e *Engine) olderReplyLocked(k reqKey) (*index.Entry, error) {
+	key := index.SeqKey(nil, k.scope, k.ident, k.seq)
+	sl, err := e.slotLocked(key)
+	if err != nil {
+		return nil, err
+	}
+	return e.current(sl, index.ModeSeq), nil
 }
 
 // fingerprint is the request's fingerprint as stored: empty means unchecked.
@@ -159,6 +181,9 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 		unlock()
 		e.st.gaps.Add(1)
 		return Result{}, k, verr
+	case vFailed:
+		unlock()
+		return Result{}, k, verr
 	}
 	if expired {
 		e.st.expired.Add(1) // retention or TTL ran out: runs again as new (T+61m for a one-hour TTL)
@@ -181,6 +206,7 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 		}
 	} else {
 		op.Client, op.Seq = string(k.ident), k.seq
+		op.KeepReplies, op.KeepFor = uint64(req.KeepReplies), int64(req.KeepRepliesFor)
 	}
 	ts, err := index.Transitions(op, 0, e.getLocked)
 	if err != nil {

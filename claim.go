@@ -115,7 +115,8 @@ const maxAdvances = 1024
 // flight cannot be advanced: CommitAdvance returns ErrInFlight, writes
 // nothing and leaves the claim open (Commit, Abort or CommitAdvance it again).
 // A raised client's kept reply is dropped, as a claim of a later number
-// drops it.
+// drops it, and so are the older replies of its reply window
+// (Request.KeepReplies): an advance is not a request of the client.
 func (c *Claim) CommitAdvance(ctx context.Context, reply []byte, adv ...Advance) error {
 	return c.finish(ctx, false, reply, adv)
 }

@@ -190,8 +190,17 @@ func (e *Engine) retire(ctx context.Context) error {
 	if e.o.Retention > 0 {
 		before := e.o.Clock().Add(-e.o.Retention).UnixNano()
 		if before > e.mark.Load().Before {
+			n0 := e.ix.Forgotten()
 			if err := e.forget(ctx, before, wal.ForgetRetention); err != nil {
 				return err
+			}
+			// Logged like the TTL cleanup: the replies the forget record
+			// removed once the index applied it.
+			if err := e.waitApplied(ctx, e.w.SyncedLSN()); err != nil {
+				return err
+			}
+			if n := e.ix.Forgotten() - n0; n > 0 {
+				e.o.Logger.Info("idem: retention cleanup removed expired entries", "count", n)
 			}
 		}
 	}

@@ -18,6 +18,9 @@ import (
 // accounts for (Stats.Memory) never exceeds the budget while 100,000 fresh
 // requests fill every part (in-memory table, pending sets, key filter,
 // block cache, memtables), and a smaller budget still serves every request.
+// It checks the engine's accounting against its own bound only: an
+// allocation the accounting does not see passes it;
+// TestMemoryRSSWithinBudget measures the process from outside.
 func TestMemoryBudgetHonoured(t *testing.T) {
 	const budget = 64 << 20
 	e := openMem(t, vfs.NewMem(), &Options{MemoryBudget: budget})

@@ -60,7 +60,33 @@ type Request struct {
 	// in Stats.Cleanups. Zero: no per-request expiry (Options.Retention
 	// still applies). Requests with different TTLs share one engine.
 	TTL time.Duration
+	// KeepReplies and KeepRepliesFor are the client's reply window
+	// (sequence mode only; ErrInvalidRequest with an ID). When this
+	// request commits, the replies of the client's last KeepReplies
+	// sequence numbers stay answerable (this one included), each older
+	// one while younger than KeepRepliesFor after its commit (0: no age
+	// bound): a retry of such a number (seq < last) gets its own reply
+	// (Done), or ErrConflict if its fingerprint differs; a number outside
+	// the window is *AlreadyCommittedError. The latest reply lives as
+	// before (Retention, TTL, Forget), whatever KeepRepliesFor says.
+	//
+	// Zero (and 1) keeps the latest reply only, the engine's behaviour
+	// before windows existed, so existing callers see no change; the
+	// defaults of the per-client sequences service (10,000 replies, 5
+	// minutes) are idemgrpc's options, which set them per request. The
+	// window travels in the claim's record and every eviction is a logged
+	// transition (the commit drops what falls out of the count; the TTL
+	// cleanup's expire records drop what aged out), so replay, snapshots
+	// and replicas keep exactly the same replies. The client's number is
+	// never forgotten; Forget, Retention, MaxEntries and Advance drop older
+	// replies as they drop others. At most MaxKeepReplies.
+	KeepReplies    int
+	KeepRepliesFor time.Duration
 }
+
+// MaxKeepReplies bounds Request.KeepReplies: a commit that narrows the
+// window drops what falls out of it in its own record.
+const MaxKeepReplies = 100_000
 
 // Result is the outcome of Begin, Wait and Lookup.
 type Result struct {

@@ -11,7 +11,7 @@ type Stats struct {
 	Misses             uint64 // Begin returned Fresh (idempotency.miss)
 	Conflicts          uint64 // ErrConflict (idempotency.conflict)
 	InFlightCollisions uint64 // Begin returned InFlight (idempotency.processing_collision)
-	Cleanups           uint64 // replies and abandoned claims removed by forget and expire records (TTL cleanup), since Open (idempotency.cleanup.count)
+	Cleanups           uint64 // replies and abandoned claims removed by forget and expire records (TTL cleanup), and older sequence replies that left their client's reply window, since Open (idempotency.cleanup.count)
 	Evictions          uint64 // replies removed because of MaxEntries, since Open
 	Acked              uint64 // replies removed by acks, since Open
 	Expired            uint64 // ids found expired by retention at Begin and run again
@@ -20,7 +20,7 @@ type Stats struct {
 	LeaseLost          uint64
 	Takeovers          uint64 // claims taken over after their lease ran out
 
-	LiveEntries int64 // entries in the index (as of AppliedLSN): ids and sequence-mode clients
+	LiveEntries int64 // entries in the index (as of AppliedLSN): ids, sequence-mode clients and their kept older replies
 	Replies     int64 // entries keeping a reply (what MaxEntries bounds)
 	InDoubt     int   // claims found in flight at Open and still unresolved
 	CacheBytes  int64 // accounted size of the in-memory table

@@ -3,7 +3,6 @@ package idem
 import (
 	"errors"
 	"fmt"
-	"hash/maphash"
 	"slices"
 	"sync"
 	"time"
@@ -37,6 +36,15 @@ func (e *Engine) validate(r *Request) (reqKey, error) {
 	}
 	if r.TTL < 0 {
 		return reqKey{}, invalid("negative TTL %v", r.TTL)
+	}
+	if r.KeepReplies < 0 || r.KeepReplies > MaxKeepReplies {
+		return reqKey{}, invalid("KeepReplies %d out of range 0..%d", r.KeepReplies, MaxKeepReplies)
+	}
+	if r.KeepRepliesFor < 0 {
+		return reqKey{}, invalid("negative KeepRepliesFor %v", r.KeepRepliesFor)
+	}
+	if (r.KeepReplies != 0 || r.KeepRepliesFor != 0) && r.Client == "" {
+		return reqKey{}, invalid("KeepReplies and KeepRepliesFor apply to sequence mode (Client and Seq) only")
 	}
 	k := reqKey{scope: r.Scope}
 	switch {
@@ -77,7 +85,11 @@ func (e *Engine) validate(r *Request) (reqKey, error) {
 	return k, nil
 }
 
-func (e *Engine) shardIdx(key []byte) int { return int(maphash.Bytes(e.seed, key) % numShards) }
+// shardIdx is key's lock shard. A client's older sequence replies
+// (index.ModeSeq keys) share the client key's shard (index.ShardHash), so
+// the client's lock covers them: the commit that moves and drops them, and
+// the reads of older sequence numbers, hold that one lock.
+func (e *Engine) shardIdx(key []byte) int { return int(index.ShardHash(e.seed, key) % numShards) }
 
 func (e *Engine) shardOf(key []byte) *shard { return &e.shards[e.shardIdx(key)] }
 
@@ -301,7 +313,11 @@ func (e *Engine) appendOp(op *wal.Op, ts []index.Transition) (wal.LSN, error) {
 			return 0, err
 		}
 		e.setLocked(t.Key, sl, t.Next, lsn)
-		if op.Type != wal.OpExpire && t.Next == nil && t.Prev != nil && t.Prev.Committed {
+		switch {
+		case op.Type == wal.OpExpire || t.Next != nil || t.Prev == nil || !t.Prev.Committed:
+		case t.Mode == index.ModeSeq:
+			e.st.ttlRemoved.Add(1) // left its client's reply window: a cleanup
+		default:
 			e.st.acked.Add(1)
 		}
 	}

@@ -68,19 +68,19 @@ func BenchmarkMiddleware(b *testing.B) {
 	b.Run("new-keys", func(b *testing.B) {
 		e := openEngine(b, nil, nil)
 		prefix := fmt.Sprintf("bench-%d-", b.N)
-		run(b, idemhttp.Middleware(e, nil)(handler), func(i int64) string { return prefix + fmt.Sprint(i) })
+		run(b, mw(b, e, nil)(handler), func(i int64) string { return prefix + fmt.Sprint(i) })
 	})
 	b.Run("replays", func(b *testing.B) {
 		e := openEngine(b, nil, nil)
-		mw := idemhttp.Middleware(e, nil)(handler)
+		h := mw(b, e, nil)(handler)
 		const keys = 1024
-		srv := serve(b, mw)
+		srv := serve(b, h)
 		for i := range keys {
 			r := do(b, context.Background(), srv.Client(), http.MethodPost, srv.URL+"/api/v1/items", body, idemhttp.HeaderKey, fmt.Sprint("replay-", i))
 			if r.status != http.StatusCreated {
 				b.Fatal(r.status)
 			}
 		}
-		run(b, mw, func(i int64) string { return fmt.Sprint("replay-", i%keys) })
+		run(b, h, func(i int64) string { return fmt.Sprint("replay-", i%keys) })
 	})
 }

@@ -17,13 +17,13 @@ func TestChiRouter(t *testing.T) {
 	e := openEngine(t, nil, nil)
 	calls := 0
 	r := chi.NewRouter()
-	r.Use(idemhttp.Middleware(e, &idemhttp.Options{Scope: "chi"}))
+	r.Use(mw(t, e, &idemhttp.Options{ScopePrefix: "chi"}))
 	r.Post("/api/v1/customers/{id}/orders", func(w http.ResponseWriter, r *http.Request) {
 		calls++
 		w.WriteHeader(http.StatusCreated)
 		fmt.Fprintf(w, "order %d for customer %s", calls, chi.URLParam(r, "id"))
 	})
-	r.With(idemhttp.Middleware(e, &idemhttp.Options{Scope: "chi-with", Methods: []string{http.MethodPut}})).
+	r.With(mw(t, e, &idemhttp.Options{ScopePrefix: "chi-with", Methods: []string{http.MethodPut}})).
 		Put("/api/v1/items/{id}", func(w http.ResponseWriter, r *http.Request) {
 			calls++
 			fmt.Fprintf(w, "item %s put %d", chi.URLParam(r, "id"), calls)

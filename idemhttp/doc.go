@@ -1,12 +1,15 @@
 // Package idemhttp is the Idempotency-Key middleware and client for
-// net/http, built on the idem engine: a POST with an Idempotency-Key header
-// is handled at most once per key, its response is stored durably before it
-// is sent, and retries get that response back, byte for byte, even after a
-// restart or a crash of the server.
+// net/http, built on an idem.Store (the embedded *idem.Engine, or any other
+// Store): a POST with an Idempotency-Key header is handled at most once per
+// key, its response is stored durably before it is sent, and retries get
+// that response back, byte for byte, even after a restart or a crash of the
+// server.
 //
 //	e, err := idem.Open("/var/lib/orders/idem", nil)
 //	...
-//	mux.Handle("POST /orders", idemhttp.Middleware(e, nil)(ordersHandler))
+//	mw, err := idemhttp.Middleware(e, nil) // a bad option is an error naming it
+//	...
+//	mux.Handle("POST /orders", mw(ordersHandler))
 //
 // and on the client side
 //
@@ -30,8 +33,8 @@
 //	same key while the first is being handled    409 IDEMPOTENCY_KEY_PROCESSING with Retry-After
 //	                                             (Options.WaitInFlight: wait for the first instead)
 //	request body over Options.MaxRequestBytes    413 REQUEST_BODY_TOO_LARGE (the key is not used)
-//	Principal fails                              401 UNAUTHENTICATED
-//	engine closed or failed                      503 IDEMPOTENCY_STORE_UNAVAILABLE with Retry-After
+//	Options.Actor fails                          401 UNAUTHENTICATED
+//	store closed or failed                       503 IDEMPOTENCY_STORE_UNAVAILABLE with Retry-After
 //
 // Every response the middleware makes itself has a JSON body with detail,
 // error_code and idempotency_key (ErrorBody; the codes are the Code*
@@ -39,12 +42,20 @@
 //
 //	{"detail":"Idempotency key already used with different request body","error_code":"IDEMPOTENCY_KEY_CONFLICT","idempotency_key":"new-key-123"}
 //
-// "The same request" means the same fingerprint: the SHA-256 of the method,
-// the escaped path, the raw query and the body, each framed by its length, so
-// a key reused on another endpoint (or with another query or body) is a
-// conflict, never the replay of another request's response. Every decision
-// is the engine's (Engine.Begin with that fingerprint), so the engine's Stats
-// count hits, misses, conflicts and processing collisions.
+// A key longer than 255 bytes (an invalid one: it can be as long as the
+// server's header limit) is not echoed whole: idempotency_key holds its
+// first 64 bytes and its length, "xxxx…(300 bytes)", and the detail says
+// so.
+//
+// "The same request" means the same fingerprint: by default
+// (DefaultFingerprint) the SHA-256 of the method, the escaped path, the raw
+// query and the body, each framed by its length, so a key reused on another
+// endpoint (or with another query or body) is a conflict, never the replay
+// of another request's response. Options.Fingerprint replaces it (for
+// example to leave out a query parameter that a gateway adds to every
+// attempt). Every decision is the store's (Store.Begin with that
+// fingerprint), so the store's Stats count hits, misses, conflicts and
+// processing collisions.
 //
 // # What is stored
 //
@@ -63,12 +74,12 @@
 // middleware (they wrap it), and the handler that makes the side effect
 // inside: every response below 500 that reaches the middleware is stored and
 // replayed, so a 401 or a 429 made inside it would be replayed to the
-// retries too. Options.Principal then reads the identity the authentication
+// retries too. Options.Actor then reads the identity the authentication
 // middleware put in the request's context.
 //
 // # Failures
 //
-//   - A 5xx from the handler releases the key (the engine claim is
+//   - A 5xx from the handler releases the key (the store's claim is
 //     aborted): the 5xx is sent, and a retry runs the handler again.
 //   - A panic in the handler releases the key and goes on to net/http
 //     (which drops the connection; http.ErrAbortHandler included).
@@ -76,12 +87,17 @@
 //     running (as net/http handlers do); if it still writes a response, that
 //     response is stored and retries get it. If it returns without writing
 //     anything after its context ended, it is treated as failed: the key is
-//     released (503 REQUEST_CANCELED, which nobody may read).
+//     released (503 REQUEST_CANCELED, which nobody may read). Commit and
+//     Abort get the request's context even when it has ended: once a claim
+//     exists they write their record whatever it says (idem.Claim), and a
+//     networked store may only stop waiting for the outcome (idem.ErrInDoubt,
+//     logged).
 //   - Timeouts: put http.TimeoutHandler outside the middleware, never inside
 //     (inside, its 503 would release the key while the handler still runs).
-//   - Storing fails (the engine failed, or the claim's lease ran out and
-//     another request took the key over): the response is sent anyway and the
-//     failure is logged with the key; the key stays as the engine has it.
+//   - Storing fails (the store failed, its outcome is in doubt, or the
+//     claim's lease ran out and another request took the key over): the
+//     response is sent anyway and the failure is logged with the key; the
+//     key stays as the store has it.
 //
 // # Sizes and streaming
 //
@@ -103,28 +119,30 @@
 // first claimed: expires_at = created_at + TTL, and a request when
 // expires_at < now runs as new (the Idempotency-Key service's timing table:
 // T+60m replays, T+61m runs again). Retries do not extend it. Times are the
-// engine's clock (idem.Options.Clock), never time.Now, so a test with a fake
-// clock sees exactly that table. The engine removes expired keys by its
-// periodic cleanup (idem.Options.CleanupInterval, default 10 minutes; the
-// count is logged and counted in Stats.Cleanups). The TTL is the
-// middleware's own: middlewares with different TTLs can share one engine
-// opened with default options.
+// store's clock (idem.Options.Clock for the engine), never time.Now, so a
+// test with a fake clock sees exactly that table. The engine removes expired
+// keys by its periodic cleanup (idem.Options.CleanupInterval, default 10
+// minutes; the count is logged, "idem: TTL cleanup removed expired
+// entries", and counted in Stats.Cleanups, as are the keys an engine
+// Retention forgets, "idem: retention cleanup removed expired entries").
+// The TTL is the middleware's own: middlewares with different TTLs can
+// share one engine opened with default options.
 //
 // # Key spaces and security
 //
-// With Options.Principal every principal (the authenticated caller, taken
-// from authentication, never from anything the client chooses) has its own
-// key space: two users sending the same key never see each other's
-// responses or conflicts. Keys live in the engine scope
-// ScopeFor(Options.Scope, principal), an encoding in which no two (prefix,
-// principal) pairs meet (see ScopeFor); middlewares with different
-// Options.Scope never meet either.
+// With Options.Actor every actor (the authenticated caller, taken from
+// authentication, never from anything the client chooses) has its own key
+// space: two users sending the same key never see each other's responses
+// or conflicts. Keys live in the store scope ScopeFor(Options.ScopePrefix,
+// actor), an encoding in which no two (prefix, actor) pairs meet (see
+// ScopeFor); middlewares with different Options.ScopePrefix never meet
+// either.
 //
-// Without Principal all clients share one space: a client that sends another
+// Without Actor all clients share one space: a client that sends another
 // client's key with the same method, path, query and body gets that client's
 // response, and a different body reveals (by the conflict) that the key is in
 // use. That is fine when keys are unguessable (idem.NewRequestID has 64
-// random bits) or all clients are one party; otherwise set Principal.
+// random bits) or all clients are one party; otherwise set Actor.
 //
 // The request body is never logged; logs carry the method, the path and the
 // key.
@@ -134,10 +152,10 @@
 // A client may list, in the Idempotency-Acked-Keys header, keys whose
 // responses it has received and will never retry: a comma-separated list
 // (the header may be repeated), at most Options.MaxAckedKeys (default 64)
-// keys, each a valid key. With a Principal the middleware removes them from
-// that principal's space at once (in the claim's own log record for a new
-// key), long before their TTL; an invalid list is a 400
-// INVALID_IDEMPOTENCY_ACKED_KEYS. Without a Principal the header is ignored
+// keys, each a valid key. With an Actor the middleware removes them from
+// that actor's space at once (in the claim's own log record for a new key),
+// long before their TTL; an invalid list is a 400
+// INVALID_IDEMPOTENCY_ACKED_KEYS. Without an Actor the header is ignored
 // (anyone could free anyone's key), as it is on requests without a key.
 //
 // # Crashes: keys in doubt
@@ -146,19 +164,22 @@
 // after the restart: retries get 409 IDEMPOTENCY_KEY_PROCESSING until the
 // claim's lease (idem.Options.Lease, default 1 hour) runs out, after which a
 // retry runs the handler again. Resolve such keys at start-up, before
-// serving: Engine.InDoubt lists them, ParseKey tells the key and principal,
-// and the application, which should keep the key with the records its
-// handler writes, commits the response (StoredResponse.Encode, then
-// Claim.Commit) if the effect happened, or aborts (Claim.Abort) so that the
-// retry runs again. See ExampleParseKey and examples/httpapi.
+// serving, with ResolveInDoubt (the same Options as the middleware's): for
+// each of the middleware's keys in doubt it asks the application, which
+// should keep the key with the records its handler writes, whether the
+// effect happened; if so the response it gives is committed (retries
+// replay it), if not the key is released (a retry runs the handler). See
+// ExampleResolveInDoubt and examples/httpapi. (By hand: Store.InDoubt lists
+// the claims, ParseKey tells the key and actor, StoredResponse.Encode and
+// Claim.Commit or Claim.Abort settle them.)
 //
 // # Metrics
 //
-// The engine's Stats count the Idempotency-Key service's metrics: Hits
+// The store's Stats count the Idempotency-Key service's metrics: Hits
 // (idempotency.hit), Misses (.miss), Conflicts (.conflict),
 // InFlightCollisions (.processing_collision) and Cleanups (.cleanup.count);
 // the hit rate is Hits / (Hits + Misses). Package idemprom exports them to
-// Prometheus with the engine's other counters and sizes.
+// Prometheus with the store's other counters and sizes.
 //
 // # Client
 //
@@ -166,7 +187,9 @@
 // characters, sortable by time) unless the caller set one, replays bodies,
 // and retries network errors, attempt timeouts, 5xx (but 501 and 505) and
 // IDEMPOTENCY_KEY_PROCESSING with the same key, with exponential backoff and
-// jitter, honouring Retry-After, bounded by the request's context. It never
-// retries 400, 409 IDEMPOTENCY_KEY_CONFLICT, 422 or 429. It acks the keys
+// jitter, honouring Retry-After, bounded by the request's context. Every
+// attempt has a timeout (Transport.AttemptTimeout, default 30 seconds), and
+// a retry after a timeout goes on a new connection. It never retries 400,
+// 409 IDEMPOTENCY_KEY_CONFLICT, 422 or 429. It acks the keys
 // whose responses it has read in Idempotency-Acked-Keys (see Transport).
 package idemhttp

@@ -2,6 +2,7 @@ package idemhttp
 
 import (
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"strconv"
 	"time"
@@ -14,7 +15,7 @@ const (
 	// HeaderReplayed is "true" on a response that is the replay of a
 	// stored one (the handler did not run).
 	HeaderReplayed = "Idempotent-Replayed"
-	// HeaderAckedKeys carries keys (of the same principal) whose responses
+	// HeaderAckedKeys carries keys (of the same actor) whose responses
 	// the client has received and will never retry: a comma-separated list
 	// of keys (HTTP list syntax; the header may also be repeated), at most
 	// Options.MaxAckedKeys of them (64 by default) per request.
@@ -47,9 +48,9 @@ const (
 	// 400: the request body could not be read (the client went away or
 	// sent a malformed body).
 	CodeBodyUnreadable = "REQUEST_BODY_UNREADABLE"
-	// 401: Options.Principal returned an error (or an empty principal).
+	// 401: Options.Actor returned an error (or an empty actor).
 	CodeUnauthenticated = "UNAUTHENTICATED"
-	// 503 with Retry-After: the engine is closed, failed, or the request's
+	// 503 with Retry-After: the store is closed, failed, or the request's
 	// context ended before the key could be looked up.
 	CodeStoreUnavailable = "IDEMPOTENCY_STORE_UNAVAILABLE"
 	// 503 with Retry-After: the request ended (the client went away, a
@@ -64,6 +65,9 @@ const (
 // (the Idempotency-Key service's error format):
 //
 //	{"detail": "...", "error_code": "IDEMPOTENCY_KEY_CONFLICT", "idempotency_key": "client-key-123"}
+//
+// idempotency_key echoes the request's key; one longer than MaxKeyLen (an
+// invalid key) is cut to its first 64 bytes followed by "…(<n> bytes)".
 type ErrorBody struct {
 	Detail         string `json:"detail"`
 	ErrorCode      string `json:"error_code"`
@@ -80,21 +84,37 @@ const (
 	detailNotStored   = "Request with this idempotency key was processed, but its response was too large to store and cannot be replayed"
 	detailTooLarge    = "Request body is larger than the limit of %d bytes"
 	detailUnreadable  = "Request body could not be read"
-	detailUnauth      = "Authentication required: the request's principal could not be determined"
+	detailUnauth      = "Authentication required: the request's actor could not be determined"
 	detailUnavailable = "The idempotency store is unavailable; retry later"
 	detailInternal    = "Internal error while handling the idempotency key"
 	detailCanceled    = "The request ended before the handler produced a response; retry with the same key"
 )
 
-// maxErrorKey bounds the idempotency_key echoed in an error body (an
-// invalid key can be as long as the server's header limit).
-const maxErrorKey = 1024
+// echoKeyLen is how much of a key longer than MaxKeyLen an error body
+// echoes (an invalid key can be as long as the server's header limit).
+const echoKeyLen = 64
+
+// clipKey returns k as error bodies echo it: whole when it is at most
+// MaxKeyLen bytes, else its first echoKeyLen bytes and "…(<n> bytes)".
+func clipKey(k string) string {
+	if len(k) <= MaxKeyLen {
+		return k
+	}
+	return fmt.Sprintf("%s…(%d bytes)", k[:echoKeyLen], len(k))
+}
+
+// invalidKeyDetail is the detail of a 400 INVALID_IDEMPOTENCY_KEY for k:
+// the Idempotency-Key service's text, and for a key too long to echo, a
+// sentence saying that idempotency_key shows only its start.
+func invalidKeyDetail(k string) string {
+	if len(k) <= MaxKeyLen {
+		return detailInvalidKey
+	}
+	return fmt.Sprintf(detailInvalidKey+". The key sent is %d bytes long: idempotency_key shows its first %d", len(k), echoKeyLen)
+}
 
 func writeError(w http.ResponseWriter, status int, code, detail, key string, retryAfter time.Duration) {
-	if len(key) > maxErrorKey {
-		key = key[:maxErrorKey] + "..."
-	}
-	body, err := json.Marshal(ErrorBody{Detail: detail, ErrorCode: code, IdempotencyKey: key})
+	body, err := json.Marshal(ErrorBody{Detail: detail, ErrorCode: code, IdempotencyKey: clipKey(key)})
 	if err != nil { // cannot happen: three strings
 		body = []byte(`{"detail":"error","error_code":"` + code + `","idempotency_key":""}`)
 	}

@@ -36,8 +36,12 @@ func Example() {
 		w.WriteHeader(http.StatusCreated)
 		fmt.Fprintf(w, `{"order":%d}`, n)
 	})
+	mw, err := idemhttp.Middleware(e, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
 	mux := http.NewServeMux()
-	mux.Handle("POST /orders", idemhttp.Middleware(e, nil)(orders))
+	mux.Handle("POST /orders", mw(orders))
 	srv := httptest.NewServer(mux)
 	defer srv.Close()
 
@@ -73,38 +77,34 @@ func ExampleTransport() {
 
 // At start-up, before serving, resolve the keys a crash left in flight:
 // commit the response if the side effect happened, abort otherwise.
-func ExampleParseKey() {
+func ExampleResolveInDoubt() {
 	e, err := idem.Open("/var/lib/orders/idem", nil)
 	if err != nil {
 		log.Fatal(err)
 	}
-	ctx := context.Background()
-	doubts, err := e.InDoubt(context.Background(), "")
-	if err != nil {
-		log.Fatal(err)
-	}
-	for _, d := range doubts {
-		k, ok := idemhttp.ParseKey(d.Scope, d.ID)
-		if !ok {
-			continue // not an HTTP key
-		}
-		order, found := lookupOrderByKey(k.Principal, k.Key) // the application's own records
+	opts := &idemhttp.Options{Actor: userFromToken}
+	committed, aborted, err := idemhttp.ResolveInDoubt(context.Background(), e, opts, func(d idemhttp.InDoubt) (*idemhttp.StoredResponse, bool, error) {
+		order, found := lookupOrderByKey(d.Actor, d.Key) // the application's own records
 		if !found {
-			_ = d.Claim.Abort(ctx) // nothing happened: a retry runs again
-			continue
+			return nil, false, nil // nothing happened: a retry runs again
 		}
-		reply, err := (&idemhttp.StoredResponse{
+		return &idemhttp.StoredResponse{ // retries get this response
 			Status: http.StatusCreated,
 			Header: http.Header{"Content-Type": {"application/json"}},
 			Body:   order,
-		}).Encode()
-		if err == nil {
-			err = d.Claim.Commit(ctx, reply) // retries get this response
-		}
-		if err != nil {
-			log.Print(err)
-		}
+		}, true, nil
+	})
+	if err != nil {
+		log.Fatal(err)
 	}
+	log.Printf("keys in doubt: %d committed, %d aborted", committed, aborted)
+	mw, err := idemhttp.Middleware(e, opts) // the same options: the same key spaces
+	if err != nil {
+		log.Fatal(err)
+	}
+	_ = mw
 }
 
-func lookupOrderByKey(principal, key string) ([]byte, bool) { return nil, false }
+func lookupOrderByKey(actor, key string) ([]byte, bool) { return nil, false }
+
+func userFromToken(r *http.Request) (string, error) { return "", nil }

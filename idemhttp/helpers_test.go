@@ -229,3 +229,13 @@ func waitApplied(t testing.TB, e *idem.Engine) {
 		}
 	}
 }
+
+// mw builds the middleware on s, failing the test on a configuration error.
+func mw(t testing.TB, s idem.Store, o *idemhttp.Options) func(http.Handler) http.Handler {
+	t.Helper()
+	m, err := idemhttp.Middleware(s, o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m
+}

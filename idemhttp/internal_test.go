@@ -27,10 +27,14 @@ func TestForeignReplyIs500(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer e.Close()
-	srv := httptest.NewServer(Middleware(e, &Options{Logger: slog.New(slog.DiscardHandler)})(http.NotFoundHandler()))
+	mw, err := Middleware(e, &Options{Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(mw(http.NotFoundHandler()))
 	defer srv.Close()
 	body := "payload"
-	fp := fingerprint(httptest.NewRequest(http.MethodPost, "/x", nil), []byte(body))
+	fp := DefaultFingerprint(httptest.NewRequest(http.MethodPost, "/x", nil), []byte(body))
 	res, err := e.Begin(ctx, idem.Request{Scope: ScopeFor("", ""), ID: []byte("foreign"), Fingerprint: fp})
 	if err != nil || res.Status != idem.Fresh {
 		t.Fatal(res.Status, err)
@@ -59,7 +63,11 @@ func TestTruncatedBody(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer e.Close()
-	srv := httptest.NewServer(Middleware(e, &Options{Logger: slog.New(slog.DiscardHandler)})(http.NotFoundHandler()))
+	mw, err := Middleware(e, &Options{Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(mw(http.NotFoundHandler()))
 	defer srv.Close()
 	conn, err := net.DialTimeout("tcp", srv.Listener.Addr().String(), 10*time.Second)
 	if err != nil {
@@ -83,27 +91,45 @@ func TestTruncatedBody(t *testing.T) {
 	}
 }
 
-// Bad options are reported when the middleware is built.
-func TestOptionsPanics(t *testing.T) {
-	for name, o := range map[string]*Options{
-		"ttl":      {TTL: -1},
-		"conflict": {ConflictStatus: 400},
-		"method":   {Methods: []string{""}},
-		"scope":    {Scope: strings.Repeat("s", 513)},
-		"request":  {MaxRequestBytes: -1},
-		"response": {MaxResponseBytes: 13 << 20},
-		"acked":    {MaxAckedKeys: 5000},
-	} {
-		func() {
-			defer func() {
-				if v := recover(); v == nil || !strings.Contains(v.(string), "idemhttp: Options.") {
-					t.Errorf("%s: panic %v", name, v)
-				}
-			}()
-			newConfig(o)
-		}()
+// Bad options are errors naming the field, returned when the middleware is
+// built; never a panic.
+func TestOptionsErrors(t *testing.T) {
+	e, err := idem.Open(t.TempDir(), nil)
+	if err != nil {
+		t.Fatal(err)
 	}
-	c := newConfig(nil)
+	defer e.Close()
+	for field, o := range map[string]*Options{
+		"TTL":              {TTL: -1},
+		"ConflictStatus":   {ConflictStatus: 400},
+		"Methods[1]":       {Methods: []string{"POST", ""}},
+		"ScopePrefix":      {ScopePrefix: strings.Repeat("s", 513)},
+		"MaxRequestBytes":  {MaxRequestBytes: -1},
+		"MaxResponseBytes": {MaxResponseBytes: 13 << 20},
+		"MaxAckedKeys":     {MaxAckedKeys: 5000},
+	} {
+		m, err := Middleware(e, o)
+		if m != nil || err == nil || !strings.Contains(err.Error(), "idemhttp: Options."+field+" ") {
+			t.Errorf("%s: %v", field, err)
+		}
+	}
+	if m, err := Middleware(nil, nil); m != nil || err == nil || !strings.Contains(err.Error(), "store") {
+		t.Errorf("nil store: %v", err)
+	}
+	// A nil handler is a 500 at request time, never a panic.
+	m, err := Middleware(e, &Options{Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := httptest.NewRecorder()
+	m(nil).ServeHTTP(w, httptest.NewRequest(http.MethodPost, "/x", nil))
+	if w.Code != http.StatusInternalServerError {
+		t.Errorf("nil handler: %d", w.Code)
+	}
+	c, err := newConfig(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	if c.ttl != time.Hour || !c.methods["POST"] || len(c.methods) != 1 || c.conflictStatus != 409 || c.maxAcked != 64 {
 		t.Fatalf("defaults %+v", c)
 	}

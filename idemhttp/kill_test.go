@@ -51,8 +51,13 @@ func killChild(dir string) int {
 		fmt.Fprintln(os.Stderr, "child:", err)
 		return 3
 	}
+	mw, err := idemhttp.Middleware(e, nil)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "child:", err)
+		return 3
+	}
 	fmt.Println("addr", ln.Addr())
-	_ = http.Serve(ln, idemhttp.Middleware(e, nil)(h))
+	_ = http.Serve(ln, mw(h))
 	return 0
 }
 

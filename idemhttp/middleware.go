@@ -19,32 +19,42 @@ import (
 
 // Middleware returns the Idempotency-Key middleware: requests with a key
 // (and a method in Options.Methods) are handled at most once per key, their
-// response stored in e and replayed to retries (see the package
-// documentation). opts may be nil (the defaults). It panics if e is nil or
-// an option is out of range.
+// response stored in store and replayed to retries (see the package
+// documentation). opts may be nil (the defaults). A nil store or an option
+// out of range is an error naming it.
 //
 // It has the shape net/http middleware has everywhere (chi's Use, alice,
-// plain wrapping): mux.Handle("/orders", idemhttp.Middleware(e, nil)(h)).
-func Middleware(e *idem.Engine, opts *Options) func(http.Handler) http.Handler {
-	if e == nil {
-		panic("idemhttp: Middleware needs an engine (got nil)")
+// plain wrapping):
+//
+//	mw, err := idemhttp.Middleware(store, nil)
+//	...
+//	mux.Handle("/orders", mw(h))
+func Middleware(store idem.Store, opts *Options) (func(http.Handler) http.Handler, error) {
+	if store == nil {
+		return nil, errors.New("idemhttp: Middleware needs a store (got nil)")
 	}
-	c := newConfig(opts)
+	c, err := newConfig(opts)
+	if err != nil {
+		return nil, err
+	}
 	return func(next http.Handler) http.Handler {
-		if next == nil {
-			panic("idemhttp: Middleware wraps a nil handler")
-		}
-		return &handler{e: e, c: c, next: next}
-	}
+		return &handler{s: store, c: c, next: next}
+	}, nil
 }
 
 type handler struct {
-	e    *idem.Engine
+	s    idem.Store
 	c    *config
 	next http.Handler
 }
 
 func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if h.next == nil {
+		h.c.log.LogAttrs(r.Context(), slog.LevelError, "idemhttp: the middleware wraps a nil handler",
+			slog.String("method", r.Method), slog.String("path", r.URL.Path))
+		writeError(w, http.StatusInternalServerError, CodeInternal, detailInternal, "", 0)
+		return
+	}
 	if !h.c.methods[r.Method] {
 		h.next.ServeHTTP(w, r)
 		return
@@ -64,7 +74,7 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if !ValidKey(key) {
-		writeError(w, http.StatusBadRequest, CodeInvalidKey, detailInvalidKey, key, 0)
+		writeError(w, http.StatusBadRequest, CodeInvalidKey, invalidKeyDetail(key), key, 0)
 		return
 	}
 	scope, ok := h.scope(w, r, key)
@@ -79,34 +89,34 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if !ok {
 		return
 	}
-	fp := fingerprint(r, body)
+	fp := h.c.fingerprint(r, body)
 	h.serveKey(w, r, scope, key, fp, acked, body)
 }
 
-// scope returns the engine scope of the request's key space; a principal
-// that cannot be determined is a 401.
+// scope returns the store scope of the request's key space; an actor that
+// cannot be determined is a 401.
 func (h *handler) scope(w http.ResponseWriter, r *http.Request, key string) (string, bool) {
-	if h.c.principal == nil {
+	if h.c.actor == nil {
 		return h.c.shared, true
 	}
-	p, err := h.c.principal(r)
-	if err == nil && p == "" {
-		err = errors.New("empty principal")
+	a, err := h.c.actor(r)
+	if err == nil && a == "" {
+		err = errors.New("empty actor")
 	}
 	if err != nil {
-		h.c.log.LogAttrs(r.Context(), slog.LevelInfo, "idemhttp: principal refused",
+		h.c.log.LogAttrs(r.Context(), slog.LevelInfo, "idemhttp: actor refused",
 			slog.String("method", r.Method), slog.String("path", r.URL.Path), slog.String("key", key), slog.Any("error", err))
 		writeError(w, http.StatusUnauthorized, CodeUnauthenticated, detailUnauth, key, 0)
 		return "", false
 	}
-	return ScopeFor(h.c.prefix, p), true
+	return ScopeFor(h.c.prefix, a), true
 }
 
-// acked parses Idempotency-Acked-Keys. Acks are taken only with a
-// Principal (without one anyone could free anyone's key): otherwise the
-// header is ignored. The request's own key is dropped from the list.
+// acked parses Idempotency-Acked-Keys. Acks are taken only with an Actor
+// (without one anyone could free anyone's key): otherwise the header is
+// ignored. The request's own key is dropped from the list.
 func (h *handler) acked(w http.ResponseWriter, r *http.Request, key string) ([][]byte, bool) {
-	if h.c.principal == nil || h.c.maxAcked < 0 {
+	if h.c.actor == nil || h.c.maxAcked < 0 {
 		return nil, true
 	}
 	vals := r.Header.Values(HeaderAckedKeys)
@@ -123,7 +133,7 @@ func (h *handler) acked(w http.ResponseWriter, r *http.Request, key string) ([][
 			}
 			if !ValidKey(k) {
 				writeError(w, http.StatusBadRequest, CodeInvalidAckedKeys,
-					fmt.Sprintf("Invalid %s header: %q is not a valid idempotency key (1-255 characters of letters, numbers, hyphens and underscores)", HeaderAckedKeys, clipString(k, 300)), key, 0)
+					fmt.Sprintf("Invalid %s header: %q is not a valid idempotency key (1-255 characters of letters, numbers, hyphens and underscores)", HeaderAckedKeys, clipKey(k)), key, 0)
 				return nil, false
 			}
 			if seen[k] {
@@ -141,13 +151,6 @@ func (h *handler) acked(w http.ResponseWriter, r *http.Request, key string) ([][
 		}
 	}
 	return acked, true
-}
-
-func clipString(s string, n int) string {
-	if len(s) > n {
-		return s[:n] + "..."
-	}
-	return s
 }
 
 // readBody reads the whole request body (bounded), for the fingerprint and
@@ -181,10 +184,14 @@ func (h *handler) readBody(w http.ResponseWriter, r *http.Request, key string) (
 	return buf.Bytes(), true
 }
 
-// fingerprint is the SHA-256 of the method, the path, the query and the
-// body, each preceded by its length (8 bytes, big-endian), after a version
-// tag: no two different requests give the same input.
-func fingerprint(r *http.Request, body []byte) []byte {
+// DefaultFingerprint is the default of Options.Fingerprint: the SHA-256 of
+// the method, the escaped path, the raw query and the body, each preceded
+// by its length (8 bytes, big-endian), after a version tag, so that no two
+// different requests give the same input. A key reused with another
+// method, path, query or body is a conflict, never the replay of another
+// request's response. (Stored with every key: it never changes for a
+// request, or retries of keys stored before the change would conflict.)
+func DefaultFingerprint(r *http.Request, body []byte) []byte {
 	s := sha256.New()
 	s.Write([]byte("idemhttp fingerprint 1\x00"))
 	field(s, []byte(r.Method))
@@ -209,7 +216,7 @@ func (h *handler) serveKey(w http.ResponseWriter, r *http.Request, scope, key st
 		waitUntil = time.Now().Add(h.c.waitInFlight)
 	}
 	for {
-		res, err := h.e.Begin(ctx, h.c.request(scope, id, fp, acked))
+		res, err := h.s.Begin(ctx, h.c.request(scope, id, fp, acked))
 		if err != nil {
 			if errors.Is(err, idem.ErrConflict) {
 				h.ack(ctx, scope, acked)
@@ -228,9 +235,9 @@ func (h *handler) serveKey(w http.ResponseWriter, r *http.Request, scope, key st
 		case idem.InFlight:
 			if left := time.Until(waitUntil); left > 0 {
 				wctx, cancel := context.WithTimeout(ctx, left)
-				_, err := h.e.Wait(wctx, idem.Request{Scope: scope, ID: id})
+				_, err := h.s.Wait(wctx, h.c.request(scope, id, fp, nil))
 				cancel()
-				if err == nil {
+				if err == nil || errors.Is(err, idem.ErrConflict) {
 					continue // finished (or its lease ran out): ask again
 				}
 			}
@@ -238,7 +245,7 @@ func (h *handler) serveKey(w http.ResponseWriter, r *http.Request, scope, key st
 			writeError(w, http.StatusConflict, CodeProcessing, detailProcessing, key, h.c.retryAfter)
 			return
 		default:
-			h.c.log.LogAttrs(ctx, slog.LevelError, "idemhttp: unexpected engine status",
+			h.c.log.LogAttrs(ctx, slog.LevelError, "idemhttp: unexpected store status",
 				slog.String("key", key), slog.String("status", res.Status.String()))
 			writeError(w, http.StatusInternalServerError, CodeInternal, detailInternal, key, 0)
 			return
@@ -252,7 +259,7 @@ func (h *handler) ack(ctx context.Context, scope string, acked [][]byte) {
 	if len(acked) == 0 {
 		return
 	}
-	if err := h.e.Ack(ctx, scope, acked...); err != nil && ctx.Err() == nil {
+	if err := h.s.Ack(ctx, scope, acked...); err != nil && ctx.Err() == nil {
 		h.c.log.LogAttrs(ctx, slog.LevelWarn, "idemhttp: acking keys", slog.Int("keys", len(acked)), slog.Any("error", err))
 	}
 }
@@ -267,11 +274,11 @@ func (h *handler) beginError(w http.ResponseWriter, r *http.Request, key string,
 			slog.String("key", key), slog.Any("error", err))
 		writeError(w, http.StatusServiceUnavailable, CodeStoreUnavailable, detailUnavailable, key, h.c.retryAfter)
 	case errors.Is(err, idem.ErrClosed) || errors.Is(err, idem.ErrFailed):
-		h.c.log.LogAttrs(ctx, slog.LevelError, "idemhttp: engine unavailable",
+		h.c.log.LogAttrs(ctx, slog.LevelError, "idemhttp: store unavailable",
 			slog.String("method", r.Method), slog.String("path", r.URL.Path), slog.String("key", key), slog.Any("error", err))
 		writeError(w, http.StatusServiceUnavailable, CodeStoreUnavailable, detailUnavailable, key, h.c.retryAfter)
 	default:
-		h.c.log.LogAttrs(ctx, slog.LevelError, "idemhttp: engine refused the request",
+		h.c.log.LogAttrs(ctx, slog.LevelError, "idemhttp: store refused the request",
 			slog.String("method", r.Method), slog.String("path", r.URL.Path), slog.String("key", key), slog.Any("error", err))
 		writeError(w, http.StatusInternalServerError, CodeInternal, detailInternal, key, 0)
 	}
@@ -303,8 +310,12 @@ func (h *handler) run(w http.ResponseWriter, r *http.Request, key string, body [
 	r2.Body = io.NopCloser(bytes.NewReader(body))
 	r2.ContentLength = int64(len(body))
 	r2.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
-	// Storing and releasing happen even if the client has gone away.
-	bg := context.WithoutCancel(r.Context())
+	// Storing and releasing happen even if the client has gone away: once
+	// a claim exists, Commit and Abort write their record whatever the
+	// context says (idem.Claim); the request's context only bounds how
+	// long a networked store is waited for (its error is then
+	// idem.ErrInDoubt, logged).
+	ctx := r.Context()
 	returned := false
 	defer func() {
 		if returned {
@@ -312,28 +323,29 @@ func (h *handler) run(w http.ResponseWriter, r *http.Request, key string, body [
 		}
 		// The handler panicked: release the key (a retry runs again) and
 		// let the panic go on to net/http.
-		if err := claim.Abort(bg); err != nil {
+		if err := claim.Abort(ctx); err != nil {
 			h.logStore(r, key, "releasing the key of a handler that panicked", err)
 		}
 	}()
 	h.next.ServeHTTP(rec, r2)
 	returned = true
-	h.finish(w, r, key, rec, claim, bg)
+	h.finish(w, r, key, rec, claim)
 }
 
-func (h *handler) finish(w http.ResponseWriter, r *http.Request, key string, rec *recorder, claim *idem.Claim, bg context.Context) {
+func (h *handler) finish(w http.ResponseWriter, r *http.Request, key string, rec *recorder, claim *idem.Claim) {
+	ctx := r.Context()
 	status := rec.finalStatus()
 	switch {
 	case !rec.wroteAny && r.Context().Err() != nil:
 		// The request ended (client gone, a timeout) and the handler gave
 		// up without a response: a failure, the key is released.
-		if err := claim.Abort(bg); err != nil {
+		if err := claim.Abort(ctx); err != nil {
 			h.logStore(r, key, "releasing the key of a canceled request", err)
 		}
 		writeError(w, http.StatusServiceUnavailable, CodeCanceled, detailCanceled, key, h.c.retryAfter)
 	case status >= 500:
 		// A failed request releases its key: the retry runs again.
-		if err := claim.Abort(bg); err != nil {
+		if err := claim.Abort(ctx); err != nil {
 			h.logStore(r, key, "releasing the key of a failed request", err)
 		}
 		if rec.streaming {
@@ -342,20 +354,20 @@ func (h *handler) finish(w http.ResponseWriter, r *http.Request, key string, rec
 			_ = sendStored(w, rec.stored(), false)
 		}
 	case rec.streaming:
-		h.commitNotStored(r, key, claim, bg, status)
+		h.commitNotStored(r, key, claim, status)
 		copyHeader(w.Header(), trailers(rec.snapshot, rec.header))
 	default:
 		s := rec.stored()
 		reply, err := s.Encode()
 		if err == nil {
-			err = claim.Commit(bg, reply)
+			err = claim.Commit(ctx, reply)
 		}
 		if errors.Is(err, idem.ErrInvalidRequest) {
 			// Larger than the engine stores (its MaxReplySize): the key
 			// is kept as handled, its response not replayable.
 			h.c.log.LogAttrs(r.Context(), slog.LevelWarn, "idemhttp: response too large for the engine; stored as not replayable",
 				slog.String("method", r.Method), slog.String("path", r.URL.Path), slog.String("key", key), slog.Int("bytes", len(reply)), slog.Any("error", err))
-			h.commitNotStored(r, key, claim, bg, status)
+			h.commitNotStored(r, key, claim, status)
 		} else if err != nil {
 			h.logStore(r, key, "storing the response (sent anyway)", err)
 		}
@@ -366,28 +378,31 @@ func (h *handler) finish(w http.ResponseWriter, r *http.Request, key string, rec
 // commitNotStored commits the marker of a response too large to store: its
 // status only (a retry gets IDEMPOTENCY_RESPONSE_NOT_STORED, never the
 // handler's header), so the marker itself is always small.
-func (h *handler) commitNotStored(r *http.Request, key string, claim *idem.Claim, bg context.Context, status int) {
+func (h *handler) commitNotStored(r *http.Request, key string, claim *idem.Claim, status int) {
+	ctx := r.Context()
 	m := &StoredResponse{Status: status, NotStored: true}
 	reply, err := m.Encode()
 	if err == nil {
-		err = claim.Commit(bg, reply)
+		err = claim.Commit(ctx, reply)
 	}
 	if err != nil {
 		h.logStore(r, key, "storing the not-replayable marker", err)
 	}
 }
 
-// logStore logs a failure to store or release a key: the engine failed
-// (the claim stays in doubt until resolved, see the package documentation)
-// or the claim's lease ran out and another request took the key over.
+// logStore logs a failure to store or release a key: the store failed or
+// stopped waiting for the outcome (idem.ErrInDoubt: the claim may stay in
+// doubt until its lease runs out, see the package documentation), or the
+// claim's lease ran out and another request took the key over.
 func (h *handler) logStore(r *http.Request, key, what string, err error) {
 	h.c.log.LogAttrs(r.Context(), slog.LevelError, "idemhttp: "+what,
 		slog.String("method", r.Method), slog.String("path", r.URL.Path), slog.String("key", key), slog.Any("error", err))
 }
 
-// request builds the engine request for a key. The TTL is this
-// middleware's: the engine decides expiry by its own clock
-// (idem.Options.Clock), so every time decision about a key is the engine's.
+// request builds the store request for a key. The TTL is this
+// middleware's: the store decides expiry by its own clock (Store.Now;
+// idem.Options.Clock for the engine), so every time decision about a key
+// is the store's.
 func (c *config) request(scope string, id, fp []byte, acked [][]byte) idem.Request {
 	return idem.Request{Scope: scope, ID: id, Fingerprint: fp, Acked: acked, TTL: c.ttl}
 }

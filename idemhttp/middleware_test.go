@@ -39,7 +39,7 @@ func TestScenarios(t *testing.T) {
 	ctx := testCtx(t, 30*time.Second)
 	e := openEngine(t, nil, nil)
 	app := &items{}
-	srv := serve(t, idemhttp.Middleware(e, &idemhttp.Options{Logger: testLogger(t)})(app))
+	srv := serve(t, mw(t, e, &idemhttp.Options{Logger: testLogger(t)})(app))
 
 	// 1. New key: runs, 201.
 	first := post(t, ctx, srv, "new-key-123", item1)
@@ -110,7 +110,7 @@ func TestConflictOnOtherEndpointAndStatus422(t *testing.T) {
 	ctx := testCtx(t, 30*time.Second)
 	e := openEngine(t, nil, nil)
 	app := &items{}
-	srv := serve(t, idemhttp.Middleware(e, &idemhttp.Options{ConflictStatus: http.StatusUnprocessableEntity})(app))
+	srv := serve(t, mw(t, e, &idemhttp.Options{ConflictStatus: http.StatusUnprocessableEntity})(app))
 	if r := post(t, ctx, srv, "k", item1); r.status != http.StatusCreated {
 		t.Fatal(r.status)
 	}
@@ -129,25 +129,33 @@ func TestInvalidKeys(t *testing.T) {
 	ctx := testCtx(t, 30*time.Second)
 	e := openEngine(t, nil, nil)
 	app := &items{}
-	srv := serve(t, idemhttp.Middleware(e, nil)(app))
-	for _, k := range []string{"@invalid-key#123", "invalid@key#123", "has space", strings.Repeat("k", 256), "ключ", "a.b", "a/b", "a+b"} {
+	srv := serve(t, mw(t, e, nil)(app))
+	const detail = "Invalid idempotency key format. Key must be 1-255 characters long and contain only letters, numbers, hyphens, and underscores"
+	for _, k := range []string{"@invalid-key#123", "invalid@key#123", "has space", "ключ", "a.b", "a/b", "a+b", strings.Repeat("k", 254) + "!"} {
 		r := post(t, ctx, srv, k, item1)
-		eb := wantError(t, r, http.StatusBadRequest, idemhttp.CodeInvalidKey, k)
-		if !strings.Contains(eb.Detail, "1-255 characters") {
-			t.Fatalf("detail %q", eb.Detail)
+		if eb := wantError(t, r, http.StatusBadRequest, idemhttp.CodeInvalidKey, k); eb.Detail != detail {
+			t.Fatalf("detail %q, want %q", eb.Detail, detail)
 		}
 	}
 	// An empty header is present but empty: invalid too.
 	r := do(t, ctx, srv.Client(), http.MethodPost, srv.URL+itemsPath, item1, idemhttp.HeaderKey, "")
-	wantError(t, r, http.StatusBadRequest, idemhttp.CodeInvalidKey, "")
+	if eb := wantError(t, r, http.StatusBadRequest, idemhttp.CodeInvalidKey, ""); eb.Detail != detail {
+		t.Fatalf("detail %q", eb.Detail)
+	}
 	// Sent twice: ambiguous.
 	r = do(t, ctx, srv.Client(), http.MethodPost, srv.URL+itemsPath, item1, idemhttp.HeaderKey, "a", idemhttp.HeaderKey, "b")
-	wantError(t, r, http.StatusBadRequest, idemhttp.CodeInvalidKey, "a, b")
-	// A 10 KiB key is echoed clipped.
-	long := strings.Repeat("x", 10<<10)
-	r = post(t, ctx, srv, long, item1)
-	if eb := r.errorBody(t); r.status != 400 || eb.IdempotencyKey != long[:1024]+"..." {
-		t.Fatalf("%d, echoed key of %d bytes", r.status, len(eb.IdempotencyKey))
+	if eb := wantError(t, r, http.StatusBadRequest, idemhttp.CodeInvalidKey, "a, b"); eb.Detail != "Invalid idempotency key: the Idempotency-Key header was sent more than once" {
+		t.Fatalf("detail %q", eb.Detail)
+	}
+	// A key longer than 255 bytes is echoed cut to its first 64 bytes and
+	// its length, and the detail says so: the whole body, byte for byte.
+	for _, n := range []int{256, 300, 10 << 10} {
+		long := strings.Repeat("x", n)
+		r = post(t, ctx, srv, long, item1)
+		want := fmt.Sprintf(`{"detail":"%s. The key sent is %d bytes long: idempotency_key shows its first 64","error_code":"INVALID_IDEMPOTENCY_KEY","idempotency_key":"%s…(%d bytes)"}`+"\n", detail, n, long[:64], n)
+		if r.status != http.StatusBadRequest || string(r.body) != want {
+			t.Fatalf("%d-byte key: %d %s, want 400 %s", n, r.status, r.body, want)
+		}
 	}
 	if app.calls.Load() != 0 {
 		t.Fatalf("invalid keys ran the handler %d times", app.calls.Load())
@@ -164,7 +172,7 @@ func TestPassThroughAndRequireKey(t *testing.T) {
 	ctx := testCtx(t, 30*time.Second)
 	e := openEngine(t, nil, nil)
 	app := &items{}
-	srv := serve(t, idemhttp.Middleware(e, nil)(app))
+	srv := serve(t, mw(t, e, nil)(app))
 	// No key: passes through, every time.
 	for i := 1; i <= 2; i++ {
 		if r := post(t, ctx, srv, "", item1); r.status != http.StatusCreated || r.header.Get(idemhttp.HeaderReplayed) != "" {
@@ -183,9 +191,11 @@ func TestPassThroughAndRequireKey(t *testing.T) {
 	}
 
 	// RequireKey: 400 MISSING_IDEMPOTENCY_KEY; Methods: PUT too.
-	srv2 := serve(t, idemhttp.Middleware(e, &idemhttp.Options{RequireKey: true, Methods: []string{"POST", "PUT"}})(app))
+	srv2 := serve(t, mw(t, e, &idemhttp.Options{RequireKey: true, Methods: []string{"POST", "PUT"}})(app))
 	r := do(t, ctx, srv2.Client(), http.MethodPut, srv2.URL+itemsPath, item1)
-	wantError(t, r, http.StatusBadRequest, idemhttp.CodeMissingKey, "")
+	if eb := wantError(t, r, http.StatusBadRequest, idemhttp.CodeMissingKey, ""); eb.Detail != "This endpoint requires an Idempotency-Key header" {
+		t.Fatalf("detail %q", eb.Detail)
+	}
 	r = do(t, ctx, srv2.Client(), http.MethodPut, srv2.URL+itemsPath, item1, idemhttp.HeaderKey, "put-1")
 	if r.status != http.StatusCreated {
 		t.Fatal(r.status)
@@ -203,7 +213,7 @@ func TestTimingTable(t *testing.T) {
 	clk := testclock.New()
 	e := openEngine(t, clk, nil)
 	app := &items{}
-	srv := serve(t, idemhttp.Middleware(e, nil)(app)) // default TTL: 1 hour
+	srv := serve(t, mw(t, e, nil)(app)) // default TTL: 1 hour
 	start := clk.Now()
 	first := post(t, ctx, srv, "timed-key", item1)
 	if first.status != http.StatusCreated {
@@ -255,8 +265,8 @@ func TestTTLPerMiddleware(t *testing.T) {
 	clk := testclock.New()
 	e := openEngine(t, clk, nil)
 	app := &items{}
-	short := serve(t, idemhttp.Middleware(e, &idemhttp.Options{TTL: time.Minute, Scope: "short"})(app))
-	long := serve(t, idemhttp.Middleware(e, &idemhttp.Options{TTL: 24 * time.Hour, Scope: "long"})(app))
+	short := serve(t, mw(t, e, &idemhttp.Options{TTL: time.Minute, ScopePrefix: "short"})(app))
+	long := serve(t, mw(t, e, &idemhttp.Options{TTL: 24 * time.Hour, ScopePrefix: "long"})(app))
 	post(t, ctx, short, "k", item1)
 	post(t, ctx, long, "k", item1)
 	if app.calls.Load() != 2 {
@@ -280,7 +290,7 @@ func TestConcurrentRetriesOneExecution(t *testing.T) {
 	ctx := testCtx(t, 60*time.Second)
 	e := openEngine(t, nil, nil)
 	app := &items{}
-	srv := serve(t, idemhttp.Middleware(e, nil)(app))
+	srv := serve(t, mw(t, e, nil)(app))
 	tr := srv.Client().Transport.(*http.Transport)
 	tr.MaxIdleConnsPerHost = 300
 	n, rounds := 300, 3
@@ -332,7 +342,7 @@ func TestWaitInFlight(t *testing.T) {
 	ctx := testCtx(t, 30*time.Second)
 	e := openEngine(t, nil, nil)
 	app := &items{gate: make(chan struct{}), started: make(chan struct{}, 1)}
-	srv := serve(t, idemhttp.Middleware(e, &idemhttp.Options{WaitInFlight: 20 * time.Second})(app))
+	srv := serve(t, mw(t, e, &idemhttp.Options{WaitInFlight: 20 * time.Second})(app))
 	const n = 20
 	res := make([]response, n)
 	go func() {
@@ -367,7 +377,7 @@ func TestServerErrorReleasesKey(t *testing.T) {
 			http.Error(w, "sku already exists", http.StatusBadRequest)
 		}
 	})
-	srv := serve(t, idemhttp.Middleware(e, nil)(h))
+	srv := serve(t, mw(t, e, nil)(h))
 	r := post(t, ctx, srv, "k5", item1)
 	if r.status != http.StatusServiceUnavailable || string(r.body) != "database down\n" {
 		t.Fatalf("%d %q", r.status, r.body)
@@ -413,7 +423,7 @@ func TestPanicReleasesKey(t *testing.T) {
 				panic(v)
 			}
 		}()
-		idemhttp.Middleware(e, &idemhttp.Options{Logger: testLogger(t)})(h).ServeHTTP(w, r)
+		mw(t, e, &idemhttp.Options{Logger: testLogger(t)})(h).ServeHTTP(w, r)
 	}))
 	for i, want := range []any{"boom", http.ErrAbortHandler} {
 		if _, err := tryDo(ctx, srv.Client(), http.MethodPost, srv.URL+itemsPath, item1, idemhttp.HeaderKey, "kp"); err == nil {
@@ -431,13 +441,13 @@ func TestPanicReleasesKey(t *testing.T) {
 	sameResponse(t, r, post(t, ctx, srv, "kp", item1))
 }
 
-// Principals: one key space each; a Principal error is a 401.
-func TestPrincipalsKeptApart(t *testing.T) {
+// Actors: one key space each; a Actor error is a 401.
+func TestActorsKeptApart(t *testing.T) {
 	ctx := testCtx(t, 30*time.Second)
 	e := openEngine(t, nil, nil)
 	app := &items{}
-	opts := &idemhttp.Options{Principal: bearer, Logger: testLogger(t)}
-	srv := serve(t, idemhttp.Middleware(e, opts)(app))
+	opts := &idemhttp.Options{Actor: bearer, Logger: testLogger(t)}
+	srv := serve(t, mw(t, e, opts)(app))
 	alice := post(t, ctx, srv, "same-key", item1, "Authorization", "Bearer alice")
 	bob := post(t, ctx, srv, "same-key", item1, "Authorization", "Bearer bob")
 	if alice.status != 201 || bob.status != 201 || string(alice.body) == string(bob.body) || app.calls.Load() != 2 {
@@ -454,23 +464,23 @@ func TestPrincipalsKeptApart(t *testing.T) {
 	if r := post(t, ctx, srv, "", item1); r.status != 201 {
 		t.Fatal(r.status)
 	}
-	// A principal that is a prefix of another, or holds the separators.
+	// A actor that is a prefix of another, or holds the separators.
 	for _, p := range []string{"al", "alice/p:x", "alice/-", strings.Repeat("p", 300), strings.Repeat("p", 301)} {
 		r := post(t, ctx, srv, "same-key", item1, "Authorization", "Bearer "+p)
 		if r.status != 201 || r.header.Get(idemhttp.HeaderReplayed) != "" {
-			t.Fatalf("principal %q met another's key: %d %v", p, r.status, r.header)
+			t.Fatalf("actor %q met another's key: %d %v", p, r.status, r.header)
 		}
 	}
 	// The engine holds them in scopes ScopeFor names.
 	for _, p := range []string{"alice", "bob"} {
-		res, err := e.Lookup(context.Background(), idem.Request{Scope: idemhttp.ScopeFor("", p), ID: []byte("same-key")})
+		res, err := e.Lookup(ctx, idem.Request{Scope: idemhttp.ScopeFor("", p), ID: []byte("same-key")})
 		if err != nil || res.Status != idem.Done {
 			t.Fatalf("%s: %v %v", p, res.Status, err)
 		}
 	}
 }
 
-// bearer is the test's authentication: the principal is the bearer token.
+// bearer is the test's authentication: the actor is the bearer token.
 func bearer(r *http.Request) (string, error) {
 	tok, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
 	if !ok {
@@ -479,20 +489,20 @@ func bearer(r *http.Request) (string, error) {
 	return tok, nil
 }
 
-// Acked keys free storage at once with a Principal, and are ignored
+// Acked keys free storage at once with a Actor, and are ignored
 // without one.
 func TestAckedKeys(t *testing.T) {
 	ctx := testCtx(t, 30*time.Second)
 	e := openEngine(t, nil, nil)
 	app := &items{}
-	srv := serve(t, idemhttp.Middleware(e, &idemhttp.Options{Principal: bearer, MaxAckedKeys: 3})(app))
+	srv := serve(t, mw(t, e, &idemhttp.Options{Actor: bearer, MaxAckedKeys: 3})(app))
 	auth := []string{"Authorization", "Bearer alice"}
 	scope := idemhttp.ScopeFor("", "alice")
 	for _, k := range []string{"k1", "k2", "k3", "k4"} {
 		post(t, ctx, srv, k, item1, auth...)
 	}
 	lookup := func(k string) idem.Status {
-		res, err := e.Lookup(context.Background(), idem.Request{Scope: scope, ID: []byte(k)})
+		res, err := e.Lookup(ctx, idem.Request{Scope: scope, ID: []byte(k)})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -525,12 +535,12 @@ func TestAckedKeys(t *testing.T) {
 		t.Fatal("a refused request changed keys")
 	}
 
-	// Without Principal the header is ignored.
-	shared := serve(t, idemhttp.Middleware(e, &idemhttp.Options{Scope: "shared"})(app))
+	// Without Actor the header is ignored.
+	shared := serve(t, mw(t, e, &idemhttp.Options{ScopePrefix: "shared"})(app))
 	post(t, ctx, shared, "s1", item1)
 	post(t, ctx, shared, "s2", item1, idemhttp.HeaderAckedKeys, "s1")
-	if res, _ := e.Lookup(context.Background(), idem.Request{Scope: idemhttp.ScopeFor("shared", ""), ID: []byte("s1")}); res.Status != idem.Done {
-		t.Fatalf("s1 acked without a principal: %v", res.Status)
+	if res, _ := e.Lookup(ctx, idem.Request{Scope: idemhttp.ScopeFor("shared", ""), ID: []byte("s1")}); res.Status != idem.Done {
+		t.Fatalf("s1 acked without an actor: %v", res.Status)
 	}
 }
 
@@ -538,7 +548,7 @@ func TestRequestBodyLimit(t *testing.T) {
 	ctx := testCtx(t, 30*time.Second)
 	e := openEngine(t, nil, nil)
 	app := &items{}
-	srv := serve(t, idemhttp.Middleware(e, &idemhttp.Options{MaxRequestBytes: 1000})(app))
+	srv := serve(t, mw(t, e, &idemhttp.Options{MaxRequestBytes: 1000})(app))
 	big := `"` + strings.Repeat("x", 1000) + `"`
 	r := post(t, ctx, srv, "big", big)
 	eb := wantError(t, r, http.StatusRequestEntityTooLarge, idemhttp.CodeRequestTooLarge, "big")
@@ -579,7 +589,7 @@ func TestResponseLimit(t *testing.T) {
 			fmt.Fprintf(w, "%099d\n", i)
 		}
 	})
-	srv := serve(t, idemhttp.Middleware(e, &idemhttp.Options{MaxResponseBytes: 2000, Logger: testLogger(t)})(h))
+	srv := serve(t, mw(t, e, &idemhttp.Options{MaxResponseBytes: 2000, Logger: testLogger(t)})(h))
 	small := do(t, ctx, srv.Client(), "POST", srv.URL+"/x", "", idemhttp.HeaderKey, "small")
 	if small.status != 200 || len(small.body) != 1000 || small.header.Get("Content-Length") != "1000" {
 		t.Fatalf("%d %d %v", small.status, len(small.body), small.header)
@@ -621,7 +631,7 @@ func TestStreamingHandler(t *testing.T) {
 			io.WriteString(w, "end")
 		}
 	})
-	srv := serve(t, idemhttp.Middleware(e, &idemhttp.Options{MaxResponseBytes: 2000})(h))
+	srv := serve(t, mw(t, e, &idemhttp.Options{MaxResponseBytes: 2000})(h))
 	first := do(t, ctx, srv.Client(), "POST", srv.URL+"/small", "", idemhttp.HeaderKey, "sse")
 	if string(first.body) != "data: 0\n\ndata: 1\n\ndata: 2\n\n" {
 		t.Fatalf("%q", first.body)
@@ -658,7 +668,7 @@ func TestTrailers(t *testing.T) {
 		w.Header().Set(http.TrailerPrefix+"X-Late", "late")
 		w.Header().Set("X-Ignored", "set after the status")
 	})
-	srv := serve(t, idemhttp.Middleware(e, nil)(h))
+	srv := serve(t, mw(t, e, nil)(h))
 	get := func() (*http.Response, string) {
 		req, _ := http.NewRequestWithContext(ctx, "POST", srv.URL, nil)
 		req.Header.Set(idemhttp.HeaderKey, "tr")
@@ -700,7 +710,7 @@ func TestClientDisconnect(t *testing.T) {
 		w.WriteHeader(http.StatusCreated)
 		io.WriteString(w, "done anyway")
 	})
-	srv := serve(t, idemhttp.Middleware(e, nil)(h))
+	srv := serve(t, mw(t, e, nil)(h))
 	for _, path := range []string{"/gives-up", "/finishes"} {
 		cctx, cancel := context.WithCancel(ctx)
 		go func() { <-started; cancel() }()
@@ -711,7 +721,7 @@ func TestClientDisconnect(t *testing.T) {
 		// The middleware finishes after the handler returned: wait for it.
 		var st idem.Status
 		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
-			res, _ := e.Lookup(context.Background(), idem.Request{Scope: idemhttp.ScopeFor("", ""), ID: []byte("gone" + path[1:])})
+			res, _ := e.Lookup(ctx, idem.Request{Scope: idemhttp.ScopeFor("", ""), ID: []byte("gone" + path[1:])})
 			if st = res.Status; st != idem.InFlight {
 				break
 			}

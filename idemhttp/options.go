@@ -9,34 +9,47 @@ import (
 
 // Options configure the middleware. The zero value (or nil) gives the
 // defaults of the Idempotency-Key service: POST only, a 1 hour TTL, one
-// shared key space.
+// shared key space, the fingerprint of method, path, query and body.
 type Options struct {
 	// TTL is how long a completed key is replayed: it expires at
 	// created_at + TTL (created_at is when the first request claimed it; a
 	// retry does not extend it), and a request after that, when
-	// expires_at < now by the engine's clock, runs as new. Default 1 hour.
+	// expires_at < now by the store's clock, runs as new. Default 1 hour.
 	// It is this middleware's own: middlewares with different TTLs can
-	// share one engine.
+	// share one store.
 	TTL time.Duration
 
 	// Methods the middleware handles (default POST only). Requests with
 	// other methods pass through untouched.
 	Methods []string
 
-	// Principal returns the authenticated identity of the request's caller
+	// Actor returns the authenticated identity of the request's caller
 	// (a user id, an API client id: taken from authentication, never from
-	// anything the client chooses). When set, every principal has its own
-	// key space: two users sending the same key never see each other's
+	// anything the client chooses). When set, every actor has its own key
+	// space: two users sending the same key never see each other's
 	// responses, and keys listed in Idempotency-Acked-Keys are acked. An
-	// error, or an empty principal, is a 401 (for requests with a key).
-	// When nil, all clients share one key space (see the package
-	// documentation) and acked keys are ignored.
-	Principal func(*http.Request) (string, error)
+	// error, or an empty actor, is a 401 (for requests with a key). When
+	// nil, all clients share one key space (see the package documentation)
+	// and acked keys are ignored.
+	Actor func(*http.Request) (string, error)
 
-	// Scope separates this middleware's keys from those of other
-	// middlewares sharing the engine (for example one per API version). At
+	// ScopePrefix separates this middleware's keys from those of other
+	// middlewares sharing the store (for example one per API version). At
 	// most 512 bytes. Default empty.
-	Scope string
+	ScopePrefix string
+
+	// Fingerprint computes what "the same request" means: a retry of a
+	// key whose fingerprint differs from the first request's is a 409
+	// IDEMPOTENCY_KEY_CONFLICT. It gets the request and its whole body
+	// (read already, at most MaxRequestBytes) and must not keep either.
+	// Default DefaultFingerprint (method, path, query and body). Replace it
+	// when something between client and server changes retries, for
+	// example a gateway that adds a query parameter of its own to every
+	// attempt: hash what the client sent, without it. The result is
+	// compared byte for byte and stored with the key: at most 1024 bytes
+	// (the engine's bound; a hash is best). A nil result means "any
+	// request": the key never conflicts.
+	Fingerprint func(r *http.Request, body []byte) []byte
 
 	// RequireKey makes the key mandatory: a request (with a method in
 	// Methods) without it is a 400 MISSING_IDEMPOTENCY_KEY, as the IETF
@@ -76,7 +89,7 @@ type Options struct {
 	MaxAckedKeys int
 
 	// Logger receives the middleware's warnings and errors (a response that
-	// could not be stored, engine failures). Never the request body.
+	// could not be stored, store failures). Never the request body.
 	// Default slog.Default().
 	Logger *slog.Logger
 }
@@ -95,9 +108,10 @@ const (
 type config struct {
 	ttl            time.Duration
 	methods        map[string]bool
-	principal      func(*http.Request) (string, error)
+	actor          func(*http.Request) (string, error)
 	prefix         string
 	shared         string // scope of the shared space
+	fingerprint    func(*http.Request, []byte) []byte
 	requireKey     bool
 	conflictStatus int
 	maxRequest     int64
@@ -108,18 +122,19 @@ type config struct {
 	log            *slog.Logger
 }
 
-// newConfig applies the defaults and checks the options; a bad option is a
-// programming error, reported by a panic when the middleware is built (as
-// net/http does for a bad pattern), never at request time.
-func newConfig(o *Options) *config {
+// newConfig applies the defaults and checks the options; a bad option is
+// an error naming the field and its value, returned when the middleware is
+// built, never at request time.
+func newConfig(o *Options) (*config, error) {
 	if o == nil {
 		o = &Options{}
 	}
 	c := &config{
 		ttl:            o.TTL,
 		methods:        make(map[string]bool),
-		principal:      o.Principal,
-		prefix:         o.Scope,
+		actor:          o.Actor,
+		prefix:         o.ScopePrefix,
+		fingerprint:    o.Fingerprint,
 		requireKey:     o.RequireKey,
 		conflictStatus: o.ConflictStatus,
 		maxRequest:     o.MaxRequestBytes,
@@ -131,39 +146,42 @@ func newConfig(o *Options) *config {
 	}
 	switch {
 	case c.ttl < 0:
-		panic(fmt.Sprintf("idemhttp: Options.TTL %v is negative", c.ttl))
+		return nil, fmt.Errorf("idemhttp: Options.TTL %v is negative", c.ttl)
 	case c.ttl == 0:
 		c.ttl = defaultTTL
 	}
 	if len(o.Methods) == 0 {
 		c.methods[http.MethodPost] = true
 	}
-	for _, m := range o.Methods {
+	for i, m := range o.Methods {
 		if m == "" {
-			panic("idemhttp: Options.Methods holds an empty method")
+			return nil, fmt.Errorf("idemhttp: Options.Methods[%d] is empty", i)
 		}
 		c.methods[m] = true
 	}
 	if len(c.prefix) > maxScopePrefix {
-		panic(fmt.Sprintf("idemhttp: Options.Scope of %d bytes exceeds %d", len(c.prefix), maxScopePrefix))
+		return nil, fmt.Errorf("idemhttp: Options.ScopePrefix of %d bytes exceeds %d", len(c.prefix), maxScopePrefix)
 	}
 	c.shared = ScopeFor(c.prefix, "")
+	if c.fingerprint == nil {
+		c.fingerprint = DefaultFingerprint
+	}
 	switch c.conflictStatus {
 	case 0:
 		c.conflictStatus = http.StatusConflict
 	case http.StatusConflict, http.StatusUnprocessableEntity:
 	default:
-		panic(fmt.Sprintf("idemhttp: Options.ConflictStatus %d: want 409 or 422", c.conflictStatus))
+		return nil, fmt.Errorf("idemhttp: Options.ConflictStatus %d: want 409 or 422", c.conflictStatus)
 	}
 	switch {
 	case c.maxRequest < 0:
-		panic(fmt.Sprintf("idemhttp: Options.MaxRequestBytes %d is negative", c.maxRequest))
+		return nil, fmt.Errorf("idemhttp: Options.MaxRequestBytes %d is negative", c.maxRequest)
 	case c.maxRequest == 0:
 		c.maxRequest = defaultMaxRequest
 	}
 	switch {
 	case c.maxResponse < 0 || c.maxResponse > maxResponseLimit:
-		panic(fmt.Sprintf("idemhttp: Options.MaxResponseBytes %d: want 0..%d", c.maxResponse, maxResponseLimit))
+		return nil, fmt.Errorf("idemhttp: Options.MaxResponseBytes %d: want 0..%d", c.maxResponse, maxResponseLimit)
 	case c.maxResponse == 0:
 		c.maxResponse = defaultMaxResponse
 	}
@@ -174,10 +192,10 @@ func newConfig(o *Options) *config {
 	case c.maxAcked == 0:
 		c.maxAcked = defaultMaxAckedKeys
 	case c.maxAcked > maxAckedLimit:
-		panic(fmt.Sprintf("idemhttp: Options.MaxAckedKeys %d exceeds %d (the engine's bound)", c.maxAcked, maxAckedLimit))
+		return nil, fmt.Errorf("idemhttp: Options.MaxAckedKeys %d exceeds %d (the engine's bound)", c.maxAcked, maxAckedLimit)
 	}
 	if c.log == nil {
 		c.log = slog.Default()
 	}
-	return c
+	return c, nil
 }

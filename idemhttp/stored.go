@@ -10,10 +10,10 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 )
 
-// StoredResponse is what the middleware commits to the engine for a key:
+// StoredResponse is what the middleware commits to the store for a key:
 // the handler's response, replayed byte for byte to every retry.
 //
-// The engine keeps it as the reply of the key, encoded by Encode (a msgpack
+// The store keeps it as the reply of the key, encoded by Encode (a msgpack
 // array: format version, status, header, body, trailer, flags; fields are
 // only ever appended, and Decode skips fields it does not know).
 type StoredResponse struct {

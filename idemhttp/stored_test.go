@@ -96,19 +96,19 @@ func FuzzDecodeStoredResponse(f *testing.F) {
 	})
 }
 
-// No two (prefix, principal) pairs share a scope, and ParseKey reads back
+// No two (prefix, actor) pairs share a scope, and ParseKey reads back
 // every one.
 func TestScopesNeverCollide(t *testing.T) {
 	parts := []string{"", "a", "b", "ab", "a/", "/", "-", "p:", "p:a", "1:a", "a/p:b", "/-", "h:00", "0:", ":", "a:b/c",
-		strings.Repeat("x", idemhttp.MaxVerbatimPrincipal), strings.Repeat("x", idemhttp.MaxVerbatimPrincipal+1), strings.Repeat("x", 1000)}
+		strings.Repeat("x", idemhttp.MaxVerbatimActor), strings.Repeat("x", idemhttp.MaxVerbatimActor+1), strings.Repeat("x", 1000)}
 	seen := make(map[string][2]string)
 	for _, prefix := range parts {
-		for _, principal := range parts {
-			s := ScopeFor(prefix, principal)
+		for _, actor := range parts {
+			s := ScopeFor(prefix, actor)
 			if prev, ok := seen[s]; ok {
-				t.Fatalf("(%q, %q) and (%q, %q) share scope %q", prev[0], prev[1], prefix, principal, s)
+				t.Fatalf("(%q, %q) and (%q, %q) share scope %q", prev[0], prev[1], prefix, actor, s)
 			}
-			seen[s] = [2]string{prefix, principal}
+			seen[s] = [2]string{prefix, actor}
 			if len(s) > 1024 && len(prefix) <= 512 {
 				t.Fatalf("scope of %d bytes for a %d-byte prefix", len(s), len(prefix))
 			}
@@ -116,12 +116,12 @@ func TestScopesNeverCollide(t *testing.T) {
 			if !ok || info.Prefix != prefix || info.Key != "key-1" {
 				t.Fatalf("ParseKey(%q) = %+v %v", s, info, ok)
 			}
-			if len(principal) > idemhttp.MaxVerbatimPrincipal {
-				if !info.PrincipalHashed || len(info.Principal) != 64 {
-					t.Fatalf("long principal: %+v", info)
+			if len(actor) > idemhttp.MaxVerbatimActor {
+				if !info.ActorHashed || len(info.Actor) != 64 {
+					t.Fatalf("long actor: %+v", info)
 				}
-			} else if info.Principal != principal || info.PrincipalHashed {
-				t.Fatalf("principal %q parsed as %+v", principal, info)
+			} else if info.Actor != actor || info.ActorHashed {
+				t.Fatalf("actor %q parsed as %+v", actor, info)
 			}
 		}
 	}

@@ -6,6 +6,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"math/rand/v2"
@@ -41,7 +42,7 @@ import (
 // itself has been read to the end, the key is remembered and sent to the
 // same server (scheme, host and Authorization header) in the
 // Idempotency-Acked-Keys header of later requests, at most MaxAckedKeys per
-// request, so that a middleware with a Principal frees it long before its
+// request, so that a middleware with a Actor frees it long before its
 // TTL. This is best effort: keys not yet sent when the transport is
 // dropped simply expire. Keys the caller set are never acked (the caller
 // may send them again), and a request that already has an
@@ -63,8 +64,17 @@ type Transport struct {
 	// drawn uniformly from [d/2, d].
 	BaseDelay, MaxDelay time.Duration
 	// AttemptTimeout bounds each attempt, until the response headers
-	// arrive and while its body is read (default 0: only the request's
-	// context bounds it).
+	// arrive and while its body is read (zero or negative: the default,
+	// DefaultAttemptTimeout). Every attempt has one, whatever the
+	// request's context says: a connection whose peer vanished without a
+	// reset (a "zombie" socket) never answers, and only a timeout ends the
+	// attempt. After an attempt timed out the transport makes sure the
+	// retry does not reuse a connection from the pool: the timed-out
+	// connection is closed (net/http closes the connection of a request
+	// whose context ended before its response was read) and so are Base's
+	// idle connections (when Base has CloseIdleConnections, as
+	// *http.Transport does), which may be just as dead; the retry dials a
+	// new one.
 	AttemptTimeout time.Duration
 	// MaxBufferBytes bounds the buffering of a body without GetBody
 	// (default 1 MiB).
@@ -79,6 +89,9 @@ type Transport struct {
 	mu      sync.Mutex
 	pending map[string][]string // destination -> keys to ack
 }
+
+// DefaultAttemptTimeout is Transport.AttemptTimeout's default.
+const DefaultAttemptTimeout = 30 * time.Second
 
 const (
 	defaultAttempts   = 5
@@ -156,19 +169,21 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 			t.putAcks(dest, acks)
 			return nil, err
 		}
-		cancel := context.CancelFunc(func() {})
-		if t.AttemptTimeout > 0 {
-			var actx context.Context
-			actx, cancel = context.WithTimeout(ctx, t.AttemptTimeout)
-			out = out.WithContext(actx)
-		}
+		// The attempt's deadline is the transport's own: when it passes
+		// (and the caller's context has not ended) the attempt timed out.
+		actx, cancel := context.WithTimeout(ctx, orDefault(t.AttemptTimeout, DefaultAttemptTimeout))
+		out = out.WithContext(actx)
 		resp, err := t.base().RoundTrip(out)
 		retry, wait := false, time.Duration(0)
 		if err != nil {
+			timedOut := errors.Is(actx.Err(), context.DeadlineExceeded)
 			cancel()
 			if ctx.Err() != nil {
 				t.putAcks(dest, acks)
 				return nil, err // the caller's context ended: not ours to retry
+			}
+			if timedOut {
+				t.discardPool()
 			}
 			retry = true
 		} else {
@@ -198,6 +213,10 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		resp.Body = &respBody{ReadCloser: resp.Body, cancel: cancel, onEOF: func() {
 			if own && !retry {
 				t.putAcks(dest, []string{key})
+			}
+		}, onTimeout: func() {
+			if ctx.Err() == nil && errors.Is(actx.Err(), context.DeadlineExceeded) {
+				t.discardPool() // the body read timed out: the next request dials
 			}
 		}}
 		return resp, nil
@@ -269,6 +288,17 @@ func (t *Transport) backoff(attempt int) time.Duration {
 	return d/2 + rand.N(d/2+1)
 }
 
+// discardPool closes Base's idle connections after an attempt timed out,
+// so that the retry dials a new connection instead of taking from the pool
+// one that may be as dead as the one that timed out (the timed-out one is
+// closed by net/http itself: it closes the connection of a request whose
+// context ended before its response was read).
+func (t *Transport) discardPool() {
+	if c, ok := t.base().(interface{ CloseIdleConnections() }); ok {
+		c.CloseIdleConnections()
+	}
+}
+
 func sleep(ctx context.Context, d time.Duration) error {
 	if d <= 0 {
 		return ctx.Err()
@@ -288,19 +318,23 @@ func drain(b io.ReadCloser) {
 	_ = b.Close()
 }
 
-// respBody calls onEOF when the body has been read to its end, and ends the
-// attempt's context when it is closed.
+// respBody calls onEOF when the body has been read to its end (onTimeout
+// when reading it failed), and ends the attempt's context when it is
+// closed.
 type respBody struct {
 	io.ReadCloser
-	cancel context.CancelFunc
-	onEOF  func()
-	once   sync.Once
+	cancel    context.CancelFunc
+	onEOF     func()
+	onTimeout func()
+	once      sync.Once
 }
 
 func (b *respBody) Read(p []byte) (int, error) {
 	n, err := b.ReadCloser.Read(p)
 	if err == io.EOF {
 		b.once.Do(b.onEOF)
+	} else if err != nil {
+		b.once.Do(b.onTimeout)
 	}
 	return n, err
 }
@@ -419,8 +453,8 @@ func (t *Transport) putAcks(dest string, keys []string) {
 	t.pending[dest] = p
 }
 
-// PendingAcks returns how many keys wait to be acked to any server.
-func (t *Transport) PendingAcks() int {
+// pendingAcks returns how many keys wait to be acked to any server.
+func (t *Transport) pendingAcks() int {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	n := 0

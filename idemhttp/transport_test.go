@@ -48,7 +48,7 @@ func (d *dropper) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 func newTransportEnv(t *testing.T, opts *idemhttp.Options, drops int64) (*dropper, *items, *httptest.Server, *idem.Engine) {
 	e := openEngine(t, nil, nil)
 	app := &items{}
-	d := &dropper{h: idemhttp.Middleware(e, opts)(app)}
+	d := &dropper{h: mw(t, e, opts)(app)}
 	d.drops.Store(drops)
 	return d, app, serve(t, d), e
 }
@@ -253,7 +253,7 @@ func TestTransportAttemptTimeout(t *testing.T) {
 		w.WriteHeader(http.StatusCreated)
 		io.WriteString(w, "made")
 	})
-	srv := serve(t, idemhttp.Middleware(e, &idemhttp.Options{RetryAfter: 500 * time.Millisecond})(slow))
+	srv := serve(t, mw(t, e, &idemhttp.Options{RetryAfter: 500 * time.Millisecond})(slow))
 	c := client(srv, &idemhttp.Transport{AttemptTimeout: 100 * time.Millisecond})
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL, strings.NewReader("x"))
 	resp, err := c.Do(req)
@@ -301,10 +301,10 @@ func TestTransportKeysAndMethods(t *testing.T) {
 }
 
 // Acked keys, end to end: the transport acks the keys whose responses it
-// read, the middleware (with a Principal) frees them.
+// read, the middleware (with a Actor) frees them.
 func TestTransportAcksKeys(t *testing.T) {
 	ctx := testCtx(t, 30*time.Second)
-	d, _, srv, e := newTransportEnv(t, &idemhttp.Options{Principal: bearer}, 0)
+	d, _, srv, e := newTransportEnv(t, &idemhttp.Options{Actor: bearer}, 0)
 	tr := &idemhttp.Transport{MaxAckedKeys: 2}
 	c := client(srv, tr)
 	send := func(read bool) {
@@ -337,8 +337,8 @@ func TestTransportAcksKeys(t *testing.T) {
 	if status(d.keys[0]) != idem.Absent || status(d.keys[1]) != idem.Done || status(d.keys[2]) != idem.Done {
 		t.Fatal("wrong keys freed")
 	}
-	if tr.PendingAcks() != 1 {
-		t.Fatalf("%d pending acks", tr.PendingAcks())
+	if idemhttp.PendingAcks(tr) != 1 {
+		t.Fatalf("%d pending acks", idemhttp.PendingAcks(tr))
 	}
 	// Bob's request does not carry alice's acks.
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL+itemsPath, strings.NewReader(item1))

@@ -15,7 +15,11 @@ func ExampleNewCollector() {
 	if err != nil {
 		log.Fatal(err)
 	}
+	c, err := idemprom.NewCollector(e, &idemprom.Options{ConstLabels: prometheus.Labels{"engine": "orders"}})
+	if err != nil {
+		log.Fatal(err)
+	}
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(idemprom.NewCollector(e, &idemprom.Options{ConstLabels: prometheus.Labels{"engine": "orders"}}))
+	reg.MustRegister(c)
 	http.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 }

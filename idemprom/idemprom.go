@@ -1,11 +1,14 @@
-// Package idemprom exports an idem engine's counters and sizes (Engine.Stats)
-// to Prometheus as a prometheus.Collector.
+// Package idemprom exports an idem store's counters and sizes (Store.Stats;
+// an *idem.Engine's or any other idem.Store's) to Prometheus as a
+// prometheus.Collector.
 //
+//	c, err := idemprom.NewCollector(e, nil)
+//	...
 //	reg := prometheus.NewRegistry()
-//	reg.MustRegister(idemprom.NewCollector(e, nil))
+//	reg.MustRegister(c)
 //	http.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 //
-// Every scrape reads Engine.Stats once; nothing is kept between scrapes.
+// Every scrape reads Store.Stats once; nothing is kept between scrapes.
 // Counters (names ending in _total) count since the engine was opened: a
 // restart resets them, which Prometheus' rate() and increase() handle.
 //
@@ -30,16 +33,21 @@
 package idemprom
 
 import (
+	"errors"
+	"fmt"
+
 	"github.com/idemdb/idem"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
 // Options configure the collector. nil is the defaults.
 type Options struct {
-	// Namespace prefixes every metric name (default "idem").
+	// Namespace prefixes every metric name (default "idem"). It must make
+	// valid metric names.
 	Namespace string
 	// ConstLabels are added to every metric (for example the engine's
-	// name when a process runs several).
+	// name when a process runs several). Valid label names and UTF-8
+	// values; "part" is taken (idem_memory_bytes).
 	ConstLabels prometheus.Labels
 }
 
@@ -50,17 +58,19 @@ type metric struct {
 	labels []string // values of the desc's variable labels
 }
 
-// Collector is a prometheus.Collector of one engine's Stats.
+// Collector is a prometheus.Collector of one store's Stats.
 type Collector struct {
-	e       *idem.Engine
+	s       idem.Store
 	metrics []metric
 }
 
-// NewCollector returns the collector of e's Stats (see the package
-// documentation for the metric names).
-func NewCollector(e *idem.Engine, opts *Options) *Collector {
-	if e == nil {
-		panic("idemprom: NewCollector needs an engine (got nil)")
+// NewCollector returns the collector of store's Stats (see the package
+// documentation for the metric names). A nil store, a Namespace that makes
+// invalid metric names or invalid ConstLabels are an error naming the
+// option (found here, not at the first scrape or at registration).
+func NewCollector(store idem.Store, opts *Options) (*Collector, error) {
+	if store == nil {
+		return nil, errors.New("idemprom: NewCollector needs a store (got nil)")
 	}
 	if opts == nil {
 		opts = &Options{}
@@ -69,7 +79,14 @@ func NewCollector(e *idem.Engine, opts *Options) *Collector {
 	if ns == "" {
 		ns = "idem"
 	}
-	c := &Collector{e: e}
+	// Each option alone, so that the error names the one at fault.
+	if err := prometheus.NewDesc(prometheus.BuildFQName(ns, "", "hits_total"), "probe", nil, nil).Err(); err != nil {
+		return nil, fmt.Errorf("idemprom: Options.Namespace %q: %w", opts.Namespace, err)
+	}
+	if err := prometheus.NewDesc("idem_probe", "probe", []string{"part"}, opts.ConstLabels).Err(); err != nil {
+		return nil, fmt.Errorf("idemprom: Options.ConstLabels %v: %w", opts.ConstLabels, err)
+	}
+	c := &Collector{s: store}
 	counter := func(name, help string, v func(*idem.Stats) float64) {
 		c.metrics = append(c.metrics, metric{prometheus.NewDesc(prometheus.BuildFQName(ns, "", name), help, nil, opts.ConstLabels), prometheus.CounterValue, v, nil})
 	}
@@ -145,7 +162,12 @@ func NewCollector(e *idem.Engine, opts *Options) *Collector {
 	} {
 		c.metrics = append(c.metrics, metric{mem, prometheus.GaugeValue, p.v, []string{p.name}})
 	}
-	return c
+	for _, m := range c.metrics { // cannot fail after the probes; checked all the same
+		if err := m.desc.Err(); err != nil {
+			return nil, fmt.Errorf("idemprom: %w", err)
+		}
+	}
+	return c, nil
 }
 
 // Describe implements prometheus.Collector.
@@ -159,10 +181,14 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 	}
 }
 
-// Collect implements prometheus.Collector: one Engine.Stats per scrape.
+// Collect implements prometheus.Collector: one Store.Stats per scrape.
 func (c *Collector) Collect(ch chan<- prometheus.Metric) {
-	s := c.e.Stats()
+	s := c.s.Stats()
 	for _, m := range c.metrics {
-		ch <- prometheus.MustNewConstMetric(m.desc, m.typ, m.value(&s), m.labels...)
+		pm, err := prometheus.NewConstMetric(m.desc, m.typ, m.value(&s), m.labels...)
+		if err != nil { // cannot happen (NewCollector checked the descs): the scrape reports it
+			pm = prometheus.NewInvalidMetric(m.desc, err)
+		}
+		ch <- pm
 	}
 }

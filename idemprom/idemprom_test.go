@@ -12,6 +12,7 @@ import (
 
 	"github.com/idemdb/idem"
 	"github.com/idemdb/idem/idemprom"
+	"github.com/idemdb/idem/internal/testclock"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -56,7 +57,7 @@ func openWithTraffic(t *testing.T) *idem.Engine {
 
 func TestCollectorCounters(t *testing.T) {
 	e := openWithTraffic(t)
-	c := idemprom.NewCollector(e, &idemprom.Options{ConstLabels: prometheus.Labels{"engine": "orders"}})
+	c := newCollector(t, e, &idemprom.Options{ConstLabels: prometheus.Labels{"engine": "orders"}})
 	want := `
 # HELP idem_hits_total Begin calls that found the id committed and returned its stored reply (idempotency.hit).
 # TYPE idem_hits_total counter
@@ -111,7 +112,7 @@ idem_live_entries{engine="orders"} 2
 func TestScrapeOverHTTP(t *testing.T) {
 	e := openWithTraffic(t)
 	reg := prometheus.NewPedanticRegistry()
-	reg.MustRegister(idemprom.NewCollector(e, nil))
+	reg.MustRegister(newCollector(t, e, nil))
 	srv := httptest.NewServer(promhttp.HandlerFor(reg, promhttp.HandlerOpts{ErrorHandling: promhttp.HTTPErrorOnError}))
 	t.Cleanup(srv.Close)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -150,5 +151,81 @@ func TestScrapeOverHTTP(t *testing.T) {
 		if !strings.Contains(text, `idem_memory_bytes{part="`+part+`"} `) {
 			t.Errorf("memory part %s not exported", part)
 		}
+	}
+}
+
+func newCollector(t *testing.T, s idem.Store, o *idemprom.Options) *idemprom.Collector {
+	t.Helper()
+	c, err := idemprom.NewCollector(s, o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// Options that would make invalid metrics are errors naming the option,
+// at NewCollector: never a panic at registration or at a scrape.
+func TestCollectorOptionErrors(t *testing.T) {
+	e, err := idem.Open(t.TempDir(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	for field, o := range map[string]*idemprom.Options{
+		"Namespace":   {Namespace: "bad\xff"},
+		"ConstLabels": {ConstLabels: prometheus.Labels{"part": "x"}},
+	} {
+		if c, err := idemprom.NewCollector(e, o); c != nil || err == nil || !strings.Contains(err.Error(), "idemprom: Options."+field+" ") {
+			t.Errorf("%s: %v", field, err)
+		}
+	}
+	if c, err := idemprom.NewCollector(nil, nil); c != nil || err == nil {
+		t.Errorf("nil store: %v", err)
+	}
+	for _, bad := range []prometheus.Labels{{"": "x"}, {"engine": "\xff"}} {
+		if _, err := idemprom.NewCollector(e, &idemprom.Options{ConstLabels: bad}); err == nil {
+			t.Errorf("ConstLabels %q accepted", bad)
+		}
+	}
+}
+
+// idem_cleanups_total is the Idempotency-Key service's
+// idempotency.cleanup.count: entries removed by the TTL cleanup.
+func TestCleanupsTotal(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	clk := testclock.New()
+	e, err := idem.Open(t.TempDir(), &idem.Options{Clock: clk.Now})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	for _, id := range []string{"a", "b"} {
+		res, err := e.Begin(ctx, idem.Request{ID: []byte(id), TTL: time.Minute})
+		if err != nil || res.Status != idem.Fresh {
+			t.Fatal(res.Status, err)
+		}
+		if err := res.Claim.Commit(ctx, []byte("r")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	clk.Advance(2 * time.Minute)
+	// The cleanup removes what the index has applied: wait for it.
+	for e.Stats().AppliedLSN < e.Stats().LastLSN {
+		if ctx.Err() != nil {
+			t.Fatal("index stuck")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if n, err := e.CleanupExpired(ctx); err != nil || n != 2 {
+		t.Fatalf("cleanup removed %d: %v", n, err)
+	}
+	want := `
+# HELP idem_cleanups_total Replies and abandoned claims removed by cleanup and forget records (idempotency.cleanup.count).
+# TYPE idem_cleanups_total counter
+idem_cleanups_total 2
+`
+	if err := testutil.CollectAndCompare(newCollector(t, e, nil), strings.NewReader(want), "idem_cleanups_total"); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -38,11 +38,17 @@ func (e *NotLeaderError) Is(target error) bool { return target == raft.ErrNotLea
 //   - otherwise the command is appended with raft's Apply and the Response
 //     of its application is returned.
 //
-// Errors other than a *Response's Err mean the outcome is unknown (the
-// entry may or may not be committed: raft.ErrLeadershipLost, a timeout):
-// retry the same command, on the leader, until a Response comes back.
-// Client does that.
+// Where the entry was appended and its outcome is unknown (ctx ended
+// while waiting for it, raft.ErrLeadershipLost, raft.ErrRaftShutdown),
+// the error matches idem.ErrInDoubt (and the cause, ctx's error or raft's):
+// the entry may or may not be committed. Retry the same command, on the
+// leader, until a Response comes back: a committed one is then answered
+// with its stored reply, and runs once. Client does that. Other errors
+// (*NotLeaderError, raft.ErrEnqueueTimeout) mean nothing was appended.
 func Submit(ctx context.Context, r *raft.Raft, f *FSM, cmd []byte) (*Response, error) {
+	if r == nil || f == nil {
+		return nil, errors.New("idemraft: Submit: nil *raft.Raft or *FSM")
+	}
 	d, err := decodeCommand(cmd)
 	if err != nil {
 		return nil, err
@@ -71,12 +77,15 @@ func Submit(ctx context.Context, r *raft.Raft, f *FSM, cmd []byte) (*Response, e
 	select {
 	case err = <-done:
 	case <-ctx.Done():
-		return nil, fmt.Errorf("idemraft: waiting for the entry to be applied: %w (outcome unknown: retry the same command)", ctx.Err())
+		return nil, fmt.Errorf("idemraft: waiting for the entry to be applied: %w: %w (retry the same command)", idem.ErrInDoubt, ctx.Err())
 	}
 	if err != nil {
 		if errors.Is(err, raft.ErrNotLeader) {
 			_, id := r.LeaderWithID()
 			return nil, &NotLeaderError{Leader: id}
+		}
+		if errors.Is(err, raft.ErrLeadershipLost) || errors.Is(err, raft.ErrRaftShutdown) {
+			return nil, fmt.Errorf("idemraft: %w: %w (retry the same command)", idem.ErrInDoubt, err)
 		}
 		return nil, err
 	}
@@ -100,8 +109,27 @@ type Node interface {
 	Submit(ctx context.Context, cmd []byte) (*Response, error)
 }
 
-// LocalNode is a Node for a raft server in this process.
-func LocalNode(id raft.ServerID, r *raft.Raft, f *FSM) Node { return &localNode{id, r, f} }
+// LocalNode is a Node for a raft server in this process: r, whose FSM is
+// f, with the raft server id id.
+func LocalNode(id raft.ServerID, r *raft.Raft, f *FSM) (Node, error) {
+	if err := checkServer("LocalNode", id, r, f); err != nil {
+		return nil, err
+	}
+	return &localNode{id, r, f}, nil
+}
+
+// checkServer refuses a missing id, raft or FSM (for LocalNode and Handler).
+func checkServer(fn string, id raft.ServerID, r *raft.Raft, f *FSM) error {
+	switch {
+	case id == "":
+		return fmt.Errorf("idemraft: %s: empty server id", fn)
+	case r == nil:
+		return fmt.Errorf("idemraft: %s %s: nil *raft.Raft", fn, id)
+	case f == nil:
+		return fmt.Errorf("idemraft: %s %s: nil *FSM (give the *FSM that Wrap returned and raft runs)", fn, id)
+	}
+	return nil
+}
 
 type localNode struct {
 	id raft.ServerID
@@ -119,34 +147,71 @@ func (n *localNode) Submit(ctx context.Context, cmd []byte) (*Response, error) {
 	return resp, err
 }
 
+// ClientOptions configure NewClient. The zero value (or nil) is the
+// defaults.
+type ClientOptions struct {
+	// Attempt bounds one attempt at one node (default 5 s); Do as a whole
+	// is bounded by its context only.
+	Attempt time.Duration
+	// MinBackoff and MaxBackoff bound the pause between attempts
+	// (defaults 5 ms and 500 ms, or MinBackoff if that is larger; the
+	// pause doubles, with jitter, while no node answers).
+	MinBackoff, MaxBackoff time.Duration
+}
+
 // Client sends requests to the leader of a cluster, follows leader
 // changes and retries with the same request until it gets the reply: a
 // retry of a request that was applied already gets the stored reply, so
 // the operation runs once however often it is sent. It is safe for
 // concurrent use.
 type Client struct {
-	nodes []Node
-	byID  map[raft.ServerID]int
-
-	// Attempt bounds one attempt at one node (default 5 s); Do as a whole
-	// is bounded by its context only.
-	Attempt time.Duration
-	// MinBackoff and MaxBackoff bound the pause between attempts
-	// (defaults 5 ms and 500 ms; it doubles, with jitter, while no node
-	// answers).
-	MinBackoff, MaxBackoff time.Duration
+	nodes                        []Node
+	byID                         map[raft.ServerID]int
+	attempt, minBackoff, maxBack time.Duration
 
 	mu     sync.Mutex
 	leader int
 }
 
-// NewClient returns a Client for the given nodes.
-func NewClient(nodes ...Node) *Client {
-	c := &Client{nodes: nodes, byID: map[raft.ServerID]int{}}
+// NewClient returns a Client for the given nodes (at least one, each with
+// its own id). opts nil means the defaults.
+func NewClient(nodes []Node, opts *ClientOptions) (*Client, error) {
+	var o ClientOptions
+	if opts != nil {
+		o = *opts
+	}
+	switch {
+	case len(nodes) == 0:
+		return nil, errors.New("idemraft: NewClient: no nodes")
+	case o.Attempt < 0:
+		return nil, fmt.Errorf("idemraft: NewClient: ClientOptions.Attempt = %v: must not be negative", o.Attempt)
+	case o.MinBackoff < 0:
+		return nil, fmt.Errorf("idemraft: NewClient: ClientOptions.MinBackoff = %v: must not be negative", o.MinBackoff)
+	case o.MaxBackoff < 0:
+		return nil, fmt.Errorf("idemraft: NewClient: ClientOptions.MaxBackoff = %v: must not be negative", o.MaxBackoff)
+	case o.MaxBackoff > 0 && o.MinBackoff > o.MaxBackoff:
+		return nil, fmt.Errorf("idemraft: NewClient: ClientOptions.MinBackoff = %v exceeds MaxBackoff = %v", o.MinBackoff, o.MaxBackoff)
+	}
+	if o.Attempt == 0 {
+		o.Attempt = 5 * time.Second
+	}
+	if o.MinBackoff == 0 {
+		o.MinBackoff = 5 * time.Millisecond
+	}
+	if o.MaxBackoff == 0 {
+		o.MaxBackoff = max(500*time.Millisecond, o.MinBackoff)
+	}
+	c := &Client{nodes: nodes, byID: map[raft.ServerID]int{}, attempt: o.Attempt, minBackoff: o.MinBackoff, maxBack: o.MaxBackoff}
 	for i, n := range nodes {
+		if n == nil {
+			return nil, fmt.Errorf("idemraft: NewClient: node %d is nil", i)
+		}
+		if j, dup := c.byID[n.ID()]; dup {
+			return nil, fmt.Errorf("idemraft: NewClient: nodes %d and %d have the same id %q", j, i, n.ID())
+		}
 		c.byID[n.ID()] = i
 	}
-	return c
+	return c, nil
 }
 
 // Do sends req with op and returns the Response of its (single)
@@ -164,20 +229,7 @@ func (c *Client) Do(ctx context.Context, req idem.Request, op []byte) (*Response
 // DoCommand is Do for a command built already (by Command or
 // ForgetCommand).
 func (c *Client) DoCommand(ctx context.Context, cmd []byte) (*Response, error) {
-	if len(c.nodes) == 0 {
-		return nil, errors.New("idemraft: Client has no nodes")
-	}
-	attempt := c.Attempt
-	if attempt <= 0 {
-		attempt = 5 * time.Second
-	}
-	minB, maxB := c.MinBackoff, c.MaxBackoff
-	if minB <= 0 {
-		minB = 5 * time.Millisecond
-	}
-	if maxB < minB {
-		maxB = max(500*time.Millisecond, minB)
-	}
+	attempt, minB, maxB := c.attempt, c.minBackoff, c.maxBack
 	backoff := minB
 	var last error
 	c.mu.Lock()

@@ -24,8 +24,8 @@ type tnode struct {
 	snaps raft.SnapshotStore
 	dir   string
 
-	mu      sync.Mutex // guards the fields below
-	trans   *raft.InmemTransport
+	mu      sync.Mutex     // guards the fields below
+	trans   raft.Transport // *raft.InmemTransport, or a *raft.NetworkTransport with clusterOpts.tcp
 	app     *counterFSM
 	fsm     *FSM
 	r       *raft.Raft
@@ -39,6 +39,10 @@ type clusterOpts struct {
 	trailingLogs      uint64
 	timeout           time.Duration // heartbeat and election timeout (default 150 ms)
 	engine            *idem.Options // dedup engine options (default: small, for tests)
+	// tcp: raft's network transport over TCP on 127.0.0.1, through proxies
+	// the test controls (tcpNet), instead of the in-memory transport. A
+	// node stopped over TCP is not started again.
+	tcp bool
 }
 
 type cluster struct {
@@ -48,6 +52,7 @@ type cluster struct {
 	mu    sync.Mutex // guards nodes and the transports' connections
 	nodes []*tnode
 	cut   map[raft.ServerID]bool // partitioned nodes
+	net   *tcpNet                // with clusterOpts.tcp
 }
 
 func raftConfig(id raft.ServerID, o clusterOpts) *raft.Config {
@@ -76,6 +81,10 @@ func raftConfig(id raft.ServerID, o clusterOpts) *raft.Config {
 // newCluster starts n voters and waits for a leader.
 func newCluster(t testing.TB, n int, o clusterOpts) *cluster {
 	c := &cluster{t: t, o: o, base: t.TempDir(), cut: map[raft.ServerID]bool{}}
+	if o.tcp {
+		c.net = newTCPNet(t)
+		t.Cleanup(c.net.close) // after the nodes' shutdown (cleanups run last first)
+	}
 	var servers []raft.Server
 	for i := 0; i < n; i++ {
 		nd := c.addNode()
@@ -97,30 +106,45 @@ func newCluster(t testing.TB, n int, o clusterOpts) *cluster {
 // addNode makes a node with empty stores, connected, not started.
 func (c *cluster) addNode() *tnode {
 	i := len(c.nodes) + 1
-	nd := &tnode{id: raft.ServerID(fmt.Sprintf("n%d", i)), addr: raft.ServerAddress(fmt.Sprintf("inmem-n%d", i)), store: raft.NewInmemStore()}
+	nd := &tnode{id: raft.ServerID(fmt.Sprintf("n%d", i)), store: raft.NewInmemStore()}
 	nd.dir = filepath.Join(c.base, string(nd.id), "dedup")
 	snaps, err := raft.NewFileSnapshotStoreWithLogger(filepath.Join(c.base, string(nd.id), "snapshots"), 2, hclog.NewNullLogger())
 	if err != nil {
 		c.t.Fatal(err)
 	}
 	nd.snaps = snaps
-	_, nd.trans = raft.NewInmemTransport(nd.addr)
 	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.o.tcp {
+		nd.addr, nd.trans = c.net.transport(nd.id)
+		c.nodes = append(c.nodes, nd)
+		return nd
+	}
+	nd.addr = raft.ServerAddress(fmt.Sprintf("inmem-n%d", i))
+	_, nd.trans = raft.NewInmemTransport(nd.addr)
 	for _, o := range c.nodes {
 		o.mu.Lock()
-		nd.trans.Connect(o.addr, o.trans)
-		o.trans.Connect(nd.addr, nd.trans)
+		connect(nd, o)
 		o.mu.Unlock()
 	}
 	c.nodes = append(c.nodes, nd)
-	c.mu.Unlock()
 	return nd
+}
+
+// connect links the in-memory transports of a and b both ways (the
+// caller holds the cluster's lock, and b's).
+func connect(a, b *tnode) {
+	a.trans.(*raft.InmemTransport).Connect(b.addr, b.trans)
+	b.trans.(*raft.InmemTransport).Connect(a.addr, a.trans)
 }
 
 // start runs a new incarnation of nd on its stores.
 func (c *cluster) start(nd *tnode) {
 	nd.mu.Lock()
 	defer nd.mu.Unlock()
+	if c.o.tcp && nd.restart > 0 {
+		c.t.Fatalf("%s: restarts are not supported over TCP (its listener closed with it)", nd.id)
+	}
 	app := newCounterFSM()
 	var fsm raft.FSM = app
 	var w *FSM
@@ -163,10 +187,13 @@ func (c *cluster) stop(nd *tnode) {
 			c.t.Errorf("close %s: %v", nd.id, err)
 		}
 	}
+	if c.o.tcp {
+		return // raft's shutdown closed the transport and its listener
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	nd.mu.Lock()
-	nd.trans.Close()
+	nd.trans.(*raft.InmemTransport).Close()
 	_, nd.trans = raft.NewInmemTransport(nd.addr)
 	nd.mu.Unlock()
 	for _, o := range c.nodes {
@@ -175,8 +202,7 @@ func (c *cluster) stop(nd *tnode) {
 		}
 		o.mu.Lock()
 		if !c.cut[o.id] && !c.cut[nd.id] {
-			nd.trans.Connect(o.addr, o.trans)
-			o.trans.Connect(nd.addr, nd.trans)
+			connect(nd, o)
 		}
 		o.mu.Unlock()
 	}
@@ -187,6 +213,10 @@ func (c *cluster) partition(nd *tnode, cut bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.cut[nd.id] = cut
+	if c.o.tcp {
+		c.net.partition(nd.addr, cut)
+		return
+	}
 	for _, o := range c.nodes {
 		if o == nd {
 			continue
@@ -194,11 +224,10 @@ func (c *cluster) partition(nd *tnode, cut bool) {
 		nd.mu.Lock()
 		o.mu.Lock()
 		if cut {
-			nd.trans.Disconnect(o.addr)
-			o.trans.Disconnect(nd.addr)
+			nd.trans.(*raft.InmemTransport).Disconnect(o.addr)
+			o.trans.(*raft.InmemTransport).Disconnect(nd.addr)
 		} else if !c.cut[o.id] {
-			nd.trans.Connect(o.addr, o.trans)
-			o.trans.Connect(nd.addr, nd.trans)
+			connect(nd, o)
 		}
 		o.mu.Unlock()
 		nd.mu.Unlock()
@@ -263,7 +292,11 @@ func (n clusterNode) Submit(ctx context.Context, cmd []byte) (*Response, error) 
 	if !up {
 		return nil, errNodeDown
 	}
-	return LocalNode(n.nd.id, r, f).Submit(ctx, cmd)
+	ln, err := LocalNode(n.nd.id, r, f)
+	if err != nil {
+		return nil, err
+	}
+	return ln.Submit(ctx, cmd)
 }
 
 func (c *cluster) client() *Client {
@@ -271,7 +304,9 @@ func (c *cluster) client() *Client {
 	for _, nd := range c.nodes {
 		nodes = append(nodes, clusterNode{nd})
 	}
-	cl := NewClient(nodes...)
-	cl.Attempt = 2 * time.Second
+	cl, err := NewClient(nodes, &ClientOptions{Attempt: 2 * time.Second})
+	if err != nil {
+		c.t.Fatal(err)
+	}
 	return cl
 }

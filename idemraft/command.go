@@ -41,8 +41,10 @@ var (
 	ErrUnsupportedResult = errors.New("idemraft: FSM.Apply returned an unsupported result type")
 )
 
-// wireCommand is the body of a command entry (a msgpack array; fields are
-// only ever appended).
+// wireCommand is the body of a command entry: a msgpack array, which the
+// decoder accepts only with exactly these fields, so a field cannot simply
+// be appended: a new form needs a new kind byte (see docs/design.md,
+// "idemraft").
 type wireCommand struct {
 	_msgpack    struct{} `msgpack:",as_array"`
 	Scope       string

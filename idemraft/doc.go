@@ -16,8 +16,12 @@
 //
 // or, following leader changes and retrying until the reply comes back:
 //
-//	client := idemraft.NewClient(nodes...) // LocalNode, HTTPNode
+//	client, err := idemraft.NewClient(nodes, nil) // nodes: LocalNode, HTTPNode
 //	resp, err := client.Do(ctx, idem.Request{ID: requestID}, op)
+//
+// Every constructor (Wrap, NewClient, LocalNode, HTTPNode, Handler)
+// returns its configuration errors, naming the option and its value;
+// options go by pointer, nil meaning the defaults.
 //
 // # Applying a command
 //
@@ -99,8 +103,9 @@
 // # Answering from the local set
 //
 // Submit (and so Handler and Client) answers a request that the leader's
-// set holds as committed, with a matching fingerprint, from that set
-// without appending anything to the log. This is safe without a read
+// set holds as committed from that set, without appending anything to the
+// log: the engine's Lookup decides, with the fingerprint checked exactly
+// as Begin checks it (Stats.LocalDuplicates counts these answers). This is safe without a read
 // barrier (raft.VerifyLeader) or a lease, and on a deposed leader too:
 //
 //   - the set only ever holds requests whose entries were committed by the
@@ -130,7 +135,9 @@
 //
 // Every replica must use the same Options.Engine limits that decide
 // answers (Retention, MaxIDLen, MaxReplySize); MaxEntries is refused,
-// because capacity eviction is timed by each node, not by the log.
+// because capacity eviction is timed by each node, not by the log, and so
+// are the options idemraft sets itself (Clock, Sync, RelaxedClaims,
+// KeepSnapshots) and FS.
 //
 // raft.Config.NoSnapshotRestoreOnStart is not supported: it is meant for
 // applications whose state survives restarts on its own, while the dedup

@@ -96,7 +96,16 @@ func Example() {
 	}
 	defer r.Shutdown()
 
-	client := idemraft.NewClient(idemraft.LocalNode(conf.LocalID, r, fsm))
+	node, err := idemraft.LocalNode(conf.LocalID, r, fsm)
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	client, err := idemraft.NewClient([]idemraft.Node{node}, nil)
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	req := idem.Request{Scope: "deposits", ID: []byte("deposit-7f3a")}

@@ -38,10 +38,11 @@ type Options struct {
 	// (idem.SyncInterval; SyncInterval defaults to 1 s), RelaxedClaims (on)
 	// and KeepSnapshots (none) itself: the dedup set is derived state that
 	// raft rebuilds, so fsyncs protect nothing (see the package
-	// documentation). MaxEntries must be zero: capacity eviction is timed
-	// by each node's engine, not by the log, so replicas would disagree
-	// about which ids they still know. FS must be nil (the operating
-	// system's).
+	// documentation). Wrap refuses them when set, with an error naming the
+	// field, rather than ignore them. MaxEntries must be zero: capacity
+	// eviction is timed by each node's engine, not by the log, so replicas
+	// would disagree about which ids they still know. FS must be nil (the
+	// operating system's).
 	Engine idem.Options
 	// Logger receives idemraft's own messages (a failed dedup engine, a
 	// refused snapshot). Default: Engine.Logger, else discard.
@@ -72,7 +73,7 @@ type FSM struct {
 	lastIndex atomic.Uint64
 	failed    atomic.Pointer[error]
 
-	applied, duplicates, refused, restores, snapshots atomic.Uint64
+	applied, duplicates, localDuplicates, refused, restores, snapshots atomic.Uint64
 }
 
 // generation is one idem directory under Dir. A new one is made by every
@@ -99,13 +100,10 @@ func Wrap(fsm raft.FSM, opts *Options) (*FSM, error) {
 		return nil, errors.New("idemraft: Wrap: nil FSM")
 	}
 	if opts == nil || opts.Dir == "" {
-		return nil, errors.New("idemraft: Wrap: Options.Dir is required")
+		return nil, errors.New("idemraft: Wrap: Options.Dir is required (this node's dedup directory)")
 	}
-	if opts.Engine.MaxEntries > 0 {
-		return nil, errors.New("idemraft: Wrap: Options.Engine.MaxEntries must be zero (eviction is not driven by the log, so replicas would disagree)")
-	}
-	if opts.Engine.FS != nil {
-		return nil, errors.New("idemraft: Wrap: Options.Engine.FS must be nil")
+	if err := checkEngineOptions(&opts.Engine); err != nil {
+		return nil, err
 	}
 	dir, err := filepath.Abs(opts.Dir)
 	if err != nil {
@@ -168,6 +166,29 @@ func Wrap(fsm raft.FSM, opts *Options) (*FSM, error) {
 	f.cur = g
 	ok = true
 	return f, nil
+}
+
+// checkEngineOptions refuses the engine options that idemraft sets itself
+// or that would let replicas disagree, naming the field and its value.
+func checkEngineOptions(o *idem.Options) error {
+	bad := func(field string, v any, why string) error {
+		return fmt.Errorf("idemraft: Wrap: Options.Engine.%s = %v: must be left unset: %s", field, v, why)
+	}
+	switch {
+	case o.MaxEntries != 0:
+		return bad("MaxEntries", o.MaxEntries, "capacity eviction is timed by each node, not by the log, so replicas would disagree about the ids they know")
+	case o.FS != nil:
+		return bad("FS", fmt.Sprintf("%T", o.FS), "idemraft's directory is on the operating system's file system")
+	case o.Clock != nil:
+		return bad("Clock", "a func", "idemraft's clock is the AppendedAt of the entry being applied, the same on every replica")
+	case o.Sync != idem.SyncAlways: // the zero value: unset
+		return bad("Sync", o.Sync, "idemraft uses idem.SyncInterval (the raft log is what makes an entry durable)")
+	case o.RelaxedClaims:
+		return bad("RelaxedClaims", true, "idemraft sets it (a claim never outlives its Apply)")
+	case o.KeepSnapshots != 0:
+		return bad("KeepSnapshots", o.KeepSnapshots, "raft's snapshots are the copies of the dedup set")
+	}
+	return nil
 }
 
 // resetDir removes what an earlier run left in dir (generations and
@@ -381,7 +402,7 @@ func (f *FSM) applyEntry(l *raft.Log, d decoded, derr error) any {
 	entry := *l
 	entry.Data = d.op
 	out := f.app.Apply(&entry)
-	env, resp := resultEnvelope(out, d.req.Fingerprint, f.eopts.MaxReplySize)
+	env, resp := resultEnvelope(out, f.eopts.MaxReplySize)
 	b, err := encodeEnvelope(env)
 	if err == nil {
 		err = res.Claim.Commit(ctx, b)
@@ -410,11 +431,12 @@ func (f *FSM) StoreConfiguration(index uint64, c raft.Configuration) {
 }
 
 // Lookup answers a request from this node's dedup set without the log: a
-// committed request whose stored fingerprint matches gives its stored
-// reply (Duplicate set) and true. Anything else (unknown, another
-// fingerprint, a sequence number without a kept reply) gives false: send
-// it through the log. Safe on any node, leader or not: see the package
-// documentation, "Answering from the local set".
+// request the set holds as committed, as the engine's Lookup says (the
+// fingerprint checked exactly as Begin checks it), gives its stored reply
+// (Duplicate set) and true, and counts in Stats.LocalDuplicates. Anything
+// else (unknown, another fingerprint, a sequence number without a kept
+// reply) gives false: send it through the log. Safe on any node, leader
+// or not: see the package documentation, "Answering from the local set".
 func (f *FSM) Lookup(req idem.Request) (*Response, bool) {
 	if checkRequest(req) != nil {
 		return nil, false
@@ -424,39 +446,41 @@ func (f *FSM) Lookup(req idem.Request) (*Response, bool) {
 	if f.closed || f.Err() != nil {
 		return nil, false
 	}
-	var res idem.Result
-	var err error
-	if len(req.ID) > 0 {
-		res, err = f.cur.e.Lookup(context.Background(), idem.Request{Scope: req.Scope, ID: req.ID})
-	} else {
-		res, err = f.cur.e.Lookup(context.Background(), idem.Request{Scope: req.Scope, Client: req.Client, Seq: req.Seq})
-	}
+	res, err := f.cur.e.Lookup(context.Background(), idem.Request{
+		Scope: req.Scope, ID: req.ID, Client: req.Client, Seq: req.Seq, Fingerprint: req.Fingerprint,
+	})
 	if err != nil || res.Status != idem.Done {
 		return nil, false
 	}
 	env, err := decodeEnvelope(res.Reply)
-	if err != nil || !fpMatch(env.Fingerprint, req.Fingerprint) {
+	if err != nil {
 		return nil, false
 	}
+	f.localDuplicates.Add(1)
 	return env.response(true), true
 }
 
 // Stats are counters of one FSM since Wrap.
 type Stats struct {
 	Applied    uint64 // commands that ran the wrapped FSM
-	Duplicates uint64 // commands answered with a stored reply
-	Refused    uint64 // commands refused (conflict, gap, already committed, invalid)
-	Snapshots  uint64 // snapshots persisted
-	Restores   uint64 // snapshots restored
-	LastIndex  uint64 // last log index applied
-	Time       time.Time
-	Engine     idem.Stats
+	Duplicates uint64 // commands in the log answered with a stored reply (every replica counts them)
+	// LocalDuplicates counts requests answered with a stored reply from
+	// this node's local set by Lookup (and so by Submit, Handler and
+	// Client), without a log append. Only the node that answered counts
+	// them; a duplicate is counted in Duplicates or here, never in both.
+	LocalDuplicates uint64
+	Refused         uint64 // commands refused (conflict, gap, already committed, invalid)
+	Snapshots       uint64 // snapshots persisted
+	Restores        uint64 // snapshots restored
+	LastIndex       uint64 // last log index applied
+	Time            time.Time
+	Engine          idem.Stats
 }
 
 // Stats returns the FSM's counters and its dedup engine's.
 func (f *FSM) Stats() Stats {
 	s := Stats{
-		Applied: f.applied.Load(), Duplicates: f.duplicates.Load(), Refused: f.refused.Load(),
+		Applied: f.applied.Load(), Duplicates: f.duplicates.Load(), LocalDuplicates: f.localDuplicates.Load(), Refused: f.refused.Load(),
 		Snapshots: f.snapshots.Load(), Restores: f.restores.Load(), LastIndex: f.lastIndex.Load(), Time: f.clock(),
 	}
 	f.mu.RLock()

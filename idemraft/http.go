@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/url"
 	"strings"
 
 	"github.com/hashicorp/raft"
@@ -34,7 +35,12 @@ const contentType = "application/vnd.msgpack"
 // It is an internal API for trusted clients of the cluster: it applies any
 // command it is given. Put the application's own API (authentication,
 // choosing ids and scopes from the caller's identity) in front of it.
-func Handler(id raft.ServerID, r *raft.Raft, f *FSM) http.Handler {
+//
+// It returns an error if id is empty or r or f is nil.
+func Handler(id raft.ServerID, r *raft.Raft, f *FSM) (http.Handler, error) {
+	if err := checkServer("Handler", id, r, f); err != nil {
+		return nil, err
+	}
 	return http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
 		w.Header().Set(HeaderNode, string(id))
 		if req.Method != http.MethodPost {
@@ -70,16 +76,26 @@ func Handler(id raft.ServerID, r *raft.Raft, f *FSM) http.Handler {
 		default:
 			http.Error(w, err.Error(), http.StatusServiceUnavailable)
 		}
-	})
+	}), nil
 }
 
-// HTTPNode is a Node reached over HTTP: url is where its Handler is
-// served. hc nil means http.DefaultClient.
-func HTTPNode(id raft.ServerID, url string, hc *http.Client) Node {
+// HTTPNode is a Node reached over HTTP: rawURL (http or https, with a
+// host) is where its Handler is served. hc nil means http.DefaultClient.
+func HTTPNode(id raft.ServerID, rawURL string, hc *http.Client) (Node, error) {
+	if id == "" {
+		return nil, fmt.Errorf("idemraft: HTTPNode %q: empty server id", rawURL)
+	}
+	u, err := url.Parse(rawURL)
+	if err != nil {
+		return nil, fmt.Errorf("idemraft: HTTPNode %s: url %q: %w", id, rawURL, err)
+	}
+	if (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return nil, fmt.Errorf("idemraft: HTTPNode %s: url %q: want http://host[:port]/path or https://...", id, rawURL)
+	}
 	if hc == nil {
 		hc = http.DefaultClient
 	}
-	return &httpNode{id: id, url: url, hc: hc}
+	return &httpNode{id: id, url: rawURL, hc: hc}, nil
 }
 
 type httpNode struct {

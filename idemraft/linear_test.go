@@ -88,20 +88,124 @@ func TestClusterExactlyOnceLinearizable(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 
+	// Faults: the leader, between bursts of requests.
+	restartsFromSnapshot := 0
+	w := runWorkload(t, ctx, cl, total, clients, faults, func(f int) {
+		l := c.waitLeader(20 * time.Second)
+		if f%3 == 0 {
+			if r, _, _, _ := l.current(); r != nil {
+				r.Snapshot().Error() // on demand as well (ErrNothingNewToSnapshot is fine)
+			}
+		}
+		if f%2 == 0 {
+			c.stop(l)
+			time.Sleep(200 * time.Millisecond)
+			snaps, _ := l.snaps.List()
+			c.start(l)
+			if _, w, _, _ := l.current(); len(snaps) > 0 {
+				// NewRaft restored the newest snapshot before returning, and
+				// will replay the log after it.
+				if w.Stats().Restores != 1 {
+					t.Fatalf("%s restarted with %d snapshots but restored %d", l.id, len(snaps), w.Stats().Restores)
+				}
+				restartsFromSnapshot++
+			}
+			t.Logf("fault %d: %s restarted", f+1, l.id)
+		} else {
+			c.partition(l, true)
+			time.Sleep(400 * time.Millisecond)
+			c.partition(l, false)
+			t.Logf("fault %d: %s cut off and healed", f+1, l.id)
+		}
+	})
+	if restartsFromSnapshot == 0 {
+		t.Fatal("no node was restarted from a snapshot")
+	}
+	nd := c.joinThroughSnapshot(t, ctx, cl)
+	c.checkExactlyOnce(t, ctx, w, total)
+	var snapsTaken, restores uint64
+	for _, nd := range c.nodes {
+		_, w, _, _ := nd.current()
+		snapsTaken += w.Stats().Snapshots
+		restores += w.Stats().Restores
+	}
+	t.Logf("%d requests by %d clients, %d lost replies resent, %d duplicate answers, %d faults, %d restarts from a snapshot, %s joined through a snapshot; last incarnations persisted %d snapshots and restored %d; %v",
+		total, clients, w.lost, w.dups, faults, restartsFromSnapshot, nd.id, snapsTaken, restores, w.took.Round(time.Millisecond))
+}
+
+// TestTCPPartitionsAndJoin is the same proof over real TCP: 3 nodes in
+// this process on raft's network transport, each listening on its own port
+// on 127.0.0.1, every connection between two nodes through a TCP proxy the
+// test controls (tcpNet). Between bursts of requests a node (the leader 3
+// times, a follower once) is cut off, its traffic dropped both ways, and
+// healed. Then the leader snapshots and compacts its log, and a fourth
+// voter joins over TCP: it must install the snapshot. Every replica must
+// have applied every request exactly once, and porcupine must find the
+// clients' history linearizable.
+func TestTCPPartitionsAndJoin(t *testing.T) {
+	total := requestCount(t) / 2
+	const clients, faults = 10, 4
+	c := newCluster(t, 3, clusterOpts{wrap: true, tcp: true, snapshotThreshold: 100, trailingLogs: 20, timeout: 300 * time.Millisecond})
+	cl := c.client()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	w := runWorkload(t, ctx, cl, total, clients, faults, func(f int) {
+		l := c.waitLeader(20 * time.Second)
+		victim, what := l, "leader"
+		if f == 2 {
+			for _, nd := range c.nodes {
+				if nd != l {
+					victim, what = nd, "follower"
+				}
+			}
+		}
+		c.partition(victim, true)
+		if what == "leader" {
+			// Until the other two elect a new leader (waitLeader passes over
+			// the cut one, which may still believe it leads).
+			c.waitLeader(20 * time.Second)
+		}
+		time.Sleep(400 * time.Millisecond)
+		c.partition(victim, false)
+		t.Logf("fault %d: %s %s cut off (TCP dropped both ways) and healed", f+1, what, victim.id)
+	})
+	nd := c.joinThroughSnapshot(t, ctx, cl)
+	c.checkExactlyOnce(t, ctx, w, total)
+	t.Logf("%d requests by %d clients over TCP, %d lost replies resent, %d duplicate answers, %d partitions, %s joined through a snapshot; %v",
+		total, clients, w.lost, w.dups, faults, nd.id, w.took.Round(time.Millisecond))
+}
+
+// workload is what runWorkload saw.
+type workload struct {
+	history []porcupine.Operation
+	lost    int64 // replies "lost" and the request sent again
+	dups    int64 // answers marked Duplicate
+	took    time.Duration
+}
+
+// runWorkload sends total requests from clients concurrent clients
+// through cl (half by id with a fingerprint, acking the previous one;
+// half by per-client sequence; 10% of replies "lost" and the request sent
+// again, which must get the same reply as a duplicate) and calls fault
+// faults times from this goroutine. The clients move in step with the
+// faults: before fault f begins they may complete only f/(faults+1) of the
+// requests, so every fault hits a cluster under load however fast the
+// machine is. A failed request fails the test.
+func runWorkload(t *testing.T, ctx context.Context, cl *Client, total, clients, faults int, fault func(f int)) *workload {
+	t.Helper()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
 	start := time.Now()
 	var (
 		hmu     sync.Mutex
-		history []porcupine.Operation
+		w       workload
 		done    atomic.Int64
-		lost    atomic.Int64 // replies "lost" and the request sent again
-		dups    atomic.Int64 // answers marked Duplicate
+		lost    atomic.Int64
+		dups    atomic.Int64
 		started atomic.Int64 // faults begun
 	)
-	// The clients move in step with the faults: before fault f begins they
-	// may complete only f/(faults+1) of the requests, so every fault hits
-	// a cluster under load however fast the machine is.
 	gate := func() {
-		for ctx.Err() == nil && done.Load() >= int64(total)*(started.Load()+1)/(faults+1) {
+		for ctx.Err() == nil && done.Load() >= int64(total)*(started.Load()+1)/int64(faults+1) {
 			time.Sleep(time.Millisecond)
 		}
 	}
@@ -154,63 +258,45 @@ func TestClusterExactlyOnceLinearizable(t *testing.T) {
 				}
 				ret := time.Since(start).Nanoseconds()
 				hmu.Lock()
-				history = append(history, porcupine.Operation{ClientId: ci, Input: in, Call: call, Output: int64(binary.BigEndian.Uint64(resp.Reply)), Return: ret})
+				w.history = append(w.history, porcupine.Operation{ClientId: ci, Input: in, Call: call, Output: int64(binary.BigEndian.Uint64(resp.Reply)), Return: ret})
 				hmu.Unlock()
 				done.Add(1)
 				prev = req.ID
 			}
 		}(ci)
 	}
-
-	// Faults: wait for some progress, then hit the leader.
-	restartsFromSnapshot := 0
 	for f := 0; f < faults; f++ {
 		target := int64(total) * int64(f+1) / int64(faults+1)
 		for done.Load() < target-int64(clients) && ctx.Err() == nil && len(errc) == 0 {
 			time.Sleep(time.Millisecond)
 		}
-		if len(errc) > 0 {
+		if len(errc) > 0 || ctx.Err() != nil {
 			break
 		}
-		l := c.waitLeader(20 * time.Second)
 		started.Add(1)
-		atFault := done.Load()
-		if f%3 == 0 {
-			if r, _, _, _ := l.current(); r != nil {
-				r.Snapshot().Error() // on demand as well (ErrNothingNewToSnapshot is fine)
-			}
-		}
-		if f%2 == 0 {
-			c.stop(l)
-			time.Sleep(200 * time.Millisecond)
-			snaps, _ := l.snaps.List()
-			c.start(l)
-			if _, w, _, _ := l.current(); len(snaps) > 0 {
-				// NewRaft restored the newest snapshot before returning, and
-				// will replay the log after it.
-				if w.Stats().Restores != 1 {
-					t.Fatalf("%s restarted with %d snapshots but restored %d", l.id, len(snaps), w.Stats().Restores)
-				}
-				restartsFromSnapshot++
-			}
-		} else {
-			c.partition(l, true)
-			time.Sleep(400 * time.Millisecond)
-			c.partition(l, false)
-		}
-		t.Logf("fault %d (%s) on %s: %d requests done when it began, %d when it ended", f+1, map[bool]string{true: "restart", false: "cut off"}[f%2 == 0], l.id, atFault, done.Load())
+		at := done.Load()
+		fault(f)
+		t.Logf("fault %d: %d requests done when it began, %d when it ended", f+1, at, done.Load())
 	}
+	started.Store(int64(faults)) // no more gates
 	wg.Wait()
 	close(errc)
 	for err := range errc {
 		t.Fatal(err)
 	}
-	if restartsFromSnapshot == 0 {
-		t.Fatal("no node was restarted from a snapshot")
+	if err := ctx.Err(); err != nil {
+		t.Fatal(err)
 	}
+	w.lost, w.dups, w.took = lost.Load(), dups.Load(), time.Since(start)
+	return &w
+}
 
-	// A new node joins and catches up through a snapshot: the leader's log
-	// no longer reaches back to the start.
+// joinThroughSnapshot adds a new voter after the leader has taken a
+// snapshot and compacted its log, so that the new node can only catch up
+// by installing the snapshot; a last request through the log marks the
+// end. It fails the test if the new node restored no snapshot.
+func (c *cluster) joinThroughSnapshot(t *testing.T, ctx context.Context, cl *Client) *tnode {
+	t.Helper()
 	nd := c.addNode()
 	c.start(nd)
 	// Leadership may move meanwhile on a loaded machine: retry on the leader.
@@ -218,18 +304,33 @@ func TestClusterExactlyOnceLinearizable(t *testing.T) {
 		if err := r.Snapshot().Error(); err != nil && err != raft.ErrNothingNewToSnapshot {
 			return err
 		}
+		for _, o := range c.nodes {
+			if or, _, _, _ := o.current(); or == r {
+				if first, err := o.store.FirstIndex(); err != nil || first <= 1 {
+					return fmt.Errorf("the leader %s's log was not compacted (first index %d, %v)", o.id, first, err)
+				}
+			}
+		}
 		return r.AddVoter(nd.id, nd.addr, 0, 10*time.Second).Error()
 	})
-	// A last request through the log marks the end.
 	last, err := cl.Do(ctx, idem.Request{ID: []byte("last")}, encodeOp(counterOp{ID: "last", Key: "z", Delta: 1}))
 	if err != nil || last.Err != nil {
 		t.Fatal(err, last)
 	}
-	states := c.converge(t, ctx)
-	if _, w, _, _ := nd.current(); w.Stats().Restores == 0 {
-		t.Fatal("the new node caught up without a snapshot")
-	}
+	return nd
+}
 
+// checkExactlyOnce waits for every node to apply the leader's last index,
+// then checks the replicas are equal, every request of the workload (and
+// "last") was applied exactly once, the counters add up, every node that
+// joined restored a snapshot, and porcupine finds the history linearizable.
+func (c *cluster) checkExactlyOnce(t *testing.T, ctx context.Context, w *workload, total int) {
+	t.Helper()
+	states := c.converge(t, ctx)
+	joined := c.nodes[len(c.nodes)-1]
+	if _, fsm, _, _ := joined.current(); fsm.Stats().Restores == 0 {
+		t.Fatalf("the new node %s caught up without a snapshot", joined.id)
+	}
 	want := states[c.nodes[0].id]
 	for id, st := range states {
 		if !reflect.DeepEqual(st, want) {
@@ -245,7 +346,7 @@ func TestClusterExactlyOnceLinearizable(t *testing.T) {
 		}
 	}
 	var sum int64
-	for _, op := range history {
+	for _, op := range w.history {
 		sum += op.Input.(counterInput).delta
 	}
 	var got int64
@@ -257,21 +358,13 @@ func TestClusterExactlyOnceLinearizable(t *testing.T) {
 	if got != sum {
 		t.Fatalf("counters sum to %d, the requests to %d", got, sum)
 	}
-	res, info := porcupine.CheckOperationsVerbose(counterModel, history, 60*time.Second)
+	res, info := porcupine.CheckOperationsVerbose(counterModel, w.history, 60*time.Second)
 	if res != porcupine.Ok {
 		f, _ := os.CreateTemp("", "idemraft-history-*.html")
 		porcupine.Visualize(counterModel, info, f)
 		f.Close()
 		t.Fatalf("porcupine: %v (visualization in %s)", res, f.Name())
 	}
-	var snapsTaken, restores uint64
-	for _, nd := range c.nodes {
-		_, w, _, _ := nd.current()
-		snapsTaken += w.Stats().Snapshots
-		restores += w.Stats().Restores
-	}
-	t.Logf("%d requests by %d clients, %d lost replies resent, %d duplicate answers, %d faults, %d restarts from a snapshot; last incarnations persisted %d snapshots and restored %d; %v",
-		total, clients, lost.Load(), dups.Load(), faults, restartsFromSnapshot, snapsTaken, restores, time.Since(start).Round(time.Millisecond))
 }
 
 // retryOnLeader runs fn on the leader until it succeeds (30 s at most).

@@ -115,8 +115,12 @@ func nodeMain(id raft.ServerID, dir, peers string) error {
 	if err != nil {
 		return err
 	}
+	h, err := Handler(id, r, fsm)
+	if err != nil {
+		return err
+	}
 	mux := http.NewServeMux()
-	mux.Handle("/apply", Handler(id, r, fsm))
+	mux.Handle("/apply", h)
 	mux.HandleFunc("/state", func(w http.ResponseWriter, _ *http.Request) {
 		json.NewEncoder(w).Encode(nodeState{ID: string(id), Leader: r.State() == raft.Leader, LastIndex: fsm.Stats().LastIndex, State: app.state()})
 	})
@@ -242,10 +246,16 @@ func TestProcessesSIGKILL(t *testing.T) {
 
 	var hnodes []Node
 	for _, n := range nodes {
-		hnodes = append(hnodes, HTTPNode(n.id, n.url+"/apply", &http.Client{Timeout: 2 * time.Second}))
+		hn, err := HTTPNode(n.id, n.url+"/apply", &http.Client{Timeout: 2 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		hnodes = append(hnodes, hn)
 	}
-	cl := NewClient(hnodes...)
-	cl.Attempt = 2 * time.Second
+	cl, err := NewClient(hnodes, &ClientOptions{Attempt: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
 	began := time.Now()
 	var (
 		hmu     sync.Mutex

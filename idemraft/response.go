@@ -1,6 +1,7 @@
 package idemraft
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 
@@ -53,22 +54,26 @@ const (
 	replyUnsupported = 4
 )
 
-// envelope is the engine reply of a command: the application's result and
-// the fingerprint of the request that produced it (so that a leader can
-// answer a retry from its local set with the same fingerprint check Begin
-// makes; idem.Engine.Lookup does not return the stored fingerprint).
+// envelope is the engine reply of a command: the application's result.
+// It is part of the persisted format: the dedup set, and so every raft
+// snapshot, holds one per kept request (see docs/design.md, "idemraft").
+// Envelopes written before idem's API v1 carry a fourth element, a copy of
+// the request's fingerprint, which decodeEnvelope skips: the engine keeps
+// the fingerprint itself, and its Lookup checks it as Begin does.
 type envelope struct {
-	_msgpack    struct{} `msgpack:",as_array"`
-	Kind        int
-	Reply       []byte
-	Msg         string
-	Fingerprint []byte
+	_msgpack struct{} `msgpack:",as_array"`
+	Kind     int
+	Reply    []byte
+	Msg      string
 }
+
+// envelopeFields is the number of elements of the envelope's array.
+const envelopeFields = 3
 
 // resultEnvelope turns what the wrapped FSM returned into the stored
 // envelope and the Response of the first application.
-func resultEnvelope(res any, fp []byte, maxReply int) (envelope, *Response) {
-	env := envelope{Fingerprint: fp}
+func resultEnvelope(res any, maxReply int) (envelope, *Response) {
+	var env envelope
 	resp := &Response{}
 	switch v := res.(type) {
 	case nil:
@@ -87,8 +92,8 @@ func resultEnvelope(res any, fp []byte, maxReply int) (envelope, *Response) {
 		resp.Err = env.err()
 	}
 	// Leave room for the envelope's own fields.
-	if len(env.Reply)+len(env.Msg)+len(fp)+64 > maxReply {
-		env = envelope{Kind: replyTooLarge, Msg: fmt.Sprintf("%d bytes", len(env.Reply)+len(env.Msg)), Fingerprint: fp}
+	if len(env.Reply)+len(env.Msg)+64 > maxReply {
+		env = envelope{Kind: replyTooLarge, Msg: fmt.Sprintf("%d bytes", len(env.Reply)+len(env.Msg))}
 		resp = &Response{Err: env.err()}
 	}
 	return env, resp
@@ -121,22 +126,45 @@ func encodeEnvelope(env envelope) ([]byte, error) {
 	return msgpack.Marshal(&env)
 }
 
-func decodeEnvelope(b []byte) (envelope, error) {
-	var env envelope
-	if err := unmarshalStrict(b, &env); err != nil {
-		return envelope{}, fmt.Errorf("idemraft: stored reply is not an idemraft envelope: %w", err)
+// decodeEnvelope reads an envelope: the 3 elements written now, and any
+// elements after them (the fingerprint copy of the envelopes written
+// before API v1, or fields a later version appends) are skipped.
+func decodeEnvelope(b []byte) (env envelope, err error) {
+	defer func() {
+		if r := recover(); r != nil { // the decoder must never take a replica down
+			err = fmt.Errorf("decoder panic: %v", r)
+		}
+		if err != nil {
+			env, err = envelope{}, fmt.Errorf("idemraft: stored reply is not an idemraft envelope: %w", err)
+		}
+	}()
+	r := bytes.NewReader(b)
+	d := msgpack.NewDecoder(r)
+	n, err := d.DecodeArrayLen()
+	if err != nil {
+		return envelope{}, err
+	}
+	if n < envelopeFields {
+		return envelope{}, fmt.Errorf("%d elements, want at least %d", n, envelopeFields)
+	}
+	if env.Kind, err = d.DecodeInt(); err != nil {
+		return envelope{}, err
+	}
+	if env.Reply, err = d.DecodeBytes(); err != nil {
+		return envelope{}, err
+	}
+	if env.Msg, err = d.DecodeString(); err != nil {
+		return envelope{}, err
+	}
+	for i := envelopeFields; i < n; i++ {
+		if err := d.Skip(); err != nil {
+			return envelope{}, err
+		}
+	}
+	if r.Len() != 0 {
+		return envelope{}, fmt.Errorf("%d trailing bytes", r.Len())
 	}
 	return env, nil
-}
-
-// fpMatch is the engine's fingerprint rule: an unchecked request matches
-// anything; a checked one needs the same fingerprint and never matches an
-// entry stored without one.
-func fpMatch(stored, asked []byte) bool {
-	if len(asked) == 0 {
-		return true
-	}
-	return len(stored) > 0 && string(stored) == string(asked)
 }
 
 // ---- errors on the wire (HTTP) ----

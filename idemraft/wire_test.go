@@ -77,7 +77,11 @@ func TestHTTPHandler(t *testing.T) {
 	c := newCluster(t, 1, clusterOpts{wrap: true})
 	nd := c.nodes[0]
 	r, f, _, _ := nd.current()
-	srv := httptest.NewServer(Handler(nd.id, r, f))
+	h, err := Handler(nd.id, r, f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(h)
 	t.Cleanup(srv.Close)
 	// A node that is not the leader and names it: the client goes there.
 	notLeader := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
@@ -85,7 +89,7 @@ func TestHTTPHandler(t *testing.T) {
 		http.Error(w, "not the leader", http.StatusMisdirectedRequest)
 	}))
 	t.Cleanup(notLeader.Close)
-	cl := NewClient(HTTPNode("other", notLeader.URL, nil), HTTPNode(nd.id, srv.URL, nil))
+	cl := httpClient(t, map[raft.ServerID]string{"other": notLeader.URL, nd.id: srv.URL}, "other", nd.id)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	req := idem.Request{ID: []byte("h1"), Fingerprint: []byte("f")}
@@ -111,7 +115,11 @@ func TestHTTPHandler(t *testing.T) {
 	if res.StatusCode != http.StatusBadRequest {
 		t.Fatalf("empty body: %s", res.Status)
 	}
-	if _, err := HTTPNode(nd.id, srv.URL, nil).Submit(ctx, []byte("junk")); !errors.Is(err, ErrInvalidCommand) {
+	hn, err := HTTPNode(nd.id, srv.URL, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := hn.Submit(ctx, []byte("junk")); !errors.Is(err, ErrInvalidCommand) {
 		t.Fatalf("junk: %v", err)
 	}
 	res, err = http.Get(srv.URL)
@@ -123,7 +131,7 @@ func TestHTTPHandler(t *testing.T) {
 		t.Fatalf("GET: %s", res.Status)
 	}
 	// A client with no reachable node gives up when its context ends.
-	dead := NewClient(HTTPNode("gone", "http://127.0.0.1:1", nil))
+	dead := httpClient(t, map[raft.ServerID]string{"gone": "http://127.0.0.1:1"}, "gone")
 	dctx, dcancel := context.WithTimeout(ctx, 300*time.Millisecond)
 	defer dcancel()
 	if _, err := dead.Do(dctx, idem.Request{ID: []byte("x")}, nil); !errors.Is(err, context.DeadlineExceeded) {
@@ -132,4 +140,22 @@ func TestHTTPHandler(t *testing.T) {
 	if !errors.Is(&NotLeaderError{}, raft.ErrNotLeader) {
 		t.Fatal("NotLeaderError does not match raft.ErrNotLeader")
 	}
+}
+
+// httpClient is a Client of HTTPNodes (ids in order, urls by id).
+func httpClient(t *testing.T, urls map[raft.ServerID]string, ids ...raft.ServerID) *Client {
+	t.Helper()
+	var nodes []Node
+	for _, id := range ids {
+		n, err := HTTPNode(id, urls[id], nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		nodes = append(nodes, n)
+	}
+	cl, err := NewClient(nodes, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cl
 }

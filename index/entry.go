@@ -16,7 +16,9 @@ import (
 // committed, never both. A client key (ModeClient, sequence mode) holds the
 // client's last committed sequence number with, while it is kept, that
 // request's reply; and at the same time, possibly, the claim of the next
-// sequence number.
+// sequence number. A sequence key (ModeSeq) holds the kept reply of one
+// older sequence number of a client (see SeqKey): committed, never in
+// flight.
 //
 // Entries are immutable once published: transitions return a new *Entry.
 type Entry struct {
@@ -40,6 +42,19 @@ type Entry struct {
 	// ClaimExpires is the claim's TTL deadline, which its commit keeps as
 	// ExpiresAt; 0 = none.
 	ClaimExpires int64
+	// ClaimKeep and ClaimKeepFor are the claim's reply window (client
+	// keys; from the claim record): when the claim commits, the replies of
+	// the last ClaimKeep sequence numbers stay (0 and 1: the latest only),
+	// each older one while younger than ClaimKeepFor ns (0: no age bound).
+	ClaimKeep    uint64
+	ClaimKeepFor int64
+
+	// KeptFrom (client keys) is the lowest sequence number that may still
+	// have a sequence key (ModeSeq); 0 = none. Every sequence key of the
+	// client lies in [KeptFrom, Seq-1], a range never wider than the
+	// largest window asked for, so a commit or an advance that drops them
+	// looks up a bounded number of keys.
+	KeptFrom uint64
 
 	// LSN of the last record that changed this entry.
 	LSN wal.LSN
@@ -92,14 +107,21 @@ func dropClaim(e *Entry, mode byte) *Entry {
 		return nil
 	}
 	n := *e
-	n.InFlight, n.ClaimLSN, n.ClaimSeq, n.ClaimFP, n.ClaimTime, n.LeaseUntil, n.ClaimExpires = false, 0, 0, nil, 0, 0, 0
+	n.clearClaim()
 	return &n
 }
 
+func (n *Entry) clearClaim() {
+	n.InFlight, n.ClaimLSN, n.ClaimSeq, n.ClaimFP, n.ClaimTime, n.LeaseUntil, n.ClaimExpires = false, 0, 0, nil, 0, 0, 0
+	n.ClaimKeep, n.ClaimKeepFor = 0, 0
+}
+
 // DropReply returns e without its committed reply, as a forget leaves it:
-// nil for an id key, the sequence number alone for a client key.
+// nil for an id key or a sequence key, the sequence number alone for a
+// client key (its older sequence keys are separate entries: they go by
+// their own time and expiry rows).
 func DropReply(e *Entry, mode byte) *Entry {
-	if mode == ModeID {
+	if mode != ModeClient {
 		if e.InFlight { // cannot happen for id keys; keep the claim to be safe
 			n := *e
 			n.Committed, n.ReplyKept, n.Reply, n.ExpiresAt = false, false, nil, 0
@@ -193,9 +215,14 @@ func Transitions(op *wal.Op, lsn wal.LSN, get func(key []byte, mode byte) (*Entr
 		n := Entry{}
 		if mode == ModeClient && prev != nil {
 			n = *prev
-			// Starting seq N promises that N-1 is never retried: its
-			// reply can go; the sequence number stays.
-			n.ReplyKept, n.Reply, n.ExpiresAt = false, nil, 0
+			if op.KeepReplies <= 1 {
+				// Starting seq N promises that N-1 is never retried: its
+				// reply can go; the sequence number stays.
+				n.ReplyKept, n.Reply, n.ExpiresAt = false, nil, 0
+			} // else: a window keeps N-1's reply; the commit moves it to its sequence key
+		}
+		if mode == ModeClient {
+			n.ClaimKeep, n.ClaimKeepFor = op.KeepReplies, op.KeepFor
 		}
 		n.InFlight = true
 		n.ClaimLSN = lsn
@@ -224,6 +251,12 @@ func Transitions(op *wal.Op, lsn wal.LSN, get func(key []byte, mode byte) (*Entr
 		if n.Reply == nil {
 			n.Reply = []byte{}
 		}
+		if mode == ModeClient {
+			var err error
+			if out, n.KeptFrom, err = seqWindow(out, op, prev, n.Seq, lsn, get); err != nil {
+				return nil, err
+			}
+		}
 		next = &n
 	case wal.OpAbort:
 		if prev == nil || !prev.InFlight || prev.ClaimLSN != op.ClaimLSN {
@@ -231,7 +264,7 @@ func Transitions(op *wal.Op, lsn wal.LSN, get func(key []byte, mode byte) (*Entr
 		}
 		if mode == ModeClient && prev.Committed {
 			n := *prev
-			n.InFlight, n.ClaimLSN, n.ClaimSeq, n.ClaimFP, n.ClaimTime, n.LeaseUntil, n.ClaimExpires = false, 0, 0, nil, 0, 0, 0
+			n.clearClaim()
 			n.LSN = lsn
 			next = &n
 		} // else: the key is free again
@@ -245,6 +278,95 @@ func Transitions(op *wal.Op, lsn wal.LSN, get func(key []byte, mode byte) (*Entr
 	return out, nil
 }
 
+// seqWindow computes the sequence keys that the commit op (at lsn) of the
+// client's sequence number seq changes, appending them to out, and returns
+// the client's new KeptFrom. prev is the client's entry before the commit
+// (it holds the claim, with its window, and the last committed reply).
+//
+// The window is the claim's: the replies of the last w = ClaimKeep (at least
+// 1) numbers stay, the latest in the client's entry and the others under
+// their sequence keys. So the commit moves the previous reply (if kept and
+// inside the window) to its sequence key, and drops the sequence keys at or
+// below seq-w. A moved reply keeps its commit time and LSN (forget marks
+// and retention judge it by them), and its expiry becomes the earlier of
+// its TTL and commit time + ClaimKeepFor; one already past that age when the
+// record was written (op.Time) is not moved. Everything is decided from
+// the record and the entries, never from a clock, so replay and replicas
+// rebuild the same keys.
+func seqWindow(out []Transition, op *wal.Op, prev *Entry, seq uint64, lsn wal.LSN, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, uint64, error) {
+	w := max(prev.ClaimKeep, 1)
+	var cut uint64 // sequence keys at or below go
+	if seq > w {
+		cut = seq - w
+	}
+	from := prev.KeptFrom
+	var kb []byte
+	if from != 0 {
+		var err error
+		if out, err = dropSeqKeys(out, op.Scope, op.Client, from, min(cut, seq-1), get); err != nil {
+			return nil, 0, err
+		}
+		if from <= cut {
+			from = cut + 1
+		}
+		if from >= seq {
+			from = 0
+		}
+	}
+	if prev.Committed && prev.ReplyKept && prev.Seq > cut && prev.Seq < seq {
+		age := prev.ExpiresAt
+		if prev.ClaimKeepFor > 0 {
+			until := prev.CommitTime + prev.ClaimKeepFor
+			if until < op.Time {
+				return out, from, nil // aged out already
+			}
+			if age == 0 || until < age {
+				age = until
+			}
+		}
+		kb = SeqKey(nil, op.Scope, []byte(op.Client), prev.Seq)
+		old, err := get(kb, ModeSeq)
+		if err != nil {
+			return nil, 0, err
+		}
+		se := &Entry{
+			Committed:   true,
+			Seq:         prev.Seq,
+			CommitTime:  prev.CommitTime,
+			CommitLSN:   prev.CommitLSN,
+			ReplyKept:   true,
+			Reply:       prev.Reply,
+			Fingerprint: prev.Fingerprint,
+			ExpiresAt:   age,
+			LSN:         lsn,
+		}
+		out = append(out, Transition{Key: kb, Mode: ModeSeq, Prev: old, Next: se})
+		if from == 0 {
+			from = prev.Seq
+		}
+	}
+	return out, from, nil
+}
+
+// dropSeqKeys appends the removal of the client's sequence keys from lo to
+// hi (those that exist) to out.
+func dropSeqKeys(out []Transition, scope, client string, lo, hi uint64, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, error) {
+	for s := lo; s <= hi && s != 0; s++ {
+		k := SeqKey(nil, scope, []byte(client), s)
+		p, err := get(k, ModeSeq)
+		if err != nil {
+			return nil, err
+		}
+		if p != nil {
+			out = append(out, Transition{Key: k, Mode: ModeSeq, Prev: p, Next: nil})
+		}
+		if s == hi {
+			break // hi may be the largest uint64
+		}
+	}
+	return out, nil
+}
+
 // ErrBadAdvance is returned by Transitions for a commit-advance or advance
 // record whose advances cannot apply: one names the committed key itself or a
 // client twice, or a client with a claim in flight. The engine checks
@@ -254,8 +376,9 @@ var ErrBadAdvance = errors.New("index: advance cannot apply")
 // advanceTransitions appends the advances of a commit-advance record:
 // each named client's last committed number becomes max(its number, seq).
 // A client raised past its number loses its kept reply (starting at N
-// promises that N-1 is never retried, as a claim does); one already at or
-// past seq is unchanged (no transition).
+// promises that N-1 is never retried, as a claim does) and its older
+// sequence keys (an advance is not a request of the client: it ends the
+// reply window); one already at or past seq is unchanged (no transition).
 func advanceTransitions(out []Transition, op *wal.Op, lsn wal.LSN, committed []byte, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, error) {
 	seen := make(map[string]bool, len(op.Advances)+1)
 	if committed != nil {
@@ -277,6 +400,11 @@ func advanceTransitions(out []Transition, op *wal.Op, lsn wal.LSN, committed []b
 		if prev != nil && prev.Committed && prev.Seq >= a.Seq {
 			continue
 		}
+		if prev != nil && prev.KeptFrom != 0 {
+			if out, err = dropSeqKeys(out, a.Scope, a.Client, prev.KeptFrom, prev.Seq-1, get); err != nil {
+				return nil, err
+			}
+		}
 		next := &Entry{Committed: true, Seq: a.Seq, CommitTime: op.Time, CommitLSN: lsn, LSN: lsn}
 		out = append(out, Transition{Key: k, Mode: ModeClient, Prev: prev, Next: next})
 	}
@@ -287,10 +415,13 @@ func advanceTransitions(out []Transition, op *wal.Op, lsn wal.LSN, committed []b
 //
 //	[flags, seq, commitTime, commitLSN, reply, fingerprint,
 //	 claimLSN, claimSeq, claimFP, claimTime, leaseUntil, lsn,
-//	 expiresAt, claimExpires]
+//	 expiresAt, claimExpires, claimKeep, claimKeepFor, keptFrom]
 //
-// The last two (format 2, per-request TTL) are written only when one of
-// them is set, so entries without a TTL keep the 12-field form.
+// expiresAt and claimExpires (format 2, per-request TTL) are written only
+// when one of the five last fields is set, so entries without a TTL keep
+// the 12-field form; the reply window's three (claimKeep, claimKeepFor,
+// keptFrom: client keys) only when one of them is set, so entries without
+// a window keep the 12- or 14-field form.
 //
 // flags: 1 committed, 2 replyKept, 4 inFlight, 8 fingerprint present,
 // 16 claim fingerprint present (nil and empty fingerprints differ).
@@ -303,8 +434,9 @@ const (
 )
 
 const (
-	entryFields    = 12
-	entryFieldsTTL = 14
+	entryFields       = 12
+	entryFieldsTTL    = 14
+	entryFieldsWindow = 17
 )
 
 // EncodeEntry appends the value encoding of e to dst.
@@ -328,8 +460,11 @@ func EncodeEntry(dst []byte, e *Entry) []byte {
 	if dst == nil {
 		dst = make([]byte, 0, 40+len(e.Reply)+len(e.Fingerprint)+len(e.ClaimFP))
 	}
-	ttl := e.ExpiresAt != 0 || e.ClaimExpires != 0
-	if ttl {
+	window := e.ClaimKeep != 0 || e.ClaimKeepFor != 0 || e.KeptFrom != 0
+	ttl := window || e.ExpiresAt != 0 || e.ClaimExpires != 0
+	if window {
+		dst = msgp.AppendArrayLen(dst, entryFieldsWindow)
+	} else if ttl {
 		dst = msgp.AppendArrayLen(dst, entryFieldsTTL)
 	} else {
 		dst = msgp.AppendArrayLen(dst, entryFields)
@@ -349,6 +484,11 @@ func EncodeEntry(dst []byte, e *Entry) []byte {
 	if ttl {
 		dst = msgp.AppendInt(dst, e.ExpiresAt)
 		dst = msgp.AppendInt(dst, e.ClaimExpires)
+	}
+	if window {
+		dst = msgp.AppendUint(dst, e.ClaimKeep)
+		dst = msgp.AppendInt(dst, e.ClaimKeepFor)
+		dst = msgp.AppendUint(dst, e.KeptFrom)
 	}
 	return dst
 }
@@ -417,6 +557,12 @@ func DecodeEntry(b []byte) (*Entry, error) {
 		e.ClaimExpires = i()
 		known = entryFieldsTTL
 	}
+	if n >= entryFieldsWindow {
+		e.ClaimKeep = u()
+		e.ClaimKeepFor = i()
+		e.KeptFrom = u()
+		known = entryFieldsWindow
+	}
 	for k := known; k < n && err == nil; k++ {
 		keep(wal.SkipBounded(d, br, 0))
 	}
@@ -452,6 +598,9 @@ func Stamp(ts []Transition, typ byte, lsn wal.LSN) {
 			continue
 		}
 		n.LSN = lsn
+		if ts[i].Mode == ModeSeq {
+			continue // a moved reply keeps the commit LSN of its own record
+		}
 		switch typ {
 		case wal.OpClaim:
 			n.ClaimLSN = lsn

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"hash/maphash"
 )
 
 // Key layout of the Pebble store (frozen; see docs/design.md):
@@ -14,9 +15,12 @@ import (
 //	in-doubt  0x03 entryKey                              -> empty
 //	expiry    0x04 be64(expiresAt^signbit) entryKey      -> empty
 //
-// mode is 'i' for an id (ident = the request id) and 'c' for a sequence-mode
-// client (ident = the client name). Scope and ident are length-prefixed so
-// that no two (scope, mode, ident) triples share an encoding. The time index
+// mode is 'i' for an id (ident = the request id), 'c' for a sequence-mode
+// client (ident = the client name), and 's' for the kept reply of one older
+// sequence number of a client (ident = client name, then be64(seq); see
+// SeqKey). Scope and ident are length-prefixed so that no two
+// (scope, mode, ident) triples share an encoding; a client's 's' keys share
+// one prefix and sort by sequence number. The time index
 // holds one row per entry that keeps a committed reply, ordered by commit
 // time, so forget and expiry find what they remove with a range scan and
 // delete it with range deletes, never by scanning all entries. The in-doubt
@@ -35,6 +39,11 @@ const (
 const (
 	ModeID     byte = 'i'
 	ModeClient byte = 'c'
+	// ModeSeq keys hold the reply of an older sequence number of a client
+	// (the client's entry holds the latest): kept while it is inside the
+	// reply window the client's requests ask for (Request.KeepReplies).
+	// Their entries are committed replies only, never claims.
+	ModeSeq byte = 's'
 )
 
 var (
@@ -75,7 +84,7 @@ func ParseEntryKey(k []byte) (scope string, mode byte, ident []byte, err error) 
 	}
 	rest = rest[w:]
 	scope, rest = string(rest[:n]), rest[n:]
-	if len(rest) == 0 || (rest[0] != ModeID && rest[0] != ModeClient) {
+	if len(rest) == 0 || (rest[0] != ModeID && rest[0] != ModeClient && rest[0] != ModeSeq) {
 		return "", 0, nil, fmt.Errorf("%w: mode in %x", ErrBadKey, k)
 	}
 	mode, rest = rest[0], rest[1:]
@@ -83,7 +92,72 @@ func ParseEntryKey(k []byte) (scope string, mode byte, ident []byte, err error) 
 	if w <= 0 || w != uvarintLen(n) || n != uint64(len(rest)-w) {
 		return "", 0, nil, fmt.Errorf("%w: ident length in %x", ErrBadKey, k)
 	}
-	return scope, mode, rest[w:], nil
+	ident = rest[w:]
+	if mode == ModeSeq {
+		if _, seq, ok := ParseSeqIdent(ident); !ok || seq == 0 {
+			return "", 0, nil, fmt.Errorf("%w: sequence key ident %x (want a client name and a sequence number >= 1)", ErrBadKey, ident)
+		}
+	}
+	return scope, mode, ident, nil
+}
+
+// SeqKey appends the entry key (mode ModeSeq) of the kept reply of the
+// client's sequence number seq to dst: ident is the client name followed by
+// seq in big-endian, so a client's sequence keys share a prefix and sort by
+// number.
+func SeqKey(dst []byte, scope string, client []byte, seq uint64) []byte {
+	if dst == nil {
+		dst = make([]byte, 0, 2+2*binary.MaxVarintLen64+len(scope)+len(client)+8)
+	}
+	dst = append(dst, prefixEntry)
+	dst = binary.AppendUvarint(dst, uint64(len(scope)))
+	dst = append(dst, scope...)
+	dst = append(dst, ModeSeq)
+	dst = binary.AppendUvarint(dst, uint64(len(client)+8))
+	dst = append(dst, client...)
+	return binary.BigEndian.AppendUint64(dst, seq)
+}
+
+// ParseSeqIdent splits the ident of a ModeSeq key into the client name
+// (aliasing ident) and the sequence number.
+func ParseSeqIdent(ident []byte) (client []byte, seq uint64, ok bool) {
+	if len(ident) < 9 {
+		return nil, 0, false
+	}
+	n := len(ident) - 8
+	return ident[:n], binary.BigEndian.Uint64(ident[n:]), true
+}
+
+// ShardHash hashes an entry key for the engine's lock shards: the key
+// itself, except that a ModeSeq key hashes as its client's entry key
+// (mode ModeClient), so that a client's entry and its kept older replies
+// always share one shard and one lock. A commit that moves and drops
+// sequence replies then needs only the client's lock. It does not
+// allocate; for a key that is not a ModeSeq key it costs one uvarint read
+// on top of maphash.Bytes.
+func ShardHash(seed maphash.Seed, key []byte) uint64 {
+	if len(key) < 2 || key[0] != prefixEntry {
+		return maphash.Bytes(seed, key)
+	}
+	n, w := binary.Uvarint(key[1:])
+	at := 1 + w + int(n) // the mode byte
+	if w <= 0 || n >= uint64(len(key)) || at >= len(key) || key[at] != ModeSeq {
+		return maphash.Bytes(seed, key)
+	}
+	m, w2 := binary.Uvarint(key[at+1:])
+	ident := key[at+1+max(w2, 0):]
+	if w2 <= 0 || m != uint64(len(ident)) || len(ident) < 9 {
+		return maphash.Bytes(seed, key)
+	}
+	client := ident[:len(ident)-8]
+	var h maphash.Hash
+	h.SetSeed(seed)
+	h.Write(key[:at])
+	h.WriteByte(ModeClient)
+	var b [binary.MaxVarintLen64]byte
+	h.Write(binary.AppendUvarint(b[:0], uint64(len(client))))
+	h.Write(client)
+	return h.Sum64()
 }
 
 // uvarintLen is the length of n's canonical uvarint encoding: a key with an

@@ -7,7 +7,8 @@ package wal
 // whose fields depend on the kind. The numbers and field orders below are
 // frozen wire format: add new kinds or append fields, never reorder.
 //
-//	OpClaim  (1): [scope, id, client, seq, fingerprint, acked[], time, leaseUntil, flags, expiresAt]
+//	OpClaim  (1): [scope, id, client, seq, fingerprint, acked[], time, leaseUntil, flags, expiresAt,
+//	               keepReplies, keepFor]
 //	OpCommit (2): [scope, id, client, seq, claimLSN, time, replyCodec, reply]
 //	OpAbort  (3): [scope, id, client, seq, claimLSN, time]
 //	OpAck    (4): [scope, ids[], time]
@@ -21,6 +22,15 @@ package wal
 // the request's per-request TTL runs out. An expire record names the index
 // entry keys (opaque to this package) whose TTL ran out: each loses its
 // reply, as a forget would remove it.
+//
+// A sequence-mode claim's keepReplies and keepFor (appended in format 3;
+// absent or 0 = the latest reply only) are the client's reply window:
+// when the claim commits, the replies of the last keepReplies sequence
+// numbers are kept, each older one while younger than keepFor ns (0 = no
+// age bound). The index decides from them, in the commit's own
+// transition, which older replies move to their own keys and which go, so
+// replay and replicas keep exactly the replies the engine kept. A claim
+// with a window writes expiresAt too (0 when it has no TTL).
 //
 // A commit-advance record is a commit that also raises, in the same record
 // and so atomically with it, the last committed sequence number of each
@@ -121,6 +131,8 @@ type Op struct {
 	ExpiresAt   int64     // claim: unix nanoseconds when the entry's TTL runs out; 0 = never
 	Keys        [][]byte  // expire: index entry keys whose TTL ran out
 	Advances    []Advance // commit-advance: clients raised with the commit
+	KeepReplies uint64    // claim (sequence mode): reply window, in sequence numbers; 0 and 1 = the latest only
+	KeepFor     int64     // claim (sequence mode): age bound of the older replies, ns; 0 = none
 }
 
 // Advance raises a sequence-mode client's last committed number to at
@@ -158,10 +170,14 @@ func OpName(t byte) string {
 func EncodeOp(dst []byte, op *Op) ([]byte, error) {
 	switch op.Type {
 	case OpClaim:
-		// expiresAt is written only when set, so claims without a TTL keep
+		// expiresAt is written only when set (or a window follows), and the
+		// window only when set, so claims without a TTL or a window keep
 		// the 9-field form (byte for byte what format 1 wrote).
 		n := 9
-		if op.ExpiresAt != 0 {
+		window := op.KeepReplies != 0 || op.KeepFor != 0
+		if window {
+			n = 12
+		} else if op.ExpiresAt != 0 {
 			n = 10
 		}
 		dst = msgp.AppendArrayLen(dst, n)
@@ -171,8 +187,12 @@ func EncodeOp(dst []byte, op *Op) ([]byte, error) {
 		dst = msgp.AppendInt(dst, op.Time)
 		dst = msgp.AppendInt(dst, op.LeaseUntil)
 		dst = msgp.AppendUint(dst, op.Flags)
-		if op.ExpiresAt != 0 {
+		if n >= 10 {
 			dst = msgp.AppendInt(dst, op.ExpiresAt)
+		}
+		if window {
+			dst = msgp.AppendUint(dst, op.KeepReplies)
+			dst = msgp.AppendInt(dst, op.KeepFor)
 		}
 	case OpCommit, OpCommitAdvance:
 		n := 8
@@ -303,6 +323,11 @@ func DecodeOp(typ byte, payload []byte) (op *Op, err error) {
 		if n >= 10 {
 			op.ExpiresAt = r.int()
 			want = 10
+		}
+		if n >= 12 {
+			op.KeepReplies = r.uint()
+			op.KeepFor = r.int()
+			want = 12
 		}
 	case OpCommit, OpCommitAdvance:
 		r.key(op)

@@ -9,6 +9,7 @@
 //	idem snapshot <dir> -o F       write a snapshot (a backup) of the dedup set
 //	idem restore F <dir>           build a new directory from a snapshot
 //	idem bench                     fresh and duplicate throughput and latency
+//	idem serve --node-id ...       run a node of an idem cluster
 //
 // dump, stats and verify are read-only: they never take the engine's lock
 // and never write into the directory, so they work while an application has
@@ -63,7 +64,7 @@ type command struct {
 var commands []*command
 
 func init() {
-	commands = []*command{demoCmd, dumpCmd, statsCmd, verifyCmd, forgetCmd, compactCmd, snapshotCmd, restoreCmd, benchCmd, scaleCmd}
+	commands = []*command{demoCmd, dumpCmd, statsCmd, verifyCmd, forgetCmd, compactCmd, snapshotCmd, restoreCmd, benchCmd, scaleCmd, serveCmd}
 }
 
 func lookupCommand(name string) *command {

@@ -19,6 +19,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -36,14 +37,18 @@ func main() {
 	addr := flag.String("addr", "127.0.0.1:8080", "listen address")
 	dir := flag.String("dir", "httpapi-data", "data directory (the idem engine and the items file)")
 	ttl := flag.Duration("ttl", time.Hour, "how long a key's response is replayed")
-	auth := flag.Bool("auth", false, "require 'Authorization: Bearer <user>': keys are then per user, and Idempotency-Acked-Keys is honoured")
+	auth := flag.Bool("auth", false, "require 'Authorization: Bearer <user>' on every /api/v1 request (401 without): keys and items are then per user, and Idempotency-Acked-Keys is honoured")
 	flag.Parse()
 
 	s, err := open(*dir, *ttl, *auth)
 	if err != nil {
 		log.Fatal(err)
 	}
-	srv := &http.Server{Addr: *addr, Handler: s.handler(), ReadHeaderTimeout: 10 * time.Second}
+	h, err := s.handler()
+	if err != nil {
+		log.Fatal(err)
+	}
+	srv := &http.Server{Addr: *addr, Handler: h, ReadHeaderTimeout: 10 * time.Second}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	go func() {
@@ -103,6 +108,16 @@ func open(dir string, ttl time.Duration, auth bool) (*service, error) {
 	return s, nil
 }
 
+// options are the middleware's: the same for serving and for resolving the
+// keys a crash left in doubt (the same key spaces).
+func (s *service) options() *idemhttp.Options {
+	opts := &idemhttp.Options{TTL: s.ttl}
+	if s.auth {
+		opts.Actor = bearerUser
+	}
+	return opts
+}
+
 func (s *service) loadItems(path string) error {
 	f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR|os.O_APPEND, 0o644)
 	if err != nil {
@@ -124,31 +139,15 @@ func (s *service) loadItems(path string) error {
 // made, its response is stored (retries get it); if not, the key is released
 // (the retry creates the item).
 func (s *service) resolveInDoubt(ctx context.Context) error {
-	doubts, err := s.e.InDoubt(ctx, "")
-	if err != nil {
-		return err
-	}
-	for _, d := range doubts {
-		k, ok := idemhttp.ParseKey(d.Scope, d.ID)
-		if !ok {
-			continue
-		}
-		it, found := s.findByKey(k.Principal, k.Key)
+	_, _, err := idemhttp.ResolveInDoubt(ctx, s.e, s.options(), func(d idemhttp.InDoubt) (*idemhttp.StoredResponse, bool, error) {
+		it, found := s.findByKey(d.Actor, d.Key)
+		slog.Info("resolving a key left in doubt by a crash", "key", d.Key, "item_found", found)
 		if !found {
-			err = d.Claim.Abort(ctx)
-		} else {
-			var reply []byte
-			reply, err = createdResponse(it).Encode()
-			if err == nil {
-				err = d.Claim.Commit(ctx, reply)
-			}
+			return nil, false, nil
 		}
-		if err != nil {
-			return fmt.Errorf("resolving key %q: %w", k.Key, err)
-		}
-		slog.Info("resolved a key left in doubt by a crash", "key", k.Key, "item_found", found)
-	}
-	return nil
+		return createdResponse(it), true, nil
+	})
+	return err
 }
 
 func (s *service) findByKey(owner, key string) (item, bool) {
@@ -179,20 +178,47 @@ func (s *service) close() error {
 	return err
 }
 
-func (s *service) handler() http.Handler {
-	opts := &idemhttp.Options{TTL: s.ttl}
-	if s.auth {
-		opts.Principal = bearerUser
+func (s *service) handler() (http.Handler, error) {
+	mw, err := idemhttp.Middleware(s.e, s.options())
+	if err != nil {
+		return nil, err
 	}
-	mw := idemhttp.Middleware(s.e, opts)
+	c, err := idemprom.NewCollector(s.e, nil)
+	if err != nil {
+		return nil, err
+	}
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(idemprom.NewCollector(s.e, nil), collectors.NewGoCollector())
+	reg.MustRegister(c, collectors.NewGoCollector())
 
 	mux := http.NewServeMux()
-	mux.Handle("POST /api/v1/items", mw(http.HandlerFunc(s.create)))
-	mux.HandleFunc("GET /api/v1/items", s.list)
+	mux.Handle("POST /api/v1/items", s.authenticate(mw(http.HandlerFunc(s.create))))
+	mux.Handle("GET /api/v1/items", s.authenticate(http.HandlerFunc(s.list)))
+	mux.Handle("GET /api/v1/items/{id}", s.authenticate(http.HandlerFunc(s.get)))
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
-	return mux
+	return mux, nil
+}
+
+// authenticate refuses, with -auth, every request without a bearer (with
+// or without an Idempotency-Key): 401, outside the idempotency middleware,
+// so that the refusal is never stored.
+func (s *service) authenticate(next http.Handler) http.Handler {
+	if !s.auth {
+		return next
+	}
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if _, err := bearerUser(r); err != nil {
+			w.Header().Set("WWW-Authenticate", `Bearer realm="httpapi"`)
+			writeJSONError(w, http.StatusUnauthorized, "requires 'Authorization: Bearer <user>'")
+			return
+		}
+		next.ServeHTTP(w, r)
+	})
+}
+
+func writeJSONError(w http.ResponseWriter, status int, msg string) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(map[string]string{"error": msg})
 }
 
 func bearerUser(r *http.Request) (string, error) {
@@ -209,14 +235,15 @@ func (s *service) create(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, `{"error":"want a JSON body with sku and title"}`, http.StatusBadRequest) // stored: the retry gets the same 400
 		return
 	}
-	owner := ""
-	if s.auth {
-		owner, _ = bearerUser(r)
+	owner, err := s.owner(r)
+	if err != nil { // authenticate refused it already
+		writeJSONError(w, http.StatusUnauthorized, err.Error())
+		return
 	}
 	s.mu.Lock()
 	it := item{ID: len(s.items) + 1, SKU: in.SKU, Title: in.Title, Key: r.Header.Get(idemhttp.HeaderKey), Owner: owner}
 	line, _ := json.Marshal(it)
-	_, err := s.file.Write(append(line, '\n'))
+	_, err = s.file.Write(append(line, '\n'))
 	if err == nil {
 		err = s.file.Sync()
 	}
@@ -236,9 +263,46 @@ func (s *service) create(w http.ResponseWriter, r *http.Request) {
 	w.Write(resp.Body)
 }
 
+// list answers the items of the caller (with -auth) or all of them.
 func (s *service) list(w http.ResponseWriter, r *http.Request) {
+	owner, _ := s.owner(r)
 	s.mu.Lock()
-	defer s.mu.Unlock()
+	out := make([]item, 0, len(s.items))
+	for _, it := range s.items {
+		if !s.auth || it.Owner == owner {
+			out = append(out, it)
+		}
+	}
+	s.mu.Unlock()
 	w.Header().Set("Content-Type", "application/json")
-	_ = json.NewEncoder(w).Encode(s.items)
+	_ = json.NewEncoder(w).Encode(out)
+}
+
+// get answers one item: the Location of a 201. With -auth, another user's
+// item is a 404 (as if it did not exist).
+func (s *service) get(w http.ResponseWriter, r *http.Request) {
+	id, err := strconv.Atoi(r.PathValue("id"))
+	owner, _ := s.owner(r)
+	s.mu.Lock()
+	var it item
+	found := err == nil && id >= 1 && id <= len(s.items)
+	if found {
+		it = s.items[id-1]
+		found = !s.auth || it.Owner == owner
+	}
+	s.mu.Unlock()
+	if !found {
+		writeJSONError(w, http.StatusNotFound, "no such item")
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	_ = json.NewEncoder(w).Encode(it)
+}
+
+// owner is the caller's user with -auth ("" without).
+func (s *service) owner(r *http.Request) (string, error) {
+	if !s.auth {
+		return "", nil
+	}
+	return bearerUser(r)
 }

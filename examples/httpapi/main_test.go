@@ -22,7 +22,7 @@ func TestService(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := httptest.NewServer(s.handler())
+	srv := httptest.NewServer(mustHandler(t, s))
 	post := func(key, body string) (*http.Response, string) {
 		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL+"/api/v1/items", strings.NewReader(body))
 		req.Header.Set("Idempotency-Key", key)
@@ -52,7 +52,7 @@ func TestService(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.close()
-	srv = httptest.NewServer(s.handler())
+	srv = httptest.NewServer(mustHandler(t, s))
 	defer srv.Close()
 	if r, b := post("order-1", `{"sku":"ITEM-001","title":"Sample Item"}`); b != b1 || r.Header.Get("Idempotent-Replayed") != "true" {
 		t.Fatalf("after restart: %q", b)
@@ -101,6 +101,106 @@ func TestResolveInDoubtAtStart(t *testing.T) {
 		res, err := s.e.Lookup(context.Background(), idem.Request{Scope: scope, ID: []byte(k)})
 		if err != nil || res.Status != want {
 			t.Fatalf("%s: %v %v, want %v", k, res.Status, err, want)
+		}
+	}
+}
+
+func mustHandler(t *testing.T, s *service) http.Handler {
+	t.Helper()
+	h, err := s.handler()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return h
+}
+
+// send makes one request; header pairs are name, value.
+func send(t *testing.T, ctx context.Context, srv *httptest.Server, method, path, body string, header ...string) (*http.Response, string) {
+	t.Helper()
+	req, _ := http.NewRequestWithContext(ctx, method, srv.URL+path, strings.NewReader(body))
+	for i := 0; i+1 < len(header); i += 2 {
+		req.Header.Set(header[i], header[i+1])
+	}
+	resp, err := srv.Client().Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp, string(b)
+}
+
+// -auth requires a bearer on every request: without one, with or without
+// an Idempotency-Key, it is a 401 and no item is made.
+func TestAuthRequiresBearer(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	s, err := open(t.TempDir(), time.Hour, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.close()
+	srv := httptest.NewServer(mustHandler(t, s))
+	defer srv.Close()
+	const body = `{"sku":"ITEM-001","title":"Sample Item"}`
+	for _, h := range [][]string{
+		nil,
+		{"Idempotency-Key", "k1"},
+		{"Authorization", "Basic YWxpY2U6cHc="},
+		{"Authorization", "Bearer "},
+	} {
+		if r, b := send(t, ctx, srv, http.MethodPost, "/api/v1/items", body, h...); r.StatusCode != http.StatusUnauthorized {
+			t.Fatalf("POST with %q: %d %s, want 401", h, r.StatusCode, b)
+		}
+	}
+	if r, b := send(t, ctx, srv, http.MethodGet, "/api/v1/items", ""); r.StatusCode != http.StatusUnauthorized {
+		t.Fatalf("GET without a bearer: %d %s", r.StatusCode, b)
+	}
+	if len(s.items) != 0 {
+		t.Fatalf("%d items made without a bearer: %+v", len(s.items), s.items)
+	}
+	// With one: made, owned, and the key replayed for that user only.
+	r, b := send(t, ctx, srv, http.MethodPost, "/api/v1/items", body, "Authorization", "Bearer alice", "Idempotency-Key", "k1")
+	if r.StatusCode != http.StatusCreated || len(s.items) != 1 || s.items[0].Owner != "alice" {
+		t.Fatalf("%d %s %+v", r.StatusCode, b, s.items)
+	}
+	if r, _ := send(t, ctx, srv, http.MethodPost, "/api/v1/items", body, "Authorization", "Bearer bob", "Idempotency-Key", "k1"); r.StatusCode != http.StatusCreated || r.Header.Get("Idempotent-Replayed") != "" {
+		t.Fatalf("bob's k1: %d %v", r.StatusCode, r.Header)
+	}
+}
+
+// The Location of a 201 is served: GET it and get the item; with -auth,
+// only its owner does.
+func TestLocationIsServed(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	for _, auth := range []bool{false, true} {
+		s, err := open(t.TempDir(), time.Hour, auth)
+		if err != nil {
+			t.Fatal(err)
+		}
+		srv := httptest.NewServer(mustHandler(t, s))
+		r, b := send(t, ctx, srv, http.MethodPost, "/api/v1/items", `{"sku":"ITEM-001","title":"Sample Item"}`, "Authorization", "Bearer alice", "Idempotency-Key", "order-1")
+		loc := r.Header.Get("Location")
+		if r.StatusCode != http.StatusCreated || loc != "/api/v1/items/1" {
+			t.Fatalf("auth %v: %d %s, Location %q", auth, r.StatusCode, b, loc)
+		}
+		g, gb := send(t, ctx, srv, http.MethodGet, loc, "", "Authorization", "Bearer alice")
+		var got item
+		if g.StatusCode != http.StatusOK || json.Unmarshal([]byte(gb), &got) != nil || got.ID != 1 || got.SKU != "ITEM-001" || got.Key != "order-1" {
+			t.Fatalf("auth %v: GET %s: %d %s", auth, loc, g.StatusCode, gb)
+		}
+		if g, _ := send(t, ctx, srv, http.MethodGet, "/api/v1/items/2", "", "Authorization", "Bearer alice"); g.StatusCode != http.StatusNotFound {
+			t.Fatalf("auth %v: GET a missing item: %d", auth, g.StatusCode)
+		}
+		if auth {
+			if g, _ := send(t, ctx, srv, http.MethodGet, loc, "", "Authorization", "Bearer bob"); g.StatusCode != http.StatusNotFound {
+				t.Fatalf("bob reads alice's item: %d", g.StatusCode)
+			}
+		}
+		srv.Close()
+		if err := s.close(); err != nil {
+			t.Fatal(err)
 		}
 	}
 }

@@ -13,7 +13,9 @@ import (
 	"fmt"
 	"io"
 	"log"
+	"net"
 	"net/http"
+	"net/http/httputil"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -110,16 +112,60 @@ func (snapshot) Release() {}
 // ---- the node ----
 
 type node struct {
-	self  peer
-	peers []peer
-	r     *raft.Raft
-	fsm   *idemraft.FSM
-	app   *store
-	bolt  *raftboltdb.BoltStore
+	self      peer
+	peers     []peer
+	r         *raft.Raft
+	heartbeat time.Duration // raft's HeartbeatTimeout: how long a follower trusts a silent leader
+	fsm       *idemraft.FSM
+	app       *store
+	bolt      *raftboltdb.BoltStore
+	proxy     *httputil.ReverseProxy // to the leader's HTTP address
+	apply     http.Handler           // idemraft.Handler, for idemraft.HTTPNode clients
+	stopOnce  sync.Once
 }
 
-func start(self raft.ServerID, dir string, peers []peer) (*node, error) {
+// streamLayer is raft's TCP stream layer (what raft.NewTCPTransport
+// builds) over a listener the caller bound already, so that the raft port
+// is held from the moment it is chosen: nothing can take it between a
+// check and the bind.
+type streamLayer struct {
+	net.Listener
+	advertise net.Addr
+}
+
+func (l *streamLayer) Addr() net.Addr { return l.advertise }
+
+func (l *streamLayer) Dial(a raft.ServerAddress, timeout time.Duration) (net.Conn, error) {
+	return net.DialTimeout("tcp", string(a), timeout)
+}
+
+// start runs the node self of peers with its state in dir; raft serves on
+// rl (bound to self's raft address by the caller) and start owns it from
+// then on, also when it fails.
+func start(self raft.ServerID, dir string, peers []peer, rl net.Listener) (_ *node, err error) {
 	n := &node{peers: peers, app: &store{vals: map[string]int64{}}}
+	var trans *raft.NetworkTransport
+	defer func() {
+		if err == nil {
+			return
+		}
+		switch {
+		case n.r != nil:
+			n.stop() // closes rl with the transport
+		default:
+			if n.fsm != nil {
+				n.fsm.Close()
+			}
+			if n.bolt != nil {
+				n.bolt.Close()
+			}
+			if trans != nil {
+				trans.Close() // and rl
+			} else {
+				rl.Close()
+			}
+		}
+	}()
 	for _, p := range peers {
 		if p.id == self {
 			n.self = p
@@ -136,7 +182,7 @@ func start(self raft.ServerID, dir string, peers []peer) (*node, error) {
 	conf.LocalID = self
 	conf.Logger = logger
 	conf.SnapshotThreshold = 1024
-	var err error
+	n.heartbeat = conf.HeartbeatTimeout
 	if n.bolt, err = raftboltdb.New(raftboltdb.Options{Path: filepath.Join(dir, "raft.db")}); err != nil {
 		return nil, err
 	}
@@ -144,10 +190,13 @@ func start(self raft.ServerID, dir string, peers []peer) (*node, error) {
 	if err != nil {
 		return nil, err
 	}
-	trans, err := raft.NewTCPTransportWithLogger(n.self.raft, nil, 3, 5*time.Second, logger)
+	advertise, err := net.ResolveTCPAddr("tcp", n.self.raft)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("raft address %s: %w", n.self.raft, err)
 	}
+	trans = raft.NewNetworkTransportWithConfig(&raft.NetworkTransportConfig{
+		Stream: &streamLayer{Listener: rl, advertise: advertise}, MaxPool: 3, Timeout: 5 * time.Second, Logger: logger,
+	})
 	if n.fsm, err = idemraft.Wrap(n.app, &idemraft.Options{Dir: filepath.Join(dir, "dedup")}); err != nil {
 		return nil, err
 	}
@@ -167,13 +216,71 @@ func start(self raft.ServerID, dir string, peers []peer) (*node, error) {
 	if n.r, err = raft.NewRaft(conf, n.fsm, n.bolt, n.bolt, snaps, trans); err != nil {
 		return nil, err
 	}
+	if n.apply, err = idemraft.Handler(n.self.id, n.r, n.fsm); err != nil {
+		return nil, err
+	}
+	n.proxy = &httputil.ReverseProxy{
+		Rewrite: func(pr *httputil.ProxyRequest) {
+			pr.Out.URL.Scheme, pr.Out.URL.Host = "http", pr.In.Context().Value(leaderKey{}).(peer).http
+			pr.Out.Header.Set(headerForwarded, string(n.self.id))
+		},
+		ErrorHandler: func(w http.ResponseWriter, req *http.Request, err error) {
+			leader := req.Context().Value(leaderKey{}).(peer)
+			unavailable(w, fmt.Sprintf("leader %s unreachable (%v)", leader.id, err))
+		},
+	}
 	return n, nil
 }
 
+// stop shuts the node down (raft, which closes its listener, then the
+// stores). Safe to call twice.
 func (n *node) stop() {
-	n.r.Shutdown().Error()
-	n.fsm.Close()
-	n.bolt.Close()
+	n.stopOnce.Do(func() {
+		n.r.Shutdown().Error()
+		n.fsm.Close()
+		n.bolt.Close()
+	})
+}
+
+// headerForwarded marks a request a follower forwarded to the node it
+// believes is the leader; that node answers it itself (never forwards it
+// again), so two nodes with stale views cannot pass it back and forth.
+const headerForwarded = "Raftkv-Forwarded-By"
+
+type leaderKey struct{}
+
+// unavailable answers 503 with Retry-After: there is no live leader (an
+// election is under way, or the leader is unreachable) or the outcome is
+// unknown; the client retries with the same Idempotency-Key.
+func unavailable(w http.ResponseWriter, why string) {
+	w.Header().Set("Retry-After", "1")
+	http.Error(w, why+"; retry with the same Idempotency-Key", http.StatusServiceUnavailable)
+}
+
+// forward hands a request that reached a follower to the leader and
+// relays its answer. A leader that this node has not heard from within
+// raft's heartbeat timeout, or that does not answer, is not live: 503
+// with Retry-After. (A redirect would send the client to a dead leader
+// for as long as the followers still name it, about a second and a half
+// after a crash.)
+func (n *node) forward(w http.ResponseWriter, req *http.Request, leader raft.ServerID) {
+	if by := req.Header.Get(headerForwarded); by != "" {
+		unavailable(w, fmt.Sprintf("node %s is not the leader (forwarded by %s, who thought so)", n.self.id, by))
+		return
+	}
+	if leader == "" || time.Since(n.r.LastContact()) > n.heartbeat {
+		unavailable(w, "no live leader (an election is under way)")
+		return
+	}
+	for _, p := range n.peers {
+		if p.id == leader {
+			ctx, cancel := context.WithTimeout(req.Context(), 10*time.Second) // as Submit's
+			defer cancel()
+			n.proxy.ServeHTTP(w, req.WithContext(context.WithValue(ctx, leaderKey{}, p)))
+			return
+		}
+	}
+	unavailable(w, fmt.Sprintf("leader %s is not in -peers", leader))
 }
 
 var keyRE = regexp.MustCompile(`^[A-Za-z0-9_-]{1,255}$`) // the Idempotency-Key rules
@@ -206,19 +313,10 @@ func (n *node) routes() http.Handler {
 		var nl *idemraft.NotLeaderError
 		switch {
 		case errors.As(err, &nl):
-			for _, p := range n.peers {
-				if p.id == nl.Leader {
-					// 307 keeps the method: curl -L and Go's client follow it.
-					http.Redirect(w, req, "http://"+p.http+req.URL.RequestURI(), http.StatusTemporaryRedirect)
-					return
-				}
-			}
-			w.Header().Set("Retry-After", "1")
-			http.Error(w, "no leader yet; retry with the same Idempotency-Key", http.StatusServiceUnavailable)
+			n.forward(w, req, nl.Leader)
 			return
 		case err != nil:
-			w.Header().Set("Retry-After", "1")
-			http.Error(w, err.Error()+"; retry with the same Idempotency-Key", http.StatusServiceUnavailable)
+			unavailable(w, err.Error())
 			return
 		case errors.Is(resp.Err, idem.ErrConflict):
 			http.Error(w, "IDEMPOTENCY_KEY_CONFLICT: this key was used with another request", http.StatusConflict)
@@ -238,10 +336,13 @@ func (n *node) routes() http.Handler {
 		_, leader := n.r.LeaderWithID()
 		st := n.fsm.Stats()
 		writeJSON(w, map[string]any{"node": n.self.id, "state": n.r.State().String(), "leader": leader,
-			"applied_index": st.LastIndex, "requests_applied": st.Applied, "duplicates": st.Duplicates, "dedup_entries": st.Engine.LiveEntries})
+			"applied_index": st.LastIndex, "requests_applied": st.Applied,
+			// Replays: those this node answered from its set without the
+			// log (as leader), and those it met in the log (every replica).
+			"duplicates": st.LocalDuplicates + st.Duplicates, "dedup_entries": st.Engine.LiveEntries})
 	})
 	// The generic idemraft endpoint, for idemraft.HTTPNode clients.
-	mux.Handle("POST /idemraft/apply", idemraft.Handler(n.self.id, n.r, n.fsm))
+	mux.Handle("POST /idemraft/apply", n.apply)
 	return mux
 }
 
@@ -263,7 +364,20 @@ func main() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	n, err := start(raft.ServerID(*id), *dir, peers)
+	var self peer
+	for _, p := range peers {
+		if p.id == raft.ServerID(*id) {
+			self = p
+		}
+	}
+	if self.id == "" {
+		log.Fatalf("-id %s is not in -peers", *id)
+	}
+	rl, err := net.Listen("tcp", self.raft)
+	if err != nil {
+		log.Fatal(err)
+	}
+	n, err := start(self.id, *dir, peers, rl)
 	if err != nil {
 		log.Fatal(err)
 	}

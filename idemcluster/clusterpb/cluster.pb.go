@@ -88,16 +88,20 @@ func (Status) EnumDescriptor() ([]byte, []int) {
 
 // Request names one request: an id, or a client and its sequence number.
 type Request struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Scope         string                 `protobuf:"bytes,1,opt,name=scope,proto3" json:"scope,omitempty"`
-	Id            []byte                 `protobuf:"bytes,2,opt,name=id,proto3" json:"id,omitempty"`
-	Client        string                 `protobuf:"bytes,3,opt,name=client,proto3" json:"client,omitempty"`
-	Seq           uint64                 `protobuf:"varint,4,opt,name=seq,proto3" json:"seq,omitempty"`
-	Fingerprint   []byte                 `protobuf:"bytes,5,opt,name=fingerprint,proto3" json:"fingerprint,omitempty"`
-	Acked         [][]byte               `protobuf:"bytes,6,rep,name=acked,proto3" json:"acked,omitempty"`
-	Ttl           *durationpb.Duration   `protobuf:"bytes,7,opt,name=ttl,proto3" json:"ttl,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	Scope       string                 `protobuf:"bytes,1,opt,name=scope,proto3" json:"scope,omitempty"`
+	Id          []byte                 `protobuf:"bytes,2,opt,name=id,proto3" json:"id,omitempty"`
+	Client      string                 `protobuf:"bytes,3,opt,name=client,proto3" json:"client,omitempty"`
+	Seq         uint64                 `protobuf:"varint,4,opt,name=seq,proto3" json:"seq,omitempty"`
+	Fingerprint []byte                 `protobuf:"bytes,5,opt,name=fingerprint,proto3" json:"fingerprint,omitempty"`
+	Acked       [][]byte               `protobuf:"bytes,6,rep,name=acked,proto3" json:"acked,omitempty"`
+	Ttl         *durationpb.Duration   `protobuf:"bytes,7,opt,name=ttl,proto3" json:"ttl,omitempty"`
+	// Sequence mode: keep the replies of this many recent sequence numbers,
+	// each for at most keep_replies_for (0 or 1: the latest only).
+	KeepReplies    int32                `protobuf:"varint,8,opt,name=keep_replies,json=keepReplies,proto3" json:"keep_replies,omitempty"`
+	KeepRepliesFor *durationpb.Duration `protobuf:"bytes,9,opt,name=keep_replies_for,json=keepRepliesFor,proto3" json:"keep_replies_for,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *Request) Reset() {
@@ -175,6 +179,20 @@ func (x *Request) GetAcked() [][]byte {
 func (x *Request) GetTtl() *durationpb.Duration {
 	if x != nil {
 		return x.Ttl
+	}
+	return nil
+}
+
+func (x *Request) GetKeepReplies() int32 {
+	if x != nil {
+		return x.KeepReplies
+	}
+	return 0
+}
+
+func (x *Request) GetKeepRepliesFor() *durationpb.Duration {
+	if x != nil {
+		return x.KeepRepliesFor
 	}
 	return nil
 }
@@ -1801,7 +1819,7 @@ var File_cluster_proto protoreflect.FileDescriptor
 
 const file_cluster_proto_rawDesc = "" +
 	"\n" +
-	"\rcluster.proto\x12\x0fidem.cluster.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xbe\x01\n" +
+	"\rcluster.proto\x12\x0fidem.cluster.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa6\x02\n" +
 	"\aRequest\x12\x14\n" +
 	"\x05scope\x18\x01 \x01(\tR\x05scope\x12\x0e\n" +
 	"\x02id\x18\x02 \x01(\fR\x02id\x12\x16\n" +
@@ -1809,7 +1827,9 @@ const file_cluster_proto_rawDesc = "" +
 	"\x03seq\x18\x04 \x01(\x04R\x03seq\x12 \n" +
 	"\vfingerprint\x18\x05 \x01(\fR\vfingerprint\x12\x14\n" +
 	"\x05acked\x18\x06 \x03(\fR\x05acked\x12+\n" +
-	"\x03ttl\x18\a \x01(\v2\x19.google.protobuf.DurationR\x03ttl\"\x86\x01\n" +
+	"\x03ttl\x18\a \x01(\v2\x19.google.protobuf.DurationR\x03ttl\x12!\n" +
+	"\fkeep_replies\x18\b \x01(\x05R\vkeepReplies\x12C\n" +
+	"\x10keep_replies_for\x18\t \x01(\v2\x19.google.protobuf.DurationR\x0ekeepRepliesFor\"\x86\x01\n" +
 	"\bClaimRef\x12\x14\n" +
 	"\x05scope\x18\x01 \x01(\tR\x05scope\x12\x0e\n" +
 	"\x02id\x18\x02 \x01(\fR\x02id\x12\x16\n" +
@@ -1983,60 +2003,61 @@ var file_cluster_proto_goTypes = []any{
 }
 var file_cluster_proto_depIdxs = []int32{
 	33, // 0: idem.cluster.v1.Request.ttl:type_name -> google.protobuf.Duration
-	0,  // 1: idem.cluster.v1.Result.status:type_name -> idem.cluster.v1.Status
-	2,  // 2: idem.cluster.v1.Result.claim:type_name -> idem.cluster.v1.ClaimRef
-	34, // 3: idem.cluster.v1.Result.lease_until:type_name -> google.protobuf.Timestamp
-	34, // 4: idem.cluster.v1.Result.committed_at:type_name -> google.protobuf.Timestamp
-	34, // 5: idem.cluster.v1.Result.expires_at:type_name -> google.protobuf.Timestamp
-	1,  // 6: idem.cluster.v1.BeginRequest.request:type_name -> idem.cluster.v1.Request
-	3,  // 7: idem.cluster.v1.BeginResponse.result:type_name -> idem.cluster.v1.Result
-	2,  // 8: idem.cluster.v1.CommitRequest.claim:type_name -> idem.cluster.v1.ClaimRef
-	4,  // 9: idem.cluster.v1.CommitRequest.advances:type_name -> idem.cluster.v1.Advance
-	2,  // 10: idem.cluster.v1.AbortRequest.claim:type_name -> idem.cluster.v1.ClaimRef
-	1,  // 11: idem.cluster.v1.LookupRequest.request:type_name -> idem.cluster.v1.Request
-	3,  // 12: idem.cluster.v1.LookupResponse.result:type_name -> idem.cluster.v1.Result
-	1,  // 13: idem.cluster.v1.WaitRequest.request:type_name -> idem.cluster.v1.Request
-	3,  // 14: idem.cluster.v1.WaitResponse.result:type_name -> idem.cluster.v1.Result
-	4,  // 15: idem.cluster.v1.AdvanceRequest.advances:type_name -> idem.cluster.v1.Advance
-	2,  // 16: idem.cluster.v1.InDoubtClaim.claim:type_name -> idem.cluster.v1.ClaimRef
-	34, // 17: idem.cluster.v1.InDoubtClaim.claimed_at:type_name -> google.protobuf.Timestamp
-	34, // 18: idem.cluster.v1.InDoubtClaim.lease_until:type_name -> google.protobuf.Timestamp
-	22, // 19: idem.cluster.v1.InDoubtResponse.claims:type_name -> idem.cluster.v1.InDoubtClaim
-	34, // 20: idem.cluster.v1.ForgetRequest.before:type_name -> google.protobuf.Timestamp
-	26, // 21: idem.cluster.v1.JoinResponse.members:type_name -> idem.cluster.v1.Member
-	26, // 22: idem.cluster.v1.RemoveResponse.members:type_name -> idem.cluster.v1.Member
-	26, // 23: idem.cluster.v1.StatusResponse.members:type_name -> idem.cluster.v1.Member
-	5,  // 24: idem.cluster.v1.Idem.Begin:input_type -> idem.cluster.v1.BeginRequest
-	7,  // 25: idem.cluster.v1.Idem.Commit:input_type -> idem.cluster.v1.CommitRequest
-	9,  // 26: idem.cluster.v1.Idem.Abort:input_type -> idem.cluster.v1.AbortRequest
-	11, // 27: idem.cluster.v1.Idem.Lookup:input_type -> idem.cluster.v1.LookupRequest
-	13, // 28: idem.cluster.v1.Idem.Wait:input_type -> idem.cluster.v1.WaitRequest
-	15, // 29: idem.cluster.v1.Idem.Ack:input_type -> idem.cluster.v1.AckRequest
-	17, // 30: idem.cluster.v1.Idem.Advance:input_type -> idem.cluster.v1.AdvanceRequest
-	19, // 31: idem.cluster.v1.Idem.ClientState:input_type -> idem.cluster.v1.ClientStateRequest
-	21, // 32: idem.cluster.v1.Idem.InDoubt:input_type -> idem.cluster.v1.InDoubtRequest
-	24, // 33: idem.cluster.v1.Idem.Forget:input_type -> idem.cluster.v1.ForgetRequest
-	27, // 34: idem.cluster.v1.Cluster.Join:input_type -> idem.cluster.v1.JoinRequest
-	29, // 35: idem.cluster.v1.Cluster.Remove:input_type -> idem.cluster.v1.RemoveRequest
-	31, // 36: idem.cluster.v1.Cluster.Status:input_type -> idem.cluster.v1.StatusRequest
-	6,  // 37: idem.cluster.v1.Idem.Begin:output_type -> idem.cluster.v1.BeginResponse
-	8,  // 38: idem.cluster.v1.Idem.Commit:output_type -> idem.cluster.v1.CommitResponse
-	10, // 39: idem.cluster.v1.Idem.Abort:output_type -> idem.cluster.v1.AbortResponse
-	12, // 40: idem.cluster.v1.Idem.Lookup:output_type -> idem.cluster.v1.LookupResponse
-	14, // 41: idem.cluster.v1.Idem.Wait:output_type -> idem.cluster.v1.WaitResponse
-	16, // 42: idem.cluster.v1.Idem.Ack:output_type -> idem.cluster.v1.AckResponse
-	18, // 43: idem.cluster.v1.Idem.Advance:output_type -> idem.cluster.v1.AdvanceResponse
-	20, // 44: idem.cluster.v1.Idem.ClientState:output_type -> idem.cluster.v1.ClientStateResponse
-	23, // 45: idem.cluster.v1.Idem.InDoubt:output_type -> idem.cluster.v1.InDoubtResponse
-	25, // 46: idem.cluster.v1.Idem.Forget:output_type -> idem.cluster.v1.ForgetResponse
-	28, // 47: idem.cluster.v1.Cluster.Join:output_type -> idem.cluster.v1.JoinResponse
-	30, // 48: idem.cluster.v1.Cluster.Remove:output_type -> idem.cluster.v1.RemoveResponse
-	32, // 49: idem.cluster.v1.Cluster.Status:output_type -> idem.cluster.v1.StatusResponse
-	37, // [37:50] is the sub-list for method output_type
-	24, // [24:37] is the sub-list for method input_type
-	24, // [24:24] is the sub-list for extension type_name
-	24, // [24:24] is the sub-list for extension extendee
-	0,  // [0:24] is the sub-list for field type_name
+	33, // 1: idem.cluster.v1.Request.keep_replies_for:type_name -> google.protobuf.Duration
+	0,  // 2: idem.cluster.v1.Result.status:type_name -> idem.cluster.v1.Status
+	2,  // 3: idem.cluster.v1.Result.claim:type_name -> idem.cluster.v1.ClaimRef
+	34, // 4: idem.cluster.v1.Result.lease_until:type_name -> google.protobuf.Timestamp
+	34, // 5: idem.cluster.v1.Result.committed_at:type_name -> google.protobuf.Timestamp
+	34, // 6: idem.cluster.v1.Result.expires_at:type_name -> google.protobuf.Timestamp
+	1,  // 7: idem.cluster.v1.BeginRequest.request:type_name -> idem.cluster.v1.Request
+	3,  // 8: idem.cluster.v1.BeginResponse.result:type_name -> idem.cluster.v1.Result
+	2,  // 9: idem.cluster.v1.CommitRequest.claim:type_name -> idem.cluster.v1.ClaimRef
+	4,  // 10: idem.cluster.v1.CommitRequest.advances:type_name -> idem.cluster.v1.Advance
+	2,  // 11: idem.cluster.v1.AbortRequest.claim:type_name -> idem.cluster.v1.ClaimRef
+	1,  // 12: idem.cluster.v1.LookupRequest.request:type_name -> idem.cluster.v1.Request
+	3,  // 13: idem.cluster.v1.LookupResponse.result:type_name -> idem.cluster.v1.Result
+	1,  // 14: idem.cluster.v1.WaitRequest.request:type_name -> idem.cluster.v1.Request
+	3,  // 15: idem.cluster.v1.WaitResponse.result:type_name -> idem.cluster.v1.Result
+	4,  // 16: idem.cluster.v1.AdvanceRequest.advances:type_name -> idem.cluster.v1.Advance
+	2,  // 17: idem.cluster.v1.InDoubtClaim.claim:type_name -> idem.cluster.v1.ClaimRef
+	34, // 18: idem.cluster.v1.InDoubtClaim.claimed_at:type_name -> google.protobuf.Timestamp
+	34, // 19: idem.cluster.v1.InDoubtClaim.lease_until:type_name -> google.protobuf.Timestamp
+	22, // 20: idem.cluster.v1.InDoubtResponse.claims:type_name -> idem.cluster.v1.InDoubtClaim
+	34, // 21: idem.cluster.v1.ForgetRequest.before:type_name -> google.protobuf.Timestamp
+	26, // 22: idem.cluster.v1.JoinResponse.members:type_name -> idem.cluster.v1.Member
+	26, // 23: idem.cluster.v1.RemoveResponse.members:type_name -> idem.cluster.v1.Member
+	26, // 24: idem.cluster.v1.StatusResponse.members:type_name -> idem.cluster.v1.Member
+	5,  // 25: idem.cluster.v1.Idem.Begin:input_type -> idem.cluster.v1.BeginRequest
+	7,  // 26: idem.cluster.v1.Idem.Commit:input_type -> idem.cluster.v1.CommitRequest
+	9,  // 27: idem.cluster.v1.Idem.Abort:input_type -> idem.cluster.v1.AbortRequest
+	11, // 28: idem.cluster.v1.Idem.Lookup:input_type -> idem.cluster.v1.LookupRequest
+	13, // 29: idem.cluster.v1.Idem.Wait:input_type -> idem.cluster.v1.WaitRequest
+	15, // 30: idem.cluster.v1.Idem.Ack:input_type -> idem.cluster.v1.AckRequest
+	17, // 31: idem.cluster.v1.Idem.Advance:input_type -> idem.cluster.v1.AdvanceRequest
+	19, // 32: idem.cluster.v1.Idem.ClientState:input_type -> idem.cluster.v1.ClientStateRequest
+	21, // 33: idem.cluster.v1.Idem.InDoubt:input_type -> idem.cluster.v1.InDoubtRequest
+	24, // 34: idem.cluster.v1.Idem.Forget:input_type -> idem.cluster.v1.ForgetRequest
+	27, // 35: idem.cluster.v1.Cluster.Join:input_type -> idem.cluster.v1.JoinRequest
+	29, // 36: idem.cluster.v1.Cluster.Remove:input_type -> idem.cluster.v1.RemoveRequest
+	31, // 37: idem.cluster.v1.Cluster.Status:input_type -> idem.cluster.v1.StatusRequest
+	6,  // 38: idem.cluster.v1.Idem.Begin:output_type -> idem.cluster.v1.BeginResponse
+	8,  // 39: idem.cluster.v1.Idem.Commit:output_type -> idem.cluster.v1.CommitResponse
+	10, // 40: idem.cluster.v1.Idem.Abort:output_type -> idem.cluster.v1.AbortResponse
+	12, // 41: idem.cluster.v1.Idem.Lookup:output_type -> idem.cluster.v1.LookupResponse
+	14, // 42: idem.cluster.v1.Idem.Wait:output_type -> idem.cluster.v1.WaitResponse
+	16, // 43: idem.cluster.v1.Idem.Ack:output_type -> idem.cluster.v1.AckResponse
+	18, // 44: idem.cluster.v1.Idem.Advance:output_type -> idem.cluster.v1.AdvanceResponse
+	20, // 45: idem.cluster.v1.Idem.ClientState:output_type -> idem.cluster.v1.ClientStateResponse
+	23, // 46: idem.cluster.v1.Idem.InDoubt:output_type -> idem.cluster.v1.InDoubtResponse
+	25, // 47: idem.cluster.v1.Idem.Forget:output_type -> idem.cluster.v1.ForgetResponse
+	28, // 48: idem.cluster.v1.Cluster.Join:output_type -> idem.cluster.v1.JoinResponse
+	30, // 49: idem.cluster.v1.Cluster.Remove:output_type -> idem.cluster.v1.RemoveResponse
+	32, // 50: idem.cluster.v1.Cluster.Status:output_type -> idem.cluster.v1.StatusResponse
+	38, // [38:51] is the sub-list for method output_type
+	25, // [25:38] is the sub-list for method input_type
+	25, // [25:25] is the sub-list for extension type_name
+	25, // [25:25] is the sub-list for extension extendee
+	0,  // [0:25] is the sub-list for field type_name
 }
 
 func init() { file_cluster_proto_init() }

@@ -1,0 +1,438 @@
+package idemcluster
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/idemdb/idem"
+	"github.com/idemdb/idem/idemcluster/clusterpb"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/timestamppb"
+)
+
+// Options configure a Client.
+type Options struct {
+	// Owner is this application process's identity, stable across its
+	// restarts (for example the host name and the service's name): claims
+	// carry it, a retried Begin gets its own claim back, and InDoubt lists
+	// the claims of this owner, which a restarted process resolves.
+	// Default: random per Client (nothing to resolve after a restart).
+	Owner string
+	// AttemptTimeout bounds each attempt of a call (default 5 s); the
+	// call's ctx bounds the whole call, retries included.
+	AttemptTimeout time.Duration
+	// FollowerReads lets Lookup and ClientState answer from whichever node
+	// is asked, possibly stale. Default: linearizable reads from the leader.
+	FollowerReads bool
+	// DialOptions are added to the gRPC dial (default: plaintext).
+	DialOptions []grpc.DialOption
+	// Logger receives the client's retries (default: discard).
+	Logger *slog.Logger
+}
+
+// Client is a connection to an idem cluster. It satisfies idem.Store, so
+// idemhttp, idemgrpc and idemstream use it as they use an *idem.Engine, and
+// a fleet of processes shares one exactly-once store. It is safe for
+// concurrent use.
+type Client struct {
+	o     Options
+	addrs []string
+	log   *slog.Logger
+
+	mu     sync.Mutex
+	conns  map[string]*grpc.ClientConn
+	leader string // the address calls go to first
+	next   int    // round-robin position when no leader is known
+
+	st struct{ hits, misses, conflicts, collisions, gaps, already, leaseLost atomic.Uint64 }
+}
+
+var _ idem.Store = (*Client)(nil)
+
+// Dial connects to the cluster whose nodes' gRPC addresses are addrs (any
+// subset; the client follows the leader) and returns once a node answered.
+func Dial(ctx context.Context, addrs []string, opts *Options) (*Client, error) {
+	if len(addrs) == 0 {
+		return nil, errors.New("idemcluster: Dial: no address")
+	}
+	c := &Client{addrs: append([]string(nil), addrs...), conns: map[string]*grpc.ClientConn{}}
+	if opts != nil {
+		c.o = *opts
+	}
+	if c.o.AttemptTimeout <= 0 {
+		c.o.AttemptTimeout = 5 * time.Second
+	}
+	if c.o.Owner == "" {
+		b := make([]byte, 8)
+		_, _ = rand.Read(b)
+		c.o.Owner = "client-" + hex.EncodeToString(b)
+	}
+	c.log = c.o.Logger
+	if c.log == nil {
+		c.log = slog.New(slog.DiscardHandler)
+	}
+	err := c.call(ctx, false, func(ctx context.Context, addr string, cc *grpc.ClientConn) error {
+		st, err := clusterpb.NewClusterClient(cc).Status(ctx, &clusterpb.StatusRequest{})
+		if err == nil && st.LeaderGrpcAddr != "" {
+			c.setLeader(st.LeaderGrpcAddr)
+		}
+		return err
+	})
+	if err != nil {
+		c.Close()
+		return nil, fmt.Errorf("idemcluster: Dial %v: %w", addrs, err)
+	}
+	return c, nil
+}
+
+// Owner is the client's owner identity.
+func (c *Client) Owner() string { return c.o.Owner }
+
+// Close closes the client's connections.
+func (c *Client) Close() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var errs []error
+	for a, cc := range c.conns {
+		errs = append(errs, cc.Close())
+		delete(c.conns, a)
+	}
+	return errors.Join(errs...)
+}
+
+func (c *Client) conn(addr string) (*grpc.ClientConn, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if cc := c.conns[addr]; cc != nil {
+		return cc, nil
+	}
+	dopts := append([]grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}, c.o.DialOptions...)
+	cc, err := grpc.NewClient(addr, dopts...)
+	if err != nil {
+		return nil, err
+	}
+	c.conns[addr] = cc
+	return cc, nil
+}
+
+func (c *Client) setLeader(addr string) {
+	c.mu.Lock()
+	c.leader = addr
+	c.mu.Unlock()
+}
+
+// target is the address to try: the leader when known, else the next one.
+func (c *Client) target() string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.leader != "" {
+		return c.leader
+	}
+	a := c.addrs[c.next%len(c.addrs)]
+	c.next++
+	return a
+}
+
+func (c *Client) forgetLeader(addr string) {
+	c.mu.Lock()
+	if c.leader == addr {
+		c.leader = ""
+	}
+	c.mu.Unlock()
+}
+
+// call runs one call, following the leader and retrying what can be
+// retried until ctx ends. Every request the client sends is idempotent
+// (a Begin carries its owner and token, a finish its claim), so a retry
+// after an unknown outcome is safe. A write whose outcome stayed unknown
+// when ctx ended returns ErrInDoubt.
+func (c *Client) call(ctx context.Context, write bool, fn func(ctx context.Context, addr string, cc *grpc.ClientConn) error) error {
+	backoff := 10 * time.Millisecond
+	doubt := false
+	var last error
+	for attempt := 0; ; attempt++ {
+		if err := ctx.Err(); err != nil {
+			if write && doubt {
+				return fmt.Errorf("%w: %w (last: %v)", idem.ErrInDoubt, err, last)
+			}
+			if last != nil {
+				return fmt.Errorf("%w (last: %v)", err, last)
+			}
+			return err
+		}
+		addr := c.target()
+		cc, err := c.conn(addr)
+		if err != nil {
+			return err
+		}
+		actx, cancel := context.WithTimeout(ctx, c.o.AttemptTimeout)
+		err = fn(actx, addr, cc)
+		cancel()
+		if err == nil {
+			return nil
+		}
+		last = err
+		e := fromStatus(err)
+		var nl *errNotLeader
+		switch {
+		case errors.As(e, &nl):
+			c.forgetLeader(addr)
+			if nl.leader != "" && nl.leader != addr {
+				c.setLeader(nl.leader)
+				continue // straight to the leader
+			}
+		case errors.Is(e, idem.ErrInDoubt), errors.Is(e, idem.ErrClosed):
+			doubt = true
+			c.forgetLeader(addr)
+		default:
+			st, ok := status.FromError(err)
+			if !ok {
+				return e
+			}
+			switch st.Code() {
+			case codes.Unavailable, codes.DeadlineExceeded, codes.Canceled, codes.Internal, codes.Unknown:
+				if ctx.Err() != nil && st.Code() != codes.Unavailable {
+					continue // the loop's top reports ctx's end
+				}
+				doubt = true // the request may have reached the leader
+				c.forgetLeader(addr)
+			default:
+				return e // the engine's answer
+			}
+		}
+		c.log.Debug("idemcluster: retrying", "addr", addr, "attempt", attempt, "error", err)
+		t := time.NewTimer(backoff)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+		}
+		backoff = min(backoff*2, 500*time.Millisecond)
+	}
+}
+
+func resultFromPB(p *clusterpb.Result) idem.Result {
+	if p == nil {
+		return idem.Result{}
+	}
+	return idem.Result{Status: idem.Status(p.Status), Reply: p.Reply, LeaseUntil: tm(p.LeaseUntil), CommittedAt: tm(p.CommittedAt), Seq: p.Seq, ExpiresAt: tm(p.ExpiresAt)}
+}
+
+func (c *Client) count(r idem.Result, err error) {
+	var gap *idem.SequenceGapError
+	switch {
+	case errors.As(err, &gap):
+		c.st.gaps.Add(1)
+	case errors.Is(err, idem.ErrAlreadyCommitted):
+		c.st.already.Add(1)
+	case errors.Is(err, idem.ErrConflict):
+		c.st.conflicts.Add(1)
+	case err != nil:
+	case r.Status == idem.Done:
+		c.st.hits.Add(1)
+	case r.Status == idem.Fresh:
+		c.st.misses.Add(1)
+	case r.Status == idem.InFlight:
+		c.st.collisions.Add(1)
+	}
+}
+
+// Begin is idem.Engine.Begin on the cluster: a Fresh claim is returned
+// only once it is committed by a majority. A retry after a lost answer
+// (inside this call) gets the same claim back.
+func (c *Client) Begin(ctx context.Context, req idem.Request) (idem.Result, error) {
+	tok := make([]byte, 16)
+	_, _ = rand.Read(tok)
+	in := &clusterpb.BeginRequest{Request: reqToPB(req), Owner: c.o.Owner, Token: tok}
+	var out *clusterpb.BeginResponse
+	err := c.call(ctx, true, func(ctx context.Context, _ string, cc *grpc.ClientConn) (err error) {
+		out, err = clusterpb.NewIdemClient(cc).Begin(ctx, in)
+		return err
+	})
+	if err != nil {
+		err = fromStatus(err)
+		var ac *idem.AlreadyCommittedError
+		if errors.As(err, &ac) {
+			c.count(idem.Result{}, err)
+			return idem.Result{Seq: req.Seq}, err
+		}
+		c.count(idem.Result{}, err)
+		return idem.Result{}, err
+	}
+	r := resultFromPB(out.Result)
+	if r.Status == idem.Fresh {
+		if out.Result.Claim == nil {
+			return idem.Result{}, fmt.Errorf("idemcluster: a fresh result without its claim")
+		}
+		r.Claim = idem.NewClaim(&claimBackend{c: c, ref: out.Result.Claim}, r.LeaseUntil)
+	}
+	c.count(r, nil)
+	return r, nil
+}
+
+// claimBackend finishes a claim held on the cluster.
+type claimBackend struct {
+	c   *Client
+	ref *clusterpb.ClaimRef
+}
+
+func (b *claimBackend) Commit(ctx context.Context, reply []byte, adv []idem.Advance) error {
+	in := &clusterpb.CommitRequest{Claim: b.ref, Reply: reply}
+	for _, a := range adv {
+		in.Advances = append(in.Advances, &clusterpb.Advance{Scope: a.Scope, Client: a.Client, Seq: a.Seq})
+	}
+	err := b.c.call(ctx, true, func(ctx context.Context, _ string, cc *grpc.ClientConn) error {
+		_, err := clusterpb.NewIdemClient(cc).Commit(ctx, in)
+		return err
+	})
+	if errors.Is(fromStatus(err), idem.ErrLeaseLost) {
+		b.c.st.leaseLost.Add(1)
+	}
+	return fromStatus(err)
+}
+
+func (b *claimBackend) Abort(ctx context.Context) error {
+	err := b.c.call(ctx, true, func(ctx context.Context, _ string, cc *grpc.ClientConn) error {
+		_, err := clusterpb.NewIdemClient(cc).Abort(ctx, &clusterpb.AbortRequest{Claim: b.ref})
+		return err
+	})
+	return fromStatus(err)
+}
+
+// Lookup is idem.Engine.Lookup on the cluster (linearizable unless
+// Options.FollowerReads).
+func (c *Client) Lookup(ctx context.Context, req idem.Request) (idem.Result, error) {
+	var out *clusterpb.LookupResponse
+	err := c.call(ctx, false, func(ctx context.Context, _ string, cc *grpc.ClientConn) (err error) {
+		out, err = clusterpb.NewIdemClient(cc).Lookup(ctx, &clusterpb.LookupRequest{Request: reqToPB(req), FollowerRead: c.o.FollowerReads})
+		return err
+	})
+	if err != nil {
+		return idem.Result{Seq: req.Seq}, fromStatus(err)
+	}
+	return resultFromPB(out.Result), nil
+}
+
+// Wait is idem.Engine.Wait on the cluster: it waits on the leader.
+func (c *Client) Wait(ctx context.Context, req idem.Request) (idem.Result, error) {
+	var out *clusterpb.WaitResponse
+	err := c.call(ctx, false, func(actx context.Context, addr string, cc *grpc.ClientConn) (err error) {
+		// A wait may last longer than one attempt: bound it by ctx only.
+		out, err = clusterpb.NewIdemClient(cc).Wait(ctx, &clusterpb.WaitRequest{Request: reqToPB(req)})
+		return err
+	})
+	if err != nil {
+		return idem.Result{Seq: req.Seq}, fromStatus(err)
+	}
+	return resultFromPB(out.Result), nil
+}
+
+// Ack is idem.Engine.Ack on the cluster.
+func (c *Client) Ack(ctx context.Context, scope string, ids ...[]byte) error {
+	return fromStatus(c.call(ctx, true, func(ctx context.Context, _ string, cc *grpc.ClientConn) error {
+		_, err := clusterpb.NewIdemClient(cc).Ack(ctx, &clusterpb.AckRequest{Scope: scope, Ids: ids})
+		return err
+	}))
+}
+
+// Advance is idem.Engine.Advance on the cluster.
+func (c *Client) Advance(ctx context.Context, adv ...idem.Advance) error {
+	in := &clusterpb.AdvanceRequest{}
+	for _, a := range adv {
+		in.Advances = append(in.Advances, &clusterpb.Advance{Scope: a.Scope, Client: a.Client, Seq: a.Seq})
+	}
+	return fromStatus(c.call(ctx, true, func(ctx context.Context, _ string, cc *grpc.ClientConn) error {
+		_, err := clusterpb.NewIdemClient(cc).Advance(ctx, in)
+		return err
+	}))
+}
+
+// Forget is idem.Engine.Forget on the cluster (an administrator's call).
+func (c *Client) Forget(ctx context.Context, before time.Time) error {
+	return fromStatus(c.call(ctx, true, func(ctx context.Context, _ string, cc *grpc.ClientConn) error {
+		_, err := clusterpb.NewIdemClient(cc).Forget(ctx, &clusterpb.ForgetRequest{Before: timestamppb.New(before)})
+		return err
+	}))
+}
+
+// ClientState is idem.Engine.ClientState on the cluster.
+func (c *Client) ClientState(ctx context.Context, scope, client string) (uint64, error) {
+	var out *clusterpb.ClientStateResponse
+	err := c.call(ctx, false, func(ctx context.Context, _ string, cc *grpc.ClientConn) (err error) {
+		out, err = clusterpb.NewIdemClient(cc).ClientState(ctx, &clusterpb.ClientStateRequest{Scope: scope, Client: client, FollowerRead: c.o.FollowerReads})
+		return err
+	})
+	if err != nil {
+		return 0, fromStatus(err)
+	}
+	return out.LastCommittedSequence, nil
+}
+
+// InDoubt lists the unfinished claims of this client's Owner whose scope
+// starts with scopePrefix: after a restart of the application process
+// (same Owner), the claims its previous run left, to commit or abort.
+func (c *Client) InDoubt(ctx context.Context, scopePrefix string) ([]idem.InDoubtClaim, error) {
+	var out *clusterpb.InDoubtResponse
+	err := c.call(ctx, false, func(ctx context.Context, _ string, cc *grpc.ClientConn) (err error) {
+		out, err = clusterpb.NewIdemClient(cc).InDoubt(ctx, &clusterpb.InDoubtRequest{ScopePrefix: scopePrefix, Owner: c.o.Owner})
+		return err
+	})
+	if err != nil {
+		return nil, fromStatus(err)
+	}
+	var ds []idem.InDoubtClaim
+	for _, d := range out.Claims {
+		r := d.Claim
+		ds = append(ds, idem.InDoubtClaim{Scope: r.Scope, ID: r.Id, Client: r.Client, Seq: r.Seq, Fingerprint: d.Fingerprint,
+			ClaimedAt: tm(d.ClaimedAt), LeaseUntil: tm(d.LeaseUntil), Claim: idem.NewClaim(&claimBackend{c: c, ref: r}, tm(d.LeaseUntil))})
+	}
+	return ds, nil
+}
+
+// Now is the client's clock. The cluster decides every time by its log;
+// this is what code built on the Store reads for its own decisions.
+func (c *Client) Now() time.Time { return time.Now() }
+
+// Stats are what this client saw: the results and errors of its calls
+// (Hits, Misses, Conflicts, InFlightCollisions, SequenceGaps,
+// AlreadyCommitted, LeaseLost). The nodes' own figures are on their
+// status pages.
+func (c *Client) Stats() idem.Stats {
+	return idem.Stats{Hits: c.st.hits.Load(), Misses: c.st.misses.Load(), Conflicts: c.st.conflicts.Load(),
+		InFlightCollisions: c.st.collisions.Load(), SequenceGaps: c.st.gaps.Load(), AlreadyCommitted: c.st.already.Load(), LeaseLost: c.st.leaseLost.Load()}
+}
+
+// Status is the view of the node the client reaches first.
+func (c *Client) Status(ctx context.Context) (*clusterpb.StatusResponse, error) {
+	var out *clusterpb.StatusResponse
+	err := c.call(ctx, false, func(ctx context.Context, _ string, cc *grpc.ClientConn) (err error) {
+		out, err = clusterpb.NewClusterClient(cc).Status(ctx, &clusterpb.StatusRequest{})
+		return err
+	})
+	return out, fromStatus(err)
+}
+
+func (c *Client) join(ctx context.Context, in *clusterpb.JoinRequest) error {
+	return fromStatus(c.call(ctx, true, func(ctx context.Context, _ string, cc *grpc.ClientConn) error {
+		_, err := clusterpb.NewClusterClient(cc).Join(ctx, in)
+		return err
+	}))
+}
+
+// Remove removes a node from the cluster.
+func (c *Client) Remove(ctx context.Context, nodeID string) error {
+	return fromStatus(c.call(ctx, true, func(ctx context.Context, _ string, cc *grpc.ClientConn) error {
+		_, err := clusterpb.NewClusterClient(cc).Remove(ctx, &clusterpb.RemoveRequest{NodeId: nodeID})
+		return err
+	}))
+}

@@ -1,0 +1,401 @@
+package idemcluster
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+	"github.com/hashicorp/raft"
+	raftwal "github.com/hashicorp/raft-wal"
+	"github.com/hashicorp/raft-wal/metadb"
+	"github.com/idemdb/idem"
+	"github.com/idemdb/idem/idemcluster/clusterpb"
+	"github.com/vmihailenco/msgpack/v5"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/reflection"
+)
+
+// NodeOptions configure a node of an idem cluster (what `idem serve` runs).
+type NodeOptions struct {
+	// ID names the node in the raft configuration (required).
+	ID string
+	// Dir holds the node's raft log, raft snapshots and engine (required).
+	Dir string
+	// RaftAddr is the address raft listens on and advertises (required
+	// unless RaftListener is given).
+	RaftAddr string
+	// GRPCAddr is the address the client protocol listens on (required
+	// unless GRPCListener is given).
+	GRPCAddr string
+	// RaftListener and GRPCListener, when set, are used instead of binding
+	// RaftAddr and GRPCAddr (tests hand over listeners they bound).
+	RaftListener net.Listener
+	GRPCListener net.Listener
+	// Peers are the initial members, node id -> raft address: every node
+	// of a new cluster starts with the same list, and the cluster is
+	// bootstrapped once with it. Empty with Join set: the node joins a
+	// running cluster.
+	Peers map[string]string
+	// Join is the gRPC address of a running member: the node asks the
+	// leader to add it as a voter.
+	Join string
+	// Engine tunes the engine under the state machine. Lease (default 1
+	// hour) must be the same on every node: leases are measured in the
+	// log's time. Clock, Sync, RelaxedClaims, KeepSnapshots and FS are the
+	// node's own and must be left zero.
+	Engine idem.Options
+	// HeartbeatTimeout and ElectionTimeout tune raft (defaults 500 ms and
+	// 500 ms: a failover within about 1-2 s on a LAN or loopback).
+	HeartbeatTimeout, ElectionTimeout time.Duration
+	// SnapshotThreshold is how many entries raft appends between
+	// snapshots (default 8192); TrailingLogs how many it keeps after one
+	// (default 10240).
+	SnapshotThreshold, TrailingLogs uint64
+	// Logger receives the node's and raft's messages (default: discard).
+	Logger *slog.Logger
+}
+
+// Node is a running member of an idem cluster: raft, the state machine
+// over an idem engine, and the gRPC services Idem and Cluster.
+type Node struct {
+	o      NodeOptions
+	r      *raft.Raft
+	fsm    *fsm
+	logs   *raftwal.WAL
+	meta   *metadb.BoltMetaDB
+	trans  *raft.NetworkTransport
+	grpc   *grpc.Server
+	glis   net.Listener
+	log    *slog.Logger
+	ready  atomic.Uint64 // the term in which this node, as leader, applied a barrier
+	stop   chan struct{}
+	wg     sync.WaitGroup
+	closed atomic.Bool
+}
+
+func (o *NodeOptions) check() error {
+	switch {
+	case o.ID == "":
+		return errors.New("idemcluster: NodeOptions.ID is required")
+	case o.Dir == "":
+		return errors.New("idemcluster: NodeOptions.Dir is required")
+	case o.RaftAddr == "" && o.RaftListener == nil:
+		return errors.New("idemcluster: NodeOptions.RaftAddr is required")
+	case o.GRPCAddr == "" && o.GRPCListener == nil:
+		return errors.New("idemcluster: NodeOptions.GRPCAddr is required")
+	case len(o.Peers) == 0 && o.Join == "":
+		return errors.New("idemcluster: NodeOptions: give Peers (a new cluster) or Join (a running one)")
+	case o.Engine.Clock != nil || o.Engine.FS != nil || o.Engine.RelaxedClaims || o.Engine.KeepSnapshots != 0 || o.Engine.Sync != idem.SyncAlways:
+		return errors.New("idemcluster: NodeOptions.Engine: Clock, FS, Sync, RelaxedClaims and KeepSnapshots are set by the node (the log's time; the raft log is the durable copy)")
+	case o.Engine.MaxEntries != 0:
+		return errors.New("idemcluster: NodeOptions.Engine.MaxEntries must be zero (eviction is not driven by the log, so nodes would disagree)")
+	}
+	if len(o.Peers) > 0 {
+		if _, ok := o.Peers[o.ID]; !ok {
+			return fmt.Errorf("idemcluster: NodeOptions.Peers does not name this node %q", o.ID)
+		}
+	}
+	return nil
+}
+
+// StartNode starts a node. A node whose Dir holds raft state rejoins its
+// cluster with it (its engine is rebuilt from raft's snapshot and log).
+func StartNode(opts *NodeOptions) (*Node, error) {
+	if opts == nil {
+		return nil, errors.New("idemcluster: StartNode: nil options")
+	}
+	o := *opts
+	if err := o.check(); err != nil {
+		return nil, err
+	}
+	if o.HeartbeatTimeout <= 0 {
+		o.HeartbeatTimeout = 500 * time.Millisecond
+	}
+	if o.ElectionTimeout <= 0 {
+		o.ElectionTimeout = 500 * time.Millisecond
+	}
+	if o.SnapshotThreshold == 0 {
+		o.SnapshotThreshold = 8192
+	}
+	if o.TrailingLogs == 0 {
+		o.TrailingLogs = 10240
+	}
+	lg := o.Logger
+	if lg == nil {
+		lg = slog.New(slog.DiscardHandler)
+	}
+	n := &Node{o: o, log: lg.With("node", o.ID), stop: make(chan struct{})}
+	ok := false
+	defer func() {
+		if !ok {
+			n.teardown()
+		}
+	}()
+	for _, d := range []string{"raft", "snapshots"} {
+		if err := os.MkdirAll(filepath.Join(o.Dir, d), 0o755); err != nil {
+			return nil, fmt.Errorf("idemcluster: %w", err)
+		}
+	}
+	f, err := newFSM(filepath.Join(o.Dir, "engine"), o.Engine)
+	if err != nil {
+		return nil, fmt.Errorf("idemcluster: engine: %w", err)
+	}
+	n.fsm = f
+	// raft-wal v0.4.0's Close leaves its metadata store (a bbolt file)
+	// open and locked: the node keeps it and closes it after the log, so a
+	// node restarted in the same process can open its directory again.
+	n.meta = &metadb.BoltMetaDB{}
+	if n.logs, err = raftwal.Open(filepath.Join(o.Dir, "raft"), raftwal.WithMetaStore(n.meta)); err != nil {
+		return nil, fmt.Errorf("idemcluster: raft log: %w", err)
+	}
+	hl := hclog.New(&hclog.LoggerOptions{Name: "raft", Level: hclog.Warn, Output: slogWriter{n.log}})
+	snaps, err := raft.NewFileSnapshotStoreWithLogger(filepath.Join(o.Dir, "snapshots"), 2, hl)
+	if err != nil {
+		return nil, fmt.Errorf("idemcluster: raft snapshots: %w", err)
+	}
+	rl := o.RaftListener
+	if rl == nil {
+		if rl, err = net.Listen("tcp", o.RaftAddr); err != nil {
+			return nil, fmt.Errorf("idemcluster: raft address: %w", err)
+		}
+	}
+	n.trans = raft.NewNetworkTransportWithLogger(&tcpLayer{Listener: rl}, 5, 5*time.Second, hl)
+	conf := raft.DefaultConfig()
+	conf.LocalID = raft.ServerID(o.ID)
+	conf.HeartbeatTimeout = o.HeartbeatTimeout
+	conf.ElectionTimeout = o.ElectionTimeout
+	conf.LeaderLeaseTimeout = o.HeartbeatTimeout / 2
+	conf.SnapshotThreshold = o.SnapshotThreshold
+	conf.TrailingLogs = o.TrailingLogs
+	conf.Logger = hl
+	has, err := raft.HasExistingState(n.logs, n.logs, snaps)
+	if err != nil {
+		return nil, fmt.Errorf("idemcluster: %w", err)
+	}
+	if n.r, err = raft.NewRaft(conf, f, n.logs, n.logs, snaps, n.trans); err != nil {
+		return nil, fmt.Errorf("idemcluster: raft: %w", err)
+	}
+	if !has && len(o.Peers) > 0 {
+		var cfg raft.Configuration
+		ids := make([]string, 0, len(o.Peers))
+		for id := range o.Peers {
+			ids = append(ids, id)
+		}
+		sort.Strings(ids)
+		for _, id := range ids {
+			cfg.Servers = append(cfg.Servers, raft.Server{ID: raft.ServerID(id), Address: raft.ServerAddress(o.Peers[id])})
+		}
+		if err := n.r.BootstrapCluster(cfg).Error(); err != nil && !errors.Is(err, raft.ErrCantBootstrap) {
+			return nil, fmt.Errorf("idemcluster: bootstrap: %w", err)
+		}
+	}
+	gl := o.GRPCListener
+	if gl == nil {
+		if gl, err = net.Listen("tcp", o.GRPCAddr); err != nil {
+			return nil, fmt.Errorf("idemcluster: gRPC address: %w", err)
+		}
+	}
+	n.glis = gl
+	n.grpc = grpc.NewServer()
+	s := &server{n: n}
+	clusterpb.RegisterIdemServer(n.grpc, s)
+	clusterpb.RegisterClusterServer(n.grpc, s)
+	reflection.Register(n.grpc)
+	n.wg.Add(2)
+	go func() {
+		defer n.wg.Done()
+		_ = n.grpc.Serve(gl)
+	}()
+	go n.watchLeadership()
+	if !has && o.Join != "" {
+		if err := n.join(o.Join); err != nil {
+			return nil, err
+		}
+	}
+	ok = true
+	return n, nil
+}
+
+// Addr is the node's gRPC address.
+func (n *Node) Addr() string { return n.glis.Addr().String() }
+
+// RaftAddr is the node's raft address.
+func (n *Node) RaftAddr() string { return string(n.trans.LocalAddr()) }
+
+// Raft is the node's raft (for status pages and tests).
+func (n *Node) Raft() *raft.Raft { return n.r }
+
+// IsLeader reports whether the node is the leader and ready to serve.
+func (n *Node) IsLeader() bool {
+	return n.r.State() == raft.Leader && n.ready.Load() == n.r.CurrentTerm()
+}
+
+// watchLeadership makes a new leader ready: a barrier (every entry of
+// earlier terms applied) and its gRPC address in the members table.
+func (n *Node) watchLeadership() {
+	defer n.wg.Done()
+	t := time.NewTicker(50 * time.Millisecond)
+	defer t.Stop()
+	for {
+		select {
+		case <-n.stop:
+			return
+		case <-t.C:
+		}
+		if n.r.State() != raft.Leader {
+			continue
+		}
+		term := n.r.CurrentTerm()
+		if n.ready.Load() == term {
+			continue
+		}
+		if err := n.r.Barrier(5 * time.Second).Error(); err != nil {
+			continue
+		}
+		if _, err := n.apply(context.Background(), &command{Op: cmdMember, Node: n.o.ID, Addr: n.Addr()}); err != nil {
+			continue
+		}
+		n.ready.Store(term)
+		n.log.Info("idemcluster: leader ready", "term", term)
+	}
+}
+
+func (n *Node) join(addr string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	c, err := Dial(ctx, []string{addr}, nil)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	return c.join(ctx, &clusterpb.JoinRequest{NodeId: n.o.ID, RaftAddr: n.RaftAddr(), GrpcAddr: n.Addr()})
+}
+
+// leaderAddr is the leader's gRPC address, when known.
+func (n *Node) leaderAddr() string {
+	_, id := n.r.LeaderWithID()
+	if id == "" {
+		return ""
+	}
+	n.fsm.mu.RLock()
+	defer n.fsm.mu.RUnlock()
+	return n.fsm.members[string(id)]
+}
+
+// apply appends a command and returns what the state machine made of it.
+// An error that leaves the outcome unknown (leadership lost after the
+// append) is ErrInDoubt: the client retries with the same command.
+func (n *Node) apply(ctx context.Context, c *command) (*applied, error) {
+	if n.r.State() != raft.Leader {
+		return nil, &errNotLeader{leader: n.leaderAddr()}
+	}
+	data, err := msgpack.Marshal(c)
+	if err != nil {
+		return nil, err
+	}
+	timeout := 10 * time.Second
+	if d, ok := ctx.Deadline(); ok {
+		timeout = max(time.Until(d), time.Millisecond)
+	}
+	fut := n.r.Apply(data, timeout)
+	if err := fut.Error(); err != nil {
+		switch {
+		case errors.Is(err, raft.ErrNotLeader):
+			return nil, &errNotLeader{leader: n.leaderAddr()}
+		case errors.Is(err, raft.ErrEnqueueTimeout):
+			return nil, fmt.Errorf("idemcluster: %w", context.DeadlineExceeded)
+		default: // leadership lost, shutdown: the entry may commit later
+			return nil, fmt.Errorf("%w: %v", idem.ErrInDoubt, err)
+		}
+	}
+	a, _ := fut.Response().(*applied)
+	if a == nil {
+		return nil, fmt.Errorf("idemcluster: entry %d applied without an answer", fut.Index())
+	}
+	return a, nil
+}
+
+// readIndex makes a read linearizable: the node must be a ready leader,
+// confirm its leadership with a majority after taking the commit index,
+// and have applied up to that index.
+func (n *Node) readIndex(ctx context.Context, followerRead bool) error {
+	if followerRead {
+		return nil
+	}
+	if !n.IsLeader() {
+		return &errNotLeader{leader: n.leaderAddr()}
+	}
+	ci := n.r.CommitIndex()
+	if err := n.r.VerifyLeader().Error(); err != nil {
+		return &errNotLeader{leader: n.leaderAddr()}
+	}
+	return n.fsm.waitApplied(ctx, ci)
+}
+
+// Close shuts the node down cleanly: a leader hands leadership over first.
+func (n *Node) Close() error {
+	if n.closed.Swap(true) {
+		return nil
+	}
+	if n.r != nil && n.r.State() == raft.Leader {
+		_ = n.r.LeadershipTransfer().Error()
+	}
+	return n.teardown()
+}
+
+func (n *Node) teardown() error {
+	select {
+	case <-n.stop:
+	default:
+		close(n.stop)
+	}
+	var errs []error
+	if n.grpc != nil {
+		n.grpc.Stop()
+	}
+	if n.r != nil {
+		errs = append(errs, n.r.Shutdown().Error())
+	}
+	if n.trans != nil {
+		errs = append(errs, n.trans.Close())
+	}
+	n.wg.Wait()
+	if n.logs != nil {
+		errs = append(errs, n.logs.Close())
+	}
+	if n.meta != nil {
+		errs = append(errs, n.meta.Close())
+	}
+	if n.fsm != nil {
+		errs = append(errs, n.fsm.close())
+	}
+	return errors.Join(errs...)
+}
+
+// tcpLayer is raft's StreamLayer over a listener the node was given.
+type tcpLayer struct{ net.Listener }
+
+func (t *tcpLayer) Dial(addr raft.ServerAddress, timeout time.Duration) (net.Conn, error) {
+	return net.DialTimeout("tcp", string(addr), timeout)
+}
+
+// slogWriter sends hclog's lines to slog.
+type slogWriter struct{ l *slog.Logger }
+
+func (w slogWriter) Write(p []byte) (int, error) {
+	w.l.Warn(strings.TrimSpace(string(p)))
+	return len(p), nil
+}
+
+var _ io.Writer = slogWriter{}

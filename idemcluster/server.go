@@ -1,0 +1,272 @@
+package idemcluster
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/hashicorp/raft"
+	"github.com/idemdb/idem"
+	"github.com/idemdb/idem/idemcluster/clusterpb"
+	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
+)
+
+// server implements the gRPC services on a node.
+type server struct {
+	clusterpb.UnimplementedIdemServer
+	clusterpb.UnimplementedClusterServer
+	n *Node
+}
+
+func reqFromPB(r *clusterpb.Request) (idem.Request, error) {
+	if r == nil {
+		return idem.Request{}, fmt.Errorf("%w: no request", idem.ErrInvalidRequest)
+	}
+	return idem.Request{Scope: r.Scope, ID: r.Id, Client: r.Client, Seq: r.Seq, Fingerprint: r.Fingerprint, Acked: r.Acked, TTL: r.Ttl.AsDuration(),
+		KeepReplies: int(r.KeepReplies), KeepRepliesFor: r.KeepRepliesFor.AsDuration()}, nil
+}
+
+func reqToPB(r idem.Request) *clusterpb.Request {
+	p := &clusterpb.Request{Scope: r.Scope, Id: r.ID, Client: r.Client, Seq: r.Seq, Fingerprint: r.Fingerprint, Acked: r.Acked, KeepReplies: int32(r.KeepReplies)}
+	if r.TTL != 0 {
+		p.Ttl = durationpb.New(r.TTL)
+	}
+	if r.KeepRepliesFor != 0 {
+		p.KeepRepliesFor = durationpb.New(r.KeepRepliesFor)
+	}
+	return p
+}
+
+func ts(t time.Time) *timestamppb.Timestamp {
+	if t.IsZero() {
+		return nil
+	}
+	return timestamppb.New(t)
+}
+
+func tm(t *timestamppb.Timestamp) time.Time {
+	if t == nil {
+		return time.Time{}
+	}
+	return t.AsTime()
+}
+
+func resultToPB(r idem.Result) *clusterpb.Result {
+	return &clusterpb.Result{Status: clusterpb.Status(r.Status), Reply: r.Reply, LeaseUntil: ts(r.LeaseUntil),
+		CommittedAt: ts(r.CommittedAt), Seq: r.Seq, ExpiresAt: ts(r.ExpiresAt)}
+}
+
+func (s *server) Begin(ctx context.Context, in *clusterpb.BeginRequest) (*clusterpb.BeginResponse, error) {
+	req, err := reqFromPB(in.Request)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	a, err := s.n.apply(ctx, &command{Op: cmdBegin, Req: toWire(req), Owner: in.Owner, Token: in.Token})
+	if err == nil {
+		err = a.err
+	}
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	res := resultToPB(a.res)
+	if a.res.Status == idem.Fresh {
+		res.Claim = &clusterpb.ClaimRef{Scope: req.Scope, Id: req.ID, Client: req.Client, Seq: req.Seq, Owner: a.owner, Token: a.token}
+	}
+	return &clusterpb.BeginResponse{Result: res}, nil
+}
+
+func claimCmd(op byte, c *clusterpb.ClaimRef) (*command, error) {
+	if c == nil || len(c.Token) == 0 {
+		return nil, fmt.Errorf("%w: no claim or no token", idem.ErrInvalidRequest)
+	}
+	return &command{Op: op, Key: claimKey{Scope: c.Scope, ID: c.Id, Client: c.Client}, Seq: c.Seq, Owner: c.Owner, Token: c.Token}, nil
+}
+
+func (s *server) Commit(ctx context.Context, in *clusterpb.CommitRequest) (*clusterpb.CommitResponse, error) {
+	c, err := claimCmd(cmdCommit, in.Claim)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	c.Reply = in.Reply
+	if c.Reply == nil {
+		c.Reply = []byte{}
+	}
+	for _, a := range in.Advances {
+		c.Adv = append(c.Adv, idem.Advance{Scope: a.Scope, Client: a.Client, Seq: a.Seq})
+	}
+	return &clusterpb.CommitResponse{}, s.write(ctx, c)
+}
+
+func (s *server) Abort(ctx context.Context, in *clusterpb.AbortRequest) (*clusterpb.AbortResponse, error) {
+	c, err := claimCmd(cmdAbort, in.Claim)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return &clusterpb.AbortResponse{}, s.write(ctx, c)
+}
+
+func (s *server) write(ctx context.Context, c *command) error {
+	a, err := s.n.apply(ctx, c)
+	if err == nil {
+		err = a.err
+	}
+	return toStatus(err)
+}
+
+func (s *server) Ack(ctx context.Context, in *clusterpb.AckRequest) (*clusterpb.AckResponse, error) {
+	return &clusterpb.AckResponse{}, s.write(ctx, &command{Op: cmdAck, Key: claimKey{Scope: in.Scope}, IDs: in.Ids})
+}
+
+func (s *server) Advance(ctx context.Context, in *clusterpb.AdvanceRequest) (*clusterpb.AdvanceResponse, error) {
+	c := &command{Op: cmdAdvance}
+	for _, a := range in.Advances {
+		c.Adv = append(c.Adv, idem.Advance{Scope: a.Scope, Client: a.Client, Seq: a.Seq})
+	}
+	return &clusterpb.AdvanceResponse{}, s.write(ctx, c)
+}
+
+func (s *server) Forget(ctx context.Context, in *clusterpb.ForgetRequest) (*clusterpb.ForgetResponse, error) {
+	if in.Before == nil {
+		return nil, toStatus(fmt.Errorf("%w: forget without a time", idem.ErrInvalidRequest))
+	}
+	return &clusterpb.ForgetResponse{}, s.write(ctx, &command{Op: cmdForget, Before: in.Before.AsTime().UnixNano()})
+}
+
+// read runs f on the engine after readIndex.
+func (s *server) read(ctx context.Context, followerRead bool, f func(e *idem.Engine) error) error {
+	if err := s.n.readIndex(ctx, followerRead); err != nil {
+		return toStatus(err)
+	}
+	e, done, err := s.n.fsm.engine()
+	if err != nil {
+		return toStatus(err)
+	}
+	defer done()
+	return toStatus(f(e))
+}
+
+func (s *server) Lookup(ctx context.Context, in *clusterpb.LookupRequest) (*clusterpb.LookupResponse, error) {
+	req, err := reqFromPB(in.Request)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	var out *clusterpb.LookupResponse
+	err = s.read(ctx, in.FollowerRead, func(e *idem.Engine) error {
+		r, err := e.Lookup(ctx, req)
+		out = &clusterpb.LookupResponse{Result: resultToPB(r)}
+		return err
+	})
+	return out, err
+}
+
+func (s *server) Wait(ctx context.Context, in *clusterpb.WaitRequest) (*clusterpb.WaitResponse, error) {
+	req, err := reqFromPB(in.Request)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	if err := s.n.readIndex(ctx, false); err != nil {
+		return nil, toStatus(err)
+	}
+	// Wait on the leader's engine without holding the state machine's
+	// lock (a Restore may replace the engine: then ask again).
+	for {
+		e, done, err := s.n.fsm.engine()
+		if err != nil {
+			return nil, toStatus(err)
+		}
+		done()
+		r, err := e.Wait(ctx, req)
+		if errors.Is(err, idem.ErrClosed) && ctx.Err() == nil && !s.n.closed.Load() {
+			continue
+		}
+		if err != nil {
+			return nil, toStatus(err)
+		}
+		return &clusterpb.WaitResponse{Result: resultToPB(r)}, nil
+	}
+}
+
+func (s *server) ClientState(ctx context.Context, in *clusterpb.ClientStateRequest) (*clusterpb.ClientStateResponse, error) {
+	var out *clusterpb.ClientStateResponse
+	err := s.read(ctx, in.FollowerRead, func(e *idem.Engine) error {
+		n, err := e.ClientState(ctx, in.Scope, in.Client)
+		out = &clusterpb.ClientStateResponse{LastCommittedSequence: n}
+		return err
+	})
+	return out, err
+}
+
+func (s *server) InDoubt(ctx context.Context, in *clusterpb.InDoubtRequest) (*clusterpb.InDoubtResponse, error) {
+	if err := s.n.readIndex(ctx, false); err != nil {
+		return nil, toStatus(err)
+	}
+	out := &clusterpb.InDoubtResponse{}
+	for _, h := range s.n.fsm.inDoubt(in.ScopePrefix, in.Owner) {
+		out.Claims = append(out.Claims, &clusterpb.InDoubtClaim{
+			Claim:       &clusterpb.ClaimRef{Scope: h.Key.Scope, Id: h.Key.ID, Client: h.Key.Client, Seq: h.Seq, Owner: h.Owner, Token: h.Token},
+			Fingerprint: h.Fingerprint, ClaimedAt: ts(time.Unix(0, h.ClaimedAt)), LeaseUntil: ts(time.Unix(0, h.LeaseUntil)),
+		})
+	}
+	return out, nil
+}
+
+func (s *server) members() ([]*clusterpb.Member, error) {
+	f := s.n.r.GetConfiguration()
+	if err := f.Error(); err != nil {
+		return nil, err
+	}
+	_, leader := s.n.r.LeaderWithID()
+	s.n.fsm.mu.RLock()
+	defer s.n.fsm.mu.RUnlock()
+	var out []*clusterpb.Member
+	for _, sv := range f.Configuration().Servers {
+		out = append(out, &clusterpb.Member{NodeId: string(sv.ID), RaftAddr: string(sv.Address), GrpcAddr: s.n.fsm.members[string(sv.ID)],
+			Voter: sv.Suffrage == raft.Voter, Leader: sv.ID == leader})
+	}
+	return out, nil
+}
+
+func (s *server) Join(ctx context.Context, in *clusterpb.JoinRequest) (*clusterpb.JoinResponse, error) {
+	if in.NodeId == "" || in.RaftAddr == "" {
+		return nil, toStatus(fmt.Errorf("%w: join needs a node id and a raft address", idem.ErrInvalidRequest))
+	}
+	if !s.n.IsLeader() {
+		return nil, toStatus(&errNotLeader{leader: s.n.leaderAddr()})
+	}
+	if err := s.n.r.AddVoter(raft.ServerID(in.NodeId), raft.ServerAddress(in.RaftAddr), 0, 30*time.Second).Error(); err != nil {
+		return nil, toStatus(fmt.Errorf("idemcluster: add voter %s: %w", in.NodeId, err))
+	}
+	if in.GrpcAddr != "" {
+		if err := s.write(ctx, &command{Op: cmdMember, Node: in.NodeId, Addr: in.GrpcAddr}); err != nil {
+			return nil, err
+		}
+	}
+	m, err := s.members()
+	return &clusterpb.JoinResponse{Members: m}, toStatus(err)
+}
+
+func (s *server) Remove(ctx context.Context, in *clusterpb.RemoveRequest) (*clusterpb.RemoveResponse, error) {
+	if !s.n.IsLeader() {
+		return nil, toStatus(&errNotLeader{leader: s.n.leaderAddr()})
+	}
+	if err := s.n.r.RemoveServer(raft.ServerID(in.NodeId), 0, 30*time.Second).Error(); err != nil {
+		return nil, toStatus(fmt.Errorf("idemcluster: remove %s: %w", in.NodeId, err))
+	}
+	if err := s.write(ctx, &command{Op: cmdMember, Node: in.NodeId}); err != nil {
+		return nil, err
+	}
+	m, err := s.members()
+	return &clusterpb.RemoveResponse{Members: m}, toStatus(err)
+}
+
+func (s *server) Status(ctx context.Context, in *clusterpb.StatusRequest) (*clusterpb.StatusResponse, error) {
+	_, leader := s.n.r.LeaderWithID()
+	m, err := s.members()
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return &clusterpb.StatusResponse{NodeId: s.n.o.ID, State: s.n.r.State().String(), LeaderId: string(leader),
+		LeaderGrpcAddr: s.n.leaderAddr(), AppliedIndex: s.n.r.AppliedIndex(), LastIndex: s.n.r.LastIndex(), Members: m}, nil
+}

@@ -1,0 +1,179 @@
+package idemraft
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cockroachdb/pebble/v2/vfs"
+	"github.com/idemdb/idem"
+	"github.com/vmihailenco/msgpack/v5"
+)
+
+// TestWrapRefusesEngineOptions: the engine options idemraft sets itself,
+// and those that would let replicas disagree, are refused when set, with
+// an error naming the field (they used to be overridden silently).
+func TestWrapRefusesEngineOptions(t *testing.T) {
+	for field, o := range map[string]idem.Options{
+		"Clock":         {Clock: time.Now},
+		"Sync":          {Sync: idem.SyncNever},
+		"RelaxedClaims": {RelaxedClaims: true},
+		"KeepSnapshots": {KeepSnapshots: 2},
+		"MaxEntries":    {MaxEntries: 5},
+		"FS":            {FS: vfs.NewMem()},
+	} {
+		f, err := Wrap(newCounterFSM(), &Options{Dir: t.TempDir(), Engine: o})
+		if err == nil {
+			f.Close()
+			t.Errorf("Options.Engine.%s set: accepted", field)
+			continue
+		}
+		if !strings.Contains(err.Error(), "Options.Engine."+field+" ") {
+			t.Errorf("Options.Engine.%s set: the error does not name it: %v", field, err)
+		}
+	}
+	if _, err := Wrap(newCounterFSM(), nil); err == nil || !strings.Contains(err.Error(), "Options.Dir") {
+		t.Errorf("nil options: %v", err)
+	}
+	// The defaults are fine, and so are the options idemraft leaves to the caller.
+	f, err := Wrap(newCounterFSM(), &Options{Dir: t.TempDir(), Engine: idem.Options{Sync: idem.SyncAlways, SyncInterval: time.Second, Retention: time.Hour}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+}
+
+// TestConfigurationErrors: the constructors return their configuration
+// errors, naming what is wrong, instead of failing later.
+func TestConfigurationErrors(t *testing.T) {
+	c := newCluster(t, 1, clusterOpts{wrap: true})
+	nd := c.nodes[0]
+	r, f, _, _ := nd.current()
+	good, err := LocalNode(nd.id, r, f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	twin, _ := LocalNode(nd.id, r, f)
+	for name, tc := range map[string]struct {
+		err  func() error
+		want string
+	}{
+		"LocalNode without id":   {func() error { _, err := LocalNode("", r, f); return err }, "empty server id"},
+		"LocalNode without raft": {func() error { _, err := LocalNode("n", nil, f); return err }, "nil *raft.Raft"},
+		"LocalNode without FSM":  {func() error { _, err := LocalNode("n", r, nil); return err }, "nil *FSM"},
+		"Handler without FSM":    {func() error { _, err := Handler(nd.id, r, nil); return err }, "nil *FSM"},
+		"HTTPNode without id":    {func() error { _, err := HTTPNode("", "http://127.0.0.1:1/", nil); return err }, "empty server id"},
+		"HTTPNode without scheme": {func() error {
+			_, err := HTTPNode("n", "127.0.0.1:8080/apply", nil)
+			return err
+		}, `url "127.0.0.1:8080/apply"`},
+		"NewClient without nodes": {func() error { _, err := NewClient(nil, nil); return err }, "no nodes"},
+		"NewClient with a nil node": {func() error {
+			_, err := NewClient([]Node{good, nil}, nil)
+			return err
+		}, "node 1 is nil"},
+		"NewClient with one id twice": {func() error {
+			_, err := NewClient([]Node{good, twin}, nil)
+			return err
+		}, `same id "n1"`},
+		"NewClient negative Attempt": {func() error {
+			_, err := NewClient([]Node{good}, &ClientOptions{Attempt: -time.Second})
+			return err
+		}, "ClientOptions.Attempt = -1s"},
+		"NewClient backoffs crossed": {func() error {
+			_, err := NewClient([]Node{good}, &ClientOptions{MinBackoff: time.Second, MaxBackoff: time.Millisecond})
+			return err
+		}, "ClientOptions.MinBackoff = 1s exceeds MaxBackoff = 1ms"},
+		"Submit without FSM": {func() error { _, err := Submit(context.Background(), r, nil, nil); return err }, "nil"},
+	} {
+		err := tc.err()
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: %v, want an error with %q", name, err, tc.want)
+		}
+	}
+	// Defaults: nil options.
+	cl, err := NewClient([]Node{good}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cl.attempt != 5*time.Second || cl.minBackoff != 5*time.Millisecond || cl.maxBack != 500*time.Millisecond {
+		t.Fatalf("defaults: attempt %v, backoff %v..%v", cl.attempt, cl.minBackoff, cl.maxBack)
+	}
+}
+
+// envelopeV0 is the envelope as idemraft wrote it before idem's API v1,
+// with a copy of the request's fingerprint at its end.
+type envelopeV0 struct {
+	_msgpack    struct{} `msgpack:",as_array"`
+	Kind        int
+	Reply       []byte
+	Msg         string
+	Fingerprint []byte
+}
+
+// TestOldEnvelopesInSnapshots: a dedup set written before API v1 (every
+// reply with its fingerprint copy) still restores from a raft snapshot:
+// its replies are answered, and the fingerprint is checked by the engine
+// (the copy is ignored).
+func TestOldEnvelopesInSnapshots(t *testing.T) {
+	fd := &feeder{t: t, f: wrapT(t, newCounterFSM(), t.TempDir()), at: t0}
+	fd.apply([]byte("noise")) // a log time for the engine's clock
+	ctx := context.Background()
+	for _, old := range []struct {
+		req idem.Request
+		env envelopeV0
+	}{
+		{idem.Request{Scope: "s", ID: []byte("old-1"), Fingerprint: []byte("fp")}, envelopeV0{Kind: replyBytes, Reply: []byte("reply-1"), Fingerprint: []byte("fp")}},
+		{idem.Request{Scope: "s", ID: []byte("old-2")}, envelopeV0{Kind: replyAppError, Msg: "refused"}},
+	} {
+		b, err := msgpack.Marshal(&old.env)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if b[0] != 0x94 {
+			t.Fatalf("the old form is a 4-element array, got %x", b[0])
+		}
+		res, err := fd.f.cur.e.Begin(ctx, old.req)
+		if err != nil || res.Status != idem.Fresh {
+			t.Fatal(res, err)
+		}
+		if err := res.Claim.Commit(ctx, b); err != nil {
+			t.Fatal(err)
+		}
+	}
+	snap := persist(t, fd.f)
+	app2 := newCounterFSM()
+	f2 := wrapT(t, app2, t.TempDir())
+	if err := f2.Restore(io.NopCloser(bytes.NewReader(snap))); err != nil {
+		t.Fatal(err)
+	}
+	fd2 := &feeder{t: t, f: f2, idx: fd.idx, at: fd.at}
+	if r := fd2.cmd(idem.Request{Scope: "s", ID: []byte("old-1"), Fingerprint: []byte("fp")}, counterOp{ID: "x", Key: "k", Delta: 1}); !r.Duplicate || string(r.Reply) != "reply-1" {
+		t.Fatalf("old reply through the log: %+v", r)
+	}
+	if r, ok := f2.Lookup(idem.Request{Scope: "s", ID: []byte("old-1"), Fingerprint: []byte("fp")}); !ok || string(r.Reply) != "reply-1" {
+		t.Fatalf("old reply from the local set: %+v %v", r, ok)
+	}
+	if _, ok := f2.Lookup(idem.Request{Scope: "s", ID: []byte("old-1"), Fingerprint: []byte("other")}); ok {
+		t.Fatal("another fingerprint answered from the local set")
+	}
+	if r, ok := f2.Lookup(idem.Request{Scope: "s", ID: []byte("old-2")}); !ok || r.Err == nil || r.Err.Error() != "refused" {
+		t.Fatalf("old application error: %+v %v", r, ok)
+	}
+	if n := app2.state().Applied["x"]; n != 0 {
+		t.Fatal("a duplicate of an old request ran")
+	}
+	// The new form has 3 elements; damaged envelopes are refused, never a panic.
+	b, _ := msgpack.Marshal(&envelope{Kind: replyBytes, Reply: []byte("r")})
+	if b[0] != 0x93 {
+		t.Fatalf("the new form: %x", b[0])
+	}
+	for _, bad := range [][]byte{nil, {0x92, 0, 0xc4, 0}, append(append([]byte(nil), b...), 0), b[:len(b)-1]} {
+		if _, err := decodeEnvelope(bad); err == nil {
+			t.Errorf("envelope %x accepted", bad)
+		}
+	}
+}

@@ -1,0 +1,84 @@
+package index
+
+import (
+	"errors"
+	"testing"
+
+	"github.com/idemdb/idem/wal"
+)
+
+// TestTransitionsFenceStaleClaims: a commit or abort record must name the
+// key's current claim (its ClaimLSN). This is the second line of lease
+// fencing: the engine refuses a stale Claim.Commit with ErrLeaseLost before
+// appending, and Transitions refuses the record itself with ErrNoClaim,
+// which is what replay of a log holding such a record meets (the engine
+// then refuses to open: see TestReplayRefusesStaleFinish in the root
+// package). A record naming the current claim goes through.
+func TestTransitionsFenceStaleClaims(t *testing.T) {
+	idKey := EntryKey(nil, "s", ModeID, []byte("x"))
+	clientKey := EntryKey(nil, "s", ModeClient, []byte("c"))
+	// x: claimed at LSN 5 (taking over a claim made at LSN 3).
+	idClaim := &Entry{InFlight: true, ClaimLSN: 5, ClaimFP: []byte("fp"), ClaimTime: 10, LeaseUntil: 20, LSN: 5}
+	idCommitted := &Entry{Committed: true, CommitLSN: 9, ReplyKept: true, Reply: []byte("r"), LSN: 9}
+	// c: seq 3 committed at LSN 4, seq 4 claimed at LSN 7.
+	clientClaim := &Entry{Committed: true, Seq: 3, CommitLSN: 4, InFlight: true, ClaimLSN: 7, ClaimSeq: 4, LeaseUntil: 20, LSN: 7}
+	state := func(m map[string]*Entry) func([]byte, byte) (*Entry, error) {
+		return func(k []byte, _ byte) (*Entry, error) { return m[string(k)], nil }
+	}
+	idOp := func(typ byte, claim wal.LSN) *wal.Op {
+		return &wal.Op{Type: typ, Scope: "s", ID: []byte("x"), ClaimLSN: claim, Time: 15, Reply: []byte("reply")}
+	}
+	clientOp := func(typ byte, claim wal.LSN) *wal.Op {
+		return &wal.Op{Type: typ, Scope: "s", Client: "c", Seq: 4, ClaimLSN: claim, Time: 15, Reply: []byte("reply")}
+	}
+	for _, tc := range []struct {
+		name string
+		op   *wal.Op
+		get  map[string]*Entry
+	}{
+		{"commit naming the taken-over claim", idOp(wal.OpCommit, 3), map[string]*Entry{string(idKey): idClaim}},
+		{"abort naming the taken-over claim", idOp(wal.OpAbort, 3), map[string]*Entry{string(idKey): idClaim}},
+		{"commit naming a later claim", idOp(wal.OpCommit, 6), map[string]*Entry{string(idKey): idClaim}},
+		{"commit-advance naming a stale claim", func() *wal.Op {
+			op := idOp(wal.OpCommitAdvance, 3)
+			op.Advances = []wal.Advance{{Scope: "s", Client: "other", Seq: 1}}
+			return op
+		}(), map[string]*Entry{string(idKey): idClaim}},
+		{"commit of an absent id", idOp(wal.OpCommit, 5), map[string]*Entry{}},
+		{"abort of an absent id", idOp(wal.OpAbort, 5), map[string]*Entry{}},
+		{"commit of a committed id", idOp(wal.OpCommit, 5), map[string]*Entry{string(idKey): idCommitted}},
+		{"abort of a committed id", idOp(wal.OpAbort, 9), map[string]*Entry{string(idKey): idCommitted}},
+		{"client commit naming a stale claim", clientOp(wal.OpCommit, 6), map[string]*Entry{string(clientKey): clientClaim}},
+		{"client abort naming a stale claim", clientOp(wal.OpAbort, 6), map[string]*Entry{string(clientKey): clientClaim}},
+		{"client commit naming the last commit", clientOp(wal.OpCommit, 4), map[string]*Entry{string(clientKey): clientClaim}},
+	} {
+		ts, err := Transitions(tc.op, 20, state(tc.get))
+		if !errors.Is(err, ErrNoClaim) {
+			t.Errorf("%s: got %v, %d transitions; want ErrNoClaim", tc.name, err, len(ts))
+		} else if ts != nil {
+			t.Errorf("%s: ErrNoClaim with %d transitions", tc.name, len(ts))
+		}
+	}
+
+	// The current claim's own commit and abort go through.
+	ids := state(map[string]*Entry{string(idKey): idClaim})
+	ts, err := Transitions(idOp(wal.OpCommit, 5), 20, ids)
+	if err != nil || len(ts) != 1 {
+		t.Fatalf("commit of the current claim: %v, %d transitions", err, len(ts))
+	}
+	if n := ts[0].Next; n == nil || !n.Committed || n.InFlight || string(n.Reply) != "reply" || string(n.Fingerprint) != "fp" || n.CommitLSN != 20 || ts[0].Prev != idClaim {
+		t.Fatalf("commit of the current claim: %+v", ts[0])
+	}
+	if ts, err = Transitions(idOp(wal.OpAbort, 5), 20, ids); err != nil || len(ts) != 1 || ts[0].Next != nil {
+		t.Fatalf("abort of the current claim: %v %+v", err, ts)
+	}
+	clients := state(map[string]*Entry{string(clientKey): clientClaim})
+	ts, err = Transitions(clientOp(wal.OpCommit, 7), 20, clients)
+	if err != nil || len(ts) != 1 || ts[0].Next == nil || ts[0].Next.Seq != 4 || ts[0].Next.InFlight {
+		t.Fatalf("client commit of the current claim: %v %+v", err, ts)
+	}
+	ts, err = Transitions(clientOp(wal.OpAbort, 7), 20, clients)
+	if n := ts[0].Next; err != nil || n == nil || n.InFlight || n.Seq != 3 || !n.Committed {
+		t.Fatalf("client abort of the current claim (seq 3 stays): %v %+v", err, ts)
+	}
+}

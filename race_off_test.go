@@ -1,0 +1,6 @@
+//go:build !race
+
+package idem
+
+// raceEnabled says whether the tests run under the race detector.
+const raceEnabled = false
