@@ -224,7 +224,7 @@ func trackedWrite(c ledgerpb.LedgerClient, ctx context.Context, tr *idemgrpc.Tra
 // call recovers from the gap.
 func TestTracker(t *testing.T) {
 	var fail atomic.Bool
-	env := startLedger(t, ledgersvc.Options{BeforeApply: func(context.Context) error {
+	env := startLedger(t, ledgersvc.Options{KeepReplies: 1, BeforeApply: func(context.Context) error {
 		if fail.Load() {
 			return status.Error(codes.FailedPrecondition, "test: business rule")
 		}

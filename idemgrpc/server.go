@@ -99,10 +99,27 @@ type Options struct {
 	// until the client's next sequence, or for keys until acked, expired
 	// by the engine's Retention, or forgotten.
 	TTL time.Duration
+	// KeepReplies and KeepRepliesFor are the per-client sequences' reply
+	// cache (sequence-mode methods): a retry of any of a client's last
+	// KeepReplies sequence numbers, committed less than KeepRepliesFor
+	// ago, gets its stored response; an older one gets ALREADY_COMMITTED
+	// with the client's last committed sequence. Defaults: 10,000 and 5
+	// minutes, the ledger's. KeepReplies 1 keeps only the last one; the
+	// engine logs the window with every claim, so recovery and replicas
+	// keep the same replies (idem.Request.KeepReplies).
+	KeepReplies    int
+	KeepRepliesFor time.Duration
 	// Logger receives warnings (aborts that failed, replies not stored).
 	// Default: discard.
 	Logger *slog.Logger
 }
+
+// The per-client sequences' reply cache defaults (Options.KeepReplies,
+// Options.KeepRepliesFor).
+const (
+	DefaultKeepReplies    = 10000
+	DefaultKeepRepliesFor = 5 * time.Minute
+)
 
 // Server is the exactly-once layer of a gRPC server: its
 // UnaryServerInterceptor runs each identified call's handler once and
@@ -137,6 +154,16 @@ func NewServer(store idem.Store, opts *Options) (*Server, error) {
 		return bad("MaxReplySize", o.MaxReplySize, "negative")
 	case o.TTL < 0:
 		return bad("TTL", o.TTL, "negative (0 keeps responses until the next sequence)")
+	case o.KeepReplies < 0 || o.KeepReplies > idem.MaxKeepReplies:
+		return bad("KeepReplies", o.KeepReplies, fmt.Sprintf("want 1..%d (0: the default %d)", idem.MaxKeepReplies, DefaultKeepReplies))
+	case o.KeepRepliesFor < 0:
+		return bad("KeepRepliesFor", o.KeepRepliesFor, "negative")
+	}
+	if o.KeepReplies == 0 {
+		o.KeepReplies = DefaultKeepReplies
+	}
+	if o.KeepRepliesFor == 0 {
+		o.KeepRepliesFor = DefaultKeepRepliesFor
 	}
 	if o.Actor == nil {
 		o.Actor = ContextActor
@@ -340,6 +367,9 @@ func (s *Server) UnaryServerInterceptor() grpc.UnaryServerInterceptor {
 			return nil, status.Errorf(codes.Internal, "idemgrpc: fingerprint of %s: %v", info.FullMethod, err)
 		}
 		r := idem.Request{Scope: call.Scope, Client: id.Client, Seq: id.Seq, Fingerprint: fp, TTL: s.o.TTL}
+		if id.Client != "" { // the reply cache of per-client sequences
+			r.KeepReplies, r.KeepRepliesFor = s.o.KeepReplies, s.o.KeepRepliesFor
+		}
 		if id.Key != "" {
 			r.ID = []byte(id.Key)
 		}

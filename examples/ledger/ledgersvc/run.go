@@ -32,7 +32,11 @@ type Options struct {
 	TTL time.Duration
 	// InFlightWait (idemgrpc.Options.InFlightWait; 0: its default).
 	InFlightWait time.Duration
-	Logger       *slog.Logger
+	// KeepReplies and KeepRepliesFor (idemgrpc.Options; 0: the ledger's
+	// defaults, 10,000 replies for 5 minutes).
+	KeepReplies    int
+	KeepRepliesFor time.Duration
+	Logger         *slog.Logger
 	// AfterApply is copied to Ledger.AfterApply.
 	AfterApply func(ctx context.Context)
 	// BeforeApply is copied to Ledger.BeforeApply.
@@ -63,6 +67,7 @@ func Start(dir string, lis net.Listener, opts *Options) (*Server, error) {
 	}
 	isrv, err := idemgrpc.NewServer(eng, &idemgrpc.Options{
 		Methods: Methods(), TTL: o.TTL, InFlightWait: o.InFlightWait, Logger: o.Logger,
+		KeepReplies: o.KeepReplies, KeepRepliesFor: o.KeepRepliesFor,
 	})
 	if err != nil {
 		eng.Close()
