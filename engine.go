@@ -28,6 +28,7 @@ import (
 
 	"github.com/cockroachdb/pebble/v2/vfs"
 	"github.com/idemdb/idem/index"
+	"github.com/idemdb/idem/snapshot"
 	"github.com/idemdb/idem/wal"
 	"golang.org/x/sync/semaphore"
 )
@@ -128,11 +129,14 @@ var (
 	openDirs   = map[string]bool{} // guarded by openDirsMu: directories open in this process
 )
 
-// Open opens (creating if needed) the idem directory dir. On open the WAL
-// is read from the index's applied LSN on (older segments only have their
-// headers checked; after a clean Close the log is entered at its end), a
-// torn tail is cut (and logged), and the records the index has not applied
-// are replayed. `idem verify` checks every frame.
+// Open opens (creating if needed) the idem directory dir. On open an empty
+// index in front of a WAL whose head compaction removed is loaded from the
+// newest valid on-disk snapshot, the WAL is read from the index's applied
+// LSN on (older segments only have their headers checked; after a clean
+// Close the log is entered at its end), a torn tail is cut (and logged), and
+// the records the index has not applied are replayed (docs/design.md,
+// "Recovery (Open)"; the idem command runs the same recovery read-only).
+// `idem verify` checks every frame.
 func Open(dir string, opts *Options) (*Engine, error) {
 	o := opts.withDefaults()
 	if o.Sync < SyncAlways || o.Sync > SyncNever {
@@ -164,23 +168,6 @@ func Open(dir string, opts *Options) (*Engine, error) {
 		return nil, wrapCorrupt(err)
 	}
 	e.ix = ix
-	// An empty index in front of a WAL that no longer starts at LSN 1 (its
-	// head was truncated by compaction) must start from a snapshot.
-	if ix.Applied() == 0 && ix.Count() == 0 {
-		first, err := walFirstLSN(o.FS, filepath.Join(dir, "wal"))
-		if err != nil {
-			ix.Close(false)
-			return nil, err
-		}
-		if first > 1 {
-			if err := e.loadDiskSnapshot(ix, first); err != nil {
-				ix.Close(false)
-				return nil, wrapCorrupt(err)
-			}
-		}
-	}
-	rep := ix.NewReplayer()
-	applied := ix.Applied()
 	// One element per group-commit fsync. The buffer lets the WAL go on
 	// while the applier waits for an ingest (a forget record persists the
 	// pending sets first: ~0.1-0.2 s for a full 16 MiB set); at ~5,000
@@ -192,31 +179,10 @@ func Open(dir string, opts *Options) (*Engine, error) {
 	e.applyCh = make(chan applyBatch, 4096)
 	e.backlogCap = max(o.IndexIngestBytes/2, 1<<20)
 	e.backlog = semaphore.NewWeighted(e.backlogCap)
-	w, scan, err := wal.Open(wal.Options{
-		FS:           o.FS,
-		Dir:          filepath.Join(dir, "wal"),
-		SegmentSize:  o.SegmentSize,
-		Preallocate:  o.FS == vfs.Default && !o.NoPreallocate,
-		SyncMode:     o.Sync.wal(),
-		SyncInterval: o.SyncInterval,
-		// Records are retained (and their slots pinned) until their fsync:
-		// in SyncNever mode that was up to a whole segment, 300-700 MiB of
-		// Go heap with 64 MiB segments. An fsync per 1/128 of the budget
-		// of log (2 MiB by default) bounds that at a few tens of MiB.
-		MaxUnsyncedBytes: max(o.MemoryBudget/128, 1<<20),
-		FirstLSN:         applied + 1,
-		Logger:           o.Logger,
-		OnSynced:         e.onSynced,
-	}, applied, func(r wal.Record) error {
-		if err := rep.Apply(r.LSN, r.Type, r.Payload); err != nil {
-			return fmt.Errorf("%w: segment %s offset %d: %w", ErrCorrupt, r.Segment, r.Offset, err)
-		}
-		return nil
-	})
+	w, err := e.recover(ix)
 	if err != nil {
-		rep.Discard()
 		ix.Close(false)
-		return nil, wrapCorrupt(err)
+		return nil, err
 	}
 	e.w = w
 	fail := func(err error) (*Engine, error) {
@@ -224,16 +190,7 @@ func Open(dir string, opts *Options) (*Engine, error) {
 		ix.Close(false)
 		return nil, err
 	}
-	if err := rep.Flush(); err != nil {
-		return fail(wrapCorrupt(err))
-	}
 	ix.StartFilter() // after replay, which then adds nothing to it (see index/filter.go)
-	if scan.LastLSN < applied {
-		return fail(fmt.Errorf("%w: the index has applied LSN %d but the WAL ends at LSN %d (WAL segments lost?)", ErrCorrupt, applied, scan.LastLSN))
-	}
-	if scan.TornTail != nil {
-		o.Logger.Warn("idem: cut torn WAL tail", "segment", scan.TornTail.Segment, "offset", scan.TornTail.Offset, "bytes", scan.TornTail.Bytes, "saved_as", scan.TornTail.SavedAs)
-	}
 	m := ix.Mark()
 	e.mark.Store(&m)
 	if err := ix.InDoubt(func(key []byte, en *index.Entry) error {
@@ -256,10 +213,13 @@ func wrapCorrupt(err error) error {
 	if errors.Is(err, ErrCorrupt) || errors.Is(err, ErrFailed) {
 		return err
 	}
+	if isRecoveryCorrupt(err) {
+		return fmt.Errorf("%w: %w", ErrCorrupt, err)
+	}
 	if errors.Is(err, index.ErrBackground) {
 		return fmt.Errorf("%w: %w", ErrFailed, err)
 	}
-	if errors.Is(err, wal.ErrCorrupt) || errors.Is(err, index.ErrCorrupt) || errors.Is(err, wal.ErrBadRecord) || errors.Is(err, index.ErrBadEntry) || errors.Is(err, index.ErrNoClaim) {
+	if errors.Is(err, snapshot.ErrCorrupt) || errors.Is(err, wal.ErrCorrupt) || errors.Is(err, index.ErrCorrupt) || errors.Is(err, wal.ErrBadRecord) || errors.Is(err, index.ErrBadEntry) || errors.Is(err, index.ErrNoClaim) {
 		return fmt.Errorf("%w: %w", ErrCorrupt, err)
 	}
 	return err

@@ -5,13 +5,12 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"os"
 	"path/filepath"
 	"sync"
 	"time"
 
-	"github.com/cockroachdb/pebble/v2/vfs"
 	"github.com/idemdb/idem/index"
+	"github.com/idemdb/idem/internal/recovery"
 	"github.com/idemdb/idem/snapshot"
 	"github.com/idemdb/idem/wal"
 )
@@ -255,55 +254,7 @@ func (e *Engine) writeDiskSnapshot(ctx context.Context, img *index.Image) (strin
 	return path, len(removed), wal.LSN(infos[len(infos)-1].LSN), nil
 }
 
-// walFirstLSN returns the first LSN of the oldest WAL segment in dir, or 0
-// when there is none (segment names are their first LSN).
-func walFirstLSN(fs vfs.FS, dir string) (wal.LSN, error) {
-	names, err := fs.List(dir)
-	if err != nil {
-		if errors.Is(err, os.ErrNotExist) {
-			return 0, nil
-		}
-		return 0, err
-	}
-	var first wal.LSN
-	for _, n := range names {
-		if v, ok := wal.ParseSegmentName(n); ok && (first == 0 || v < first) {
-			first = v
-		}
-	}
-	return first, nil
-}
-
-// loadDiskSnapshot fills an empty index from the newest valid on-disk
-// snapshot that reaches back to the WAL's start (first-1). A corrupt newest
-// snapshot is logged and the next older one used, as Kafka does with its
-// producer-state snapshots.
-func (e *Engine) loadDiskSnapshot(ix *index.Index, first wal.LSN) error {
-	sr, info, closer, err := snapshot.OpenNewestValid(e.fs, e.snapshotDir(), e.o.Logger)
-	if err != nil {
-		return fmt.Errorf("%w: the index (%s) is missing or empty and compaction removed the WAL before LSN %d, but no valid snapshot is available to rebuild it from (on-disk snapshots are kept only with Options.KeepSnapshots > 0); restore a backup (idem restore) or move the index back: %v",
-			ErrCorrupt, filepath.Join(e.dir, "index"), first, err)
-	}
-	defer closer.Close()
-	if wal.LSN(info.LSN)+1 < first {
-		return fmt.Errorf("%w: the newest valid snapshot %s (LSN %d) does not reach the WAL's first LSN %d", ErrCorrupt, info.Path, info.LSN, first)
-	}
-	e.o.Logger.Warn("idem: rebuilding the index from a snapshot", "snapshot", info.Path, "lsn", info.LSN)
-	return loadSnapshot(ix, sr)
-}
-
 // loadSnapshot fills the empty index ix with the snapshot sr.
 func loadSnapshot(ix *index.Index, sr *snapshot.Reader) error {
-	h := sr.Header()
-	return ix.Load(wal.LSN(h.LSN), index.Mark{Before: h.ForgetBefore, LSN: wal.LSN(h.ForgetLSN)},
-		func() ([]byte, []byte, bool, error) {
-			k, v, err := sr.Next()
-			if errors.Is(err, io.EOF) {
-				return nil, nil, false, nil
-			}
-			if err != nil {
-				return nil, nil, false, wrapSnapshotErr(err)
-			}
-			return k, v, true, nil
-		})
+	return wrapSnapshotErr(recovery.Load(ix, sr))
 }

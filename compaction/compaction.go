@@ -21,6 +21,11 @@
 // files, and the entry range is compacted only after removals of at least a
 // quarter of the set (amortized over them).
 //
+// It is one of idem's building blocks (with packages wal, index and
+// snapshot), published as Pebble publishes its record and sstable
+// packages: the engine, package idem, composes them. Applications use
+// package idem (Engine.Compact, Options.CompactInterval).
+//
 // Removing dead entries themselves is not compaction's job: acks and forget
 // records (admin, retention, capacity) remove entries when they are applied,
 // through the time index with range deletes, so the index never needs a

@@ -61,6 +61,29 @@ func newTestCluster(t *testing.T, n int) *testCluster {
 	return tc
 }
 
+// stop stops node id abruptly (no leadership transfer), as a crash of
+// its process would.
+func (tc *testCluster) stop(id string) {
+	tc.t.Helper()
+	if err := tc.nodes[id].teardown(); err != nil {
+		tc.t.Logf("stop %s: %v", id, err)
+	}
+	delete(tc.nodes, id)
+}
+
+// start starts node id again on its directory and addresses.
+func (tc *testCluster) start(id string) {
+	tc.t.Helper()
+	o := *tc.opts[id]
+	o.RaftListener, o.GRPCListener = nil, nil
+	o.RaftAddr, o.GRPCAddr = o.Peers[id], tc.addrs[int(id[1]-'1')]
+	nd, err := StartNode(&o)
+	if err != nil {
+		tc.t.Fatalf("restart %s: %v", id, err)
+	}
+	tc.nodes[id] = nd
+}
+
 // leader waits for a ready leader and returns its id.
 func (tc *testCluster) leader(within time.Duration) string {
 	tc.t.Helper()
@@ -162,19 +185,9 @@ func TestClusterFailover(t *testing.T) {
 		}
 		// Stop the leader abruptly (no leadership transfer) and start it again.
 		old := tc.leader(30 * time.Second)
-		if err := tc.nodes[old].teardown(); err != nil {
-			t.Logf("teardown %s: %v", old, err)
-		}
-		delete(tc.nodes, old)
+		tc.stop(old)
 		tc.leader(30 * time.Second)
-		o := *tc.opts[old]
-		o.RaftListener, o.GRPCListener = nil, nil
-		o.RaftAddr, o.GRPCAddr = o.Peers[old], tc.addrs[int(old[1]-'1')]
-		nd, err := StartNode(&o)
-		if err != nil {
-			t.Fatalf("restart %s: %v", old, err)
-		}
-		tc.nodes[old] = nd
+		tc.start(old)
 	}
 	for id, want := range committed {
 		r, err := c.Begin(ctx, idem.Request{ID: []byte(id)})
@@ -245,20 +258,12 @@ func TestClusterInDoubtAcrossSnapshotAndRestart(t *testing.T) {
 			t.Fatalf("snapshot: %v", err)
 		}
 	}
-	for id, nd := range tc.nodes {
-		if err := nd.teardown(); err != nil {
-			t.Logf("teardown %s: %v", id, err)
-		}
+	ids := []string{"n1", "n2", "n3"}
+	for _, id := range ids {
+		tc.stop(id)
 	}
-	for id := range tc.nodes {
-		o := *tc.opts[id]
-		o.RaftListener, o.GRPCListener = nil, nil
-		o.RaftAddr, o.GRPCAddr = o.Peers[id], tc.addrs[int(id[1]-'1')]
-		nd, err := StartNode(&o)
-		if err != nil {
-			t.Fatalf("restart %s: %v", id, err)
-		}
-		tc.nodes[id] = nd
+	for _, id := range ids {
+		tc.start(id)
 	}
 	tc.leader(30 * time.Second)
 	again := dial(t, tc, "orders@host-1") // the process restarted

@@ -68,16 +68,8 @@ func TestHTTPReplicasShareTheCluster(t *testing.T) {
 	for i := range total {
 		if i > 0 && i%150 == 0 { // stop the leader abruptly, restart it
 			old := tc.leader(30 * time.Second)
-			_ = tc.nodes[old].teardown()
-			delete(tc.nodes, old)
-			o := *tc.opts[old]
-			o.RaftListener, o.GRPCListener = nil, nil
-			o.RaftAddr, o.GRPCAddr = o.Peers[old], tc.addrs[int(old[1]-'1')]
-			nd, err := StartNode(&o)
-			if err != nil {
-				t.Fatalf("restart %s: %v", old, err)
-			}
-			tc.nodes[old] = nd
+			tc.stop(old)
+			tc.start(old)
 			restarts++
 		}
 		key := fmt.Sprintf("key-%04d", i)

@@ -36,13 +36,14 @@ func BenchmarkUnary(b *testing.B) {
 	} {
 		b.Run(bc.name, func(b *testing.B) {
 			ints := []grpc.UnaryServerInterceptor{ledgersvc.TokenAuth(tokens)}
+			var isrv *idemgrpc.Server
 			if bc.idem {
 				eng, err := idem.Open(b.TempDir(), &idem.Options{Sync: bc.sync})
 				if err != nil {
 					b.Fatal(err)
 				}
 				b.Cleanup(func() { eng.Close() })
-				isrv, err := idemgrpc.NewServer(idemgrpc.Config{Engine: eng, Methods: ledgersvc.Methods()})
+				isrv, err = idemgrpc.NewServer(eng, &idemgrpc.Options{Methods: ledgersvc.Methods()})
 				if err != nil {
 					b.Fatal(err)
 				}
@@ -51,13 +52,7 @@ func BenchmarkUnary(b *testing.B) {
 			var runs atomic.Int64
 			gs := grpc.NewServer(grpc.ChainUnaryInterceptor(ints...))
 			ledgerpb.RegisterLedgerServer(gs, &benchLedger{runs: &runs})
-			lis, err := netListen()
-			if err != nil {
-				b.Fatal(err)
-			}
-			go gs.Serve(lis)
-			b.Cleanup(gs.Stop)
-			cc := dialB(b, lis.Addr().String())
+			cc := dialB(b, serve(b, isrv, gs))
 			c := ledgerpb.NewLedgerClient(cc)
 			ctx := as(context.Background(), "tok-alice")
 			var ids atomic.Int64
@@ -139,13 +134,14 @@ func BenchmarkUnaryInterleaved(b *testing.B) {
 	ctx := as(context.Background(), "tok-alice")
 	for _, s := range setups {
 		ints := []grpc.UnaryServerInterceptor{ledgersvc.TokenAuth(tokens)}
+		var isrv *idemgrpc.Server
 		if s.idem {
 			eng, err := idem.Open(b.TempDir(), &idem.Options{Sync: s.sync})
 			if err != nil {
 				b.Fatal(err)
 			}
 			b.Cleanup(func() { eng.Close() })
-			isrv, err := idemgrpc.NewServer(idemgrpc.Config{Engine: eng, Methods: ledgersvc.Methods()})
+			isrv, err = idemgrpc.NewServer(eng, &idemgrpc.Options{Methods: ledgersvc.Methods()})
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -154,13 +150,7 @@ func BenchmarkUnaryInterleaved(b *testing.B) {
 		var runs atomic.Int64
 		gs := grpc.NewServer(grpc.ChainUnaryInterceptor(ints...))
 		ledgerpb.RegisterLedgerServer(gs, &benchLedger{runs: &runs})
-		lis, err := netListen()
-		if err != nil {
-			b.Fatal(err)
-		}
-		go gs.Serve(lis)
-		b.Cleanup(gs.Stop)
-		s.c = ledgerpb.NewLedgerClient(dialB(b, lis.Addr().String()))
+		s.c = ledgerpb.NewLedgerClient(dialB(b, serve(b, isrv, gs)))
 		s.seqs = make([]uint64, workers)
 		if s.replay {
 			for w := range workers {

@@ -3,8 +3,11 @@ package idemgrpc_test
 import (
 	"context"
 	"errors"
+	"io"
+	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -13,7 +16,11 @@ import (
 	"github.com/idemdb/idem/examples/ledger/ledgerpb"
 	"github.com/idemdb/idem/examples/ledger/ledgersvc"
 	"github.com/idemdb/idem/idemgrpc"
+	"github.com/idemdb/idem/internal/testclock"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 )
@@ -27,7 +34,7 @@ func TestRetryLostResponse(t *testing.T) {
 	var seen []proto.Message
 	var retries atomic.Int64
 	c := ledgerpb.NewLedgerClient(dial(t, env.addr,
-		idemgrpc.UnaryClientInterceptor(idemgrpc.RetryOptions{InitialBackoff: 5 * time.Millisecond,
+		mustRetry(t, &idemgrpc.RetryOptions{InitialBackoff: 5 * time.Millisecond,
 			OnRetry: func(string, int, error, time.Duration) { retries.Add(1) }}),
 		lossy(2, &seen)))
 	r, err := c.Write(as(ctx, "tok-alice"), write("c", "ns", "", 1, "a", 10))
@@ -48,21 +55,31 @@ func TestRetryLostResponse(t *testing.T) {
 }
 
 // TestRetryAttemptTimeout: the first attempt times out while the handler
-// still runs; retries wait for it (or are told IN_FLIGHT) and get its
-// response; the handler runs once.
+// still runs (it is held until the client retries); the retry waits for it
+// (or is told IN_FLIGHT) and gets its response; the handler runs once.
 func TestRetryAttemptTimeout(t *testing.T) {
 	var calls atomic.Int64
+	retried := make(chan struct{})
+	var once sync.Once
 	env := startLedger(t, ledgersvc.Options{BeforeApply: func(context.Context) error {
 		if calls.Add(1) == 1 {
-			time.Sleep(400 * time.Millisecond) // ignores the cancelled context, as a slow disk would
+			<-retried // ignores the cancelled context, as a slow disk would
 		}
 		return nil
 	}})
 	ctx := testCtx(t)
 	var codesSeen sync.Map
-	c := ledgerpb.NewLedgerClient(dial(t, env.addr, idemgrpc.UnaryClientInterceptor(idemgrpc.RetryOptions{
-		PerAttemptTimeout: 100 * time.Millisecond, InitialBackoff: 10 * time.Millisecond, MaxAttempts: 20,
-		OnRetry: func(_ string, _ int, err error, _ time.Duration) { codesSeen.Store(status.Code(err), true) },
+	c := ledgerpb.NewLedgerClient(dial(t, env.addr, mustRetry(t, &idemgrpc.RetryOptions{
+		// The first attempt times out whatever the value (the handler waits
+		// for the retry); the others must have time to finish on a loaded
+		// machine.
+		PerAttemptTimeout: time.Second, InitialBackoff: 10 * time.Millisecond, MaxBackoff: 100 * time.Millisecond, MaxAttempts: -1,
+		OnRetry: func(_ string, _ int, err error, _ time.Duration) {
+			codesSeen.Store(status.Code(err), true)
+			if status.Code(err) == codes.DeadlineExceeded {
+				once.Do(func() { close(retried) })
+			}
+		},
 	})))
 	r, err := c.Write(as(ctx, "tok-alice"), write("c", "ns", "", 1, "a", 3))
 	if err != nil {
@@ -90,7 +107,7 @@ func TestRetryStopsOnFinalErrors(t *testing.T) {
 	ctx := testCtx(t)
 	var retries atomic.Int64
 	opts := idemgrpc.RetryOptions{OnRetry: func(string, int, error, time.Duration) { retries.Add(1) }}
-	c := ledgerpb.NewLedgerClient(dial(t, env.addr, idemgrpc.UnaryClientInterceptor(opts)))
+	c := ledgerpb.NewLedgerClient(dial(t, env.addr, mustRetry(t, &opts)))
 	alice := as(ctx, "tok-alice")
 	_, err := c.Write(alice, write("c", "ns", "", 7, "a", 1))
 	wantStatus(t, err, codes.FailedPrecondition, idemgrpc.ReasonSequenceGap)
@@ -108,7 +125,7 @@ func TestRetryStopsOnFinalErrors(t *testing.T) {
 	dead.Close()
 	var delays []time.Duration
 	var mu sync.Mutex
-	c2 := ledgerpb.NewLedgerClient(dial(t, addr, idemgrpc.UnaryClientInterceptor(idemgrpc.RetryOptions{
+	c2 := ledgerpb.NewLedgerClient(dial(t, addr, mustRetry(t, &idemgrpc.RetryOptions{
 		MaxAttempts: 5, InitialBackoff: 10 * time.Millisecond, MaxBackoff: 40 * time.Millisecond,
 		OnRetry: func(_ string, _ int, _ error, d time.Duration) { mu.Lock(); delays = append(delays, d); mu.Unlock() },
 	})))
@@ -124,15 +141,61 @@ func TestRetryStopsOnFinalErrors(t *testing.T) {
 			t.Fatalf("delay %d = %v, want %v..%v", i, d, lo, hi)
 		}
 	}
-	// The call's deadline bounds the retries: no sleep past it.
-	delays = nil
-	c3 := ledgerpb.NewLedgerClient(dial(t, addr, idemgrpc.UnaryClientInterceptor(idemgrpc.RetryOptions{
-		MaxAttempts: -1, InitialBackoff: 50 * time.Millisecond, MaxBackoff: 50 * time.Millisecond})))
-	short, cancel := context.WithTimeout(alice, 300*time.Millisecond)
+	// The call's deadline bounds the retries: no sleep past it. The
+	// interceptor reads a manual clock set 275ms before the deadline, and
+	// its sleeps advance that clock: 50ms delays (jitter negligible) fit
+	// five times, a sixth would end past the deadline.
+	deadline := time.Now().Add(20 * time.Second) // before testCtx's
+	clk := testclock.At(deadline.Add(-275 * time.Millisecond))
+	var sleeps []time.Duration
+	var attempts atomic.Int64
+	sleepOpts := idemgrpc.WithRetryClock(idemgrpc.RetryOptions{
+		MaxAttempts: -1, InitialBackoff: 50 * time.Millisecond, MaxBackoff: 50 * time.Millisecond, Jitter: 1e-9,
+	}, clk.Now, func(ctx context.Context, d time.Duration) error {
+		if end := clk.Now().Add(d); end.After(deadline) {
+			t.Errorf("sleep of %v from %v ends %v past the deadline", d, clk.Now(), end.Sub(deadline))
+		}
+		sleeps = append(sleeps, d)
+		clk.Advance(d)
+		return nil
+	})
+	count := func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		attempts.Add(1)
+		return invoker(ctx, method, req, reply, cc, opts...)
+	}
+	c3 := ledgerpb.NewLedgerClient(dial(t, addr, mustRetry(t, sleepOpts), count))
+	short, cancel := context.WithDeadline(alice, deadline)
 	defer cancel()
 	_, err = c3.Write(short, write("c", "ns", "", 1, "a", 1))
-	if err == nil || short.Err() == nil && status.Code(err) != codes.Unavailable {
-		t.Fatalf("got %v", err)
+	wantStatus(t, err, codes.Unavailable, "")
+	if len(sleeps) != 5 || attempts.Load() != 6 {
+		t.Fatalf("%d sleeps %v, %d attempts; want 5 sleeps of 50ms and 6 attempts", len(sleeps), sleeps, attempts.Load())
+	}
+}
+
+// TestRetryOptionsErrors: bad retry options are errors naming the field.
+func TestRetryOptionsErrors(t *testing.T) {
+	for _, tc := range []struct {
+		o     idemgrpc.RetryOptions
+		field string
+	}{
+		{idemgrpc.RetryOptions{InitialBackoff: -1}, "InitialBackoff"},
+		{idemgrpc.RetryOptions{MaxBackoff: -1}, "MaxBackoff"},
+		{idemgrpc.RetryOptions{InitialBackoff: time.Second, MaxBackoff: time.Millisecond}, "MaxBackoff"},
+		{idemgrpc.RetryOptions{Multiplier: 0.5}, "Multiplier"},
+		{idemgrpc.RetryOptions{Jitter: 1.5}, "Jitter"},
+		{idemgrpc.RetryOptions{Jitter: -0.1}, "Jitter"},
+		{idemgrpc.RetryOptions{PerAttemptTimeout: -1}, "PerAttemptTimeout"},
+	} {
+		if _, err := idemgrpc.UnaryClientInterceptor(&tc.o); err == nil || !strings.Contains(err.Error(), "RetryOptions."+tc.field) {
+			t.Errorf("%+v: %v; want an error naming %s", tc.o, err, tc.field)
+		}
+		if _, err := idemgrpc.DialOptions(&tc.o); err == nil {
+			t.Errorf("DialOptions(%+v) accepted it", tc.o)
+		}
+	}
+	if _, err := idemgrpc.UnaryClientInterceptor(nil); err != nil {
+		t.Fatal(err)
 	}
 }
 
@@ -161,18 +224,21 @@ func trackedWrite(c ledgerpb.LedgerClient, ctx context.Context, tr *idemgrpc.Tra
 // call recovers from the gap.
 func TestTracker(t *testing.T) {
 	var fail atomic.Bool
-	env := startLedger(t, ledgersvc.Options{BeforeApply: func(context.Context) error {
+	env := startLedger(t, ledgersvc.Options{KeepReplies: 1, BeforeApply: func(context.Context) error {
 		if fail.Load() {
 			return status.Error(codes.FailedPrecondition, "test: business rule")
 		}
 		return nil
 	}})
 	ctx := as(testCtx(t), "tok-alice")
-	cc := dial(t, env.addr, idemgrpc.UnaryClientInterceptor(idemgrpc.RetryOptions{}))
+	cc := dial(t, env.addr, mustRetry(t, &idemgrpc.RetryOptions{}))
 	c := ledgerpb.NewLedgerClient(cc)
 	store := idemgrpc.NewMemoryStore()
 	var stateCalls atomic.Int64
-	tr := idemgrpc.NewTracker("c", store, countingState(idemgrpc.ServiceState(cc), &stateCalls))
+	tr, err := idemgrpc.NewTracker("c", store, countingState(idemgrpc.ServiceState(cc), &stateCalls), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	key := idemgrpc.StoreKey("c", "ns")
 
 	for want := uint64(1); want <= 3; want++ {
@@ -210,7 +276,7 @@ func TestTracker(t *testing.T) {
 
 	// a handler error: the number is given back and reused.
 	fail.Store(true)
-	err := trackedWrite(c, ctx, tr, "ns", "", "a", 1, nil)
+	err = trackedWrite(c, ctx, tr, "ns", "", "a", 1, nil)
 	wantStatus(t, err, codes.FailedPrecondition, "")
 	fail.Store(false)
 	before := stateCalls.Load()
@@ -265,7 +331,11 @@ func TestTrackerFileStore(t *testing.T) {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { fs.Close() })
-		return fs, idemgrpc.NewTracker("c", fs, countingState(idemgrpc.ServiceState(cc), &stateCalls))
+		tr, err := idemgrpc.NewTracker("c", fs, countingState(idemgrpc.ServiceState(cc), &stateCalls), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return fs, tr
 	}
 	fs, tr := open()
 	var r *ledgerpb.WriteSuccess
@@ -392,5 +462,173 @@ func TestCrashInDoubt(t *testing.T) {
 				t.Fatalf("last %d", last)
 			}
 		})
+	}
+}
+
+// TestTimeoutReconnects: a server that accepts a TCP connection and never
+// answers on it (a zombie peer): the attempt runs out of its
+// PerAttemptTimeout and the retry goes out on a new connection (the
+// listener accepts a second one), after the client closed the first.
+// gRPC's own connect timeout is set to a minute, so without DialOptions'
+// reconnection no second connection comes within the test's bound.
+func TestTimeoutReconnects(t *testing.T) {
+	lis := listen(t)
+	var (
+		mu       sync.Mutex
+		conns    []net.Conn
+		accepted atomic.Int64
+	)
+	second, firstClosed := make(chan struct{}), make(chan struct{})
+	go func() {
+		for {
+			c, err := lis.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+			switch accepted.Add(1) {
+			case 1:
+				go func() { _, _ = io.Copy(io.Discard, c); close(firstClosed) }() // never writes; sees the client's close
+			case 2:
+				close(second)
+			}
+		}
+	}()
+	t.Cleanup(func() {
+		lis.Close()
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range conns {
+			c.Close()
+		}
+	})
+	dialOpts, err := idemgrpc.DialOptions(&idemgrpc.RetryOptions{
+		PerAttemptTimeout: 50 * time.Millisecond, MaxAttempts: -1, InitialBackoff: 10 * time.Millisecond, MaxBackoff: 50 * time.Millisecond,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cc, err := grpc.NewClient(lis.Addr().String(), append(dialOpts, grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithConnectParams(grpc.ConnectParams{Backoff: backoff.DefaultConfig, MinConnectTimeout: time.Minute}))...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cc.Close() })
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		_, err := ledgerpb.NewLedgerClient(cc).Write(as(ctx, "tok-alice"), write("c", "ns", "", 1, "a", 1))
+		done <- err
+	}()
+	for _, w := range []struct {
+		ch   chan struct{}
+		what string
+	}{{firstClosed, "the client never closed the dead connection"}, {second, "no second connection: the retry stayed on the dead one"}} {
+		select {
+		case <-w.ch:
+		case <-ctx.Done():
+			t.Fatalf("%s (%d accepted)", w.what, accepted.Load())
+		}
+	}
+	cancel()
+	if err := <-done; err == nil {
+		t.Fatal("a call to a server that never answers succeeded")
+	}
+}
+
+// TestTimeoutReconnectsEstablished: the connection's peer stops answering
+// after the handshake and a call (a proxy stops forwarding the server's
+// bytes of the first connection: the write runs, its response is lost).
+// The attempt times out, the retry goes out on a new connection and gets
+// the stored response: the write ran once.
+func TestTimeoutReconnectsEstablished(t *testing.T) {
+	env := startLedger(t, ledgersvc.Options{})
+	lis := listen(t)
+	var (
+		mu     sync.Mutex
+		conns  []net.Conn
+		frozen = make(chan struct{})
+		n      int
+	)
+	t.Cleanup(func() {
+		lis.Close()
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range conns {
+			c.Close()
+		}
+	})
+	go func() {
+		for {
+			c, err := lis.Accept()
+			if err != nil {
+				return
+			}
+			up, err := net.Dial("tcp", env.addr)
+			if err != nil {
+				c.Close()
+				continue
+			}
+			mu.Lock()
+			conns = append(conns, c, up)
+			n++
+			first := n == 1
+			mu.Unlock()
+			go func() { _, _ = io.Copy(up, c) }()
+			go func() {
+				buf := make([]byte, 32<<10)
+				for {
+					k, err := up.Read(buf)
+					if first {
+						select {
+						case <-frozen:
+							continue // the peer went silent: drop what the server says
+						default:
+						}
+					}
+					if k > 0 {
+						if _, werr := c.Write(buf[:k]); werr != nil {
+							return
+						}
+					}
+					if err != nil {
+						c.Close()
+						return
+					}
+				}
+			}()
+		}
+	}()
+	dialOpts, err := idemgrpc.DialOptions(&idemgrpc.RetryOptions{
+		// long enough for a call on a loaded machine: only the silent
+		// connection must time out.
+		PerAttemptTimeout: time.Second, MaxAttempts: -1, InitialBackoff: 10 * time.Millisecond, MaxBackoff: 50 * time.Millisecond,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cc, err := grpc.NewClient(lis.Addr().String(), append(dialOpts, grpc.WithTransportCredentials(insecure.NewCredentials()))...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cc.Close() })
+	ctx := as(testCtx(t), "tok-alice")
+	c := ledgerpb.NewLedgerClient(cc)
+	if _, err := c.Write(ctx, write("c", "ns", "", 1, "a", 1)); err != nil {
+		t.Fatal(err)
+	}
+	close(frozen)
+	r, err := c.Write(ctx, write("c", "ns", "", 2, "a", 1))
+	if err != nil {
+		t.Fatalf("the retry after the timeout: %v", err)
+	}
+	mu.Lock()
+	got := n
+	mu.Unlock()
+	if got < 2 || r.GetSequence() != 2 || env.server().Ledger.ApplyCount() != 2 {
+		t.Fatalf("%d connections, reply %v, %d applies; want a second connection and 2 applies", got, r, env.server().Ledger.ApplyCount())
 	}
 }

@@ -8,15 +8,21 @@
 //
 // # Server
 //
-//	srv, err := idemgrpc.NewServer(idemgrpc.Config{
-//		Engine: eng, // *idem.Engine
+//	srv, err := idemgrpc.NewServer(store, &idemgrpc.Options{ // store: an *idem.Engine or any idem.Store
 //		Methods: map[string]idemgrpc.IdentifyFunc{
 //			"/ledger.v1.Ledger/Write": identify, // client_id, sequence, scope fields from the message
 //		},
 //		Actor: idemgrpc.ContextActor, // the default: set by your auth interceptor with WithActor
 //	})
 //	gs := grpc.NewServer(grpc.ChainUnaryInterceptor(auth, srv.UnaryServerInterceptor()))
+//	ledgerpb.RegisterLedgerServer(gs, ledger)
 //	idemgrpcpb.RegisterClientStateServer(gs, srv) // GetClientState
+//	err = srv.Check(gs) // every listed method is a registered unary method
+//
+// Configuration errors are returned (NewServer: the options; Check: a
+// listed method that is not registered, or is streaming, which the unary
+// interceptor would let run without exactly-once). The interceptor refuses
+// every call until Check has passed.
 //
 // For each listed method the interceptor takes the call's identity
 // (IdentifyFunc: from the message, SequenceFromMessage; or from metadata,
@@ -31,37 +37,52 @@
 //     it, which for messages without map fields gives the same bytes) with
 //     the header idem-replay: true; nothing runs.
 //   - a call with the same identity is running: the call waits for it
-//     (Config.InFlightWait, default 2s, bounded by its deadline) and gets
+//     (Options.InFlightWait, default 2s, bounded by its deadline) and gets
 //     its response; past the wait it is answered IN_FLIGHT.
-//   - a handler error consumes no sequence and is not stored: the claim is
-//     aborted, the client gets the handler's status unchanged, and the same
-//     sequence (or key) runs again when sent again. A batch handler that
-//     applies all of its writes or none therefore consumes one sequence on
-//     success and none on failure.
+//   - a handler error that certifies the call had no effect
+//     (Options.NoEffect; by default the codes that refuse a request:
+//     InvalidArgument, FailedPrecondition, ResourceExhausted, ...)
+//     consumes no sequence and is not stored: the claim is aborted, the
+//     client gets the handler's status unchanged, and the same sequence (or
+//     key) runs again when sent again. A batch handler that applies all of
+//     its writes or none therefore consumes one sequence on success and
+//     none on a refusal.
+//   - once the handler ran, its identity is never released otherwise: any
+//     other error (Unknown, Internal, Unavailable, DeadlineExceeded, ...:
+//     the side effect may have happened) and a panic are stored, and
+//     retries get them again with FAILURE_REPLAYED; a response that cannot
+//     be stored (larger than MaxReplySize or the engine's limit, or not a
+//     protobuf message) commits a marker, and retries get
+//     RESPONSE_NOT_STORED. The handler does not run again for that
+//     identity.
 //
 // The engine keeps a client's latest response only: a retry of an older
-// sequence is ALREADY_COMMITTED. Config.TTL bounds how long the latest one
+// sequence is ALREADY_COMMITTED. Options.TTL bounds how long the latest one
 // is kept (a ledger's five-minute response cache); after it, it too is
 // ALREADY_COMMITTED. The sequence number itself is never forgotten.
 //
 // # Scope and actor
 //
-// The engine scope of a call is EncodeScope(Config.ScopePrefix, actor,
+// The engine scope of a call is EncodeScope(Options.ScopePrefix, actor,
 // Identity.Scope...): each element length-prefixed, so no two distinct
 // (prefix, actor, fields) tuples share a scope. Namespace-level writes
 // ([namespace]) and vault-level writes ([namespace, vault]) are separate
-// sequence streams. The actor comes only from Config.Actor, a function of
+// sequence streams. The actor comes only from Options.Actor, a function of
 // the authenticated context (ContextActor reads what an auth interceptor
 // stored with WithActor; TLSActor reads the verified client certificate);
 // an actor field or header sent by the client is never read. Since the
 // actor is part of the scope, one actor can neither read (GetClientState)
 // nor advance another's sequences, nor see its stored responses.
+// UserActor, ClientActor and SystemActor form the ledger's actor format,
+// "user:<id>", "client:<id>" and "system:<name>", from an IDFunc reading
+// the authenticated context (ClientActor(TLSName) from a verified client
+// certificate).
 //
 // # Status mapping
 //
 // Statuses the interceptor produces carry an errdetails.ErrorInfo with
 // domain "idem" and the reason below; handler errors pass through
-// untouched.
+// untouched (their replays carry FAILURE_REPLAYED first).
 //
 //	case                             code                reason                details
 //	sequence > last + 1              FailedPrecondition  SEQUENCE_GAP          last_committed_sequence, sequence, client_id
@@ -73,7 +94,8 @@
 //	no actor (auth failed)           Unauthenticated     (the ActorFunc's status)
 //	engine closed or failed          Unavailable         ENGINE_UNAVAILABLE
 //	ran, response not stored         Unavailable         IN_DOUBT              RetryInfo
-//	response not storable            Internal            REPLY_NOT_STORED
+//	retry, response was not storable AlreadyExists       RESPONSE_NOT_STORED   sequence, client_id
+//	retry, handler failed (effect?)  the handler's code  FAILURE_REPLAYED      the handler's details
 //
 // Why these codes, following the gRPC status code guide:
 //
@@ -95,6 +117,13 @@
 //   - ENGINE_UNAVAILABLE and IN_DOUBT are Unavailable: transient from the
 //     client's view (a restart or failover settles them), and a retry with
 //     the same identity is safe, so the standard retryable code fits.
+//   - RESPONSE_NOT_STORED is AlreadyExists, as ALREADY_COMMITTED: the call
+//     ran and a retry cannot bring its response back. (The call itself gets
+//     its response when only its size stopped it from being stored;
+//     Internal RESPONSE_NOT_STORED when it was not a storable message.)
+//   - FAILURE_REPLAYED keeps the handler's own code, so that the retry
+//     reads as the first call did; the reason makes it final (the retry
+//     interceptor never retries it, even with code Unavailable).
 //
 // UnaryClientInterceptor retries exactly the safe set: Unavailable,
 // DeadlineExceeded (while the call's own context lives), and Aborted with
@@ -106,10 +135,22 @@
 //
 // # Client
 //
-// UnaryClientInterceptor resends the same request message (so the same
-// client_id and sequence; an idempotency key in outgoing metadata stays in
-// the context) with exponential backoff and jitter, up to MaxAttempts, never
-// sleeping past the call's deadline, honouring RetryInfo advice.
+// DialOptions gives a ClientConn the retry interceptor, which resends the
+// same request message (so the same client_id and sequence; an idempotency
+// key in outgoing metadata stays in the context) with exponential backoff
+// and jitter, up to MaxAttempts, never sleeping past the call's deadline,
+// honouring RetryInfo advice. Each attempt has a timeout
+// (RetryOptions.PerAttemptTimeout, default 10s). A connection whose peer
+// vanished without closing it (a zombie connection) swallows requests
+// silently, so after an attempt that timed out the interceptor closes the
+// ClientConn's connections that received nothing since the attempt began
+// and has it reconnect at once: the retry goes out on a new connection.
+// Keepalive pings (RetryOptions.Keepalive, default every 30s of silence
+// while calls are outstanding, 10s to answer) find such connections
+// between attempts; the server must permit them
+// (grpc.KeepaliveEnforcementPolicy, MinTime at most the client's Time).
+// UnaryClientInterceptor alone retries on the same ClientConn without
+// closing connections.
 //
 // A Tracker numbers a client's requests per scope: Call saves last used + 1
 // in a SequenceStore before sending (FileStore: fsynced file per scope;
@@ -119,6 +160,19 @@
 // error), and keeps it when the outcome is unknown (the next request then
 // meets a gap and recovers). Per-client sequences allow one outstanding
 // request per scope; Call serializes them.
+//
+// # Stored responses
+//
+// The reply stored for a call (idem.Request's reply bytes) is a
+// google.protobuf.Any, marshaled deterministically: the response under
+// "type.googleapis.com/" and its full type name (EncodeReply), or a marker
+// under a URL naming no protobuf type, whose value is a google.rpc.Status:
+// "idemdb.dev/idemgrpc/response-not-stored" (the handler ran, its response
+// was not stored; the status message says why) or
+// "idemdb.dev/idemgrpc/handler-failed" (the handler's failure, replayed
+// with FAILURE_REPLAYED). An empty reply reads as response-not-stored. A
+// stored reply outlives the binary that wrote it, so these URLs and this
+// encoding do not change.
 //
 // # Restarts
 //

@@ -39,8 +39,7 @@ func Example() {
 
 	// The exactly-once layer: Write's identity is its client_id and
 	// sequence, in the namespace_id scope, under the caller's actor.
-	srv, err := idemgrpc.NewServer(idemgrpc.Config{
-		Engine: eng,
+	srv, err := idemgrpc.NewServer(eng, &idemgrpc.Options{
 		Methods: map[string]idemgrpc.IdentifyFunc{
 			"/idem.examples.ledger.v1.Ledger/Write": idemgrpc.SequenceFromMessage(func(m proto.Message) []string {
 				return []string{m.(*ledgerpb.WriteRequest).GetNamespaceId()}
@@ -60,12 +59,20 @@ func Example() {
 	gs := grpc.NewServer(grpc.ChainUnaryInterceptor(auth, srv.UnaryServerInterceptor()))
 	ledgerpb.RegisterLedgerServer(gs, &ledger{})
 	idemgrpcpb.RegisterClientStateServer(gs, srv)
+	if err := srv.Check(gs); err != nil { // every listed method is a registered unary method
+		panic(err)
+	}
 	lis, _ := net.Listen("tcp", "127.0.0.1:0")
 	go gs.Serve(lis)
 	defer gs.Stop()
 
-	cc, _ := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithUnaryInterceptor(idemgrpc.UnaryClientInterceptor(idemgrpc.RetryOptions{})))
+	// The retrying client: a timeout per attempt, a new connection after
+	// a timeout, keepalive.
+	dialOpts, err := idemgrpc.DialOptions(nil) // nil: the defaults
+	if err != nil {
+		panic(err)
+	}
+	cc, _ := grpc.NewClient(lis.Addr().String(), append(dialOpts, grpc.WithTransportCredentials(insecure.NewCredentials()))...)
 	defer cc.Close()
 	c := ledgerpb.NewLedgerClient(cc)
 	ctx := metadata.AppendToOutgoingContext(context.Background(), "authorization", "Bearer secret")

@@ -4,13 +4,17 @@ import (
 	"context"
 	"errors"
 	"net"
+	"strconv"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/idemdb/idem"
 	"github.com/idemdb/idem/examples/ledger/ledgerpb"
 	"github.com/idemdb/idem/examples/ledger/ledgersvc"
 	"github.com/idemdb/idem/idemgrpc"
+	"github.com/idemdb/idem/idemgrpc/idemgrpcpb"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -57,7 +61,7 @@ func (e *ledgerEnv) start() {
 	if err != nil {
 		e.t.Fatal(err)
 	}
-	srv, err := ledgersvc.Start(e.dir, lis, e.opts)
+	srv, err := ledgersvc.Start(e.dir, lis, &e.opts)
 	if err != nil {
 		lis.Close()
 		e.t.Fatal(err)
@@ -207,8 +211,6 @@ func listen(t *testing.T) net.Listener {
 	return lis
 }
 
-func netListen() (net.Listener, error) { return net.Listen("tcp", "127.0.0.1:0") }
-
 func dialB(b *testing.B, addr string) *grpc.ClientConn {
 	b.Helper()
 	cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
@@ -217,4 +219,79 @@ func dialB(b *testing.B, addr string) *grpc.ClientConn {
 	}
 	b.Cleanup(func() { cc.Close() })
 	return cc
+}
+
+// fnLedger is a Ledger whose Write runs write and counts its runs.
+type fnLedger struct {
+	ledgerpb.UnimplementedLedgerServer
+	runs  atomic.Int64
+	write func(ctx context.Context, req *ledgerpb.WriteRequest) (*ledgerpb.WriteSuccess, error)
+}
+
+func (l *fnLedger) Write(ctx context.Context, req *ledgerpb.WriteRequest) (*ledgerpb.WriteSuccess, error) {
+	n := l.runs.Add(1)
+	if l.write != nil {
+		return l.write(ctx, req)
+	}
+	call, _ := idemgrpc.CallFromContext(ctx)
+	return &ledgerpb.WriteSuccess{TxId: "tx-" + strconv.FormatInt(n, 10), Actor: call.Actor, Sequence: req.GetSequence()}, nil
+}
+
+// idemServer is an engine in a temporary directory and a gRPC server on
+// 127.0.0.1 serving impl behind the token check and an idemgrpc
+// interceptor configured by cfg (Engine and Methods filled in when unset);
+// inner interceptors run between idemgrpc and the handler, outer ones
+// before the token check.
+type idemServer struct {
+	idem *idemgrpc.Server
+	cc   *grpc.ClientConn
+}
+
+func serveIdem(t *testing.T, eopts *idem.Options, opts idemgrpc.Options, impl ledgerpb.LedgerServer, outer, inner []grpc.UnaryServerInterceptor) *idemServer {
+	t.Helper()
+	eng, err := idem.Open(t.TempDir(), eopts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { eng.Close() })
+	if opts.Methods == nil {
+		opts.Methods = ledgersvc.Methods()
+	}
+	isrv, err := idemgrpc.NewServer(eng, &opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	chain := append(append(append([]grpc.UnaryServerInterceptor{}, outer...), ledgersvc.TokenAuth(tokens), isrv.UnaryServerInterceptor()), inner...)
+	gs := grpc.NewServer(grpc.ChainUnaryInterceptor(chain...))
+	ledgerpb.RegisterLedgerServer(gs, impl)
+	idemgrpcpb.RegisterClientStateServer(gs, isrv)
+	return &idemServer{idem: isrv, cc: dial(t, serve(t, isrv, gs))}
+}
+
+// serve checks isrv (if any) against gs's services and serves gs on 127.0.0.1
+// until the test ends; it returns the address.
+func serve(t testing.TB, isrv *idemgrpc.Server, gs *grpc.Server) string {
+	t.Helper()
+	if isrv != nil {
+		if err := isrv.Check(gs); err != nil {
+			t.Fatal(err)
+		}
+	}
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go gs.Serve(lis)
+	t.Cleanup(gs.Stop)
+	return lis.Addr().String()
+}
+
+// mustRetry is the retry interceptor with opts.
+func mustRetry(t testing.TB, opts *idemgrpc.RetryOptions) grpc.UnaryClientInterceptor {
+	t.Helper()
+	ic, err := idemgrpc.UnaryClientInterceptor(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ic
 }

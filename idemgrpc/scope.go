@@ -7,7 +7,7 @@ import (
 )
 
 // EncodeScope builds the engine scope (idem.Request.Scope) of a call: the
-// prefix (Config.ScopePrefix), the actor and the service's scope fields, each
+// prefix (Options.ScopePrefix), the actor and the service's scope fields, each
 // preceded by its length as a uvarint. The encoding is prefix-free, so two
 // distinct tuples never share a scope: ("a", "bc") and ("ab", "c") differ, and
 // so do ("ns") and ("ns", "").

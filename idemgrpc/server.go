@@ -6,7 +6,11 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
+	"slices"
 	"strconv"
+	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/idemdb/idem"
@@ -20,7 +24,7 @@ import (
 
 // Identity is who a call is, for exactly-once purposes: either a per-client
 // sequence (Client and Seq) or an idempotency key (Key), within the service's
-// scope fields. The actor is added by the server (Config.Actor), never taken
+// scope fields. The actor is added by the server (Options.Actor), never taken
 // from here.
 type Identity struct {
 	// Scope holds the service's scope fields, for example [namespace] or
@@ -40,13 +44,14 @@ type Identity struct {
 // error becomes InvalidArgument with reason INVALID_IDENTITY. Nothing runs.
 type IdentifyFunc func(ctx context.Context, req proto.Message) (Identity, error)
 
-// Config configures a Server.
-type Config struct {
-	// Engine stores claims and replies (required).
-	Engine *idem.Engine
+// Options configure a Server. nil or a zero field means its default.
+type Options struct {
 	// Methods maps full method names ("/pkg.Service/Method") to the
 	// function giving their identity. Only these methods are exactly-once;
-	// every other method passes through the interceptor untouched.
+	// every other method passes through the interceptor untouched. Each
+	// must be a unary method of a service registered on the gRPC server:
+	// Server.Check verifies it, and the interceptor serves nothing until
+	// Check has passed.
 	Methods map[string]IdentifyFunc
 	// Actor gives the caller's actor from the authenticated context
 	// (default ContextActor). The actor is part of every scope.
@@ -71,10 +76,21 @@ type Config struct {
 	// RetryDelay is the RetryInfo advice sent with IN_FLIGHT (default 100ms).
 	RetryDelay time.Duration
 	// MaxReplySize bounds a stored response (default 12 MiB, the engine's
-	// default limit; set it to the engine's Options.MaxReplySize if lower).
-	// A larger response fails the call with Internal REPLY_NOT_STORED and
-	// the claim is aborted.
+	// default limit). A larger response (or one the engine refuses as
+	// larger than its own Options.MaxReplySize) is returned to the call but
+	// not stored: a marker is committed in its place, so the handler never
+	// runs again for that identity, and retries get AlreadyExists
+	// RESPONSE_NOT_STORED.
 	MaxReplySize int
+	// NoEffect reports whether a handler's error certifies that the call
+	// had no effect. Then the claim is aborted: the identity is not
+	// consumed, the error is not stored, and the same sequence or key runs
+	// the handler again. Any other error (and a panic) leaves the outcome
+	// unknown: the identity is consumed and the error stored, so that the
+	// handler never runs twice for it; retries get it again with
+	// FAILURE_REPLAYED. Default: DefaultNoEffect (the status codes that
+	// refuse a request, such as InvalidArgument or FailedPrecondition).
+	NoEffect func(err error) bool
 	// TTL, when positive, is how long a stored response is kept for
 	// retries (idem.Request.TTL: from the call's start; a retry does not
 	// extend it), like a ledger's five-minute response cache. After it a
@@ -83,10 +99,27 @@ type Config struct {
 	// until the client's next sequence, or for keys until acked, expired
 	// by the engine's Retention, or forgotten.
 	TTL time.Duration
+	// KeepReplies and KeepRepliesFor are the per-client sequences' reply
+	// cache (sequence-mode methods): a retry of any of a client's last
+	// KeepReplies sequence numbers, committed less than KeepRepliesFor
+	// ago, gets its stored response; an older one gets ALREADY_COMMITTED
+	// with the client's last committed sequence. Defaults: 10,000 and 5
+	// minutes, the ledger's. KeepReplies 1 keeps only the last one; the
+	// engine logs the window with every claim, so recovery and replicas
+	// keep the same replies (idem.Request.KeepReplies).
+	KeepReplies    int
+	KeepRepliesFor time.Duration
 	// Logger receives warnings (aborts that failed, replies not stored).
 	// Default: discard.
 	Logger *slog.Logger
 }
+
+// The per-client sequences' reply cache defaults (Options.KeepReplies,
+// Options.KeepRepliesFor).
+const (
+	DefaultKeepReplies    = 10000
+	DefaultKeepRepliesFor = 5 * time.Minute
+)
 
 // Server is the exactly-once layer of a gRPC server: its
 // UnaryServerInterceptor runs each identified call's handler once and
@@ -94,44 +127,132 @@ type Config struct {
 // ClientState service (GetClientState). Safe for concurrent use.
 type Server struct {
 	idemgrpcpb.UnimplementedClientStateServer
-	cfg Config
+	store   idem.Store
+	o       Options
+	checked atomic.Bool
 }
 
-// NewServer checks cfg and returns a Server.
-func NewServer(cfg Config) (*Server, error) {
-	if cfg.Engine == nil {
-		return nil, errors.New("idemgrpc: Config.Engine is required")
+// NewServer returns a Server storing its claims and responses in store
+// (an *idem.Engine, or any idem.Store). Configuration errors name the
+// field and the value. Register the services on the gRPC server, then call
+// Check.
+func NewServer(store idem.Store, opts *Options) (*Server, error) {
+	if store == nil {
+		return nil, errors.New("idemgrpc: NewServer: the store is nil")
 	}
-	if cfg.Actor == nil {
-		cfg.Actor = ContextActor
+	var o Options
+	if opts != nil {
+		o = *opts
 	}
-	if cfg.ScopePrefix == "" {
-		cfg.ScopePrefix = "grpc"
+	bad := func(field string, v any, why string) (*Server, error) {
+		return nil, fmt.Errorf("idemgrpc: Options.%s: %v: %s", field, v, why)
 	}
-	if cfg.Fingerprint == nil {
-		cfg.Fingerprint = DefaultFingerprint
+	switch {
+	case o.RetryDelay < 0:
+		return bad("RetryDelay", o.RetryDelay, "negative")
+	case o.MaxReplySize < 0:
+		return bad("MaxReplySize", o.MaxReplySize, "negative")
+	case o.TTL < 0:
+		return bad("TTL", o.TTL, "negative (0 keeps responses until the next sequence)")
+	case o.KeepReplies < 0 || o.KeepReplies > idem.MaxKeepReplies:
+		return bad("KeepReplies", o.KeepReplies, fmt.Sprintf("want 1..%d (0: the default %d)", idem.MaxKeepReplies, DefaultKeepReplies))
+	case o.KeepRepliesFor < 0:
+		return bad("KeepRepliesFor", o.KeepRepliesFor, "negative")
 	}
-	if cfg.InFlightWait == 0 {
-		cfg.InFlightWait = 2 * time.Second
+	if o.KeepReplies == 0 {
+		o.KeepReplies = DefaultKeepReplies
 	}
-	if cfg.RetryDelay <= 0 {
-		cfg.RetryDelay = 100 * time.Millisecond
+	if o.KeepRepliesFor == 0 {
+		o.KeepRepliesFor = DefaultKeepRepliesFor
 	}
-	if cfg.MaxReplySize <= 0 {
-		cfg.MaxReplySize = 12 << 20
+	if o.Actor == nil {
+		o.Actor = ContextActor
 	}
-	if cfg.Logger == nil {
-		cfg.Logger = slog.New(slog.DiscardHandler)
+	if o.ScopePrefix == "" {
+		o.ScopePrefix = "grpc"
 	}
-	m := make(map[string]IdentifyFunc, len(cfg.Methods))
-	for k, f := range cfg.Methods {
+	if o.Fingerprint == nil {
+		o.Fingerprint = DefaultFingerprint
+	}
+	if o.InFlightWait == 0 {
+		o.InFlightWait = 2 * time.Second
+	}
+	if o.RetryDelay == 0 {
+		o.RetryDelay = 100 * time.Millisecond
+	}
+	if o.NoEffect == nil {
+		o.NoEffect = DefaultNoEffect
+	}
+	if o.MaxReplySize == 0 {
+		o.MaxReplySize = 12 << 20
+	}
+	if o.Logger == nil {
+		o.Logger = slog.New(slog.DiscardHandler)
+	}
+	m := make(map[string]IdentifyFunc, len(o.Methods))
+	for k, f := range o.Methods {
+		if _, _, err := splitMethod(k); err != nil {
+			return bad("Methods", k, err.Error())
+		}
 		if f == nil {
-			return nil, fmt.Errorf("idemgrpc: Config.Methods[%q] is nil", k)
+			return bad("Methods", k, "nil IdentifyFunc")
 		}
 		m[k] = f
 	}
-	cfg.Methods = m
-	return &Server{cfg: cfg}, nil
+	o.Methods = m
+	return &Server{store: store, o: o}, nil
+}
+
+// splitMethod splits "/pkg.Service/Method".
+func splitMethod(full string) (service, method string, err error) {
+	rest, ok := strings.CutPrefix(full, "/")
+	if ok {
+		service, method, ok = strings.Cut(rest, "/")
+	}
+	if !ok || service == "" || method == "" || strings.Contains(method, "/") {
+		return "", "", errors.New(`not a full method name "/package.Service/Method"`)
+	}
+	return service, method, nil
+}
+
+// ServiceInfoProvider lists the services registered on a gRPC server:
+// *grpc.Server implements it.
+type ServiceInfoProvider interface {
+	GetServiceInfo() map[string]grpc.ServiceInfo
+}
+
+// Check verifies every method of Options.Methods against the services
+// registered on gs (a *grpc.Server, after its services were registered):
+// an unknown method, or a streaming one (the interceptor is unary: it
+// would run without exactly-once), is an error naming it. Until Check has
+// passed, the interceptor answers every call Internal, so that no
+// misconfigured method runs.
+func (s *Server) Check(gs ServiceInfoProvider) error {
+	if gs == nil {
+		return errors.New("idemgrpc: Check: no gRPC server")
+	}
+	info := gs.GetServiceInfo()
+	var errs []error
+	for _, full := range slices.Sorted(maps.Keys(s.o.Methods)) {
+		service, method, _ := splitMethod(full)
+		si, ok := info[service]
+		if !ok {
+			errs = append(errs, fmt.Errorf("idemgrpc: Options.Methods: unknown method %s: service %s not registered", full, service))
+			continue
+		}
+		i := slices.IndexFunc(si.Methods, func(m grpc.MethodInfo) bool { return m.Name == method })
+		switch {
+		case i < 0:
+			errs = append(errs, fmt.Errorf("idemgrpc: Options.Methods: unknown method %s: service %s has no method %s", full, service, method))
+		case si.Methods[i].IsClientStream || si.Methods[i].IsServerStream:
+			errs = append(errs, fmt.Errorf("idemgrpc: Options.Methods: %s is a streaming method: only unary methods can be exactly-once", full))
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
+	s.checked.Store(true)
+	return nil
 }
 
 // DefaultFingerprint is SHA-256 over the full method name, a zero byte and
@@ -176,7 +297,7 @@ const ReplayHeader = "idem-replay"
 
 // actor runs the ActorFunc and turns its failures into statuses.
 func (s *Server) actor(ctx context.Context) (string, error) {
-	a, err := s.cfg.Actor(ctx)
+	a, err := s.o.Actor(ctx)
 	if err != nil {
 		if _, ok := status.FromError(err); ok {
 			return "", err
@@ -214,7 +335,11 @@ func checkIdentity(id Identity) error {
 // s.UnaryServerInterceptor())) so that the actor is known.
 func (s *Server) UnaryServerInterceptor() grpc.UnaryServerInterceptor {
 	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
-		identify, ok := s.cfg.Methods[info.FullMethod]
+		if !s.checked.Load() {
+			s.o.Logger.Error("idemgrpc: a call before Server.Check passed; refused", "method", info.FullMethod)
+			return nil, status.Errorf(codes.Internal, "idemgrpc: the server is not ready: Server.Check was not called after registering its services (call to %s refused)", info.FullMethod)
+		}
+		identify, ok := s.o.Methods[info.FullMethod]
 		if !ok {
 			return handler(ctx, req)
 		}
@@ -236,12 +361,15 @@ func (s *Server) UnaryServerInterceptor() grpc.UnaryServerInterceptor {
 		if err := checkIdentity(id); err != nil {
 			return nil, err
 		}
-		call := &Call{Method: info.FullMethod, Actor: actor, Identity: id, Scope: EncodeScope(s.cfg.ScopePrefix, actor, id.Scope...)}
-		fp, err := s.cfg.Fingerprint(info.FullMethod, msg)
+		call := &Call{Method: info.FullMethod, Actor: actor, Identity: id, Scope: EncodeScope(s.o.ScopePrefix, actor, id.Scope...)}
+		fp, err := s.o.Fingerprint(info.FullMethod, msg)
 		if err != nil {
 			return nil, status.Errorf(codes.Internal, "idemgrpc: fingerprint of %s: %v", info.FullMethod, err)
 		}
-		r := idem.Request{Scope: call.Scope, Client: id.Client, Seq: id.Seq, Fingerprint: fp, TTL: s.cfg.TTL}
+		r := idem.Request{Scope: call.Scope, Client: id.Client, Seq: id.Seq, Fingerprint: fp, TTL: s.o.TTL}
+		if id.Client != "" { // the reply cache of per-client sequences
+			r.KeepReplies, r.KeepRepliesFor = s.o.KeepReplies, s.o.KeepRepliesFor
+		}
 		if id.Key != "" {
 			r.ID = []byte(id.Key)
 		}
@@ -250,50 +378,46 @@ func (s *Server) UnaryServerInterceptor() grpc.UnaryServerInterceptor {
 }
 
 func (s *Server) serve(ctx context.Context, call *Call, r idem.Request, req any, handler grpc.UnaryHandler) (any, error) {
-	e := s.cfg.Engine
-	waitUntil := time.Now().Add(s.cfg.InFlightWait)
+	waitUntil := time.Now().Add(s.o.InFlightWait)
 	for {
-		res, err := e.Begin(ctx, r)
+		res, err := s.store.Begin(ctx, r)
 		if err != nil {
-			return nil, s.engineStatus(err, r)
+			return nil, s.storeStatus(err, r)
 		}
 		switch res.Status {
-		case idem.Done:
-			m, err := DecodeReply(res.Reply)
-			if err != nil {
-				return nil, status.Errorf(codes.Internal, "idemgrpc: %v", err)
-			}
-			_ = grpc.SetHeader(ctx, metadata.Pairs(ReplayHeader, "true"))
-			return m, nil
 		case idem.Fresh:
 			return s.run(ctx, call, res.Claim, req, handler)
 		case idem.InFlight:
-			if s.cfg.InFlightWait < 0 || !time.Now().Before(waitUntil) {
+			if s.o.InFlightWait < 0 || !time.Now().Before(waitUntil) {
 				return nil, s.inFlight(call, res.LeaseUntil)
 			}
-			if err := s.wait(ctx, r, waitUntil); err != nil {
-				return nil, status.FromContextError(err).Err()
+			wctx, cancel := context.WithDeadline(ctx, waitUntil)
+			res, err = s.store.Wait(wctx, r)
+			cancel()
+			switch {
+			case ctx.Err() != nil:
+				return nil, status.FromContextError(ctx.Err()).Err()
+			case errors.Is(err, context.DeadlineExceeded):
+				continue // waited long enough: IN_FLIGHT
+			case err != nil:
+				return nil, s.storeStatus(err, r)
+			case res.Status != idem.Done:
+				continue // released, or the lease ran out: Begin claims it
 			}
-		default:
-			return nil, status.Errorf(codes.Internal, "idemgrpc: unexpected engine status %v", res.Status)
 		}
+		if res.Status != idem.Done {
+			return nil, status.Errorf(codes.Internal, "idemgrpc: unexpected store status %v", res.Status)
+		}
+		m, mk, err := decodeStored(res.Reply)
+		if err != nil {
+			return nil, status.Errorf(codes.Internal, "idemgrpc: %v", err)
+		}
+		_ = grpc.SetHeader(ctx, metadata.Pairs(ReplayHeader, "true"))
+		if mk != nil {
+			return nil, mk.err(call.Identity)
+		}
+		return m, nil
 	}
-}
-
-// wait blocks until r is no longer in flight, its owner's lease ends (Begin
-// then takes it over), until, or ctx's end (the only error).
-func (s *Server) wait(ctx context.Context, r idem.Request, until time.Time) error {
-	e := s.cfg.Engine
-	wctx, cancel := context.WithDeadline(ctx, until)
-	defer cancel()
-	// Only ctx's end is this call's error. wctx's deadline: the loop answers
-	// IN_FLIGHT; anything else: Begin again says what it is.
-	if len(r.ID) > 0 {
-		_, _ = e.Wait(wctx, idem.Request{Scope: r.Scope, ID: r.ID})
-	} else {
-		_, _ = e.Wait(wctx, idem.Request{Scope: r.Scope, Client: r.Client, Seq: r.Seq})
-	}
-	return ctx.Err()
 }
 
 func (s *Server) inFlight(call *Call, leaseUntil time.Time) error {
@@ -307,64 +431,147 @@ func (s *Server) inFlight(call *Call, leaseUntil time.Time) error {
 		meta[MetaClient] = call.Identity.Client
 		meta[MetaSequence] = strconv.FormatUint(call.Identity.Seq, 10)
 	}
-	return newStatus(codes.Aborted, ReasonInFlight, meta, s.cfg.RetryDelay,
+	return newStatus(codes.Aborted, ReasonInFlight, meta, s.o.RetryDelay,
 		fmt.Sprintf("idemgrpc: %s is being processed by another call; retry with the same identity", what))
 }
 
-// run calls the handler for a fresh claim and commits its response, or
-// aborts the claim when the handler fails (the failure consumes nothing and
-// is not replayed) or panics (the panic goes on).
+// run calls the handler for a fresh claim and commits its response. Once
+// the handler has been called the identity is released (the claim aborted)
+// only when its error certifies it had no effect (NoEffect); a panic, any
+// other error, and a response that cannot be stored all commit a marker
+// instead, so that a retry never runs the handler again.
 func (s *Server) run(ctx context.Context, call *Call, c *idem.Claim, req any, handler grpc.UnaryHandler) (any, error) {
-	finished := false
-	abort := func() {
-		finished = true
-		if err := c.Abort(context.WithoutCancel(ctx)); err != nil {
-			s.cfg.Logger.Warn("idemgrpc: abort of a failed call failed; its identity stays claimed until the lease ends",
-				"method", call.Method, "client", call.Identity.Client, "seq", call.Identity.Seq, "err", err)
-		}
-	}
+	returned := false
 	defer func() {
-		if !finished {
-			abort() // the handler panicked
+		if returned {
+			return
 		}
+		// The handler panicked (the panic goes on): whatever it did stays
+		// done, so the identity is consumed with a failure.
+		s.o.Logger.Error("idemgrpc: the handler panicked; its identity is consumed (retries get FAILURE_REPLAYED)",
+			"method", call.Method, "client", call.Identity.Client, "seq", call.Identity.Seq)
+		st := status.Newf(codes.Internal, "idemgrpc: the handler of %s panicked", call.Method)
+		s.commitMarker(ctx, call, c, markerFailed, st)
 	}()
 	resp, err := handler(context.WithValue(ctx, callKey{}, call), req)
+	returned = true
 	if err != nil {
-		abort()
+		if s.o.NoEffect(err) {
+			if aerr := c.Abort(ctx); aerr != nil {
+				s.o.Logger.Warn("idemgrpc: abort of a failed call failed; its identity stays claimed until the lease ends",
+					"method", call.Method, "client", call.Identity.Client, "seq", call.Identity.Seq, "err", aerr)
+			}
+			return nil, err
+		}
+		s.commitMarker(ctx, call, c, markerFailed, status.Convert(err))
 		return nil, err
 	}
 	m, ok := resp.(proto.Message)
 	if !ok || m == nil {
-		abort()
-		return nil, newStatus(codes.Internal, ReasonReplyNotStored, nil, 0, fmt.Sprintf("idemgrpc: %s returned %T, not a protobuf message", call.Method, resp))
+		why := fmt.Sprintf("%s returned %T, not a protobuf message", call.Method, resp)
+		s.notStored(ctx, call, c, why)
+		return nil, newStatus(codes.Internal, ReasonResponseNotStored, nil, 0, "idemgrpc: "+why+"; the call ran and will not run again")
 	}
 	b, err := EncodeReply(m)
-	if err == nil && len(b) > s.cfg.MaxReplySize {
-		err = fmt.Errorf("response of %d bytes exceeds MaxReplySize %d", len(b), s.cfg.MaxReplySize)
+	if err != nil {
+		s.notStored(ctx, call, c, err.Error())
+		return nil, newStatus(codes.Internal, ReasonResponseNotStored, nil, 0, fmt.Sprintf("idemgrpc: %v; the call ran and will not run again", err))
+	}
+	if len(b) > s.o.MaxReplySize {
+		s.notStored(ctx, call, c, fmt.Sprintf("%s of %d bytes, more than MaxReplySize %d", m.ProtoReflect().Descriptor().FullName(), len(b), s.o.MaxReplySize))
+		return resp, nil
+	}
+	err = c.Commit(ctx, b)
+	if errors.Is(err, idem.ErrInvalidRequest) {
+		// Larger than the engine's own limit: the claim is still open.
+		s.notStored(ctx, call, c, fmt.Sprintf("%s of %d bytes: %v", m.ProtoReflect().Descriptor().FullName(), len(b), err))
+		return resp, nil
 	}
 	if err != nil {
-		s.cfg.Logger.Error("idemgrpc: response not stored; call aborted (its side effect may run again on retry)", "method", call.Method, "err", err)
-		abort()
-		return nil, newStatus(codes.Internal, ReasonReplyNotStored, nil, 0, fmt.Sprintf("idemgrpc: %v", err))
-	}
-	finished = true
-	if err := c.Commit(context.WithoutCancel(ctx), b); err != nil {
-		if errors.Is(err, idem.ErrLeaseLost) {
-			return nil, newStatus(codes.Aborted, ReasonLeaseLost, nil, s.cfg.RetryDelay,
-				"idemgrpc: the handler outlasted the engine's lease and another call took the request over; retry with the same identity for its reply")
-		}
-		// The side effect happened but its reply is not durable: the claim
-		// stays in doubt (Server.ResolveInDoubt after a restart).
-		s.cfg.Logger.Error("idemgrpc: commit failed; the call stays in doubt until the server restarts and resolves it",
-			"method", call.Method, "client", call.Identity.Client, "seq", call.Identity.Seq, "err", err)
-		return nil, newStatus(codes.Unavailable, ReasonInDoubt, nil, s.cfg.RetryDelay,
-			fmt.Sprintf("idemgrpc: the call ran but its response could not be stored (%v); retry with the same identity", err))
+		return nil, s.commitStatus(call, err)
 	}
 	return resp, nil
 }
 
-// engineStatus maps an engine error to a status (the table in doc.go).
-func (s *Server) engineStatus(err error, r idem.Request) error {
+// commitStatus is the status of a call whose handler ran but whose commit
+// failed.
+func (s *Server) commitStatus(call *Call, err error) error {
+	if errors.Is(err, idem.ErrLeaseLost) {
+		return newStatus(codes.Aborted, ReasonLeaseLost, nil, s.o.RetryDelay,
+			"idemgrpc: the handler outlasted the engine's lease and another call took the request over; retry with the same identity for its reply")
+	}
+	// The side effect happened but its reply is not durable: the claim
+	// stays in doubt (Server.ResolveInDoubt after a restart).
+	s.o.Logger.Error("idemgrpc: commit failed; the call stays in doubt until the server restarts and resolves it",
+		"method", call.Method, "client", call.Identity.Client, "seq", call.Identity.Seq, "err", err)
+	return newStatus(codes.Unavailable, ReasonInDoubt, nil, s.o.RetryDelay,
+		fmt.Sprintf("idemgrpc: the call ran but its response could not be stored (%v); retry with the same identity", err))
+}
+
+// notStored commits the RESPONSE_NOT_STORED marker of a call whose handler
+// succeeded but whose response cannot be stored (why says what it was).
+func (s *Server) notStored(ctx context.Context, call *Call, c *idem.Claim, why string) {
+	s.o.Logger.Warn("idemgrpc: response not stored; retries get RESPONSE_NOT_STORED", "method", call.Method,
+		"client", call.Identity.Client, "seq", call.Identity.Seq, "why", why)
+	s.commitMarker(ctx, call, c, markerNotStored, status.New(codes.AlreadyExists, why))
+}
+
+// maxMarker bounds a marker's status; a larger one (a handler status with
+// large details) keeps its code and the start of its message.
+const maxMarker = 4 << 10
+
+// commitMarker commits a marker in place of a response. If the engine
+// refuses it as too large (its Options.MaxReplySize is tiny), a marker of
+// the code alone is committed, and failing that an empty reply. A failure is logged: the claim then stays in
+// flight (in doubt if the engine failed, taken over after its lease if it
+// is lost).
+func (s *Server) commitMarker(ctx context.Context, call *Call, c *idem.Claim, url string, st *status.Status) {
+	b, err := encodeMarker(url, st)
+	if err == nil && len(b) > maxMarker {
+		b, err = encodeMarker(url, status.New(st.Code(), truncate(st.Message(), maxMarker/2)))
+	}
+	if err == nil {
+		err = c.Commit(ctx, b)
+		if errors.Is(err, idem.ErrInvalidRequest) {
+			if b, err = encodeMarker(url, status.New(st.Code(), "")); err == nil {
+				err = c.Commit(ctx, b)
+			}
+		}
+		if errors.Is(err, idem.ErrInvalidRequest) {
+			err = c.Commit(ctx, nil) // read as RESPONSE_NOT_STORED
+		}
+	}
+	if err != nil {
+		s.o.Logger.Error("idemgrpc: storing the marker of a call that ran failed", "method", call.Method,
+			"client", call.Identity.Client, "seq", call.Identity.Seq, "marker", url, "err", err)
+	}
+}
+
+// notStoredStatus is what retries of a call whose response was not stored
+// get (why: what the response was, "" if unknown).
+func notStoredStatus(id Identity, why string) error {
+	var meta map[string]string
+	what := "the call under this idempotency key"
+	if id.Client != "" {
+		meta = map[string]string{MetaClient: id.Client, MetaSequence: strconv.FormatUint(id.Seq, 10)}
+		what = fmt.Sprintf("client %q sequence %d", id.Client, id.Seq)
+	}
+	if why != "" {
+		why = " (" + why + ")"
+	}
+	return newStatus(codes.AlreadyExists, ReasonResponseNotStored, meta, 0,
+		fmt.Sprintf("idemgrpc: %s ran, but its response was not stored%s, so it cannot be replayed; the call does not run again", what, why))
+}
+
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n] + "..."
+}
+
+// storeStatus maps a store error to a status (the table in doc.go).
+func (s *Server) storeStatus(err error, r idem.Request) error {
 	var (
 		gap  *idem.SequenceGapError
 		done *idem.AlreadyCommittedError
@@ -402,7 +609,7 @@ func (s *Server) engineStatus(err error, r idem.Request) error {
 }
 
 // ClientState returns the caller's last committed sequence of client in the
-// scope fields (the actor comes from ctx through Config.Actor). Errors are
+// scope fields (the actor comes from ctx through Options.Actor). Errors are
 // gRPC statuses. Services with their own GetClientState message (per
 // namespace, per vault) call it.
 func (s *Server) ClientState(ctx context.Context, client string, scope ...string) (uint64, error) {
@@ -413,9 +620,9 @@ func (s *Server) ClientState(ctx context.Context, client string, scope ...string
 	if client == "" {
 		return 0, invalidIdentity("empty client_id")
 	}
-	last, err := s.cfg.Engine.ClientState(ctx, EncodeScope(s.cfg.ScopePrefix, actor, scope...), client)
+	last, err := s.store.ClientState(ctx, EncodeScope(s.o.ScopePrefix, actor, scope...), client)
 	if err != nil {
-		return 0, s.engineStatus(err, idem.Request{})
+		return 0, s.storeStatus(err, idem.Request{})
 	}
 	return last, nil
 }
@@ -448,23 +655,28 @@ type InDoubt struct {
 // ResolveInDoubt settles this server's claims left in doubt by a crash
 // (claims of other scope prefixes are left alone). decide looks in the
 // service's own state: if the call's effect happened it returns its
-// response and true (the claim is committed with it, so retries get it);
-// if not, false (the claim is aborted and a retry runs the call). Call it
-// after Open, before serving. An error from decide stops it.
+// response and true (the claim is committed with it, so retries get it;
+// with a nil response, retries get RESPONSE_NOT_STORED); if not, nil and
+// false (the claim is aborted and a retry runs the call). Call it after
+// Open, before serving. An error from decide stops it.
 func (s *Server) ResolveInDoubt(ctx context.Context, decide func(InDoubt) (proto.Message, bool, error)) (committed, aborted int, err error) {
-	claims, err := s.cfg.Engine.InDoubt(ctx, "")
+	// EncodeScope's output starts with the length-prefixed ScopePrefix.
+	claims, err := s.store.InDoubt(ctx, string(appendField(nil, s.o.ScopePrefix)))
 	if err != nil {
 		return 0, 0, err
 	}
 	for _, c := range claims {
 		prefix, actor, fields, derr := DecodeScope(c.Scope)
-		if derr != nil || prefix != s.cfg.ScopePrefix {
+		if derr != nil || prefix != s.o.ScopePrefix {
 			continue
 		}
 		d := InDoubt{Actor: actor, Scope: fields, Client: c.Client, Seq: c.Seq, Key: string(c.ID), ClaimedAt: c.ClaimedAt, EngineScope: c.Scope}
 		reply, ran, err := decide(d)
 		if err != nil {
 			return committed, aborted, err
+		}
+		if !ran && reply != nil {
+			return committed, aborted, fmt.Errorf("idemgrpc: ResolveInDoubt: decide returned a reply for %s claim it says did not run", d.what())
 		}
 		if !ran {
 			if err := c.Claim.Abort(ctx); err != nil {
@@ -473,7 +685,14 @@ func (s *Server) ResolveInDoubt(ctx context.Context, decide func(InDoubt) (proto
 			aborted++
 			continue
 		}
-		b, err := EncodeReply(reply)
+		var b []byte
+		if reply == nil {
+			// It ran; its response is not known: retries get
+			// RESPONSE_NOT_STORED.
+			b, err = encodeMarker(markerNotStored, status.New(codes.AlreadyExists, "it ran before a restart and its response was not recovered"))
+		} else {
+			b, err = EncodeReply(reply)
+		}
 		if err != nil {
 			return committed, aborted, err
 		}
@@ -483,4 +702,11 @@ func (s *Server) ResolveInDoubt(ctx context.Context, decide func(InDoubt) (proto
 		committed++
 	}
 	return committed, aborted, nil
+}
+
+func (d InDoubt) what() string {
+	if d.Client != "" {
+		return fmt.Sprintf("client %q sequence %d", d.Client, d.Seq)
+	}
+	return fmt.Sprintf("idempotency key %q", d.Key)
 }

@@ -23,7 +23,7 @@ import (
 // TestValidationRules: the per-client sequence validation table, row by
 // row, against a real server.
 func TestValidationRules(t *testing.T) {
-	env := startLedger(t, ledgersvc.Options{})
+	env := startLedger(t, ledgersvc.Options{KeepReplies: 1}) // the latest reply only: older numbers are ALREADY_COMMITTED
 	ctx := testCtx(t)
 	c := ledgerpb.NewLedgerClient(dial(t, env.addr))
 	alice := as(ctx, "tok-alice")
@@ -106,7 +106,7 @@ func TestValidationRules(t *testing.T) {
 	}
 }
 
-// TestResponseTTL: with Config.TTL a stored response is kept for that long
+// TestResponseTTL: with Options.TTL a stored response is kept for that long
 // (the ledger's five-minute cache); after it the last sequence is
 // ALREADY_COMMITTED and the next one still runs.
 func TestResponseTTL(t *testing.T) {
@@ -174,7 +174,7 @@ func TestHandlerErrorConsumesNothing(t *testing.T) {
 // nothing, a failure consumes none; batches and single writes share the
 // scope's stream.
 func TestBatchSequencing(t *testing.T) {
-	env := startLedger(t, ledgersvc.Options{})
+	env := startLedger(t, ledgersvc.Options{KeepReplies: 1}) // the latest reply only: older numbers are ALREADY_COMMITTED
 	ctx := testCtx(t)
 	c := ledgerpb.NewLedgerClient(dial(t, env.addr))
 	alice := as(ctx, "tok-alice")
@@ -336,21 +336,35 @@ func TestClientStateService(t *testing.T) {
 }
 
 // TestConcurrentRetriesRunOnce: hundreds of concurrent calls of one
-// sequence run the handler once; all get the same response.
+// sequence run the handler once; all get the same response. The handler
+// is held until every other call has met it in flight (the engine's
+// InFlightCollisions count).
 func TestConcurrentRetriesRunOnce(t *testing.T) {
 	n := 300
 	for _, wait := range []time.Duration{0, -1} { // server waits for the first; or answers IN_FLIGHT and the client retries
 		t.Run("InFlightWait="+wait.String(), func(t *testing.T) {
 			started := make(chan struct{})
 			var once sync.Once
-			env := startLedger(t, ledgersvc.Options{InFlightWait: wait, BeforeApply: func(context.Context) error {
+			var env *ledgerEnv
+			envSet := make(chan struct{})
+			env = startLedger(t, ledgersvc.Options{InFlightWait: wait, BeforeApply: func(ctx context.Context) error {
 				once.Do(func() { close(started) })
-				time.Sleep(200 * time.Millisecond)
+				<-envSet
+				tick := time.NewTicker(time.Millisecond)
+				defer tick.Stop()
+				for env.server().Engine.Stats().InFlightCollisions < uint64(n-1) {
+					select {
+					case <-ctx.Done():
+						return ctx.Err()
+					case <-tick.C:
+					}
+				}
 				return nil
 			}})
+			close(envSet)
 			ctx := testCtx(t)
 			var retries atomic.Int64
-			c := ledgerpb.NewLedgerClient(dial(t, env.addr, idemgrpc.UnaryClientInterceptor(idemgrpc.RetryOptions{
+			c := ledgerpb.NewLedgerClient(dial(t, env.addr, mustRetry(t, &idemgrpc.RetryOptions{
 				MaxAttempts: -1, InitialBackoff: 10 * time.Millisecond, MaxBackoff: 50 * time.Millisecond,
 				OnRetry: func(_ string, _ int, err error, _ time.Duration) {
 					if r, _ := idemgrpc.ErrorReason(err); r != idemgrpc.ReasonInFlight {
@@ -441,7 +455,7 @@ func TestIdempotencyKeyMetadata(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { eng.Close() })
-	isrv, err := idemgrpc.NewServer(idemgrpc.Config{Engine: eng, Methods: map[string]idemgrpc.IdentifyFunc{
+	isrv, err := idemgrpc.NewServer(eng, &idemgrpc.Options{Methods: map[string]idemgrpc.IdentifyFunc{
 		ledgersvc.MethodWrite: idemgrpc.KeyFromMetadata(""),
 	}})
 	if err != nil {
@@ -450,11 +464,8 @@ func TestIdempotencyKeyMetadata(t *testing.T) {
 	var runs atomic.Int64
 	gs := grpc.NewServer(grpc.ChainUnaryInterceptor(ledgersvc.TokenAuth(tokens), isrv.UnaryServerInterceptor()))
 	ledgerpb.RegisterLedgerServer(gs, &keyLedger{runs: &runs})
-	lis := listen(t)
-	go gs.Serve(lis)
-	t.Cleanup(gs.Stop)
 	ctx := testCtx(t)
-	c := ledgerpb.NewLedgerClient(dial(t, lis.Addr().String()))
+	c := ledgerpb.NewLedgerClient(dial(t, serve(t, isrv, gs)))
 	withKey := func(k ...string) context.Context {
 		ctx := as(ctx, "tok-alice")
 		for _, v := range k {

@@ -5,9 +5,11 @@ import (
 	"time"
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	spb "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/protoadapt"
+	"google.golang.org/protobuf/types/known/anypb"
 	"google.golang.org/protobuf/types/known/durationpb"
 )
 
@@ -47,9 +49,22 @@ const (
 	// in doubt until the server restarts and settles it
 	// (Server.ResolveInDoubt); retrying with the same identity is safe.
 	ReasonInDoubt = "IN_DOUBT"
-	// ReasonReplyNotStored: Internal; the handler's response could not be
-	// encoded or exceeds Config.MaxReplySize. The call was aborted.
-	ReasonReplyNotStored = "REPLY_NOT_STORED"
+	// ReasonResponseNotStored: the handler ran, but its response could not
+	// be stored (larger than Options.MaxReplySize or the engine's limit, not
+	// encodable, or not a protobuf message). The identity is consumed: a
+	// marker was committed in place of the response, so the handler never
+	// runs again for it. Retries get AlreadyExists with this reason
+	// (metadata: sequence and client_id for per-client sequences); the call
+	// itself gets its response when it is a message that is only too large
+	// to store, else Internal with this reason.
+	ReasonResponseNotStored = "RESPONSE_NOT_STORED"
+	// ReasonFailureReplayed: the handler failed with an error that does not
+	// certify it had no effect (Options.NoEffect), or panicked, so its side
+	// effect may have happened: the identity is consumed and its failure
+	// stored. Retries get that status again (its code, its message after a
+	// prefix, its details) with this ErrorInfo first; they are final. A new
+	// request needs a new sequence or key.
+	ReasonFailureReplayed = "FAILURE_REPLAYED"
 )
 
 // ErrorInfo metadata keys.
@@ -124,4 +139,41 @@ func retryDelay(err error) time.Duration {
 		}
 	}
 	return 0
+}
+
+// replayedFailure is the status retries of a call whose handler failed get:
+// the stored status, its message prefixed, FAILURE_REPLAYED's ErrorInfo
+// first among its details.
+func replayedFailure(sp *spb.Status) *status.Status {
+	ei, err := anypb.New(&errdetails.ErrorInfo{Reason: ReasonFailureReplayed, Domain: ErrorDomain})
+	if err != nil {
+		return status.New(codes.Internal, "idemgrpc: "+err.Error())
+	}
+	return status.FromProto(&spb.Status{
+		Code: sp.GetCode(),
+		Message: "idemgrpc: replay of a failed call (its handler may have had effects, so it does not run again; " +
+			"send a new request with a new identity): " + sp.GetMessage(),
+		Details: append([]*anypb.Any{ei}, sp.GetDetails()...),
+	})
+}
+
+// noEffectCodes are the codes DefaultNoEffect accepts.
+var noEffectCodes = map[codes.Code]bool{
+	codes.InvalidArgument: true, codes.NotFound: true, codes.AlreadyExists: true,
+	codes.PermissionDenied: true, codes.Unauthenticated: true, codes.ResourceExhausted: true,
+	codes.FailedPrecondition: true, codes.Aborted: true, codes.OutOfRange: true,
+	codes.Unimplemented: true,
+}
+
+// DefaultNoEffect is the default Options.NoEffect: a handler error certifies
+// that the call changed nothing when it is a gRPC status whose code says the
+// request was refused: InvalidArgument, NotFound, AlreadyExists,
+// PermissionDenied, Unauthenticated, ResourceExhausted, FailedPrecondition,
+// Aborted, OutOfRange or Unimplemented. Handlers must return these only
+// before any side effect (or after undoing it). Every other error (Unknown,
+// including a plain Go error, Internal, DataLoss, Unavailable,
+// DeadlineExceeded, Canceled) leaves the outcome unknown.
+func DefaultNoEffect(err error) bool {
+	st, ok := status.FromError(err)
+	return ok && st != nil && noEffectCodes[st.Code()]
 }

@@ -10,21 +10,22 @@ import (
 	"github.com/idemdb/idem/examples/ledger/ledgerpb"
 	"github.com/idemdb/idem/examples/ledger/ledgersvc"
 	"github.com/idemdb/idem/idemgrpc"
-	"github.com/idemdb/idem/idemgrpc/idemgrpcpb"
-	"google.golang.org/grpc"
+	"github.com/idemdb/idem/internal/testclock"
 	"google.golang.org/grpc/codes"
 )
 
 // TestLeaseLost: a handler that outlives the engine's lease loses its claim
 // to a retry; its late response is not stored and it answers Aborted
-// LEASE_LOST (retryable: the retry gets the other call's response).
+// LEASE_LOST (retryable: the retry gets the other call's response). The
+// engine's clock is manual: the lease runs out when the test says so.
 func TestLeaseLost(t *testing.T) {
+	clk := testclock.New()
 	var calls atomic.Int64
-	started := make(chan struct{})
-	env := startLedger(t, ledgersvc.Options{Engine: &idem.Options{Lease: 150 * time.Millisecond}, BeforeApply: func(context.Context) error {
+	started, release := make(chan struct{}), make(chan struct{})
+	env := startLedger(t, ledgersvc.Options{Engine: &idem.Options{Clock: clk.Now, Lease: time.Minute}, BeforeApply: func(context.Context) error {
 		if calls.Add(1) == 1 {
 			close(started)
-			time.Sleep(600 * time.Millisecond)
+			<-release
 		}
 		return nil
 	}})
@@ -33,11 +34,13 @@ func TestLeaseLost(t *testing.T) {
 	first := make(chan error, 1)
 	go func() { _, err := c.Write(ctx, write("c", "ns", "", 1, "a", 1)); first <- err }()
 	<-started
-	// waits for the first until its lease ends, then takes it over and runs.
+	clk.Advance(time.Minute) // the first call's lease runs out
+	// the retry takes the request over and runs it.
 	second, err := c.Write(ctx, write("c", "ns", "", 1, "a", 1))
 	if err != nil {
 		t.Fatal(err)
 	}
+	close(release)
 	err = <-first
 	wantStatus(t, err, codes.Aborted, idemgrpc.ReasonLeaseLost)
 	if !idemgrpc.Retryable(ctx, err) {
@@ -48,6 +51,9 @@ func TestLeaseLost(t *testing.T) {
 		t.Fatal(err)
 	}
 	sameReply(t, second, again)
+	if calls.Load() != 2 || env.server().Engine.Stats().Takeovers != 1 {
+		t.Fatalf("%d handler calls, %d takeovers; want 2, 1", calls.Load(), env.server().Engine.Stats().Takeovers)
+	}
 }
 
 // TestEngineClosed: a closed engine answers Unavailable ENGINE_UNAVAILABLE
@@ -66,35 +72,4 @@ func TestEngineClosed(t *testing.T) {
 	}
 	_, err = idemgrpc.ServiceState(dial(t, env.addr))(ctx, "c", []string{"ns"})
 	wantStatus(t, err, codes.Unavailable, idemgrpc.ReasonUnavailable)
-}
-
-// TestReplyNotStored: a response larger than MaxReplySize fails the call
-// with Internal REPLY_NOT_STORED and consumes nothing.
-func TestReplyNotStored(t *testing.T) {
-	eng, err := idem.Open(t.TempDir(), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { eng.Close() })
-	isrv, err := idemgrpc.NewServer(idemgrpc.Config{Engine: eng, Methods: ledgersvc.Methods(), MaxReplySize: 16})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var runs atomic.Int64
-	gs := grpc.NewServer(grpc.ChainUnaryInterceptor(ledgersvc.TokenAuth(tokens), isrv.UnaryServerInterceptor()))
-	ledgerpb.RegisterLedgerServer(gs, &keyLedger{runs: &runs})
-	idemgrpcpb.RegisterClientStateServer(gs, isrv)
-	lis := listen(t)
-	go gs.Serve(lis)
-	t.Cleanup(gs.Stop)
-	ctx := as(testCtx(t), "tok-alice")
-	cc := dial(t, lis.Addr().String())
-	_, err = ledgerpb.NewLedgerClient(cc).Write(ctx, write("c", "ns", "", 1, "a", 1))
-	wantStatus(t, err, codes.Internal, idemgrpc.ReasonReplyNotStored)
-	if last, err := idemgrpc.ServiceState(cc)(ctx, "c", []string{"ns"}); err != nil || last != 0 {
-		t.Fatalf("state %d, %v", last, err)
-	}
-	if _, err := idemgrpc.NewServer(idemgrpc.Config{}); err == nil {
-		t.Fatal("NewServer without an engine succeeded")
-	}
 }

@@ -58,13 +58,6 @@ func (s *MemoryStore) Save(key string, last uint64) error {
 	return nil
 }
 
-// Delete forgets key (to simulate a lost state).
-func (s *MemoryStore) Delete(key string) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	delete(s.m, key)
-}
-
 // FileStore is a SequenceStore on disk: one small file per key in a
 // directory, rewritten in place and fsynced at every Save (one fsync per
 // new request; the file's creation also fsyncs the directory). Each file

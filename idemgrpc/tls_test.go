@@ -1,15 +1,18 @@
 package idemgrpc_test
 
 import (
+	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
+	"errors"
 	"math/big"
 	"net"
 	"net/url"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -21,6 +24,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/status"
 )
 
 type testCA struct {
@@ -68,49 +72,101 @@ func (ca *testCA) issue(t *testing.T, cn string, uri string, server bool) tls.Ce
 }
 
 // TestTLSActor: with mutual TLS the actor is the verified client
-// certificate's URI SAN or common name.
+// certificate's URI SAN or common name: "cert:<name>" (TLSActor) or
+// "client:<name>" (ClientActor(TLSName)).
 func TestTLSActor(t *testing.T) {
 	ca := newCA(t)
-	eng, err := idem.Open(t.TempDir(), nil)
-	if err != nil {
-		t.Fatal(err)
+	for _, af := range []struct {
+		name   string
+		actor  idemgrpc.ActorFunc
+		prefix string
+	}{{"TLSActor", idemgrpc.TLSActor, "cert:"}, {"ClientActor", idemgrpc.ClientActor(idemgrpc.TLSName), "client:"}} {
+		t.Run(af.name, func(t *testing.T) {
+			eng, err := idem.Open(t.TempDir(), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { eng.Close() })
+			isrv, err := idemgrpc.NewServer(eng, &idemgrpc.Options{Actor: af.actor, Methods: ledgersvc.Methods()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			l := &fnLedger{}
+			creds := credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{ca.issue(t, "server", "", true)},
+				ClientCAs: ca.pool, ClientAuth: tls.RequireAndVerifyClientCert, MinVersion: tls.VersionTLS13})
+			gs := grpc.NewServer(grpc.Creds(creds), grpc.UnaryInterceptor(isrv.UnaryServerInterceptor()))
+			ledgerpb.RegisterLedgerServer(gs, l)
+			addr := serve(t, isrv, gs)
+			ctx := testCtx(t)
+			for _, tc := range []struct{ cn, uri, want string }{
+				{"alice", "", af.prefix + "alice"},
+				{"bob", "spiffe://example.org/bob", af.prefix + "spiffe://example.org/bob"},
+			} {
+				cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{
+					Certificates: []tls.Certificate{ca.issue(t, tc.cn, tc.uri, false)}, RootCAs: ca.pool, MinVersion: tls.VersionTLS13})))
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { cc.Close() })
+				req := write("c", "ns", "", 1, "a", 1)
+				req.Actor = "user:root" // ignored
+				r, err := ledgerpb.NewLedgerClient(cc).Write(ctx, req)
+				if err != nil || r.GetActor() != tc.want {
+					t.Fatalf("%s: %v, %v; want actor %q", tc.cn, r, err, tc.want)
+				}
+			}
+			// alice's and bob's sequence 1 are separate identities: both ran.
+			if l.runs.Load() != 2 {
+				t.Fatalf("runs %d", l.runs.Load())
+			}
+			// without TLS the actor function refuses.
+			_, err = af.actor(ctx)
+			wantStatus(t, err, codes.Unauthenticated, "")
+		})
 	}
-	t.Cleanup(func() { eng.Close() })
-	isrv, err := idemgrpc.NewServer(idemgrpc.Config{Engine: eng, Actor: idemgrpc.TLSActor, Methods: ledgersvc.Methods()})
-	if err != nil {
-		t.Fatal(err)
+}
+
+type subjectKey struct{}
+
+// subject is an IDFunc reading what a test auth layer stored.
+func subject(ctx context.Context) (string, error) {
+	s, ok := ctx.Value(subjectKey{}).(string)
+	if !ok {
+		return "", errors.New("no verified subject")
 	}
-	var runs atomic.Int64
-	creds := credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{ca.issue(t, "server", "", true)},
-		ClientCAs: ca.pool, ClientAuth: tls.RequireAndVerifyClientCert, MinVersion: tls.VersionTLS13})
-	gs := grpc.NewServer(grpc.Creds(creds), grpc.UnaryInterceptor(isrv.UnaryServerInterceptor()))
-	ledgerpb.RegisterLedgerServer(gs, &keyLedger{runs: &runs})
-	lis := listen(t)
-	go gs.Serve(lis)
-	t.Cleanup(gs.Stop)
-	ctx := testCtx(t)
-	for _, tc := range []struct{ cn, uri, want string }{
-		{"alice", "", "cert:alice"},
-		{"bob", "spiffe://example.org/bob", "cert:spiffe://example.org/bob"},
+	return s, nil
+}
+
+// TestKindActors: UserActor, ClientActor and SystemActor form the ledger's
+// "user:<id>", "client:<id>", "system:<name>" from the authenticated
+// context; a missing or malformed id is Unauthenticated, a status from the
+// IDFunc passes through.
+func TestKindActors(t *testing.T) {
+	with := func(s string) context.Context { return context.WithValue(context.Background(), subjectKey{}, s) }
+	denied := func(context.Context) (string, error) {
+		return "", status.Error(codes.PermissionDenied, "test: revoked")
+	}
+	for _, tc := range []struct {
+		actor idemgrpc.ActorFunc
+		ctx   context.Context
+		want  string
+		code  codes.Code
+	}{
+		{idemgrpc.UserActor(subject), with("alice"), "user:alice", codes.OK},
+		{idemgrpc.ClientActor(subject), with("billing-svc"), "client:billing-svc", codes.OK},
+		{idemgrpc.SystemActor(subject), with("reconciler"), "system:reconciler", codes.OK},
+		{idemgrpc.UserActor(subject), context.Background(), "", codes.Unauthenticated},
+		{idemgrpc.UserActor(subject), with(""), "", codes.Unauthenticated},
+		{idemgrpc.UserActor(subject), with("a b"), "", codes.Unauthenticated},
+		{idemgrpc.UserActor(subject), with("a\x00"), "", codes.Unauthenticated},
+		{idemgrpc.UserActor(subject), with("\xff"), "", codes.Unauthenticated},
+		{idemgrpc.UserActor(subject), with(strings.Repeat("a", 513)), "", codes.Unauthenticated},
+		{idemgrpc.UserActor(nil), with("alice"), "", codes.Unauthenticated},
+		{idemgrpc.SystemActor(denied), with("x"), "", codes.PermissionDenied},
 	} {
-		cc, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{
-			Certificates: []tls.Certificate{ca.issue(t, tc.cn, tc.uri, false)}, RootCAs: ca.pool, MinVersion: tls.VersionTLS13})))
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { cc.Close() })
-		req := write("c", "ns", "", 1, "a", 1)
-		req.Actor = "user:root" // ignored
-		r, err := ledgerpb.NewLedgerClient(cc).Write(ctx, req)
-		if err != nil || r.GetActor() != tc.want {
-			t.Fatalf("%s: %v, %v; want actor %q", tc.cn, r, err, tc.want)
+		got, err := tc.actor(tc.ctx)
+		if got != tc.want || status.Code(err) != tc.code {
+			t.Errorf("got %q, %v; want %q, code %v", got, err, tc.want, tc.code)
 		}
 	}
-	// alice's and bob's sequence 1 are separate identities: both ran.
-	if runs.Load() != 2 {
-		t.Fatalf("runs %d", runs.Load())
-	}
-	// without TLS the actor function refuses.
-	_, err = idemgrpc.TLSActor(ctx)
-	wantStatus(t, err, codes.Unauthenticated, "")
 }

@@ -9,8 +9,6 @@ import (
 
 	"github.com/idemdb/idem/idemgrpc/idemgrpcpb"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 )
 
 // StateFunc asks the server for a client's last committed sequence number
@@ -44,36 +42,60 @@ type Tracker struct {
 	client string
 	store  SequenceStore
 	state  StateFunc
-	// MaxResyncs bounds how often one Call asks the server and sends again
-	// after SEQUENCE_GAP or IDEMPOTENCY_CONFLICT (default 3).
-	MaxResyncs int
-	// Logger receives warnings (a corrupt saved state). Default: discard.
-	Logger *slog.Logger
+	o      TrackerOptions
 
 	mu     sync.Mutex
 	scopes map[string]chan struct{}
 }
 
-// NewTracker returns a tracker for client, saving to store and recovering
-// through state (usually ServiceState(conn)).
-func NewTracker(client string, store SequenceStore, state StateFunc) *Tracker {
-	return &Tracker{client: client, store: store, state: state, MaxResyncs: 3, scopes: map[string]chan struct{}{}}
+// TrackerOptions configure a Tracker. nil or a zero field means its
+// default.
+type TrackerOptions struct {
+	// MaxResyncs bounds how often one Call asks the server and sends again
+	// after SEQUENCE_GAP or IDEMPOTENCY_CONFLICT (default 3).
+	MaxResyncs int
+	// Logger receives warnings (a corrupt saved state). Default: discard.
+	Logger *slog.Logger
+}
+
+// maxClientID is the engine's bound on a client id (idem.Request.Client).
+const maxClientID = 1024
+
+// NewTracker returns a tracker for client (1 to 1024 bytes), saving to
+// store and recovering through state (usually ServiceState(conn)).
+func NewTracker(client string, store SequenceStore, state StateFunc, opts *TrackerOptions) (*Tracker, error) {
+	var o TrackerOptions
+	if opts != nil {
+		o = *opts
+	}
+	switch {
+	case client == "" || len(client) > maxClientID:
+		return nil, fmt.Errorf("idemgrpc: NewTracker: client id of %d bytes; want 1 to %d", len(client), maxClientID)
+	case store == nil:
+		return nil, errors.New("idemgrpc: NewTracker: the SequenceStore is nil")
+	case state == nil:
+		return nil, errors.New("idemgrpc: NewTracker: the StateFunc is nil (it recovers a lost state: ServiceState(conn))")
+	case o.MaxResyncs < 0:
+		return nil, fmt.Errorf("idemgrpc: TrackerOptions.MaxResyncs: %d: negative", o.MaxResyncs)
+	}
+	if o.MaxResyncs == 0 {
+		o.MaxResyncs = 3
+	}
+	if o.Logger == nil {
+		o.Logger = slog.New(slog.DiscardHandler)
+	}
+	return &Tracker{client: client, store: store, state: state, o: o, scopes: map[string]chan struct{}{}}, nil
 }
 
 // Client returns the tracker's client id.
 func (t *Tracker) Client() string { return t.client }
 
-// StoreKey is the SequenceStore key of client in the scope fields.
-func StoreKey(client string, scope ...string) string {
+// storeKey is the SequenceStore key of client in the scope fields.
+func storeKey(client string, scope ...string) string {
 	return EncodeScope("seq", client, scope...)
 }
 
-func (t *Tracker) logger() *slog.Logger {
-	if t.Logger != nil {
-		return t.Logger
-	}
-	return slog.New(slog.DiscardHandler)
-}
+func (t *Tracker) logger() *slog.Logger { return t.o.Logger }
 
 // lock takes the scope's turn (bounded by ctx).
 func (t *Tracker) lock(ctx context.Context, key string) (func(), error) {
@@ -119,9 +141,6 @@ func (t *Tracker) next(ctx context.Context, key string, scope []string) (uint64,
 
 // resync asks the server and saves its last committed number as last used.
 func (t *Tracker) resync(ctx context.Context, key string, scope []string) (uint64, error) {
-	if t.state == nil {
-		return 0, errors.New("idemgrpc: tracker has no StateFunc to recover its sequence from")
-	}
 	last, err := t.state(ctx, t.client, scope)
 	if err != nil {
 		return 0, fmt.Errorf("idemgrpc: GetClientState of client %q: %w", t.client, err)
@@ -137,7 +156,7 @@ func (t *Tracker) resync(ctx context.Context, key string, scope []string) (uint6
 // it (only) to retry that request. Prefer Call, which also handles the
 // outcome.
 func (t *Tracker) Next(ctx context.Context, scope ...string) (uint64, error) {
-	key := StoreKey(t.client, scope...)
+	key := storeKey(t.client, scope...)
 	unlock, err := t.lock(ctx, key)
 	if err != nil {
 		return 0, err
@@ -149,7 +168,7 @@ func (t *Tracker) Next(ctx context.Context, scope ...string) (uint64, error) {
 // Resync asks the server for the client's last committed number in the
 // scope and saves it as the last used one: the next request gets it + 1.
 func (t *Tracker) Resync(ctx context.Context, scope ...string) (uint64, error) {
-	key := StoreKey(t.client, scope...)
+	key := storeKey(t.client, scope...)
 	unlock, err := t.lock(ctx, key)
 	if err != nil {
 		return 0, err
@@ -170,17 +189,19 @@ func (t *Tracker) Resync(ctx context.Context, scope ...string) (uint64, error) {
 //     saved state was behind the server, or a retry came after the reply
 //     expired). It resyncs for the next request and returns the error:
 //     only the caller knows whether this request is the one that ran.
-//   - an error the server certifies consumed nothing (a handler's own
-//     error, INVALID_IDENTITY, an auth failure): the number is given back
-//     (saved as number - 1) so that the next request uses it.
+//   - an error the server certifies consumed nothing (a handler's error
+//     that DefaultNoEffect accepts, INVALID_IDENTITY, an auth failure): the
+//     number is given back (saved as number - 1) so that the next request
+//     uses it.
 //   - an unknown outcome (Unavailable, DeadlineExceeded, Canceled, Unknown,
-//     Internal, IN_FLIGHT, a non-status error): the number stays used; if
+//     Internal, IN_FLIGHT, a non-status error) or a consumed one
+//     (FAILURE_REPLAYED, RESPONSE_NOT_STORED): the number stays used; if
 //     the request never ran, the next one gets SEQUENCE_GAP and recovers.
 //
 // send must send the same request each time it is called with the same
 // number (the retry interceptor inside it resends it as is).
 func (t *Tracker) Call(ctx context.Context, scope []string, send func(ctx context.Context, seq uint64) error) error {
-	key := StoreKey(t.client, scope...)
+	key := storeKey(t.client, scope...)
 	unlock, err := t.lock(ctx, key)
 	if err != nil {
 		return err
@@ -197,7 +218,7 @@ func (t *Tracker) Call(ctx context.Context, scope []string, send func(ctx contex
 		}
 		reason, _ := ErrorReason(err)
 		switch {
-		case (reason == ReasonSequenceGap || reason == ReasonConflict) && resyncs < t.MaxResyncs:
+		case (reason == ReasonSequenceGap || reason == ReasonConflict) && resyncs < t.o.MaxResyncs:
 			if _, rerr := t.resync(ctx, key, scope); rerr != nil {
 				return errors.Join(err, rerr)
 			}
@@ -220,21 +241,17 @@ func (t *Tracker) Call(ctx context.Context, scope []string, send func(ctx contex
 }
 
 // consumedNothing: the status certifies the request did not commit its
-// sequence number.
+// sequence number: the interceptor's INVALID_IDENTITY, or a handler error
+// that DefaultNoEffect accepts (the server aborted its claim). A server with
+// another Options.NoEffect heals either way: a number given back that was
+// consumed meets IDEMPOTENCY_CONFLICT, one kept that was not meets
+// SEQUENCE_GAP, and Call resyncs on both.
 func consumedNothing(err error, reason string) bool {
 	switch reason {
-	case ReasonInvalidIdentity, ReasonReplyNotStored:
+	case "":
+		return DefaultNoEffect(err)
+	case ReasonInvalidIdentity:
 		return true
-	case ReasonInFlight, ReasonInDoubt, ReasonUnavailable, ReasonLeaseLost, ReasonSequenceGap, ReasonConflict, ReasonAlreadyCommitted:
-		return false
 	}
-	st, ok := status.FromError(err)
-	if !ok {
-		return false
-	}
-	switch st.Code() {
-	case codes.OK, codes.Unavailable, codes.DeadlineExceeded, codes.Canceled, codes.Unknown, codes.Internal, codes.DataLoss:
-		return false
-	}
-	return true
+	return false
 }

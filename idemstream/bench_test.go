@@ -74,7 +74,7 @@ func benchSink(b *testing.B, batch, conc int) {
 	l := newLedger(w)
 	e := benchEngine(b)
 	ctx := context.Background()
-	s, err := NewSink(ctx, e, "bench", SinkOptions{TTL: time.Hour})
+	s, err := NewSink(ctx, e, "bench", &SinkOptions{TTL: time.Hour})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -82,7 +82,7 @@ func benchSink(b *testing.B, batch, conc int) {
 	start := time.Now()
 	if err := runUntilAcked(ctx, br, func(ctx context.Context, o ConsumeOptions) error {
 		o.BatchSize, o.Concurrency = batch, conc
-		return Consume(ctx, br, s, l.handler, o)
+		return Consume(ctx, br, s, l.handler, &o)
 	}); err != nil {
 		b.Fatal(err)
 	}
@@ -134,7 +134,7 @@ func benchTwoPhase(b *testing.B, batch int) {
 	l := newTxnLedger(w)
 	e := benchEngine(b)
 	ctx := context.Background()
-	tp, _, err := NewTwoPhase[*ledgerTxn](ctx, e, "bench", l, TwoPhaseOptions{})
+	tp, _, err := NewTwoPhase[*ledgerTxn](ctx, e, "bench", l, &TwoPhaseOptions{})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -142,7 +142,7 @@ func benchTwoPhase(b *testing.B, batch int) {
 	start := time.Now()
 	if err := runUntilAcked(ctx, br, func(ctx context.Context, o ConsumeOptions) error {
 		o.BatchSize = batch
-		return ConsumeTwoPhase(ctx, br, tp, o)
+		return ConsumeTwoPhase(ctx, br, tp, &o)
 	}); err != nil {
 		b.Fatal(err)
 	}

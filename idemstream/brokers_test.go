@@ -1,52 +1,60 @@
-package idemstream
+package idemstream_test
+
+// The broker scenarios: the idemstream consumers against real brokers,
+// through the source packages (jetstream, redisstream), which import
+// idemstream: hence an external test package, with the internal harness
+// (crashable world, ledgers, hooks) from export_test.go.
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
-	"net"
-	"os"
-	"os/exec"
-	"path/filepath"
-	"strconv"
+	"log/slog"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/cockroachdb/pebble/v2/vfs"
-	"github.com/nats-io/nats-server/v2/server"
+	. "github.com/idemdb/idem/idemstream" // the scenarios read as the package's own tests
+	"github.com/idemdb/idem/idemstream/internal/brokertest"
+	streamjs "github.com/idemdb/idem/idemstream/jetstream"
+	"github.com/idemdb/idem/idemstream/redisstream"
+	"github.com/idemdb/idem/idemstream/streamprom"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/redis/go-redis/v9"
 )
 
 var errKilled = errors.New("test: consumer killed")
 
 // brokerLedger is the effect target of the broker tests: it counts
-// applications per event id; some events are slow (longer than the
-// broker's redelivery timeout), so the broker hands them to another
-// consumer while the first still runs.
+// applications per event id; the effect of a held event waits until its
+// gate opens (the test opens it once the broker has handed the event to
+// another consumer, which found it in progress).
 type brokerLedger struct {
 	mu      sync.Mutex
 	applied map[string]int
-	slow    map[string]bool
-	delay   time.Duration
+	held    map[string]chan struct{}
 	fail    map[string]int // fail this many first attempts
 }
 
 func (l *brokerLedger) handler(ctx context.Context, ev Event) (Effect, error) {
 	l.mu.Lock()
-	slow := l.slow[string(ev.ID)]
+	gate := l.held[string(ev.ID)]
 	if l.fail[string(ev.ID)] > 0 {
 		l.fail[string(ev.ID)]--
 		l.mu.Unlock()
 		return Effect{}, errors.New("ledger: transient failure")
 	}
 	l.mu.Unlock()
-	if slow {
+	if gate != nil {
 		select {
-		case <-time.After(l.delay):
+		case <-gate:
 		case <-ctx.Done():
 			return Effect{}, ctx.Err()
 		}
@@ -75,34 +83,42 @@ func brokerEvents(n, dups int) (ids []string) {
 
 // runBrokerScenario runs the forced-redelivery scenario against a broker:
 // consumer A commits a batch and is killed before it acks it; consumers B
-// and C then share the stream, some events are slower than the
-// redelivery timeout so they are handed to the other consumer while still
-// running. done reports when the broker has nothing pending.
+// and C then share the stream; one event's effect is held until the broker
+// has handed it to the other consumer (its redelivery timeout passed) and
+// that delivery was found Busy. done reports when the broker has nothing
+// pending.
 func runBrokerScenario(t *testing.T, ctx context.Context, ids []string, newSource func(name string) Source, done func() bool) {
-	e := openEngine(t, vfs.NewMem(), nil)
+	e := OpenEngine(t, vfs.NewMem(), nil)
 	defer e.Close()
-	s, err := NewSink(ctx, e, "ledger", SinkOptions{})
+	s, err := NewSink(ctx, e, "ledger", &SinkOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	l := &brokerLedger{applied: map[string]int{}, slow: map[string]bool{}, delay: 900 * time.Millisecond,
+	held := ids[77]
+	gate := make(chan struct{})
+	l := &brokerLedger{applied: map[string]int{}, held: map[string]chan struct{}{held: gate},
 		fail: map[string]int{ids[150]: 2, ids[190]: 1}} // retried after a failure: not acked, redelivered
-	for _, i := range []int{40, 77, 123} {
-		l.slow[ids[i]] = true
+	var open sync.Once
+	onBatch := func(msgs []Message, outs []Outcome) {
+		for i, o := range outs {
+			if o.Status == Busy && string(msgs[i].Event.ID) == held {
+				open.Do(func() { close(gate) })
+			}
+		}
 	}
 	// Consumer A: killed after committing its second batch, before acking.
 	var batches atomic.Int32
-	s.hook = func(w Window, ev *Event) error {
+	SetSinkHook(s, func(w Window, ev *Event) error {
 		if w == WindowBeforeAck && batches.Add(1) == 2 {
 			return errKilled
 		}
 		return nil
-	}
-	err = Consume(ctx, newSource("a"), s, l.handler, ConsumeOptions{BatchSize: 10})
+	})
+	err = Consume(ctx, newSource("a"), s, l.handler, &ConsumeOptions{BatchSize: 10})
 	if !errors.Is(err, errKilled) {
 		t.Fatalf("consumer a: %v", err)
 	}
-	s.hook = nil
+	SetSinkHook(s, nil)
 	t.Logf("consumer a killed with %d events committed and 10 of them unacked", l.count())
 
 	cctx, cancel := context.WithCancel(ctx)
@@ -111,7 +127,7 @@ func runBrokerScenario(t *testing.T, ctx context.Context, ids []string, newSourc
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := Consume(cctx, newSource(name), s, l.handler, ConsumeOptions{BatchSize: 10}); err != nil && !errors.Is(err, context.Canceled) {
+			if err := Consume(cctx, newSource(name), s, l.handler, &ConsumeOptions{BatchSize: 10, OnBatch: onBatch}); err != nil && !errors.Is(err, context.Canceled) {
 				t.Errorf("consumer %s: %v", name, err)
 			}
 		}()
@@ -132,8 +148,8 @@ func runBrokerScenario(t *testing.T, ctx context.Context, ids []string, newSourc
 	if st.Replayed < 10 {
 		t.Fatalf("the unacked batch of the killed consumer was not replayed (%d replays)", st.Replayed)
 	}
-	if st.Busy == 0 {
-		t.Fatal("no delivery found its event in progress elsewhere: the redelivery timeout was not forced")
+	if st.Busy == 0 { // the held event's gate opens only on a Busy delivery
+		t.Fatal("no delivery found its event in progress elsewhere")
 	}
 }
 
@@ -163,20 +179,6 @@ func awaitConsumers(t *testing.T, ctx context.Context, cancel func(), wg *sync.W
 	wg.Wait()
 }
 
-func startNATS(t *testing.T) *server.Server {
-	t.Helper()
-	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, JetStream: true, StoreDir: t.TempDir(), NoLog: true, NoSigs: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	go ns.Start()
-	if !ns.ReadyForConnections(10 * time.Second) {
-		t.Fatal("nats-server did not start")
-	}
-	t.Cleanup(func() { ns.Shutdown(); ns.WaitForShutdown() })
-	return ns
-}
-
 // TestJetStreamExactlyOnce: a real (embedded) NATS server with JetStream,
 // a durable pull consumer with a short AckWait, forced redeliveries (a
 // consumer killed between commit and ack; events slower than AckWait), and
@@ -185,7 +187,7 @@ func TestJetStreamExactlyOnce(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 45*time.Second)
 	defer cancel()
 	ids := brokerEvents(200, 10)
-	f := jetStreamFeed(t, ctx, ids)
+	f := jetStreamFeed(t, ctx, pubsOf(ids))
 	runBrokerScenario(t, ctx, ids, f.newSource, f.done)
 	info, err := f.cons.Info(ctx)
 	if err != nil {
@@ -198,20 +200,37 @@ func TestJetStreamExactlyOnce(t *testing.T) {
 }
 
 // brokerFeed is a stream on a real broker with the events published: the
-// sources that read it (one per consumer name) and whether every event
-// was acked.
+// sources that read it (one per consumer name), whether every event was
+// acked, and the dead letters of the terminated ones.
 type brokerFeed struct {
-	newSource func(name string) Source
-	done      func() bool
-	cons      jetstream.Consumer // JetStream only
+	newSource   func(name string) Source
+	done        func() bool
+	deadLetters func() []deadLetter
+	cons        jetstream.Consumer // JetStream only
 }
 
+// pub is one message published to a feed: an event id and its payload.
+type pub struct{ id, data string }
+
+// pubsOf publishes each id with the payload "payload-of-<id>".
+func pubsOf(ids []string) []pub {
+	ps := make([]pub, len(ids))
+	for i, id := range ids {
+		ps[i] = pub{id, "payload-of-" + id}
+	}
+	return ps
+}
+
+// deadLetter is a message found on a dead-letter destination.
+type deadLetter struct{ id, data, reason string }
+
 // jetStreamFeed starts an embedded NATS server with JetStream, publishes
-// ids (with the id in the Event-Id header) to the stream ORDERS, and reads
-// them with a durable pull consumer whose AckWait is 300 ms.
-func jetStreamFeed(t *testing.T, ctx context.Context, ids []string) brokerFeed {
+// msgs (with the id in the Event-Id header) to the stream ORDERS, and reads
+// them with a durable pull consumer whose AckWait is 300 ms. Terminated
+// messages go to the subject dead.orders, kept by the stream DEAD.
+func jetStreamFeed(t *testing.T, ctx context.Context, msgs []pub) brokerFeed {
 	t.Helper()
-	ns := startNATS(t)
+	ns := brokertest.StartNATS(t)
 	nc, err := nats.Connect(ns.ClientURL())
 	if err != nil {
 		t.Fatal(err)
@@ -224,10 +243,14 @@ func jetStreamFeed(t *testing.T, ctx context.Context, ids []string) brokerFeed {
 	if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: "ORDERS", Subjects: []string{"orders.>"}}); err != nil {
 		t.Fatal(err)
 	}
-	for i, id := range ids {
+	dead, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: "DEAD", Subjects: []string{"dead.>"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, p := range msgs {
 		m := nats.NewMsg("orders.new")
-		m.Header.Set("Event-Id", id)
-		m.Data = []byte("payload-of-" + id)
+		m.Header.Set("Event-Id", p.id)
+		m.Data = []byte(p.data)
 		if _, err := js.PublishMsg(ctx, m); err != nil {
 			t.Fatalf("publish %d: %v", i, err)
 		}
@@ -240,29 +263,53 @@ func jetStreamFeed(t *testing.T, ctx context.Context, ids []string) brokerFeed {
 	}
 	return brokerFeed{
 		newSource: func(string) Source {
-			return NewJetStreamSource(cons, JetStreamOptions{FetchWait: 100 * time.Millisecond, IDHeader: "Event-Id"})
+			src, err := streamjs.NewSource(cons, &streamjs.Options{FetchWait: 100 * time.Millisecond, IDHeader: "Event-Id",
+				DeadLetterSubject: "dead.orders", DeadLetterJS: js})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return src
 		},
 		done: func() bool {
 			info, err := cons.Info(ctx)
 			return err == nil && info.NumAckPending == 0 && info.NumPending == 0
 		},
+		deadLetters: func() []deadLetter {
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second) // also after the test's deadline
+			defer cancel()
+			info, err := dead.Info(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var out []deadLetter
+			for seq := uint64(1); seq <= info.State.LastSeq; seq++ {
+				m, err := dead.GetMsg(ctx, seq)
+				if err != nil {
+					t.Fatal(err)
+				}
+				out = append(out, deadLetter{m.Header.Get("Event-Id"), string(m.Data), m.Header.Get(streamjs.DeadLetterReasonHeader)})
+			}
+			return out
+		},
 		cons: cons,
 	}
 }
 
-// redisFeed adds ids to stream on rdb (fields id and data) and reads them
+// redisFeed adds msgs to stream on rdb (fields id and data) and reads them
 // through the consumer group "ledger", taking over entries idle for 300 ms.
-func redisFeed(t *testing.T, ctx context.Context, rdb *redis.Client, stream string, ids []string) brokerFeed {
+// Terminated entries go to the stream "<stream>.dead".
+func redisFeed(t *testing.T, ctx context.Context, rdb *redis.Client, stream string, msgs []pub) brokerFeed {
 	t.Helper()
-	for _, id := range ids {
-		if err := rdb.XAdd(ctx, &redis.XAddArgs{Stream: stream, Values: map[string]any{"id": id, "data": "payload-of-" + id}}).Err(); err != nil {
+	for _, p := range msgs {
+		if err := rdb.XAdd(ctx, &redis.XAddArgs{Stream: stream, Values: map[string]any{"id": p.id, "data": p.data}}).Err(); err != nil {
 			t.Fatal(err)
 		}
 	}
 	return brokerFeed{
 		newSource: func(name string) Source {
-			src, err := NewRedisStreamSource(ctx, rdb, RedisStreamOptions{Stream: stream, Group: "ledger", Consumer: name,
-				Block: 100 * time.Millisecond, ClaimMinIdle: 300 * time.Millisecond})
+			src, err := redisstream.NewSource(ctx, rdb, &redisstream.Options{Stream: stream, Group: "ledger", Consumer: name,
+				Block: 100 * time.Millisecond, CheckpointPeriod: 200 * time.Millisecond, ClaimMinIdle: 300 * time.Millisecond,
+				DeadLetterStream: stream + ".dead"})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -276,48 +323,20 @@ func redisFeed(t *testing.T, ctx context.Context, rdb *redis.Client, stream stri
 			groups, err := rdb.XInfoGroups(ctx, stream).Result()
 			return err == nil && len(groups) == 1 && groups[0].Lag == 0
 		},
-	}
-}
-
-// startRedis starts a real redis-server on a free loopback port, with no
-// persistence, in a temp dir, and stops it by its pid at cleanup.
-func startRedis(t *testing.T) *redis.Client {
-	t.Helper()
-	bin, err := exec.LookPath("redis-server")
-	if err != nil {
-		t.Fatalf("redis-server is not installed: the Redis Streams tests need it (Debian/Ubuntu: apt-get install redis-server): %v", err)
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	port := ln.Addr().(*net.TCPAddr).Port
-	ln.Close()
-	dir := t.TempDir()
-	cmd := exec.Command(bin, "--port", strconv.Itoa(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-		"--dir", dir, "--logfile", filepath.Join(dir, "redis.log"))
-	if err := cmd.Start(); err != nil {
-		t.Fatalf("starting redis-server: %v", err)
-	}
-	t.Cleanup(func() {
-		_ = cmd.Process.Signal(os.Kill)
-		_ = cmd.Wait()
-	})
-	rdb := redis.NewClient(&redis.Options{Addr: "127.0.0.1:" + strconv.Itoa(port)})
-	t.Cleanup(func() { rdb.Close() })
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		err := rdb.Ping(ctx).Err()
-		cancel()
-		if err == nil {
-			return rdb
-		}
-		if time.Now().After(deadline) {
-			log, _ := os.ReadFile(filepath.Join(dir, "redis.log"))
-			t.Fatalf("redis-server on port %d not answering: %v\n%s", port, err, log)
-		}
-		time.Sleep(20 * time.Millisecond)
+		deadLetters: func() []deadLetter {
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second) // also after the test's deadline
+			defer cancel()
+			entries, err := rdb.XRange(ctx, stream+".dead", "-", "+").Result()
+			if err != nil {
+				t.Fatal(err)
+			}
+			var out []deadLetter
+			for _, e := range entries {
+				str := func(k string) string { v, _ := e.Values[k].(string); return v }
+				out = append(out, deadLetter{str("id"), str("data"), str("reason")})
+			}
+			return out
+		},
 	}
 }
 
@@ -331,35 +350,27 @@ func TestRedisStreamsExactlyOnce(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 45*time.Second)
 	defer cancel()
 	ids := brokerEvents(200, 10)
-	f := redisFeed(t, ctx, startRedis(t), "orders", ids)
+	f := redisFeed(t, ctx, brokertest.StartRedis(t), "orders", pubsOf(ids))
 	runBrokerScenario(t, ctx, ids, f.newSource, f.done)
-}
-
-func TestRedisOffset(t *testing.T) {
-	a, err1 := RedisOffset("1700000000000-0")
-	b, err2 := RedisOffset("1700000000000-5")
-	c, err3 := RedisOffset("1700000000001-0")
-	if err1 != nil || err2 != nil || err3 != nil || !(a < b && b < c) {
-		t.Fatalf("%d %d %d %v %v %v", a, b, c, err1, err2, err3)
-	}
-	for _, bad := range []string{"", "x", "1-", "-1", "1-2000000", "99999999999999999-0"} {
-		if _, err := RedisOffset(bad); err == nil {
-			t.Errorf("%q accepted", bad)
-		}
-	}
 }
 
 // guardedSource: a crashed process cannot ack.
 type guardedSource struct {
-	w   *world
+	w   *World
 	src Source
 }
 
 func (g guardedSource) Fetch(ctx context.Context, n int) ([]Message, error) {
 	msgs, err := g.src.Fetch(ctx, n)
 	for i := range msgs {
-		ack := msgs[i].Ack
-		msgs[i].Ack = func(ctx context.Context) error { return g.w.do(func() error { return ack(ctx) }) }
+		ack, nak, term := msgs[i].Ack, msgs[i].Nak, msgs[i].Term
+		msgs[i].Ack = func(ctx context.Context) error { return g.w.Do(func() error { return ack(ctx) }) }
+		if nak != nil {
+			msgs[i].Nak = func(ctx context.Context, d time.Duration) error { return g.w.Do(func() error { return nak(ctx, d) }) }
+		}
+		if term != nil {
+			msgs[i].Term = func(ctx context.Context, r string) error { return g.w.Do(func() error { return term(ctx, r) }) }
+		}
 	}
 	return msgs, err
 }
@@ -372,11 +383,11 @@ func (g guardedSource) Fetch(ctx context.Context, n int) ([]Message, error) {
 // transactional ledger must hold every event exactly once, with every
 // transaction ended and no protocol violation.
 func runTwoPhaseBrokerScenario(t *testing.T, ctx context.Context, win Window, ids []string, newSource func(name string) Source, done func() bool) {
-	w := newWorld()
-	l := newTxnLedger(w)
-	tp, _, err := newTwoPhaseWithHook(t, ctx, w, l, func(got Window, k uint64) error {
+	w := NewWorld()
+	l := NewTxnLedger(w)
+	tp, _, err := NewTwoPhaseWithHook(t, ctx, w, l, func(got Window, k uint64) error {
 		if got == win && k == 2 {
-			return w.crash()
+			return w.Crash()
 		}
 		return nil
 	})
@@ -384,7 +395,7 @@ func runTwoPhaseBrokerScenario(t *testing.T, ctx context.Context, win Window, id
 		t.Fatal(err)
 	}
 	actx, acancel := context.WithCancel(ctx)
-	dead := w.deadCh()
+	dead := w.Dead()
 	go func() {
 		select {
 		case <-dead:
@@ -392,13 +403,13 @@ func runTwoPhaseBrokerScenario(t *testing.T, ctx context.Context, win Window, id
 		case <-actx.Done():
 		}
 	}()
-	_ = ConsumeTwoPhase(actx, guardedSource{w, newSource("a")}, tp, ConsumeOptions{BatchSize: 20})
+	_ = ConsumeTwoPhase(actx, guardedSource{w, newSource("a")}, tp, &ConsumeOptions{BatchSize: 20})
 	acancel()
-	if !w.crashed {
+	if !w.Crashed() {
 		t.Fatalf("consumer a did not crash at %s", win)
 	}
-	w.restart()
-	tp, rep, err := newTwoPhaseWithHook(t, ctx, w, l, nil)
+	w.Restart()
+	tp, rep, err := NewTwoPhaseWithHook(t, ctx, w, l, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -408,26 +419,21 @@ func runTwoPhaseBrokerScenario(t *testing.T, ctx context.Context, win Window, id
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := ConsumeTwoPhase(cctx, guardedSource{w, newSource(name)}, tp, ConsumeOptions{BatchSize: 20}); err != nil && !errors.Is(err, context.Canceled) {
+			if err := ConsumeTwoPhase(cctx, guardedSource{w, newSource(name)}, tp, &ConsumeOptions{BatchSize: 20}); err != nil && !errors.Is(err, context.Canceled) {
 				t.Errorf("consumer %s: %v", name, err)
 			}
 		}()
 	}
 	distinct := distinctIDs(ids)
-	committed := func() int {
-		l.mu.Lock()
-		defer l.mu.Unlock()
-		return len(l.committed)
-	}
+	committed := func() int { return len(l.Committed()) }
 	awaitConsumers(t, ctx, cancel, &wg, len(distinct), committed, done, func() string {
 		return fmt.Sprintf("%d of %d events committed", committed(), len(distinct))
 	})
-	l.check(t)
-	l.mu.Lock()
-	defer l.mu.Unlock()
+	l.Check(t)
+	got := l.Committed()
 	for id := range distinct {
-		if l.committed[id] != 1 {
-			t.Fatalf("event %s committed %d times", id, l.committed[id])
+		if got[id] != 1 {
+			t.Fatalf("event %s committed %d times", id, got[id])
 		}
 	}
 	t.Logf("recovery %+v, %d checkpoints", rep, tp.LastCheckpoint())
@@ -441,20 +447,20 @@ func TestJetStreamTwoPhase(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
 			ids := brokerEvents(120, 8)
-			f := jetStreamFeed(t, ctx, ids)
+			f := jetStreamFeed(t, ctx, pubsOf(ids))
 			runTwoPhaseBrokerScenario(t, ctx, win, ids, f.newSource, f.done)
 		})
 	}
 }
 
 func TestRedisStreamsTwoPhase(t *testing.T) {
-	rdb := startRedis(t)
+	rdb := brokertest.StartRedis(t)
 	for _, win := range twoPhaseBrokerWindows {
 		t.Run(string(win), func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
 			ids := brokerEvents(120, 8)
-			f := redisFeed(t, ctx, rdb, "orders-"+string(win), ids)
+			f := redisFeed(t, ctx, rdb, "orders-"+string(win), pubsOf(ids))
 			runTwoPhaseBrokerScenario(t, ctx, win, ids, f.newSource, f.done)
 		})
 	}
@@ -466,22 +472,22 @@ func TestRedisStreamsTwoPhase(t *testing.T) {
 // recovery (the ledger tells which in-doubt events had run) consumers B and
 // C finish the stream from the broker's redeliveries.
 func runSinkBrokerCrash(t *testing.T, ctx context.Context, win Window, ids []string, newSource func(name string) Source, done func() bool) {
-	w := newWorld()
-	l := newLedger(w)
-	e := openEngine(t, w.mem, nil)
-	s, err := NewSink(ctx, e, "ledger", SinkOptions{Recover: l.recoverFn})
+	w := NewWorld()
+	l := NewLedger(w)
+	e := OpenEngine(t, w.FS(), nil)
+	s, err := NewSink(ctx, e, "ledger", &SinkOptions{Recover: l.Recover})
 	if err != nil {
 		t.Fatal(err)
 	}
 	var hits atomic.Int32
-	s.hook = func(got Window, _ *Event) error {
+	SetSinkHook(s, func(got Window, _ *Event) error {
 		if got == win && hits.Add(1) == 25 {
-			return w.crash()
+			return w.Crash()
 		}
 		return nil
-	}
+	})
 	actx, acancel := context.WithCancel(ctx)
-	dead := w.deadCh()
+	dead := w.Dead()
 	go func() {
 		select {
 		case <-dead:
@@ -489,17 +495,17 @@ func runSinkBrokerCrash(t *testing.T, ctx context.Context, win Window, ids []str
 		case <-actx.Done():
 		}
 	}()
-	_ = Consume(actx, guardedSource{w, newSource("a")}, s, l.handler, ConsumeOptions{BatchSize: 20})
+	_ = Consume(actx, guardedSource{w, newSource("a")}, s, l.Handler, &ConsumeOptions{BatchSize: 20})
 	acancel()
-	if !w.crashed {
+	if !w.Crashed() {
 		t.Fatalf("consumer a did not crash at %s", win)
 	}
 	s.Close()
 	e.Close()
-	w.restart()
-	e = openEngine(t, w.mem, nil)
+	w.Restart()
+	e = OpenEngine(t, w.FS(), nil)
 	defer e.Close()
-	s, err = NewSink(ctx, e, "ledger", SinkOptions{Recover: l.recoverFn})
+	s, err = NewSink(ctx, e, "ledger", &SinkOptions{Recover: l.Recover})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -509,25 +515,20 @@ func runSinkBrokerCrash(t *testing.T, ctx context.Context, win Window, ids []str
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := Consume(cctx, guardedSource{w, newSource(name)}, s, l.handler, ConsumeOptions{BatchSize: 20}); err != nil && !errors.Is(err, context.Canceled) {
+			if err := Consume(cctx, guardedSource{w, newSource(name)}, s, l.Handler, &ConsumeOptions{BatchSize: 20}); err != nil && !errors.Is(err, context.Canceled) {
 				t.Errorf("consumer %s: %v", name, err)
 			}
 		}()
 	}
 	distinct := distinctIDs(ids)
-	applied := func() int {
-		l.mu.Lock()
-		defer l.mu.Unlock()
-		return len(l.applied)
-	}
+	applied := func() int { return len(l.Applied()) }
 	awaitConsumers(t, ctx, cancel, &wg, len(distinct), applied, done, func() string {
 		return fmt.Sprintf("%d of %d events applied", applied(), len(distinct))
 	})
-	l.mu.Lock()
-	defer l.mu.Unlock()
+	got := l.Applied()
 	for id := range distinct {
-		if l.applied[id] != 1 {
-			t.Fatalf("event %s applied %d times", id, l.applied[id])
+		if got[id] != 1 {
+			t.Fatalf("event %s applied %d times", id, got[id])
 		}
 	}
 	t.Logf("sink after recovery: %+v", s.Stats())
@@ -541,21 +542,223 @@ func TestJetStreamSinkCrash(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
 			ids := brokerEvents(120, 8)
-			f := jetStreamFeed(t, ctx, ids)
+			f := jetStreamFeed(t, ctx, pubsOf(ids))
 			runSinkBrokerCrash(t, ctx, win, ids, f.newSource, f.done)
 		})
 	}
 }
 
 func TestRedisStreamsSinkCrash(t *testing.T) {
-	rdb := startRedis(t)
+	rdb := brokertest.StartRedis(t)
 	for _, win := range sinkBrokerWindows {
 		t.Run(string(win), func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
 			ids := brokerEvents(120, 8)
-			f := redisFeed(t, ctx, rdb, "sink-"+string(win), ids)
+			f := redisFeed(t, ctx, rdb, "sink-"+string(win), pubsOf(ids))
 			runSinkBrokerCrash(t, ctx, win, ids, f.newSource, f.done)
 		})
+	}
+}
+
+// lockedBuffer is a log destination shared by goroutines.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) count(s string) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return strings.Count(l.b.String(), s)
+}
+
+// poisonPubs is a stream with events that cannot succeed: an id reused
+// with another payload (ErrConflict), an id over MaxEventIDLen
+// (ErrInvalidEvent), an event whose handler always fails, and one whose
+// handler fails for good (ErrPermanent), among 20 good ones.
+func poisonPubs() (msgs []pub, good []string, long string) {
+	for i := 0; i < 20; i++ {
+		id := fmt.Sprintf("good-%02d", i)
+		good = append(good, id)
+		msgs = append(msgs, pub{id, "payload-of-" + id})
+		if i == 10 {
+			msgs = append(msgs, pub{"always-fails", "x"}, pub{"bad-amount", "x"})
+		}
+	}
+	long = strings.Repeat("L", MaxEventIDLen+1)
+	msgs = append(msgs, pub{long, "x"}, pub{"good-03", "another payload"})
+	return msgs, good, long
+}
+
+// runPoisonScenario consumes poisonPubs from a real broker with
+// MaxDeliveries 3: the good events are applied once each, the failing
+// handler runs exactly 3 times, every event that cannot succeed is
+// terminated at the broker (nothing left pending) and found on the
+// dead-letter destination with its reason; the sink's counters and the
+// error log count the 4 of them.
+func runPoisonScenario(t *testing.T, ctx context.Context, f brokerFeed, good []string, long string) {
+	e := OpenEngine(t, vfs.NewMem(), nil)
+	defer e.Close()
+	var logs lockedBuffer
+	s, err := NewSink(ctx, e, "ledger", &SinkOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	runs := map[string]int{}
+	h := func(ctx context.Context, ev Event) (Effect, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		runs[string(ev.ID)]++
+		switch string(ev.ID) {
+		case "always-fails":
+			return Effect{}, errors.New("ledger: account locked")
+		case "bad-amount":
+			return Effect{}, fmt.Errorf("ledger: amount %q is not a number: %w", ev.Payload, ErrPermanent)
+		}
+		return Effect{Result: []byte("ok")}, nil
+	}
+	cctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		err := Consume(cctx, f.newSource("a"), s, h, &ConsumeOptions{BatchSize: 5, MaxDeliveries: 3, RetryDelay: 10 * time.Millisecond,
+			Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+		if !errors.Is(err, context.Canceled) {
+			t.Errorf("consumer: %v", err)
+		}
+	}()
+	awaitConsumers(t, ctx, cancel, &wg, 4, func() int { return len(f.deadLetters()) }, f.done, func() string {
+		mu.Lock()
+		defer mu.Unlock()
+		return fmt.Sprintf("dead letters %v, handler runs %v, stats %+v, pending left: %v", f.deadLetters(), runs, s.Stats(), !f.done())
+	})
+	mu.Lock()
+	defer mu.Unlock()
+	for _, id := range good {
+		if runs[id] != 1 {
+			t.Fatalf("good event %s ran %d times", id, runs[id])
+		}
+	}
+	if runs["always-fails"] != 3 || runs["bad-amount"] != 1 {
+		t.Fatalf("the failing handler ran %d times (want MaxDeliveries, 3), the permanent failure %d (want 1)", runs["always-fails"], runs["bad-amount"])
+	}
+	want := map[string]string{
+		"always-fails": "at delivery 3 (MaxDeliveries 3): ",
+		"bad-amount":   "failed for good: ",
+		long:           "invalid event",
+		"good-03":      "different payload",
+	}
+	dl := f.deadLetters()
+	if len(dl) != len(want) {
+		t.Fatalf("dead letters %v, want one for each of %d events", dl, len(want))
+	}
+	for _, d := range dl {
+		if w, ok := want[d.id]; !ok || !strings.Contains(d.reason, w) {
+			t.Fatalf("dead letter %q (reason %q): want a reason with %q", d.id, d.reason, w)
+		}
+		if d.id == "good-03" && d.data != "another payload" {
+			t.Fatalf("the conflicting dead letter carries %q", d.data)
+		}
+	}
+	st := s.Stats()
+	if st.Terminated != 4 || st.DeadLettered != 4 || st.Retried != 2 {
+		t.Fatalf("stats %+v: want 4 terminated and dead-lettered, 2 retried", st)
+	}
+	reg := prometheus.NewPedanticRegistry()
+	reg.MustRegister(streamprom.NewCollector([]*Sink{s}, nil, nil))
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(`
+# HELP idemstream_sink_dead_lettered_total Terminated events handed to the source's dead-letter destination.
+# TYPE idemstream_sink_dead_lettered_total counter
+idemstream_sink_dead_lettered_total{sink="ledger"} 4
+# HELP idemstream_sink_terminated_total Events terminated without their effect: failed for good (conflict, invalid, permanent) or at MaxDeliveries.
+# TYPE idemstream_sink_terminated_total counter
+idemstream_sink_terminated_total{sink="ledger"} 4
+`), "idemstream_sink_terminated_total", "idemstream_sink_dead_lettered_total"); err != nil {
+		t.Fatal(err)
+	}
+	if n := logs.count("event terminated without its effect"); n != 4 {
+		t.Fatalf("%d terminations logged, want 4:\n%s", n, logs.b.String())
+	}
+	t.Logf("sink stats %+v", st)
+}
+
+// TestJetStreamPoisonMessages: see runPoisonScenario (JetStream: failed
+// deliveries are nak'd with a delay, terminated with a reason, dead letters
+// published to a subject).
+func TestJetStreamPoisonMessages(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	msgs, good, long := poisonPubs()
+	runPoisonScenario(t, ctx, jetStreamFeed(t, ctx, msgs), good, long)
+}
+
+// TestRedisStreamsPoisonMessages: see runPoisonScenario (Redis Streams:
+// failed entries stay pending and are re-read, terminated ones are added
+// to the dead-letter stream and acknowledged in one MULTI/EXEC).
+func TestRedisStreamsPoisonMessages(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	msgs, good, long := poisonPubs()
+	runPoisonScenario(t, ctx, redisFeed(t, ctx, brokertest.StartRedis(t), "orders", msgs), good, long)
+}
+
+// TestJetStreamTwoPhasePoison: an event whose Invoke always fails aborts
+// its checkpoint each time; ConsumeTwoPhase counts that as the event's
+// failure and terminates it at MaxDeliveries (to the dead-letter subject),
+// so the rest of the stream commits; an id reused with another payload
+// and an invalid id are terminated at once.
+func TestJetStreamTwoPhasePoison(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	msgs, good, long := poisonPubs()
+	f := jetStreamFeed(t, ctx, msgs)
+	w := NewWorld()
+	l := NewTxnLedger(w)
+	l.FailInvoke("always-fails")
+	tp, _, err := NewTwoPhaseWithHook(t, ctx, w, l, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cctx, ccancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		if err := ConsumeTwoPhase(cctx, f.newSource("a"), tp, &ConsumeOptions{BatchSize: 5, MaxDeliveries: 3, RetryDelay: 10 * time.Millisecond}); !errors.Is(err, context.Canceled) {
+			t.Errorf("consumer: %v", err)
+		}
+	}()
+	// bad-amount only fails in the sink scenario's handler: here it commits.
+	awaitConsumers(t, ctx, ccancel, &wg, 3, func() int { return len(f.deadLetters()) }, f.done, func() string {
+		return fmt.Sprintf("dead letters %v, stats %+v", f.deadLetters(), tp.Stats())
+	})
+	l.Check(t)
+	committed := l.Committed()
+	for _, id := range append(good, "bad-amount") {
+		if committed[id] != 1 {
+			t.Fatalf("event %s committed %d times", id, committed[id])
+		}
+	}
+	if n := l.Invokes("always-fails"); n != 3 {
+		t.Fatalf("the failing event was invoked %d times, want MaxDeliveries (3)", n)
+	}
+	got := map[string]string{}
+	for _, d := range f.deadLetters() {
+		got[d.id] = d.reason
+	}
+	if !strings.Contains(got["always-fails"], "at delivery 3") || !strings.Contains(got["good-03"], "different payload") || !strings.Contains(got[long], "invalid event") || len(got) != 3 {
+		t.Fatalf("dead letters %v", got)
+	}
+	if st := tp.Stats(); st.Terminated != 3 || st.DeadLettered != 3 {
+		t.Fatalf("stats %+v", st)
 	}
 }

@@ -3,9 +3,10 @@ package idemstream
 import (
 	"context"
 	"errors"
-	"io"
+	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/idemdb/idem"
@@ -14,13 +15,33 @@ import (
 // Message is one delivery from a Source.
 type Message struct {
 	Event Event
+	// Deliveries counts the broker's deliveries of this message, this one
+	// included (1 the first time); 0 when the source does not know. The
+	// consumers bound the deliveries of a failing event with it
+	// (ConsumeOptions.MaxDeliveries).
+	Deliveries int
+	// DeadLetter names where Term hands the message (a JetStream subject,
+	// a Redis stream); empty when the source has no dead-letter
+	// destination. For logs and counters only.
+	DeadLetter string
 	// Ack acknowledges the delivery to the broker (JetStream ack, XACK).
 	// The consumers call it only after the event's effect is committed.
 	Ack func(ctx context.Context) error
+	// Nak hands the delivery back to the broker for a redelivery after
+	// delay (JetStream NakWithDelay). Nil when the broker has no negative
+	// acknowledgement: the delivery is then redelivered after the broker's
+	// own timeout, as any unacknowledged one.
+	Nak func(ctx context.Context, delay time.Duration) error
+	// Term ends the message: the broker never delivers it again
+	// (JetStream term, XACK). When the source has a dead-letter
+	// destination, the message goes there first, with reason. Nil when
+	// the source cannot terminate: the message is then left unacknowledged.
+	Term func(ctx context.Context, reason string) error
 }
 
-// Source is a stream a consumer reads: JetStreamSource and
-// RedisStreamSource, or your own (a Kafka partition reader).
+// Source is a stream a consumer reads: jetstream.Source and
+// redisstream.Source (the packages idemstream/jetstream and
+// idemstream/redisstream), or your own (a Kafka partition reader).
 type Source interface {
 	// Fetch returns up to max deliveries, waiting a bounded time for the
 	// first; an empty slice means none arrived in that time. Deliveries
@@ -43,18 +64,52 @@ type ConsumeOptions struct {
 	// OnBatch, if set, is called after each batch has been acknowledged,
 	// with the outcomes of its deliveries (in fetch order).
 	OnBatch func(msgs []Message, outs []Outcome)
+	// MaxDeliveries bounds the deliveries of an event whose processing
+	// keeps failing (its handler, or its Invoke in a checkpoint, returns
+	// an error): the delivery that fails with Message.Deliveries at or
+	// above it is terminated (Message.Term, to the source's dead-letter
+	// destination) instead of handed back. Default 5; negative: never
+	// (only the broker's own limit, if any, ends it). Events that fail
+	// for good (ErrConflict, ErrInvalidEvent, ErrPermanent) are
+	// terminated at their first delivery.
+	MaxDeliveries int
+	// RetryDelay is how long the broker waits before redelivering a
+	// failed event (Message.Nak) after its first delivery; it doubles
+	// with each further delivery, up to 64 times. Default 1 s.
+	RetryDelay time.Duration
 }
 
-func (o *ConsumeOptions) defaults() {
-	if o.BatchSize <= 0 {
+// consumeOptions returns the options with their defaults, or the
+// configuration error.
+func consumeOptions(opts *ConsumeOptions) (ConsumeOptions, error) {
+	var o ConsumeOptions
+	if opts != nil {
+		o = *opts
+	}
+	switch {
+	case o.BatchSize < 0:
+		return o, fmt.Errorf("idemstream: ConsumeOptions.BatchSize %d is negative", o.BatchSize)
+	case o.Concurrency < 0:
+		return o, fmt.Errorf("idemstream: ConsumeOptions.Concurrency %d is negative", o.Concurrency)
+	case o.RetryDelay < 0:
+		return o, fmt.Errorf("idemstream: ConsumeOptions.RetryDelay %v is negative", o.RetryDelay)
+	}
+	if o.BatchSize == 0 {
 		o.BatchSize = 128
 	}
-	if o.Concurrency <= 0 {
+	if o.MaxDeliveries == 0 {
+		o.MaxDeliveries = 5
+	}
+	if o.RetryDelay == 0 {
+		o.RetryDelay = time.Second
+	}
+	if o.Concurrency == 0 {
 		o.Concurrency = o.BatchSize
 	}
 	if o.Logger == nil {
-		o.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+		o.Logger = discardLogger()
 	}
+	return o, nil
 }
 
 // fatal reports whether err stops a consumer: the engine is closed or
@@ -70,8 +125,17 @@ func fatal(err error) bool {
 // raises its partition's frontier in the same record), and only then are
 // the committed deliveries acknowledged. A delivery whose handler failed,
 // or that is Busy, is not acknowledged: the broker redelivers it.
-func Consume(ctx context.Context, src Source, sink *Sink, h Handler, opts ConsumeOptions) error {
-	opts.defaults()
+//
+// opts nil means the defaults; a configuration error is returned at once.
+func Consume(ctx context.Context, src Source, sink *Sink, h Handler, opts *ConsumeOptions) error {
+	o, err := consumeOptions(opts)
+	if err != nil {
+		return err
+	}
+	return consume(ctx, src, sink, h, o)
+}
+
+func consume(ctx context.Context, src Source, sink *Sink, h Handler, opts ConsumeOptions) error {
 	return fetchBatches(ctx, src, opts, func(msgs []Message, _ *backoff) error {
 		outs := make([]Outcome, len(msgs))
 		errs := make([]error, len(msgs))
@@ -95,9 +159,8 @@ func Consume(ctx context.Context, src Source, sink *Sink, h Handler, opts Consum
 				return err
 			}
 			outs[i] = Outcome{Status: Failed, Err: err}
-			opts.Logger.Warn("idemstream: event not processed; it will be redelivered", "id", string(msgs[i].Event.ID), "err", err)
 		}
-		return ackBatch(ctx, msgs, outs, opts, func() error { return sink.hookAt(WindowBeforeAck, nil) })
+		return ackBatch(ctx, msgs, outs, opts, &sink.poison, func() error { return sink.hookAt(windowBeforeAck, nil) })
 	})
 }
 
@@ -105,8 +168,16 @@ func Consume(ctx context.Context, src Source, sink *Sink, h Handler, opts Consum
 // fetched batch, until ctx ends or a fatal error. The batch's deliveries
 // are acknowledged only after the checkpoint's transaction is committed
 // and recorded.
-func ConsumeTwoPhase[Txn any](ctx context.Context, src Source, tp *TwoPhase[Txn], opts ConsumeOptions) error {
-	opts.defaults()
+// opts nil means the defaults; a configuration error is returned at once.
+func ConsumeTwoPhase[Txn any](ctx context.Context, src Source, tp *TwoPhase[Txn], opts *ConsumeOptions) error {
+	opts2, err := consumeOptions(opts)
+	if err != nil {
+		return err
+	}
+	return consumeTwoPhase(ctx, src, tp, opts2)
+}
+
+func consumeTwoPhase[Txn any](ctx context.Context, src Source, tp *TwoPhase[Txn], opts ConsumeOptions) error {
 	return fetchBatches(ctx, src, opts, func(msgs []Message, backoff *backoff) error {
 		evs := make([]Event, len(msgs))
 		for i := range msgs {
@@ -118,14 +189,24 @@ func ConsumeTwoPhase[Txn any](ctx context.Context, src Source, tp *TwoPhase[Txn]
 				return err
 			}
 			opts.Logger.Warn("idemstream: checkpoint failed; its events will be redelivered", "err", err)
+			// An event whose Invoke failed aborted the checkpoint: it
+			// counts as that event's failure (bounded by MaxDeliveries);
+			// the rest of the batch is handed back as it is.
+			var ee *EventError
+			errors.As(err, &ee)
+			outs = make([]Outcome, len(msgs))
+			for i := range msgs {
+				outs[i] = Outcome{Status: Busy}
+				if ee != nil && string(msgs[i].Event.ID) == string(ee.ID) {
+					outs[i] = Outcome{Status: Failed, Err: err}
+				}
+			}
+			if err := ackBatch(ctx, msgs, outs, opts, &tp.poison, nil); err != nil {
+				return err
+			}
 			return backoff.wait(ctx)
 		}
-		for i, o := range outs {
-			if o.Status == Failed {
-				opts.Logger.Warn("idemstream: event not processed", "id", string(msgs[i].Event.ID), "err", o.Err)
-			}
-		}
-		return ackBatch(ctx, msgs, outs, opts, nil)
+		return ackBatch(ctx, msgs, outs, opts, &tp.poison, nil)
 	})
 }
 
@@ -159,7 +240,11 @@ func fetchBatches(ctx context.Context, src Source, opts ConsumeOptions, batch fu
 	}
 }
 
-func ackBatch(ctx context.Context, msgs []Message, outs []Outcome, opts ConsumeOptions, beforeAck func() error) error {
+// ackBatch settles a processed batch with the broker: committed
+// deliveries are acknowledged, failed ones handed back (Nak) or, when they
+// fail for good or too often, terminated (Term, to the dead-letter
+// destination); Busy ones are left alone.
+func ackBatch(ctx context.Context, msgs []Message, outs []Outcome, opts ConsumeOptions, pc *poisonCounters, beforeAck func() error) error {
 	if beforeAck != nil {
 		if err := beforeAck(); err != nil {
 			return err
@@ -167,16 +252,16 @@ func ackBatch(ctx context.Context, msgs []Message, outs []Outcome, opts ConsumeO
 	}
 	var wg sync.WaitGroup
 	for i, o := range outs {
-		if !o.Status.Ackable() || msgs[i].Ack == nil {
+		switch {
+		case o.Status.Ackable() && msgs[i].Ack != nil:
+		case o.Status == Failed:
+		default:
 			continue
 		}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := msgs[i].Ack(ctx); err != nil {
-				// The effect is committed: a redelivery is replayed.
-				opts.Logger.Warn("idemstream: ack failed; the redelivery will be replayed", "id", string(msgs[i].Event.ID), "err", err)
-			}
+			settle(ctx, &msgs[i], o, opts, pc)
 		}()
 	}
 	wg.Wait()
@@ -184,6 +269,59 @@ func ackBatch(ctx context.Context, msgs []Message, outs []Outcome, opts ConsumeO
 		opts.OnBatch(msgs, outs)
 	}
 	return nil
+}
+
+// settle hands one delivery's outcome to the broker (see ackBatch).
+func settle(ctx context.Context, m *Message, o Outcome, opts ConsumeOptions, pc *poisonCounters) {
+	id := string(m.Event.ID)
+	if o.Status.Ackable() {
+		if err := m.Ack(ctx); err != nil {
+			// The effect is committed: a redelivery is replayed.
+			opts.Logger.Warn("idemstream: ack failed; the redelivery will be replayed", "id", id, "err", err)
+		}
+		return
+	}
+	var reason string
+	switch {
+	case permanent(o.Err):
+		reason = "failed for good: " + o.Err.Error()
+	case opts.MaxDeliveries > 0 && m.Deliveries >= opts.MaxDeliveries:
+		reason = fmt.Sprintf("failed at delivery %d (MaxDeliveries %d): %v", m.Deliveries, opts.MaxDeliveries, o.Err)
+	}
+	if reason == "" || m.Term == nil {
+		delay := opts.RetryDelay << min(max(m.Deliveries-1, 0), 6)
+		opts.Logger.Warn("idemstream: event not processed; it will be redelivered", "id", id, "deliveries", m.Deliveries, "retry_in", delay, "err", o.Err)
+		pc.retried.Add(1)
+		if m.Nak != nil {
+			if err := m.Nak(ctx, delay); err != nil {
+				opts.Logger.Warn("idemstream: nak failed; the broker redelivers after its timeout", "id", id, "err", err)
+			}
+		}
+		return
+	}
+	if err := m.Term(ctx, reason); err != nil {
+		pc.retried.Add(1)
+		opts.Logger.Warn("idemstream: terminating a failed event failed; it will be redelivered", "id", id, "reason", reason, "err", err)
+		return
+	}
+	pc.terminated.Add(1)
+	if m.DeadLetter != "" {
+		pc.deadLettered.Add(1)
+	}
+	opts.Logger.Error("idemstream: event terminated without its effect", "id", id, "partition", m.Event.Partition, "offset", m.Event.Offset,
+		"deliveries", m.Deliveries, "dead_letter", m.DeadLetter, "reason", reason)
+}
+
+// permanent reports whether err fails its event for good: redelivering it
+// cannot succeed.
+func permanent(err error) bool {
+	return errors.Is(err, ErrConflict) || errors.Is(err, ErrInvalidEvent) || errors.Is(err, ErrPermanent)
+}
+
+// poisonCounters count, per Sink or TwoPhase, the deliveries the consumers
+// handed back or terminated.
+type poisonCounters struct {
+	retried, terminated, deadLettered atomic.Uint64
 }
 
 type backoff struct{ d time.Duration }

@@ -44,7 +44,7 @@ func runUntilAcked(ctx context.Context, b *memBroker, run func(ctx context.Conte
 // lost, the frontier is each partition's highest offset and redeliveries
 // replay the stored result. A crash during recovery is tested too.
 func TestSinkCrashWindows(t *testing.T) {
-	windows := []Window{WindowAfterClaim, WindowAfterEffect, WindowAfterCommit, WindowBeforeAck, WindowDuringRecovery}
+	windows := []window{windowAfterClaim, windowAfterEffect, windowAfterCommit, windowBeforeAck, windowDuringRecovery}
 	for _, win := range windows {
 		for _, at := range []int{1, 5} {
 			t.Run(fmt.Sprintf("%s/%d", win, at), func(t *testing.T) {
@@ -55,24 +55,24 @@ func TestSinkCrashWindows(t *testing.T) {
 				b := newMemBroker(w, evs)
 				l := newLedger(w)
 				crashAt := win
-				if win == WindowDuringRecovery {
-					crashAt = WindowAfterEffect // leaves events in doubt for recovery
+				if win == windowDuringRecovery {
+					crashAt = windowAfterEffect // leaves events in doubt for recovery
 				}
 				var hits atomic.Int32
-				hook := func(got Window, ev *Event) error {
+				hook := func(got window, ev *Event) error {
 					if got == crashAt && hits.Add(1) == int32(at) {
 						return w.crash()
 					}
 					return nil
 				}
 				e := openEngine(t, w.mem, nil)
-				s, err := NewSink(ctx, e, "ledger", SinkOptions{Recover: l.recoverFn})
+				s, err := NewSink(ctx, e, "ledger", &SinkOptions{Recover: l.recoverFn})
 				if err != nil {
 					t.Fatal(err)
 				}
 				s.hook = hook
 				err = runUntilAcked(ctx, b, func(ctx context.Context, o ConsumeOptions) error {
-					return Consume(ctx, b, s, l.handler, o)
+					return Consume(ctx, b, s, l.handler, &o)
 				})
 				if !w.crashed {
 					t.Fatalf("the crash at %s never happened (consumer returned %v)", crashAt, err)
@@ -84,8 +84,8 @@ func TestSinkCrashWindows(t *testing.T) {
 				w.restart()
 				e = openEngine(t, w.mem, nil)
 				checkFrontierExact(t, e, "ledger", evs)
-				if win != WindowDuringRecovery { // that one crashes in the recovery below
-					s, err = NewSink(ctx, e, "ledger", SinkOptions{Recover: l.recoverFn})
+				if win != windowDuringRecovery { // that one crashes in the recovery below
+					s, err = NewSink(ctx, e, "ledger", &SinkOptions{Recover: l.recoverFn})
 					if err != nil {
 						t.Fatal(err)
 					}
@@ -93,7 +93,7 @@ func TestSinkCrashWindows(t *testing.T) {
 					s.Close()
 				}
 				e.Close()
-				if win == WindowDuringRecovery {
+				if win == windowDuringRecovery {
 					// Crash again in the middle of recovery's decisions.
 					w.restart()
 					e = openEngine(t, w.mem, nil)
@@ -101,8 +101,8 @@ func TestSinkCrashWindows(t *testing.T) {
 						t.Fatal("no event in doubt after a crash after the effect")
 					}
 					var n atomic.Int32
-					_, err := newSinkWithHook(ctx, e, "ledger", SinkOptions{Recover: l.recoverFn}, func(got Window, _ *Event) error {
-						if got == WindowDuringRecovery && n.Add(1) == 1 {
+					_, err := newSinkWithHook(ctx, e, "ledger", &SinkOptions{Recover: l.recoverFn}, func(got window, _ *Event) error {
+						if got == windowDuringRecovery && n.Add(1) == 1 {
 							return w.crash()
 						}
 						return nil
@@ -119,7 +119,7 @@ func TestSinkCrashWindows(t *testing.T) {
 				w.restart()
 				e = openEngine(t, w.mem, nil)
 				defer e.Close()
-				s, err = NewSink(ctx, e, "ledger", SinkOptions{Recover: l.recoverFn})
+				s, err = NewSink(ctx, e, "ledger", &SinkOptions{Recover: l.recoverFn})
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -127,7 +127,7 @@ func TestSinkCrashWindows(t *testing.T) {
 					t.Fatalf("%d claims still in doubt after recovery", len(left))
 				}
 				if err := runUntilAcked(ctx, b, func(ctx context.Context, o ConsumeOptions) error {
-					return Consume(ctx, b, s, l.handler, o)
+					return Consume(ctx, b, s, l.handler, &o)
 				}); err != nil {
 					t.Fatal(err)
 				}
@@ -204,21 +204,22 @@ func frontierExact(e *idem.Engine, name string, evs []Event) error {
 	return nil
 }
 
-func newSinkWithHook(ctx context.Context, e *idem.Engine, name string, opts SinkOptions, hook func(Window, *Event) error) (*Sink, error) {
-	if err := takeName(e, "sink", name); err != nil {
+func newSinkWithHook(ctx context.Context, st idem.Store, name string, opts *SinkOptions, hook func(window, *Event) error) (*Sink, error) {
+	if err := takeName(st, "sink", name); err != nil {
 		return nil, err
 	}
-	s := &Sink{e: e, name: name, scope: sinkScope(name), fscope: frontierScope(name), opts: opts, hook: hook}
-	s.opts.MaxRecordSize = 1 << 20
-	s.log = discardLogger()
+	o := *opts
+	o.MaxRecordSize = 1 << 20
+	s := newSink(st, name, o)
+	s.hook = hook // in place before recovery runs
 	if err := s.recover(ctx); err != nil {
-		releaseName(e, "sink", name)
+		releaseName(st, "sink", name)
 		return nil, err
 	}
 	return s, nil
 }
 
-func mustInDoubt(t *testing.T, e *idem.Engine) []idem.InDoubtClaim {
+func mustInDoubt(t *testing.T, e idem.Store) []idem.InDoubtClaim {
 	t.Helper()
 	d, err := e.InDoubt(context.Background(), "")
 	if err != nil {

@@ -33,7 +33,7 @@
 //
 // A crash between the claim and the commit leaves the claim in doubt:
 // whether the effect happened is known only to its target. NewSink lists
-// those claims (Engine.InDoubt) and asks SinkOptions.Recover, which looks
+// those claims (Store.InDoubt) and asks SinkOptions.Recover, which looks
 // at the target (the ledger has a row with the event id) and answers
 // applied (the claim is committed with the result) or not (it is released
 // and the redelivery runs the effect). Without Recover the claims are
@@ -50,7 +50,7 @@
 // committed offset: no effect above it, no offset without its effect. A
 // consumer resumes at Frontier+1. A redelivery of a committed event found
 // at a higher offset (the event published again) is replayed and moves the
-// frontier past it (Engine.Advance); a plain redelivery writes nothing.
+// frontier past it (Store.Advance); a plain redelivery writes nothing.
 // Offsets may have gaps. The frontier is the highest committed offset, not
 // the end of a contiguous run: see Sink.Frontier for concurrent batches.
 //
@@ -95,10 +95,14 @@
 //
 // # Brokers
 //
-// JetStreamSource reads a durable JetStream pull consumer (AckExplicit):
+// The broker sources are packages of their own, so that a program using
+// one broker (or none) links only its client: idemstream/jetstream and
+// idemstream/redisstream; the Prometheus collector is idemstream/streamprom.
+//
+// jetstream.Source reads a durable JetStream pull consumer (AckExplicit):
 // a message is double-acked after its effect is committed; until then
 // JetStream redelivers it after AckWait, to this or another subscriber.
-// RedisStreamSource reads a consumer group with XREADGROUP, acknowledges
+// redisstream.Source reads a consumer group with XREADGROUP, acknowledges
 // with XACK after the commit, re-reads its own pending entries after a
 // restart and takes over entries idle on other consumers with XAUTOCLAIM.
 // A redelivered or claimed message whose event is committed is replayed
@@ -107,6 +111,30 @@
 // idem is an embedded engine.
 //
 // Consume and ConsumeTwoPhase drive a Source through a Sink or a TwoPhase.
+//
+// # Poison messages
+//
+// A delivery whose processing failed is settled with the broker, never
+// left to be redelivered forever: an event that fails for good
+// (ErrConflict, ErrInvalidEvent, a handler error wrapping ErrPermanent) is
+// terminated at once; one whose handler (or Invoke) keeps failing is handed
+// back with a growing delay (Message.Nak: JetStream NakWithDelay; a Redis
+// entry stays pending and is re-read) and terminated at its
+// ConsumeOptions.MaxDeliveries-th delivery (default 5). Terminating hands
+// the message with its reason to the source's dead-letter destination if
+// it has one (jetstream.Options.DeadLetterSubject,
+// redisstream.Options.DeadLetterStream), then ends it at the broker
+// (JetStream term, XACK). Each termination is logged at error level and
+// counted (SinkStats / TwoPhaseStats Terminated and DeadLettered, and
+// streamprom's collector).
+//
+// # Store and options
+//
+// Every component takes an idem.Store (an *idem.Engine, or another store)
+// and its options by pointer: nil means the defaults, a zero field its
+// default, and a bad value is a returned error naming the field. A claim's
+// Commit and Abort are written whatever the caller's ctx says (the Store
+// contract), so a cancelled request never strands an event in flight.
 //
 // # Records
 //

@@ -24,7 +24,7 @@ type Event struct {
 	// partition. May be empty (one partition).
 	Partition string
 	// Offset is the event's position in its partition (a JetStream stream
-	// sequence, a Redis stream id packed by RedisOffset, a Kafka offset).
+	// sequence, a Redis stream id packed by redisstream.Offset, a Kafka offset).
 	// Offsets grow along a partition and may have gaps. Zero means "no
 	// position": the frontier is not advanced for the event.
 	Offset uint64
@@ -109,6 +109,18 @@ func (s Status) String() string {
 // its effect is durably committed.
 func (s Status) Ackable() bool { return s == Applied || s == Replayed }
 
+// EventError is the error of one event's processing in a checkpoint
+// (TwoPhaseCommitSink.Invoke failed for it, which aborted the checkpoint).
+// TwoPhase.Checkpoint returns it wrapped; ConsumeTwoPhase counts it as that
+// event's failure (ConsumeOptions.MaxDeliveries).
+type EventError struct {
+	ID  []byte
+	Err error
+}
+
+func (e *EventError) Error() string { return fmt.Sprintf("event %q: %v", e.ID, e.Err) }
+func (e *EventError) Unwrap() error { return e.Err }
+
 // Outcome is what a sink did with an event.
 type Outcome struct {
 	Status Status
@@ -127,26 +139,28 @@ type Outcome struct {
 	BusyUntil time.Time
 	// Err is why the event Failed.
 	Err error
+
+	outbox []OutboxMessage // of a replayed event's record
 }
 
-// Window names a point of the exactly-once protocols where a crash is
+// window names a point of the exactly-once protocols where a crash is
 // possible; the fault-injection tests crash at each one.
-type Window string
+type window string
 
 const (
 	// Idempotent sink (and each event of a two-phase checkpoint).
-	WindowAfterClaim  Window = "after-claim"  // event claimed durably, effect not run
-	WindowAfterEffect Window = "after-effect" // effect ran, not committed
-	WindowAfterCommit Window = "after-commit" // event and frontier committed, outbox not registered
+	windowAfterClaim  window = "after-claim"  // event claimed durably, effect not run
+	windowAfterEffect window = "after-effect" // effect ran, not committed
+	windowAfterCommit window = "after-commit" // event and frontier committed, outbox not registered
 	// Two-phase commit, in protocol order.
-	WindowBeforePreCommit Window = "before-pre-commit"  // events invoked into the transaction
-	WindowAfterPreCommit  Window = "after-pre-commit"   // pre-committed, checkpoint not durable
-	WindowAfterCheckpoint Window = "after-checkpoint"   // checkpoint with the handle durable, sink not committed
-	WindowAfterSinkCommit Window = "after-sink-commit"  // sink committed, not recorded
-	WindowBeforeAck       Window = "before-ack"         // everything committed and recorded, source not acked
-	WindowDuringRecovery  Window = "during-recovery"    // recovery re-committed the sink, not recorded yet
-	WindowBeforeDelivery  Window = "outbox-before-send" // outbox message pending, not sent
-	WindowAfterDelivery   Window = "outbox-after-send"  // outbox message sent, not marked delivered
+	windowBeforePreCommit window = "before-pre-commit"  // events invoked into the transaction
+	windowAfterPreCommit  window = "after-pre-commit"   // pre-committed, checkpoint not durable
+	windowAfterCheckpoint window = "after-checkpoint"   // checkpoint with the handle durable, sink not committed
+	windowAfterSinkCommit window = "after-sink-commit"  // sink committed, not recorded
+	windowBeforeAck       window = "before-ack"         // everything committed and recorded, source not acked
+	windowDuringRecovery  window = "during-recovery"    // recovery re-committed the sink, not recorded yet
+	windowBeforeDelivery  window = "outbox-before-send" // outbox message pending, not sent
+	windowAfterDelivery   window = "outbox-after-send"  // outbox message sent, not marked delivered
 )
 
 // Errors of the package; match them with errors.Is.
@@ -155,6 +169,10 @@ var (
 	ErrInvalidEvent = errors.New("idemstream: invalid event")
 	// ErrConflict: the event id was committed with another payload.
 	ErrConflict = errors.New("idemstream: event id already committed with a different payload")
+	// ErrPermanent: a Handler's error that wraps it fails the event for
+	// good: the consumers terminate it (to the source's dead-letter
+	// destination) at once instead of having it redelivered.
+	ErrPermanent = errors.New("idemstream: event failed for good")
 	// ErrCorruptRecord: a record read back from idem failed validation
 	// (version, checksum, size bound); the message says which.
 	ErrCorruptRecord = errors.New("idemstream: corrupt record")

@@ -24,7 +24,7 @@ func ExampleSink() {
 
 	balance := 0
 	ledger := map[string]bool{} // the effect's target
-	sink, err := idemstream.NewSink(ctx, e, "ledger", idemstream.SinkOptions{
+	sink, err := idemstream.NewSink(ctx, e, "ledger", &idemstream.SinkOptions{
 		// After a crash between an effect and its commit: did it happen?
 		Recover: func(ctx context.Context, d idemstream.InDoubtEvent) (idemstream.Resolution, error) {
 			return idemstream.Resolution{Applied: ledger[string(d.ID)]}, nil
@@ -99,7 +99,7 @@ func ExampleTwoPhase() {
 	}
 	defer e.Close()
 	sink := &exampleSink{}
-	tp, rep, err := idemstream.NewTwoPhase[*exampleTxn](ctx, e, "orders", sink, idemstream.TwoPhaseOptions{})
+	tp, rep, err := idemstream.NewTwoPhase[*exampleTxn](ctx, e, "orders", sink, nil)
 	if err != nil {
 		panic(err)
 	}

@@ -254,15 +254,15 @@ func (l *fileTxnLedger) contents() (committed map[string]int, unended []string, 
 // "done" once the whole stream is acknowledged.
 func killChild(spec, crash string) int {
 	mode, dir, _ := strings.Cut(spec, ":")
-	var crashWin Window
+	var crashWin window
 	crashN := 0
 	if crash != "" {
 		w, n, _ := strings.Cut(crash, ":")
-		crashWin, crashN = Window(w), atoi(n)
+		crashWin, crashN = window(w), atoi(n)
 	}
 	var hits int
 	var hmu sync.Mutex
-	maybeDie := func(w Window) {
+	maybeDie := func(w window) {
 		hmu.Lock()
 		defer hmu.Unlock()
 		if w == crashWin {
@@ -296,7 +296,21 @@ func killChild(spec, crash string) int {
 			time.Sleep(5 * time.Millisecond)
 		}
 	}()
-	opts := ConsumeOptions{BatchSize: 12, Concurrency: 6}
+	// Each batch is reported on a progress line. With
+	// IDEM_STREAM_HOLD=<r>, the parent kills the process when it reads
+	// the r-th: the process goes on with batch r+1 (the kill lands
+	// somewhere in it, or after it) and then waits to be killed (it never
+	// fetches batch r+2 nor exits), so every such run is killed mid-stream.
+	hold := atoi(os.Getenv("IDEM_STREAM_HOLD"))
+	batches := 0
+	opts := ConsumeOptions{BatchSize: 12, Concurrency: 6, OnBatch: func(msgs []Message, _ []Outcome) {
+		batches++
+		fmt.Printf("batch %d %d\n", batches, len(msgs))
+	}}
+	var src Source = b
+	if hold > 0 {
+		src = holdingSource{b, &batches, hold + 1}
+	}
 	switch mode {
 	case "sink":
 		l, err := openFileLedger(dir)
@@ -310,7 +324,7 @@ func killChild(spec, crash string) int {
 			fmt.Fprintln(os.Stderr, "child: frontier after the kill:", err)
 			return 6
 		}
-		s, err := newSinkWithHook(ctx, e, "ledger", SinkOptions{Recover: l.recoverFn}, func(w Window, _ *Event) error {
+		s, err := newSinkWithHook(ctx, e, "ledger", &SinkOptions{Recover: l.recoverFn}, func(w window, _ *Event) error {
 			maybeDie(w)
 			return nil
 		})
@@ -319,7 +333,7 @@ func killChild(spec, crash string) int {
 			return 4
 		}
 		fmt.Println("ready")
-		err = Consume(stop, b, s, l.handler, opts)
+		err = Consume(stop, src, s, l.handler, &opts)
 		if !errors.Is(err, context.Canceled) {
 			fmt.Fprintln(os.Stderr, "child: consume:", err)
 			return 5
@@ -335,22 +349,24 @@ func killChild(spec, crash string) int {
 		if err := takeName(e, "sink", "tx"); err != nil {
 			return 4
 		}
-		tp := &TwoPhase[*FileTxn]{e: e, name: "tx", scope: twoPhaseScope("tx"), escope: sinkScope("tx"), sink: l,
-			opts: TwoPhaseOptions{MaxHandleSize: 1 << 10, CommitRetries: 3}, log: discardLogger(), frontier: map[string]uint64{},
-			hook: func(w Window, k uint64) error { maybeDie(w); return nil }}
+		tp := newTwoPhase[*FileTxn](e, "tx", l, TwoPhaseOptions{MaxHandleSize: 1 << 10, CommitRetries: 3})
+		tp.hook = func(w window, k uint64) error { maybeDie(w); return nil }
 		rep, err := tp.recover(ctx)
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "child: recovery:", err)
 			return 4
 		}
 		fmt.Printf("ready %s %d\n", rep.Action, rep.LastCheckpoint)
-		err = ConsumeTwoPhase(stop, b, tp, opts)
+		err = ConsumeTwoPhase(stop, src, tp, &opts)
 		if !errors.Is(err, context.Canceled) {
 			fmt.Fprintln(os.Stderr, "child: consume:", err)
 			return 5
 		}
 	default:
 		return 2
+	}
+	if hold > 0 {
+		select {} // the stream ended first: wait for the kill all the same
 	}
 	if err := e.Close(); err != nil {
 		fmt.Fprintln(os.Stderr, "child: close:", err)
@@ -360,22 +376,43 @@ func killChild(spec, crash string) int {
 	return 0
 }
 
+// holdingSource blocks the consumer for good once it has finished
+// `after` batches (the consumer runs one batch at a time, in its
+// goroutine: *batches is not shared).
+type holdingSource struct {
+	src     Source
+	batches *int
+	after   int
+}
+
+func (h holdingSource) Fetch(ctx context.Context, n int) ([]Message, error) {
+	if *h.batches >= h.after {
+		select {}
+	}
+	return h.src.Fetch(ctx, n)
+}
+
 func atoi(s string) int { n, _ := strconv.Atoi(s); return n }
 
 type childResult struct {
-	killed bool
-	out    string
-	stderr string
+	killed  bool
+	out     string // without the progress lines
+	stderr  string
+	batches int // progress lines read
+	// killedByParent: runChild sent the SIGKILL (killed without it: the
+	// child killed itself at a window).
+	killedByParent bool
 }
 
-// runChild runs one consumer process; kill after > 0 kills it from
-// outside that long after it said ready.
-func runChild(t *testing.T, mode, dir, crash string, killAfter time.Duration) childResult {
+// runChild runs one consumer process; killAtBatch > 0 kills it from
+// outside when it reports that many batches (it holds the process
+// mid-stream until then: see IDEM_STREAM_HOLD).
+func runChild(t *testing.T, mode, dir, crash string, killAtBatch int) childResult {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), "IDEM_STREAM_CHILD="+mode+":"+dir, "IDEM_STREAM_CRASH="+crash)
+	cmd.Env = append(os.Environ(), "IDEM_STREAM_CHILD="+mode+":"+dir, "IDEM_STREAM_CRASH="+crash, "IDEM_STREAM_HOLD="+strconv.Itoa(killAtBatch))
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	out, err := cmd.StdoutPipe()
@@ -387,14 +424,22 @@ func runChild(t *testing.T, mode, dir, crash string, killAfter time.Duration) ch
 	}
 	var lines []string
 	sc := bufio.NewScanner(out)
+	batches, sent := 0, false
 	for sc.Scan() {
-		lines = append(lines, sc.Text())
-		if killAfter > 0 && strings.HasPrefix(sc.Text(), "ready") {
-			time.AfterFunc(killAfter, func() { _ = cmd.Process.Kill() })
+		if strings.HasPrefix(sc.Text(), "batch ") {
+			batches++
+			if batches == killAtBatch {
+				sent = cmd.Process.Kill() == nil
+			}
+			continue
 		}
+		lines = append(lines, sc.Text())
 	}
 	err = cmd.Wait()
-	res := childResult{out: strings.Join(lines, "\n"), stderr: stderr.String()}
+	if ctx.Err() != nil {
+		t.Fatalf("child %s (crash %q) still running after 60 s; stderr: %s", mode, crash, stderr.String())
+	}
+	res := childResult{out: strings.Join(lines, "\n"), stderr: stderr.String(), batches: batches, killedByParent: sent}
 	var ee *exec.ExitError
 	if errors.As(err, &ee) {
 		if ws, ok := ee.Sys().(syscall.WaitStatus); ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL {
@@ -497,18 +542,18 @@ func TestSIGKILLRandom(t *testing.T) {
 		t.Run(mode, func(t *testing.T) {
 			t.Parallel()
 			dir := t.TempDir()
-			rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 1))
-			killed := 0
+			seed := uint64(time.Now().UnixNano())
+			rng := rand.New(rand.NewPCG(seed, 1))
 			for k := 0; k < kills; k++ {
-				res := runChild(t, mode, dir, "", time.Duration(1+rng.IntN(60))*time.Millisecond)
-				if res.killed {
-					killed++
-				} else if strings.HasSuffix(res.out, "done") {
-					break
+				// Killed while it runs the batch after the r-th.
+				r := 1 + rng.IntN(3)
+				res := runChild(t, mode, dir, "", r)
+				if !res.killed || !res.killedByParent || res.batches < r || res.batches > r+1 || strings.Contains(res.out, "done") {
+					t.Fatalf("run %d (seed %d) was not killed by the test after batch %d: %+v", k, seed, r, res)
 				}
 			}
 			checkKillRun(t, mode, dir)
-			t.Logf("%d kills", killed)
+			t.Logf("%d kills (seed %d)", kills, seed)
 		})
 	}
 }

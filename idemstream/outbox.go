@@ -5,7 +5,6 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"math/rand/v2"
 	"strconv"
@@ -74,12 +73,12 @@ type OutboxStats struct {
 // payloads are read back from the event records. Run the dispatcher with
 // Run.
 type Outbox struct {
-	e     *idem.Engine
+	st    idem.Store
 	name  string
 	scope string
 	opts  OutboxOptions
 	log   *slog.Logger
-	hook  func(Window, *Delivery) error
+	hook  func(window, *Delivery) error
 
 	mu      sync.Mutex
 	pending map[string]*pendingMsg // by claim id
@@ -142,50 +141,57 @@ func parseOutboxID(b []byte) (sink string, id []byte, i int, err error) {
 	return sink, id, int(n), nil
 }
 
-// NewOutbox opens the outbox name on e (one per name and engine) and loads
-// the deliveries a crash left pending. Give it to the sinks
+// NewOutbox opens the outbox name on st (one per name and store) and
+// loads the deliveries a crash left pending. opts is required (its Deliver
+// is); a zero field is its default. Give the outbox to the sinks
 // (SinkOptions.Outbox) and run its dispatcher with Run.
-func NewOutbox(ctx context.Context, e *idem.Engine, name string, opts OutboxOptions) (*Outbox, error) {
-	if opts.Deliver == nil {
+func NewOutbox(ctx context.Context, st idem.Store, name string, opts *OutboxOptions) (*Outbox, error) {
+	if opts == nil || opts.Deliver == nil {
 		return nil, fmt.Errorf("idemstream: outbox %q: OutboxOptions.Deliver is required", name)
 	}
-	if err := takeName(e, "outbox", name); err != nil {
+	o := *opts
+	switch {
+	case o.Workers < 0:
+		return nil, fmt.Errorf("idemstream: outbox %q: OutboxOptions.Workers %d is negative", name, o.Workers)
+	case o.MinBackoff < 0 || o.MaxBackoff < 0 || o.AttemptTimeout < 0:
+		return nil, fmt.Errorf("idemstream: outbox %q: negative OutboxOptions.MinBackoff %v, MaxBackoff %v or AttemptTimeout %v", name, o.MinBackoff, o.MaxBackoff, o.AttemptTimeout)
+	case o.MaxBackoff > 0 && o.MaxBackoff < o.MinBackoff:
+		return nil, fmt.Errorf("idemstream: outbox %q: OutboxOptions.MaxBackoff %v is below MinBackoff %v", name, o.MaxBackoff, o.MinBackoff)
+	}
+	if o.Workers == 0 {
+		o.Workers = 4
+	}
+	if o.MinBackoff == 0 {
+		o.MinBackoff = 100 * time.Millisecond
+	}
+	if o.MaxBackoff == 0 {
+		o.MaxBackoff = max(30*time.Second, o.MinBackoff)
+	}
+	if o.AttemptTimeout == 0 {
+		o.AttemptTimeout = 30 * time.Second
+	}
+	if err := takeName(st, "outbox", name); err != nil {
 		return nil, err
 	}
-	if opts.Workers <= 0 {
-		opts.Workers = 4
-	}
-	if opts.MinBackoff <= 0 {
-		opts.MinBackoff = 100 * time.Millisecond
-	}
-	if opts.MaxBackoff < opts.MinBackoff {
-		opts.MaxBackoff = max(30*time.Second, opts.MinBackoff)
-	}
-	if opts.AttemptTimeout <= 0 {
-		opts.AttemptTimeout = 30 * time.Second
-	}
-	o := &Outbox{e: e, name: name, scope: outboxScope(name), opts: opts, log: opts.Logger,
+	ob := &Outbox{st: st, name: name, scope: outboxScope(name), opts: o, log: o.Logger,
 		pending: map[string]*pendingMsg{}, wake: make(chan struct{}, 1)}
-	if o.log == nil {
-		o.log = slog.New(slog.NewTextHandler(io.Discard, nil))
+	if ob.log == nil {
+		ob.log = discardLogger()
 	}
-	o.lastErr.Store("")
-	if err := o.recover(ctx); err != nil {
-		releaseName(e, "outbox", name)
+	ob.lastErr.Store("")
+	if err := ob.recover(ctx); err != nil {
+		releaseName(st, "outbox", name)
 		return nil, err
 	}
-	return o, nil
+	return ob, nil
 }
 
 func (o *Outbox) recover(ctx context.Context) error {
-	doubts, err := o.e.InDoubt(ctx, "")
+	doubts, err := inDoubt(ctx, o.st, o.scope)
 	if err != nil {
-		return fmt.Errorf("idemstream: outbox %q: listing in-doubt claims: %w", o.name, err)
+		return fmt.Errorf("idemstream: outbox %q: %w", o.name, err)
 	}
 	for _, d := range doubts {
-		if d.Scope != o.scope {
-			continue
-		}
 		sink, id, i, err := parseOutboxID(d.ID)
 		if err != nil {
 			o.log.Error("idemstream: outbox: unreadable pending message id, released", "outbox", o.name, "err", err)
@@ -195,7 +201,7 @@ func (o *Outbox) recover(ctx context.Context) error {
 			continue
 		}
 		_, key := outboxID(sink, id, i)
-		res, err := o.e.Lookup(ctx, idem.Request{Scope: sinkScope(sink), ID: id})
+		res, err := o.st.Lookup(ctx, idem.Request{Scope: sinkScope(sink), ID: id})
 		if err != nil {
 			return fmt.Errorf("idemstream: outbox %q: reading event %q of pending message %s: %w", o.name, id, key, err)
 		}
@@ -237,12 +243,12 @@ func (o *Outbox) add(id []byte, c *idem.Claim, d Delivery, since time.Time) {
 func (o *Outbox) register(ctx context.Context, sink string, id []byte, msgs []OutboxMessage) error {
 	for i := range msgs {
 		cid, key := outboxID(sink, id, i)
-		res, err := o.e.Begin(ctx, idem.Request{Scope: o.scope, ID: cid})
+		res, err := o.st.Begin(ctx, idem.Request{Scope: o.scope, ID: cid})
 		if err != nil {
 			return fmt.Errorf("idemstream: outbox %q: registering message %s: %w", o.name, key, err)
 		}
 		if res.Status == idem.Fresh {
-			o.add(cid, res.Claim, Delivery{Key: key, Destination: msgs[i].Destination, Payload: msgs[i].Payload}, engineNow(o.e))
+			o.add(cid, res.Claim, Delivery{Key: key, Destination: msgs[i].Destination, Payload: msgs[i].Payload}, o.st.Now())
 		}
 	}
 	return nil
@@ -252,7 +258,7 @@ func (o *Outbox) register(ctx context.Context, sink string, id []byte, msgs []Ou
 func (o *Outbox) Stats() OutboxStats {
 	st := OutboxStats{Delivered: o.delivered.Load(), Attempts: o.attempts.Load(), Failures: o.failures.Load(), Orphaned: o.orphaned.Load()}
 	st.LastError, _ = o.lastErr.Load().(string)
-	now := engineNow(o.e)
+	now := o.st.Now()
 	o.mu.Lock()
 	st.Pending = len(o.pending)
 	for _, p := range o.pending {
@@ -272,7 +278,7 @@ func (o *Outbox) Close() error {
 	defer o.mu.Unlock()
 	if !o.closed {
 		o.closed = true
-		releaseName(o.e, "outbox", o.name)
+		releaseName(o.st, "outbox", o.name)
 	}
 	return nil
 }
@@ -287,7 +293,7 @@ func (o *Outbox) Run(ctx context.Context) error {
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
 	for {
-		now := time.Now()
+		now := o.st.Now()
 		var due []*pendingMsg
 		next := now.Add(time.Hour)
 		o.mu.Lock()
@@ -327,7 +333,7 @@ func (o *Outbox) Run(ctx context.Context) error {
 				}
 			}(p)
 		}
-		timer.Reset(time.Until(next))
+		timer.Reset(next.Sub(now))
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
@@ -338,13 +344,17 @@ func (o *Outbox) Run(ctx context.Context) error {
 }
 
 // DeliverPending runs one round of deliveries synchronously (every message
-// due now) and returns how many are still pending; for tests and for
-// draining before a shutdown.
+// due now: not waiting out the backoff of a failed attempt) and returns how
+// many are still pending; for tests and for draining before a shutdown.
+//
+// Backoff is measured on the engine's clock (Options.Clock), as the
+// dispatcher's schedule is.
 func (o *Outbox) DeliverPending(ctx context.Context) (int, error) {
+	now := o.st.Now()
 	o.mu.Lock()
 	var due []*pendingMsg
 	for _, p := range o.pending {
-		if !p.running {
+		if !p.running && !p.next.After(now) {
 			p.running = true
 			due = append(due, p)
 		}
@@ -367,12 +377,12 @@ func (o *Outbox) attempt(ctx context.Context, p *pendingMsg) {
 		o.mu.Lock()
 		defer o.mu.Unlock()
 		jitter := 0.8 + 0.4*rand.Float64()
-		p.next = time.Now().Add(time.Duration(float64(p.backoff) * jitter))
+		p.next = o.st.Now().Add(time.Duration(float64(p.backoff) * jitter))
 		p.backoff = min(2*p.backoff, o.opts.MaxBackoff)
 		p.running = false
 	}
 	if o.hook != nil {
-		if err := o.hook(WindowBeforeDelivery, &d); err != nil {
+		if err := o.hook(windowBeforeDelivery, &d); err != nil {
 			fail(err)
 			return
 		}
@@ -387,7 +397,7 @@ func (o *Outbox) attempt(ctx context.Context, p *pendingMsg) {
 		return
 	}
 	if o.hook != nil {
-		if err := o.hook(WindowAfterDelivery, &d); err != nil {
+		if err := o.hook(windowAfterDelivery, &d); err != nil {
 			fail(err)
 			return
 		}
@@ -407,3 +417,6 @@ func (o *Outbox) attempt(ctx context.Context, p *pendingMsg) {
 	}
 	o.mu.Unlock()
 }
+
+// Name returns the outbox's name.
+func (o *Outbox) Name() string { return o.name }

@@ -2,10 +2,10 @@ package idemstream
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"log/slog"
+	"reflect"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -72,18 +72,19 @@ type SinkOptions struct {
 // one idem record, and replays the stored result for redeliveries. It also
 // keeps the per-partition commit frontier. Safe for concurrent use.
 type Sink struct {
-	e      *idem.Engine
+	st     idem.Store
 	name   string
 	scope  string
 	fscope string
 	opts   SinkOptions
 	log    *slog.Logger
-	hook   func(Window, *Event) error // fault injection (tests)
+	hook   func(window, *Event) error // fault injection (tests)
 	closed atomic.Bool
 
 	applied, replayed, busy, failed      atomic.Uint64
 	recoveredCommitted, recoveredAborted atomic.Uint64
 	frontierWrites                       atomic.Uint64
+	poison                               poisonCounters // counted by Consume
 }
 
 // SinkStats are a sink's counters since NewSink.
@@ -98,6 +99,12 @@ type SinkStats struct {
 	// goes with the effect), and advances past replayed deliveries found
 	// at a higher offset.
 	FrontierWrites uint64
+	// Retried, Terminated and DeadLettered count what Consume did with
+	// the deliveries that failed: handed back for a redelivery (Nak);
+	// ended without their effect (Term: failed for good, or at
+	// ConsumeOptions.MaxDeliveries); of those, handed to the source's
+	// dead-letter destination.
+	Retried, Terminated, DeadLettered uint64
 }
 
 func sinkScope(name string) string     { return "idemstream/" + name }
@@ -106,19 +113,26 @@ func frontierClient(p string) string   { return "p:" + p }
 
 var (
 	namesMu sync.Mutex
-	names   = map[*idem.Engine]map[string]bool{}
+	names   = map[idem.Store]map[string]bool{}
 )
 
-func takeName(e *idem.Engine, kind, name string) error {
+// takeName reserves kind/name on st: one component of a name per store.
+func takeName(st idem.Store, kind, name string) error {
+	if st == nil {
+		return fmt.Errorf("idemstream: %s %q: nil store", kind, name)
+	}
+	if t := reflect.TypeOf(st); !t.Comparable() {
+		return fmt.Errorf("idemstream: %s %q: a store of type %v cannot be told apart from another (not comparable): pass a pointer", kind, name, t)
+	}
 	if name == "" || len(name) > 200 || strings.ContainsAny(name, "/\x00") {
 		return fmt.Errorf("idemstream: invalid %s name %q: 1-200 bytes, no '/' or NUL", kind, name)
 	}
 	namesMu.Lock()
 	defer namesMu.Unlock()
-	m := names[e]
+	m := names[st]
 	if m == nil {
 		m = map[string]bool{}
-		names[e] = m
+		names[st] = m
 	}
 	k := kind + "/" + name
 	if m[k] {
@@ -128,42 +142,50 @@ func takeName(e *idem.Engine, kind, name string) error {
 	return nil
 }
 
-func releaseName(e *idem.Engine, kind, name string) {
+func releaseName(st idem.Store, kind, name string) {
 	namesMu.Lock()
 	defer namesMu.Unlock()
-	delete(names[e], kind+"/"+name)
-	if len(names[e]) == 0 {
-		delete(names, e)
+	delete(names[st], kind+"/"+name)
+	if len(names[st]) == 0 {
+		delete(names, st)
 	}
 }
 
-// NewSink opens the idempotent sink name on e (one per name and engine)
-// and resolves what a crash left in doubt: interrupted frontier updates
-// are completed (their offset was committed with an event first) and
+// NewSink opens the idempotent sink name on st (one per name and store;
+// opts nil: the defaults) and resolves what a crash left in doubt:
 // in-doubt events go to opts.Recover.
-func NewSink(ctx context.Context, e *idem.Engine, name string, opts SinkOptions) (*Sink, error) {
-	if err := takeName(e, "sink", name); err != nil {
+func NewSink(ctx context.Context, st idem.Store, name string, opts *SinkOptions) (*Sink, error) {
+	var o SinkOptions
+	if opts != nil {
+		o = *opts
+	}
+	if o.TTL < 0 {
+		return nil, fmt.Errorf("idemstream: sink %q: SinkOptions.TTL %v is negative", name, o.TTL)
+	}
+	if o.MaxRecordSize < 0 {
+		return nil, fmt.Errorf("idemstream: sink %q: SinkOptions.MaxRecordSize %d is negative", name, o.MaxRecordSize)
+	}
+	if o.MaxRecordSize == 0 {
+		o.MaxRecordSize = 1 << 20
+	}
+	if err := takeName(st, "sink", name); err != nil {
 		return nil, err
 	}
-	if opts.TTL < 0 {
-		releaseName(e, "sink", name)
-		return nil, fmt.Errorf("idemstream: sink %q: negative TTL %v", name, opts.TTL)
-	}
-	if opts.MaxRecordSize <= 0 {
-		opts.MaxRecordSize = 1 << 20
-	}
-	s := &Sink{
-		e: e, name: name, scope: sinkScope(name), fscope: frontierScope(name), opts: opts,
-		log: opts.Logger,
-	}
-	if s.log == nil {
-		s.log = discardLogger()
-	}
+	s := newSink(st, name, o)
 	if err := s.recover(ctx); err != nil {
-		releaseName(e, "sink", name)
+		releaseName(st, "sink", name)
 		return nil, err
 	}
 	return s, nil
+}
+
+// newSink is the sink of checked options, before recovery.
+func newSink(st idem.Store, name string, opts SinkOptions) *Sink {
+	s := &Sink{st: st, name: name, scope: sinkScope(name), fscope: frontierScope(name), opts: opts, log: opts.Logger}
+	if s.log == nil {
+		s.log = discardLogger()
+	}
+	return s
 }
 
 // Name returns the sink's name.
@@ -172,34 +194,52 @@ func (s *Sink) Name() string { return s.name }
 // Close releases the sink's name. It does not close the engine.
 func (s *Sink) Close() error {
 	if s.closed.CompareAndSwap(false, true) {
-		releaseName(s.e, "sink", s.name)
+		releaseName(s.st, "sink", s.name)
 	}
 	return nil
 }
 
-func (s *Sink) recover(ctx context.Context) error {
-	doubts, err := s.e.InDoubt(ctx, "")
+// inDoubt lists the claims in doubt in scope exactly (InDoubt takes a
+// prefix: "idemstream/a" also names the scope of a sink "ab").
+func inDoubt(ctx context.Context, st idem.Store, scope string) ([]idem.InDoubtClaim, error) {
+	all, err := st.InDoubt(ctx, scope)
 	if err != nil {
-		return fmt.Errorf("idemstream: sink %q: listing in-doubt claims: %w", s.name, err)
+		return nil, fmt.Errorf("listing the claims in doubt in %q: %w", scope, err)
+	}
+	ds := all[:0]
+	for _, d := range all {
+		if d.Scope == scope {
+			ds = append(ds, d)
+		}
+	}
+	return ds, nil
+}
+
+func (s *Sink) recover(ctx context.Context) error {
+	// Frontiers are advanced inside event commits, never claimed: a claim
+	// here was left by a version that recorded the frontier in records of
+	// its own. Release it; the frontier is at least what that version had
+	// committed.
+	old, err := inDoubt(ctx, s.st, s.fscope)
+	if err != nil {
+		return fmt.Errorf("idemstream: sink %q: %w", s.name, err)
+	}
+	for _, d := range old {
+		s.log.Warn("idemstream: released a frontier claim left by an earlier version", "sink", s.name, "client", d.Client, "seq", d.Seq)
+		if err := d.Claim.Abort(ctx); err != nil {
+			return fmt.Errorf("idemstream: sink %q: releasing frontier claim %s/%d: %w", s.name, d.Client, d.Seq, err)
+		}
+	}
+	doubts, err := inDoubt(ctx, s.st, s.scope)
+	if err != nil {
+		return fmt.Errorf("idemstream: sink %q: %w", s.name, err)
 	}
 	for _, d := range doubts {
-		switch d.Scope {
-		case s.fscope:
-			// Frontiers are advanced inside event commits, never claimed:
-			// a claim here was left by a version that recorded the
-			// frontier in records of its own. Release it; the frontier
-			// is at least what that version had committed.
-			s.log.Warn("idemstream: released a frontier claim left by an earlier version", "sink", s.name, "client", d.Client, "seq", d.Seq)
-			if err := d.Claim.Abort(ctx); err != nil {
-				return fmt.Errorf("idemstream: sink %q: releasing frontier claim %s/%d: %w", s.name, d.Client, d.Seq, err)
-			}
-		case s.scope:
-			if err := s.hookAt(WindowDuringRecovery, nil); err != nil {
-				return err
-			}
-			if err := s.resolve(ctx, d); err != nil {
-				return err
-			}
+		if err := s.hookAt(windowDuringRecovery, nil); err != nil {
+			return err
+		}
+		if err := s.resolve(ctx, d); err != nil {
+			return err
 		}
 	}
 	return nil
@@ -247,7 +287,7 @@ func (s *Sink) resolve(ctx context.Context, d idem.InDoubtClaim) error {
 	return nil
 }
 
-func (s *Sink) hookAt(w Window, ev *Event) error {
+func (s *Sink) hookAt(w window, ev *Event) error {
 	if s.hook != nil {
 		return s.hook(w, ev)
 	}
@@ -265,21 +305,16 @@ func (s *Sink) encode(rec *eventRecord, id []byte) ([]byte, error) {
 	return b, nil
 }
 
-func (s *Sink) request(ev *Event) idem.Request {
-	req := idem.Request{Scope: s.scope, ID: ev.ID}
-	if !s.opts.NoFingerprint {
-		req.Fingerprint = fingerprint(ev.Payload)
-	}
-	setTTL(&req, s.opts.TTL)
-	return req
-}
-
 // Apply runs h for ev unless the event's id was committed before, in which
 // case the stored result is returned (Replayed) and h does not run. The
 // event is claimed durably first, then h runs, then its result, position
 // and outbox messages are committed in one record; h's error (or panic)
 // releases the claim, so a redelivery runs it again. Busy means another
 // delivery of the id is in progress: do not acknowledge this one.
+//
+// Once h has returned, the commit is written whatever ctx says (the
+// store's Claim contract): a ctx cancelled meanwhile never strands the
+// event in flight.
 //
 // Acknowledge the delivery to the source only once Apply returned an
 // Ackable status: acknowledging earlier is the window where an effect can
@@ -291,55 +326,47 @@ func (s *Sink) Apply(ctx context.Context, ev Event, h Handler) (out Outcome, err
 	if err := ev.validate(); err != nil {
 		return Outcome{}, err
 	}
-	res, err := s.e.Begin(ctx, s.request(&ev))
+	req := eventRequest(s.scope, &ev, s.opts.NoFingerprint, s.opts.TTL)
+	claim, out, err := claimEvent(ctx, s.st, req, fmt.Sprintf("sink %q", s.name), &ev)
 	if err != nil {
 		s.failed.Add(1)
-		if errors.Is(err, idem.ErrConflict) {
-			return Outcome{}, fmt.Errorf("%w: sink %q, event %q (partition %q, offset %d)", ErrConflict, s.name, ev.ID, ev.Partition, ev.Offset)
-		}
-		return Outcome{}, fmt.Errorf("idemstream: sink %q: claiming event %q: %w", s.name, ev.ID, err)
+		return Outcome{}, err
 	}
-	switch res.Status {
-	case idem.Done:
-		rec, err := decodeEventRecord(s.scope, ev.ID, res.Reply)
-		if err != nil {
-			s.failed.Add(1)
-			return Outcome{}, err
-		}
-		if len(rec.Outbox) > 0 {
+	switch out.Status {
+	case Replayed:
+		if len(out.outbox) > 0 {
 			// The delivery that committed may have crashed before it
 			// registered the messages: register again (idempotent).
 			if s.opts.Outbox == nil {
+				s.failed.Add(1)
 				return Outcome{}, fmt.Errorf("idemstream: sink %q: event %q has outbox messages and the sink has no Outbox", s.name, ev.ID)
 			}
-			if err := s.opts.Outbox.register(ctx, s.name, ev.ID, rec.Outbox); err != nil {
+			if err := s.opts.Outbox.register(ctx, s.name, ev.ID, out.outbox); err != nil {
 				s.failed.Add(1)
 				return Outcome{}, err
 			}
+			out.outbox = nil
 		}
 		if err := s.advanceReplayed(ctx, &ev); err != nil {
 			s.failed.Add(1)
 			return Outcome{}, err
 		}
 		s.replayed.Add(1)
-		return Outcome{Status: Replayed, Result: rec.Result, Partition: rec.Partition, Offset: rec.Offset, Checkpoint: rec.Checkpoint, ExpiresAt: expiresAt(res)}, nil
-	case idem.InFlight:
+		return out, nil
+	case Busy:
 		s.busy.Add(1)
-		return Outcome{Status: Busy, BusyUntil: res.LeaseUntil, Partition: ev.Partition, Offset: ev.Offset}, nil
-	case idem.Fresh:
-	default:
-		return Outcome{}, fmt.Errorf("idemstream: sink %q: event %q: unexpected status %v", s.name, ev.ID, res.Status)
+		return out, nil
 	}
-	claim := res.Claim
+	expiresAt := out.ExpiresAt
 	finished := false
 	defer func() {
 		if !finished {
 			// h panicked, or a step failed before the commit: release.
-			_ = claim.Abort(context.WithoutCancel(ctx))
+			_ = claim.Abort(ctx)
 			s.failed.Add(1)
 		}
 	}()
-	if err := s.hookAt(WindowAfterClaim, &ev); err != nil {
+	if err := s.hookAt(windowAfterClaim, &ev); err != nil {
 		finished = true // a simulated crash leaves the claim in doubt
 		return Outcome{}, err
 	}
@@ -355,18 +382,16 @@ func (s *Sink) Apply(ctx context.Context, ev Event, h Handler) (out Outcome, err
 	if err != nil {
 		return Outcome{}, err
 	}
-	if err := s.hookAt(WindowAfterEffect, &ev); err != nil {
+	if err := s.hookAt(windowAfterEffect, &ev); err != nil {
 		finished = true
 		return Outcome{}, err
 	}
 	finished = true
-	// The effect ran: commit even if ctx ended meanwhile (a claim left
-	// in flight would make the redeliveries Busy until its lease ends).
-	if err := s.commit(context.WithoutCancel(ctx), claim, b, ev.Partition, ev.Offset); err != nil {
+	if err := s.commit(ctx, claim, b, ev.Partition, ev.Offset); err != nil {
 		s.failed.Add(1)
 		return Outcome{}, fmt.Errorf("idemstream: sink %q: committing event %q: %w", s.name, ev.ID, err)
 	}
-	if err := s.hookAt(WindowAfterCommit, &ev); err != nil {
+	if err := s.hookAt(windowAfterCommit, &ev); err != nil {
 		return Outcome{}, err
 	}
 	if len(eff.Outbox) > 0 {
@@ -375,13 +400,13 @@ func (s *Sink) Apply(ctx context.Context, ev Event, h Handler) (out Outcome, err
 		}
 	}
 	s.applied.Add(1)
-	return Outcome{Status: Applied, Result: eff.Result, Partition: ev.Partition, Offset: ev.Offset, ExpiresAt: expiresAt(res)}, nil
+	return Outcome{Status: Applied, Result: eff.Result, Partition: ev.Partition, Offset: ev.Offset, ExpiresAt: expiresAt}, nil
 }
 
 // Lookup reports whether the event id is committed, and its record, without
 // claiming it.
 func (s *Sink) Lookup(id []byte) (Outcome, bool, error) {
-	res, err := s.e.Lookup(context.Background(), idem.Request{Scope: s.scope, ID: id})
+	res, err := s.st.Lookup(context.Background(), idem.Request{Scope: s.scope, ID: id})
 	if err != nil {
 		return Outcome{}, false, err
 	}
@@ -391,7 +416,7 @@ func (s *Sink) Lookup(id []byte) (Outcome, bool, error) {
 		if err != nil {
 			return Outcome{}, false, err
 		}
-		return Outcome{Status: Replayed, Result: rec.Result, Partition: rec.Partition, Offset: rec.Offset, Checkpoint: rec.Checkpoint, ExpiresAt: expiresAt(res)}, true, nil
+		return Outcome{Status: Replayed, Result: rec.Result, Partition: rec.Partition, Offset: rec.Offset, Checkpoint: rec.Checkpoint, ExpiresAt: res.ExpiresAt}, true, nil
 	case idem.InFlight:
 		return Outcome{Status: Busy, BusyUntil: res.LeaseUntil}, false, nil
 	}
@@ -404,6 +429,7 @@ func (s *Sink) Stats() SinkStats {
 		Applied: s.applied.Load(), Replayed: s.replayed.Load(), Busy: s.busy.Load(), Failed: s.failed.Load(),
 		RecoveredCommitted: s.recoveredCommitted.Load(), RecoveredAborted: s.recoveredAborted.Load(),
 		FrontierWrites: s.frontierWrites.Load(),
+		Retried:        s.poison.retried.Load(), Terminated: s.poison.terminated.Load(), DeadLettered: s.poison.deadLettered.Load(),
 	}
 }
 
@@ -429,9 +455,9 @@ func (s *Sink) advanceReplayed(ctx context.Context, ev *Event) error {
 		return nil
 	}
 	client := frontierClient(ev.Partition)
-	n, err := s.e.ClientState(ctx, s.fscope, client)
+	n, err := s.st.ClientState(ctx, s.fscope, client)
 	if err == nil && n < ev.Offset {
-		if err = s.e.Advance(ctx, idem.Advance{Scope: s.fscope, Client: client, Seq: ev.Offset}); err == nil {
+		if err = s.st.Advance(ctx, idem.Advance{Scope: s.fscope, Client: client, Seq: ev.Offset}); err == nil {
 			s.frontierWrites.Add(1)
 		}
 	}
@@ -456,7 +482,7 @@ func (s *Sink) advanceReplayed(ctx context.Context, ev *Event) error {
 // frontier alone should apply each partition's events in order
 // (ConsumeOptions.Concurrency 1, or one consumer per partition).
 func (s *Sink) Frontier(partition string) (offset uint64, ok bool, err error) {
-	n, err := s.e.ClientState(context.Background(), s.fscope, frontierClient(partition))
+	n, err := s.st.ClientState(context.Background(), s.fscope, frontierClient(partition))
 	if err != nil {
 		return 0, false, fmt.Errorf("idemstream: sink %q: frontier of partition %q: %w", s.name, partition, err)
 	}

@@ -4,12 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/idemdb/idem"
-	"github.com/idemdb/idem/internal/testclock"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/idemdb/idem"
+	"github.com/idemdb/idem/internal/testclock"
 
 	"github.com/cockroachdb/pebble/v2/vfs"
 )
@@ -19,12 +20,12 @@ func TestSinkAppliesOnceAndReplays(t *testing.T) {
 	defer cancel()
 	e := openEngine(t, vfs.NewMem(), nil)
 	defer e.Close()
-	s, err := NewSink(ctx, e, "ledger", SinkOptions{})
+	s, err := NewSink(ctx, e, "ledger", &SinkOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	if _, err := NewSink(ctx, e, "ledger", SinkOptions{}); !errors.Is(err, ErrInUse) {
+	if _, err := NewSink(ctx, e, "ledger", &SinkOptions{}); !errors.Is(err, ErrInUse) {
 		t.Fatalf("second sink of the same name: %v, want ErrInUse", err)
 	}
 	var runs atomic.Int32
@@ -110,7 +111,7 @@ func TestSinkConcurrentDeliveriesRunOnce(t *testing.T) {
 	defer cancel()
 	e := openEngine(t, vfs.NewMem(), nil)
 	defer e.Close()
-	s, err := NewSink(ctx, e, "s", SinkOptions{})
+	s, err := NewSink(ctx, e, "s", &SinkOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -157,11 +158,11 @@ func TestSinkTTL(t *testing.T) {
 	clk := testclock.New()
 	e := openEngine(t, vfs.NewMem(), clk.Now)
 	defer e.Close()
-	short, err := NewSink(ctx, e, "short", SinkOptions{TTL: time.Minute})
+	short, err := NewSink(ctx, e, "short", &SinkOptions{TTL: time.Minute})
 	if err != nil {
 		t.Fatal(err)
 	}
-	long, err := NewSink(ctx, e, "long", SinkOptions{TTL: time.Hour})
+	long, err := NewSink(ctx, e, "long", &SinkOptions{TTL: time.Hour})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -210,7 +211,7 @@ func TestFrontierAdvancesAndSurvivesReopen(t *testing.T) {
 	defer cancel()
 	w := newWorld()
 	e := openEngine(t, w.mem, nil)
-	s, err := NewSink(ctx, e, "f", SinkOptions{})
+	s, err := NewSink(ctx, e, "f", &SinkOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -255,7 +256,7 @@ func TestFrontierAdvancesAndSurvivesReopen(t *testing.T) {
 	w.restart()
 	e = openEngine(t, w.mem, nil)
 	defer e.Close()
-	s, err = NewSink(ctx, e, "f", SinkOptions{Recover: func(ctx context.Context, d InDoubtEvent) (Resolution, error) {
+	s, err = NewSink(ctx, e, "f", &SinkOptions{Recover: func(ctx context.Context, d InDoubtEvent) (Resolution, error) {
 		return Resolution{Applied: true, Partition: "p", Offset: 20}, nil
 	}})
 	if err != nil {
@@ -270,4 +271,68 @@ func TestFrontierAdvancesAndSurvivesReopen(t *testing.T) {
 	if _, ok, _ := s.Frontier("old"); ok {
 		t.Fatal("the released old-format claim raised a frontier")
 	}
+}
+
+// cancellingSink cancels the checkpoint's ctx in PreCommit: everything
+// after it (the checkpoint record, the sink's commit, the events'
+// commits) runs with an ended ctx.
+type cancellingSink struct {
+	*txnLedger
+	cancel func()
+}
+
+func (c cancellingSink) PreCommit(ctx context.Context, t *ledgerTxn) error {
+	c.cancel()
+	return c.txnLedger.PreCommit(ctx, t)
+}
+
+// TestCancelledBeforeCommit: the caller's ctx ends after the effect ran and
+// before the commit. The commit is written all the same (a Claim's finish
+// does not depend on ctx; no context.WithoutCancel in idemstream), so the
+// event is Done, not stranded in flight: its redelivery replays.
+func TestCancelledBeforeCommit(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	w := newWorld()
+	e := openEngine(t, w.mem, nil)
+	defer e.Close()
+	s, err := NewSink(ctx, e, "s", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cctx, ccancel := context.WithCancel(ctx)
+	ev := Event{ID: []byte("e1"), Partition: "p", Offset: 3, Payload: []byte("x")}
+	out, err := s.Apply(cctx, ev, func(context.Context, Event) (Effect, error) {
+		ccancel() // the request is cancelled while its effect runs
+		return Effect{Result: []byte("r")}, nil
+	})
+	if err != nil || out.Status != Applied {
+		t.Fatalf("apply with ctx cancelled before the commit: %+v %v", out, err)
+	}
+	if res, err := e.Lookup(ctx, idem.Request{Scope: sinkScope("s"), ID: ev.ID}); err != nil || res.Status != idem.Done {
+		t.Fatalf("event after the commit: %v %v, want Done", res.Status, err)
+	}
+	if out, err := s.Apply(ctx, ev, nil); err != nil || out.Status != Replayed || string(out.Result) != "r" {
+		t.Fatalf("redelivery: %+v %v", out, err)
+	}
+
+	l := newTxnLedger(w)
+	tctx, tcancel := context.WithCancel(ctx)
+	tp, _, err := NewTwoPhase[*ledgerTxn](ctx, e, "tx", cancellingSink{l, tcancel}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	evs := makeEvents(5, 1, 0)
+	outs, err := tp.Checkpoint(tctx, evs)
+	if err != nil {
+		t.Fatalf("checkpoint with ctx cancelled in PreCommit: %v", err)
+	}
+	for i, o := range outs {
+		res, err := e.Lookup(ctx, idem.Request{Scope: sinkScope("tx"), ID: evs[i].ID})
+		if o.Status != Applied || err != nil || res.Status != idem.Done {
+			t.Fatalf("event %s: %+v, stored %v %v, want Applied and Done", evs[i].ID, o, res.Status, err)
+		}
+	}
+	l.check(t)
+	checkExactlyOnce(t, l.committed, evs)
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"strconv"
 	"sync"
@@ -105,14 +104,15 @@ type RecoveryReport struct {
 // settle with its checkpoint. All records are sealed (version, length,
 // CRC-32C) and checked when read back.
 type TwoPhase[Txn any] struct {
-	e      *idem.Engine
+	st     idem.Store
 	name   string
 	scope  string // coordinator records
 	escope string // events
 	sink   TwoPhaseCommitSink[Txn]
 	opts   TwoPhaseOptions
 	log    *slog.Logger
-	hook   func(Window, uint64) error
+	hook   func(window, uint64) error
+	poison poisonCounters // counted by ConsumeTwoPhase
 
 	mu         sync.Mutex
 	last       uint64 // last checkpoint opened
@@ -164,41 +164,53 @@ func ckptID(kind string, k uint64) []byte {
 	return []byte(kind + "/" + strconv.FormatUint(k, 10))
 }
 
-// NewTwoPhase opens the coordinator name on e (a name shared with no Sink)
+// NewTwoPhase opens the coordinator name on st (a name shared with no Sink;
+// opts nil: the defaults)
 // and runs recovery: the last checkpoint is recovered-and-committed if its
 // record with the handle is durable and the sink's commit is not recorded,
 // recovered-and-aborted if it was begun and not recorded; events left in
 // doubt are committed with their checkpoint or released.
-func NewTwoPhase[Txn any](ctx context.Context, e *idem.Engine, name string, sink TwoPhaseCommitSink[Txn], opts TwoPhaseOptions) (*TwoPhase[Txn], RecoveryReport, error) {
+func NewTwoPhase[Txn any](ctx context.Context, st idem.Store, name string, sink TwoPhaseCommitSink[Txn], opts *TwoPhaseOptions) (*TwoPhase[Txn], RecoveryReport, error) {
+	var o TwoPhaseOptions
+	if opts != nil {
+		o = *opts
+	}
 	if sink == nil {
 		return nil, RecoveryReport{}, fmt.Errorf("idemstream: two-phase %q: nil sink", name)
 	}
-	if err := takeName(e, "sink", name); err != nil {
+	switch {
+	case o.TTL < 0:
+		return nil, RecoveryReport{}, fmt.Errorf("idemstream: two-phase %q: TwoPhaseOptions.TTL %v is negative", name, o.TTL)
+	case o.MaxHandleSize < 0 || o.MaxHandleSize > 8<<20:
+		return nil, RecoveryReport{}, fmt.Errorf("idemstream: two-phase %q: TwoPhaseOptions.MaxHandleSize %d is out of range (0 for 64 KiB, at most 8 MiB)", name, o.MaxHandleSize)
+	case o.CommitRetries < 0:
+		return nil, RecoveryReport{}, fmt.Errorf("idemstream: two-phase %q: TwoPhaseOptions.CommitRetries %d is negative", name, o.CommitRetries)
+	}
+	if o.MaxHandleSize == 0 {
+		o.MaxHandleSize = 64 << 10
+	}
+	if o.CommitRetries == 0 {
+		o.CommitRetries = 3
+	}
+	if err := takeName(st, "sink", name); err != nil {
 		return nil, RecoveryReport{}, err
 	}
-	if opts.MaxHandleSize <= 0 {
-		opts.MaxHandleSize = 64 << 10
-	}
-	if opts.MaxHandleSize > 8<<20 {
-		opts.MaxHandleSize = 8 << 20
-	}
-	if opts.CommitRetries <= 0 {
-		opts.CommitRetries = 3
-	}
-	if opts.TTL < 0 {
-		releaseName(e, "sink", name)
-		return nil, RecoveryReport{}, fmt.Errorf("idemstream: two-phase %q: negative TTL %v", name, opts.TTL)
-	}
-	t := &TwoPhase[Txn]{e: e, name: name, scope: twoPhaseScope(name), escope: sinkScope(name), sink: sink, opts: opts, log: opts.Logger, frontier: map[string]uint64{}}
-	if t.log == nil {
-		t.log = slog.New(slog.NewTextHandler(io.Discard, nil))
-	}
+	t := newTwoPhase(st, name, sink, o)
 	rep, err := t.recover(ctx)
 	if err != nil {
-		releaseName(e, "sink", name)
+		releaseName(st, "sink", name)
 		return nil, rep, err
 	}
 	return t, rep, nil
+}
+
+// newTwoPhase is the coordinator of checked options, before recovery.
+func newTwoPhase[Txn any](st idem.Store, name string, sink TwoPhaseCommitSink[Txn], opts TwoPhaseOptions) *TwoPhase[Txn] {
+	t := &TwoPhase[Txn]{st: st, name: name, scope: twoPhaseScope(name), escope: sinkScope(name), sink: sink, opts: opts, log: opts.Logger, frontier: map[string]uint64{}}
+	if t.log == nil {
+		t.log = discardLogger()
+	}
+	return t
 }
 
 // Close releases the coordinator's name. A checkpoint left unfinished by
@@ -209,9 +221,27 @@ func (t *TwoPhase[Txn]) Close() error {
 	defer t.mu.Unlock()
 	if !t.closed {
 		t.closed = true
-		releaseName(t.e, "sink", t.name)
+		releaseName(t.st, "sink", t.name)
 	}
 	return nil
+}
+
+// TwoPhaseStats are a coordinator's counters since NewTwoPhase.
+type TwoPhaseStats struct {
+	// LastCheckpoint is the id of the last checkpoint opened.
+	LastCheckpoint uint64
+	// Retried, Terminated and DeadLettered count what ConsumeTwoPhase did
+	// with the deliveries that failed (as in SinkStats).
+	Retried, Terminated, DeadLettered uint64
+}
+
+// Name returns the coordinator's name.
+func (t *TwoPhase[Txn]) Name() string { return t.name }
+
+// Stats returns the coordinator's counters.
+func (t *TwoPhase[Txn]) Stats() TwoPhaseStats {
+	return TwoPhaseStats{LastCheckpoint: t.LastCheckpoint(), Retried: t.poison.retried.Load(),
+		Terminated: t.poison.terminated.Load(), DeadLettered: t.poison.deadLettered.Load()}
 }
 
 // LastCheckpoint returns the id of the last checkpoint opened.
@@ -231,7 +261,7 @@ func (t *TwoPhase[Txn]) Frontier(partition string) (uint64, bool) {
 	return o, ok
 }
 
-func (t *TwoPhase[Txn]) hookAt(w Window, k uint64) error {
+func (t *TwoPhase[Txn]) hookAt(w window, k uint64) error {
 	if t.hook != nil {
 		return t.hook(w, k)
 	}
@@ -268,7 +298,7 @@ func (t *TwoPhase[Txn]) record(ctx context.Context, id []byte, v any, c *idem.Cl
 		return fmt.Errorf("idemstream: two-phase %q: record %s: %w", t.name, id, err)
 	}
 	if c == nil {
-		res, err := t.e.Begin(ctx, idem.Request{Scope: t.scope, ID: id})
+		res, err := t.begin(ctx, idem.Request{Scope: t.scope, ID: id})
 		if err != nil {
 			return fmt.Errorf("idemstream: two-phase %q: record %s: %w", t.name, id, err)
 		}
@@ -285,7 +315,7 @@ func (t *TwoPhase[Txn]) record(ctx context.Context, id []byte, v any, c *idem.Cl
 
 // read returns the sealed record id into v (false if absent).
 func (t *TwoPhase[Txn]) read(id []byte, v any) (bool, error) {
-	res, err := t.e.Lookup(context.Background(), idem.Request{Scope: t.scope, ID: id})
+	res, err := t.st.Lookup(context.Background(), idem.Request{Scope: t.scope, ID: id})
 	if err != nil {
 		return false, fmt.Errorf("idemstream: two-phase %q: reading %s: %w", t.name, id, err)
 	}
@@ -300,11 +330,15 @@ func (t *TwoPhase[Txn]) read(id []byte, v any) (bool, error) {
 
 func (t *TwoPhase[Txn]) recover(ctx context.Context) (RecoveryReport, error) {
 	rep := RecoveryReport{Action: "none"}
-	doubts, err := t.e.InDoubt(ctx, "")
+	evDoubts, err := inDoubt(ctx, t.st, t.escope)
 	if err != nil {
-		return rep, fmt.Errorf("idemstream: two-phase %q: listing in-doubt claims: %w", t.name, err)
+		return rep, fmt.Errorf("idemstream: two-phase %q: %w", t.name, err)
 	}
-	k, err := t.e.ClientState(ctx, t.scope, ckptClient)
+	doubts, err := inDoubt(ctx, t.st, t.scope)
+	if err != nil {
+		return rep, fmt.Errorf("idemstream: two-phase %q: %w", t.name, err)
+	}
+	k, err := t.st.ClientState(ctx, t.scope, ckptClient)
 	if err != nil {
 		return rep, fmt.Errorf("idemstream: two-phase %q: %w", t.name, err)
 	}
@@ -312,33 +346,31 @@ func (t *TwoPhase[Txn]) recover(ctx context.Context) (RecoveryReport, error) {
 	t.last = k
 	events := map[string]*idem.Claim{}
 	markers := map[string]*idem.Claim{}
+	for _, d := range evDoubts {
+		events[string(d.ID)] = d.Claim
+	}
 	for _, d := range doubts {
-		switch d.Scope {
-		case t.escope:
-			events[string(d.ID)] = d.Claim
-		case t.scope:
-			switch {
-			case d.Client == ckptClient:
-				// Checkpoint d.Seq was being opened: its handle never
-				// became durable.
-				if err := d.Claim.Abort(ctx); err != nil {
-					return rep, fmt.Errorf("idemstream: two-phase %q: releasing the open of checkpoint %d: %w", t.name, d.Seq, err)
-				}
-				if a, ok := any(t.sink).(CheckpointAborter); ok {
-					if err := a.AbortCheckpoint(ctx, d.Seq); err != nil {
-						return rep, fmt.Errorf("idemstream: two-phase %q: aborting checkpoint %d begun without a handle: %w", t.name, d.Seq, err)
-					}
-					rep.OrphanAborted = true
-				}
-				t.log.Info("idemstream: checkpoint begun without a durable handle", "name", t.name, "checkpoint", d.Seq)
-			case len(d.ID) > 2 && d.ID[0] == 'c':
-				// The checkpoint record never became durable.
-				if err := d.Claim.Abort(ctx); err != nil {
-					return rep, err
-				}
-			default:
-				markers[string(d.ID)] = d.Claim
+		switch {
+		case d.Client == ckptClient:
+			// Checkpoint d.Seq was being opened: its handle never
+			// became durable.
+			if err := d.Claim.Abort(ctx); err != nil {
+				return rep, fmt.Errorf("idemstream: two-phase %q: releasing the open of checkpoint %d: %w", t.name, d.Seq, err)
 			}
+			if a, ok := any(t.sink).(CheckpointAborter); ok {
+				if err := a.AbortCheckpoint(ctx, d.Seq); err != nil {
+					return rep, fmt.Errorf("idemstream: two-phase %q: aborting checkpoint %d begun without a handle: %w", t.name, d.Seq, err)
+				}
+				rep.OrphanAborted = true
+			}
+			t.log.Info("idemstream: checkpoint begun without a durable handle", "name", t.name, "checkpoint", d.Seq)
+		case len(d.ID) > 2 && d.ID[0] == 'c':
+			// The checkpoint record never became durable.
+			if err := d.Claim.Abort(ctx); err != nil {
+				return rep, err
+			}
+		default:
+			markers[string(d.ID)] = d.Claim
 		}
 	}
 	// committedEvents lists the events of the last checkpoint if it is
@@ -358,7 +390,7 @@ func (t *TwoPhase[Txn]) recover(ctx context.Context) (RecoveryReport, error) {
 	if k > 0 {
 		var open openRecord
 		hasOpen := false
-		res, err := t.e.Lookup(ctx, idem.Request{Scope: t.scope, Client: ckptClient, Seq: k})
+		res, err := t.st.Lookup(ctx, idem.Request{Scope: t.scope, Client: ckptClient, Seq: k})
 		switch {
 		case err == nil && res.Status == idem.Done:
 			if err := unseal(res.Reply, maxSealedBytes, &open); err != nil {
@@ -408,7 +440,7 @@ func (t *TwoPhase[Txn]) recover(ctx context.Context) (RecoveryReport, error) {
 			if err := t.sink.RecoverAndCommit(ctx, txn); err != nil {
 				return rep, fmt.Errorf("idemstream: two-phase %q: recover-and-commit of checkpoint %d: %w", t.name, k, err)
 			}
-			if err := t.hookAt(WindowDuringRecovery, k); err != nil {
+			if err := t.hookAt(windowDuringRecovery, k); err != nil {
 				return rep, err
 			}
 			if err := t.record(ctx, ckptID("d", k), &markerRecord{K: k, Frontier: ckpt.Frontier}, markers[string(ckptID("d", k))]); err != nil {
@@ -425,7 +457,7 @@ func (t *TwoPhase[Txn]) recover(ctx context.Context) (RecoveryReport, error) {
 			if err := t.sink.RecoverAndAbort(ctx, txn); err != nil {
 				return rep, fmt.Errorf("idemstream: two-phase %q: recover-and-abort of checkpoint %d: %w", t.name, k, err)
 			}
-			if err := t.hookAt(WindowDuringRecovery, k); err != nil {
+			if err := t.hookAt(windowDuringRecovery, k); err != nil {
 				return rep, err
 			}
 			if err := t.record(ctx, ckptID("a", k), &markerRecord{K: k, Frontier: open.Frontier}, markers[string(ckptID("a", k))]); err != nil {
@@ -517,8 +549,139 @@ func (t *TwoPhase[Txn]) Checkpoint(ctx context.Context, events []Event) ([]Outco
 			return nil, err
 		}
 	}
+	outs, fresh, err := t.claimBatch(ctx, events)
+	if err != nil || len(fresh) == 0 {
+		return outs, err
+	}
+	releaseAll := func() { t.release(ctx, fresh) }
+	// The sink's calls get ctx; the coordinator's records are written even
+	// if ctx ends meanwhile (t.begin), so that a shutdown finishes or
+	// aborts the checkpoint in progress rather than leaving its outcome
+	// unknown.
+	// Open checkpoint k: its handle is durable before any Invoke.
+	k := t.last + 1
+	res, err := t.begin(ctx, idem.Request{Scope: t.scope, Client: ckptClient, Seq: k})
+	if err != nil || res.Status != idem.Fresh {
+		releaseAll()
+		if err == nil {
+			err = fmt.Errorf("status %v", res.Status)
+		}
+		return nil, fmt.Errorf("idemstream: two-phase %q: opening checkpoint %d: %w", t.name, k, err)
+	}
+	openClaim := res.Claim
+	t.last = k
+	txn, err := t.sink.BeginTransaction(ctx, k)
+	if err != nil {
+		_ = openClaim.Abort(ctx)
+		t.last = k - 1
+		releaseAll()
+		return nil, fmt.Errorf("idemstream: two-phase %q: BeginTransaction(%d): %w", t.name, k, err)
+	}
+	frontier := make(map[string]uint64, len(t.frontier)+1)
+	for p, o := range t.frontier {
+		frontier[p] = o
+	}
+	abortTxn := func(cause error) error {
+		// The sink's Abort must run to the end even on a shutdown (it is
+		// the caller's system, not an idem claim).
+		if err := t.sink.Abort(context.WithoutCancel(ctx), txn); err != nil {
+			t.log.Warn("idemstream: sink abort failed", "name", t.name, "checkpoint", k, "err", err)
+		}
+		releaseAll()
+		if err := t.record(ctx, ckptID("a", k), &markerRecord{K: k, Frontier: t.frontier}, nil); err != nil {
+			// Without the record, recovery must settle checkpoint k
+			// (from its opening record) before another one opens.
+			t.closed = true
+			return fmt.Errorf("%w: %v (and recording the abort: %v)", ErrNeedsRecovery, cause, err)
+		}
+		t.dropPrevious(ctx, k)
+		return cause
+	}
+	handle, err := t.encodeHandle(txn)
+	if err == nil {
+		var b []byte
+		b, err = seal(&openRecord{K: k, Handle: handle, Frontier: frontier}, maxSealedBytes)
+		if err == nil {
+			err = openClaim.Commit(ctx, b)
+		}
+	}
+	if err != nil {
+		_ = openClaim.Abort(ctx)
+		_ = t.sink.Abort(context.WithoutCancel(ctx), txn)
+		releaseAll()
+		t.last = k - 1
+		return nil, fmt.Errorf("idemstream: two-phase %q: recording checkpoint %d's transaction: %w", t.name, k, err)
+	}
+
+	for _, c := range fresh {
+		if err := t.sink.Invoke(ctx, txn, c.ev); err != nil {
+			return nil, abortTxn(fmt.Errorf("idemstream: two-phase %q: checkpoint %d: Invoke: %w", t.name, k, &EventError{ID: c.ev.ID, Err: err}))
+		}
+		if c.ev.Offset > frontier[c.ev.Partition] {
+			frontier[c.ev.Partition] = c.ev.Offset
+		}
+	}
+	if err := t.hookAt(windowBeforePreCommit, k); err != nil {
+		return nil, err
+	}
+	if err := t.sink.PreCommit(ctx, txn); err != nil {
+		return nil, abortTxn(fmt.Errorf("idemstream: two-phase %q: checkpoint %d: PreCommit: %w", t.name, k, err))
+	}
+	if err := t.hookAt(windowAfterPreCommit, k); err != nil {
+		return nil, err
+	}
+	// The checkpoint: pre-committed handle, events, frontier.
+	handle, err = t.encodeHandle(txn)
+	if err != nil {
+		return nil, abortTxn(err)
+	}
+	ids := make([][]byte, len(fresh))
+	for j, c := range fresh {
+		ids[j] = c.ev.ID
+	}
+	b, err := seal(&checkpointRecord{K: k, Handle: handle, Events: ids, Frontier: frontier}, maxSealedBytes)
+	if err != nil {
+		return nil, abortTxn(fmt.Errorf("idemstream: two-phase %q: checkpoint %d: %w", t.name, k, err))
+	}
+	res, err = t.begin(ctx, idem.Request{Scope: t.scope, ID: ckptID("c", k)})
+	if err != nil || res.Status != idem.Fresh {
+		if err == nil {
+			err = fmt.Errorf("status %v", res.Status)
+		}
+		return nil, abortTxn(fmt.Errorf("idemstream: two-phase %q: recording checkpoint %d: %w", t.name, k, err))
+	}
+	if err := res.Claim.Commit(ctx, b); err != nil {
+		// Whether the record is durable is unknown: only recovery may
+		// decide between commit and abort now.
+		t.closed = true
+		return nil, fmt.Errorf("%w: two-phase %q: recording checkpoint %d failed: %v", ErrNeedsRecovery, t.name, k, err)
+	}
+	if err := t.hookAt(windowAfterCheckpoint, k); err != nil {
+		return nil, err
+	}
+	t.unfinished = &unfinishedCheckpoint{k: k, txn: txn, handle: handle, claims: fresh, frontier: frontier, stage: 1}
+	if err := t.finishUnfinished(ctx); err != nil {
+		return nil, err
+	}
+	for _, c := range fresh {
+		for _, i := range c.idx {
+			outs[i] = Outcome{Status: Applied, Partition: c.ev.Partition, Offset: c.ev.Offset, Checkpoint: k}
+		}
+	}
+	if err := t.hookAt(windowBeforeAck, k); err != nil {
+		return nil, err
+	}
+	return outs, nil
+}
+
+// claimBatch claims every distinct event id of the batch (concurrently,
+// so that the claims share group commits) and classifies each as
+// claimEvent does: the outcomes of the events not to run (Replayed, Busy,
+// Failed for an invalid event, a conflict or a corrupt record) and the
+// fresh claims, one per distinct id. A store error releases the fresh
+// claims and fails the batch.
+func (t *TwoPhase[Txn]) claimBatch(ctx context.Context, events []Event) ([]Outcome, []*eventClaim, error) {
 	outs := make([]Outcome, len(events))
-	// Claim every distinct event id of the batch.
 	byID := map[string]*eventClaim{}
 	var order []*eventClaim
 	for i := range events {
@@ -535,182 +698,59 @@ func (t *TwoPhase[Txn]) Checkpoint(ctx context.Context, events []Event) ([]Outco
 		byID[string(ev.ID)] = c
 		order = append(order, c)
 	}
-	claims := make([]idem.Result, len(order))
+	who := fmt.Sprintf("two-phase %q", t.name)
+	res := make([]Outcome, len(order))
 	errs := make([]error, len(order))
 	fns := make([]func() error, len(order))
 	for j, c := range order {
 		fns[j] = func() error {
-			req := idem.Request{Scope: t.escope, ID: c.ev.ID}
-			if !t.opts.NoFingerprint {
-				req.Fingerprint = fingerprint(c.ev.Payload)
-			}
-			setTTL(&req, t.opts.TTL)
-			claims[j], errs[j] = t.e.Begin(ctx, req)
+			req := eventRequest(t.escope, &c.ev, t.opts.NoFingerprint, t.opts.TTL)
+			c.claim, res[j], errs[j] = claimEvent(ctx, t.st, req, who, &c.ev)
 			return nil
 		}
 	}
 	_ = parallel(fns)
 	var fresh []*eventClaim
-	var engineErr error
+	var storeErr error
 	for j, c := range order {
-		set := func(o Outcome) {
-			for _, i := range c.idx {
-				outs[i] = o
-			}
-		}
-		res, err := claims[j], errs[j]
-		switch {
-		case errors.Is(err, idem.ErrConflict):
-			set(Outcome{Status: Failed, Err: fmt.Errorf("%w: two-phase %q, event %q", ErrConflict, t.name, c.ev.ID), Partition: c.ev.Partition, Offset: c.ev.Offset})
+		o := res[j]
+		switch err := errs[j]; {
+		case errors.Is(err, ErrConflict) || errors.Is(err, ErrCorruptRecord):
+			o = Outcome{Status: Failed, Err: err, Partition: c.ev.Partition, Offset: c.ev.Offset}
 		case err != nil:
-			engineErr = fmt.Errorf("idemstream: two-phase %q: claiming event %q: %w", t.name, c.ev.ID, err)
-		case res.Status == idem.Fresh:
-			c.claim = res.Claim
+			storeErr = err
+			continue
+		case c.claim != nil:
 			fresh = append(fresh, c)
-		case res.Status == idem.Done:
-			rec, err := decodeEventRecord(t.escope, c.ev.ID, res.Reply)
-			if err != nil {
-				set(Outcome{Status: Failed, Err: err})
-			} else {
-				set(Outcome{Status: Replayed, Result: rec.Result, Partition: rec.Partition, Offset: rec.Offset, Checkpoint: rec.Checkpoint})
-			}
-		case res.Status == idem.InFlight:
-			set(Outcome{Status: Busy, BusyUntil: res.LeaseUntil, Partition: c.ev.Partition, Offset: c.ev.Offset})
+			continue
 		}
-	}
-	releaseAll := func() {
-		fns := make([]func() error, len(fresh))
-		for j, c := range fresh {
-			fns[j] = func() error { return c.claim.Abort(context.WithoutCancel(ctx)) }
-		}
-		_ = parallel(fns)
-	}
-	if engineErr != nil {
-		releaseAll()
-		return nil, engineErr
-	}
-	if len(fresh) == 0 {
-		return outs, nil
-	}
-
-	// From here on the coordinator's records are written even if ctx
-	// ends (a shutdown finishes or aborts the checkpoint in progress
-	// rather than leaving its outcome unknown); the sink's calls get ctx.
-	sinkCtx := ctx
-	ctx = context.WithoutCancel(ctx)
-	// Open checkpoint k: its handle is durable before any Invoke.
-	k := t.last + 1
-	res, err := t.e.Begin(ctx, idem.Request{Scope: t.scope, Client: ckptClient, Seq: k})
-	if err != nil || res.Status != idem.Fresh {
-		releaseAll()
-		if err == nil {
-			err = fmt.Errorf("status %v", res.Status)
-		}
-		return nil, fmt.Errorf("idemstream: two-phase %q: opening checkpoint %d: %w", t.name, k, err)
-	}
-	openClaim := res.Claim
-	t.last = k
-	txn, err := t.sink.BeginTransaction(sinkCtx, k)
-	if err != nil {
-		_ = openClaim.Abort(context.WithoutCancel(ctx))
-		t.last = k - 1
-		releaseAll()
-		return nil, fmt.Errorf("idemstream: two-phase %q: BeginTransaction(%d): %w", t.name, k, err)
-	}
-	frontier := make(map[string]uint64, len(t.frontier)+1)
-	for p, o := range t.frontier {
-		frontier[p] = o
-	}
-	abortTxn := func(cause error) error {
-		actx := context.WithoutCancel(ctx)
-		if err := t.sink.Abort(actx, txn); err != nil {
-			t.log.Warn("idemstream: sink abort failed", "name", t.name, "checkpoint", k, "err", err)
-		}
-		releaseAll()
-		if err := t.record(actx, ckptID("a", k), &markerRecord{K: k, Frontier: t.frontier}, nil); err != nil {
-			// Without the record, recovery must settle checkpoint k
-			// (from its opening record) before another one opens.
-			t.closed = true
-			return fmt.Errorf("%w: %v (and recording the abort: %v)", ErrNeedsRecovery, cause, err)
-		}
-		t.dropPrevious(actx, k)
-		return cause
-	}
-	handle, err := t.encodeHandle(txn)
-	if err == nil {
-		var b []byte
-		b, err = seal(&openRecord{K: k, Handle: handle, Frontier: frontier}, maxSealedBytes)
-		if err == nil {
-			err = openClaim.Commit(ctx, b)
-		}
-	}
-	if err != nil {
-		_ = openClaim.Abort(context.WithoutCancel(ctx))
-		_ = t.sink.Abort(context.WithoutCancel(ctx), txn)
-		releaseAll()
-		t.last = k - 1
-		return nil, fmt.Errorf("idemstream: two-phase %q: recording checkpoint %d's transaction: %w", t.name, k, err)
-	}
-
-	for _, c := range fresh {
-		if err := t.sink.Invoke(sinkCtx, txn, c.ev); err != nil {
-			return nil, abortTxn(fmt.Errorf("idemstream: two-phase %q: checkpoint %d: Invoke(event %q): %w", t.name, k, c.ev.ID, err))
-		}
-		if c.ev.Offset > frontier[c.ev.Partition] {
-			frontier[c.ev.Partition] = c.ev.Offset
-		}
-	}
-	if err := t.hookAt(WindowBeforePreCommit, k); err != nil {
-		return nil, err
-	}
-	if err := t.sink.PreCommit(sinkCtx, txn); err != nil {
-		return nil, abortTxn(fmt.Errorf("idemstream: two-phase %q: checkpoint %d: PreCommit: %w", t.name, k, err))
-	}
-	if err := t.hookAt(WindowAfterPreCommit, k); err != nil {
-		return nil, err
-	}
-	// The checkpoint: pre-committed handle, events, frontier.
-	handle, err = t.encodeHandle(txn)
-	if err != nil {
-		return nil, abortTxn(err)
-	}
-	ids := make([][]byte, len(fresh))
-	for j, c := range fresh {
-		ids[j] = c.ev.ID
-	}
-	b, err := seal(&checkpointRecord{K: k, Handle: handle, Events: ids, Frontier: frontier}, maxSealedBytes)
-	if err != nil {
-		return nil, abortTxn(fmt.Errorf("idemstream: two-phase %q: checkpoint %d: %w", t.name, k, err))
-	}
-	res, err = t.e.Begin(ctx, idem.Request{Scope: t.scope, ID: ckptID("c", k)})
-	if err != nil || res.Status != idem.Fresh {
-		if err == nil {
-			err = fmt.Errorf("status %v", res.Status)
-		}
-		return nil, abortTxn(fmt.Errorf("idemstream: two-phase %q: recording checkpoint %d: %w", t.name, k, err))
-	}
-	if err := res.Claim.Commit(ctx, b); err != nil {
-		// Whether the record is durable is unknown: only recovery may
-		// decide between commit and abort now.
-		t.closed = true
-		return nil, fmt.Errorf("%w: two-phase %q: recording checkpoint %d failed: %v", ErrNeedsRecovery, t.name, k, err)
-	}
-	if err := t.hookAt(WindowAfterCheckpoint, k); err != nil {
-		return nil, err
-	}
-	t.unfinished = &unfinishedCheckpoint{k: k, txn: txn, handle: handle, claims: fresh, frontier: frontier, stage: 1}
-	if err := t.finishUnfinished(ctx); err != nil {
-		return nil, err
-	}
-	for _, c := range fresh {
+		o.outbox = nil
 		for _, i := range c.idx {
-			outs[i] = Outcome{Status: Applied, Partition: c.ev.Partition, Offset: c.ev.Offset, Checkpoint: k}
+			outs[i] = o
 		}
 	}
-	if err := t.hookAt(WindowBeforeAck, k); err != nil {
-		return nil, err
+	if storeErr != nil {
+		t.release(ctx, fresh)
+		return nil, nil, storeErr
 	}
-	return outs, nil
+	return outs, fresh, nil
+}
+
+// release aborts the fresh claims of a checkpoint that does not go on.
+func (t *TwoPhase[Txn]) release(ctx context.Context, fresh []*eventClaim) {
+	fns := make([]func() error, len(fresh))
+	for j, c := range fresh {
+		fns[j] = func() error { return c.claim.Abort(ctx) }
+	}
+	_ = parallel(fns)
+}
+
+// begin claims a coordinator record. It is taken even when ctx has ended:
+// once a checkpoint has started, its records (open, checkpoint, commit or
+// abort mark) must be written, never refused half way. Their Commit and
+// Abort need no such help: a claim's finish is written whatever ctx says.
+func (t *TwoPhase[Txn]) begin(ctx context.Context, req idem.Request) (idem.Result, error) {
+	return t.st.Begin(context.WithoutCancel(ctx), req)
 }
 
 // finishUnfinished commits the sink's transaction of a recorded checkpoint
@@ -742,7 +782,7 @@ func (t *TwoPhase[Txn]) finishUnfinished(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("idemstream: two-phase %q: the sink's commit of recorded checkpoint %d keeps failing (the next Checkpoint or recovery retries it): %w", t.name, u.k, err)
 		}
-		if err := t.hookAt(WindowAfterSinkCommit, u.k); err != nil {
+		if err := t.hookAt(windowAfterSinkCommit, u.k); err != nil {
 			return err
 		}
 		u.stage = 2
@@ -783,7 +823,7 @@ func (t *TwoPhase[Txn]) dropPrevious(ctx context.Context, k uint64) {
 		return
 	}
 	prev := k - 1
-	if err := t.e.Ack(ctx, t.scope, ckptID("c", prev), ckptID("d", prev), ckptID("a", prev)); err != nil {
+	if err := t.st.Ack(ctx, t.scope, ckptID("c", prev), ckptID("d", prev), ckptID("a", prev)); err != nil {
 		t.log.Warn("idemstream: dropping the previous checkpoint's records failed", "name", t.name, "checkpoint", prev, "err", err)
 	}
 }

@@ -4,12 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/idemdb/idem/internal/testclock"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/idemdb/idem/internal/testclock"
 
 	"github.com/idemdb/idem"
 )
@@ -41,7 +42,9 @@ type txnLedger struct {
 	txns       map[uint64]*ltxn
 	committed  map[string]int // event id -> times made visible
 	violations []string
-	failCommit int // Commit fails this many more times
+	failCommit int            // Commit fails this many more times
+	failInvoke string         // Invoke of this event id always fails
+	invokes    map[string]int // Invoke calls per event id
 }
 
 type ltxn struct {
@@ -83,6 +86,13 @@ func (l *txnLedger) Invoke(ctx context.Context, t *ledgerTxn, ev Event) error {
 		if x == nil || x.state != txOpen {
 			l.violate("invoke into txn %d in state %v", t.ID, x)
 			return errors.New("txn not open")
+		}
+		if l.invokes == nil {
+			l.invokes = map[string]int{}
+		}
+		l.invokes[string(ev.ID)]++
+		if string(ev.ID) == l.failInvoke {
+			return errors.New("ledger: row rejected")
 		}
 		x.events = append(x.events, string(ev.ID))
 		return nil
@@ -179,15 +189,15 @@ func (l *txnLedger) check(t *testing.T) {
 	}
 }
 
-func newTwoPhaseWithHook(t *testing.T, ctx context.Context, w *world, l *txnLedger, hook func(Window, uint64) error) (*TwoPhase[*ledgerTxn], RecoveryReport, error) {
+func newTwoPhaseWithHook(t *testing.T, ctx context.Context, w *world, l *txnLedger, hook func(window, uint64) error) (*TwoPhase[*ledgerTxn], RecoveryReport, error) {
 	e := openEngine(t, w.mem, nil)
 	t.Cleanup(func() { e.Close() })
 	// The hook is in place before recovery runs.
 	if err := takeName(e, "sink", "tx"); err != nil {
 		return nil, RecoveryReport{}, err
 	}
-	tp := &TwoPhase[*ledgerTxn]{e: e, name: "tx", scope: twoPhaseScope("tx"), escope: sinkScope("tx"), sink: l,
-		opts: TwoPhaseOptions{MaxHandleSize: 64 << 10, CommitRetries: 3}, log: discardLogger(), frontier: map[string]uint64{}, hook: hook}
+	tp := newTwoPhase[*ledgerTxn](e, "tx", l, TwoPhaseOptions{MaxHandleSize: 64 << 10, CommitRetries: 3})
+	tp.hook = hook
 	rep, err := tp.recover(ctx)
 	if err != nil {
 		releaseName(e, "sink", "tx")
@@ -207,18 +217,18 @@ func newTwoPhaseWithHook(t *testing.T, ctx context.Context, w *world, l *txnLedg
 // effect visible exactly once and nothing lost.
 func TestTwoPhaseCrashWindows(t *testing.T) {
 	type tc struct {
-		crash      Window
-		recovery   Window // also crash during recovery
+		crash      window
+		recovery   window // also crash during recovery
 		wantAction string
 	}
 	cases := []tc{
-		{WindowBeforePreCommit, "", "aborted"},
-		{WindowAfterPreCommit, "", "aborted"},
-		{WindowAfterCheckpoint, "", "committed"},
-		{WindowAfterSinkCommit, "", "committed"},
-		{WindowBeforeAck, "", "finished"},
-		{WindowAfterCheckpoint, WindowDuringRecovery, "committed"},
-		{WindowBeforePreCommit, WindowDuringRecovery, "aborted"},
+		{windowBeforePreCommit, "", "aborted"},
+		{windowAfterPreCommit, "", "aborted"},
+		{windowAfterCheckpoint, "", "committed"},
+		{windowAfterSinkCommit, "", "committed"},
+		{windowBeforeAck, "", "finished"},
+		{windowAfterCheckpoint, windowDuringRecovery, "committed"},
+		{windowBeforePreCommit, windowDuringRecovery, "aborted"},
 	}
 	for _, c := range cases {
 		for _, at := range []uint64{1, 4} {
@@ -233,7 +243,7 @@ func TestTwoPhaseCrashWindows(t *testing.T) {
 				evs := makeEvents(80, 3, 12)
 				b := newMemBroker(w, evs)
 				l := newTxnLedger(w)
-				tp, _, err := newTwoPhaseWithHook(t, ctx, w, l, func(got Window, k uint64) error {
+				tp, _, err := newTwoPhaseWithHook(t, ctx, w, l, func(got window, k uint64) error {
 					if got == c.crash && k == at {
 						return w.crash()
 					}
@@ -243,7 +253,7 @@ func TestTwoPhaseCrashWindows(t *testing.T) {
 					t.Fatal(err)
 				}
 				err = runUntilAcked(ctx, b, func(ctx context.Context, o ConsumeOptions) error {
-					return ConsumeTwoPhase(ctx, b, tp, o)
+					return ConsumeTwoPhase(ctx, b, tp, &o)
 				})
 				if !w.crashed {
 					t.Fatalf("no crash at %s (consumer: %v)", c.crash, err)
@@ -251,7 +261,7 @@ func TestTwoPhaseCrashWindows(t *testing.T) {
 				if c.recovery != "" {
 					w.restart()
 					var n atomic.Int32
-					_, _, err := newTwoPhaseWithHook(t, ctx, w, l, func(got Window, k uint64) error {
+					_, _, err := newTwoPhaseWithHook(t, ctx, w, l, func(got window, k uint64) error {
 						if got == c.recovery && n.Add(1) == 1 {
 							return w.crash()
 						}
@@ -269,11 +279,11 @@ func TestTwoPhaseCrashWindows(t *testing.T) {
 				if rep.LastCheckpoint != at || rep.Action != c.wantAction {
 					t.Fatalf("recovery %+v, want checkpoint %d %s", rep, at, c.wantAction)
 				}
-				if left := mustInDoubt(t, tp.e); len(left) != 0 {
+				if left := mustInDoubt(t, tp.st); len(left) != 0 {
 					t.Fatalf("%d claims in doubt after recovery", len(left))
 				}
 				if err := runUntilAcked(ctx, b, func(ctx context.Context, o ConsumeOptions) error {
-					return ConsumeTwoPhase(ctx, b, tp, o)
+					return ConsumeTwoPhase(ctx, b, tp, &o)
 				}); err != nil {
 					t.Fatal(err)
 				}
@@ -365,7 +375,7 @@ func TestTwoPhaseHandleValidation(t *testing.T) {
 	e := openEngine(t, w.mem, nil)
 	defer e.Close()
 	big := &bigSink{}
-	tp, _, err := NewTwoPhase[*bigTxn](ctx, e, "big", big, TwoPhaseOptions{MaxHandleSize: 128})
+	tp, _, err := NewTwoPhase[*bigTxn](ctx, e, "big", big, &TwoPhaseOptions{MaxHandleSize: 128})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -400,7 +410,7 @@ func TestTwoPhaseRecordsBounded(t *testing.T) {
 	e := openEngine(t, w.mem, clk.Now)
 	defer e.Close()
 	l := newTxnLedger(w)
-	tp, _, err := NewTwoPhase[*ledgerTxn](ctx, e, "tx", l, TwoPhaseOptions{TTL: time.Hour})
+	tp, _, err := NewTwoPhase[*ledgerTxn](ctx, e, "tx", l, &TwoPhaseOptions{TTL: time.Hour})
 	if err != nil {
 		t.Fatal(err)
 	}

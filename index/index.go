@@ -1,5 +1,11 @@
 // Package index holds idem's live dedup set in a Pebble store.
 //
+// It is one of idem's building blocks (with packages wal, snapshot and
+// compaction), published as Pebble publishes its record and sstable
+// packages: the engine, package idem, composes them, and tools use them
+// directly (the idem command opens a private copy of a directory's index
+// with it). Applications use package idem.
+//
 // The store runs with Pebble's own WAL disabled: idem's WAL (package wal) is
 // the source of truth, and every batch this package commits also stores the
 // LSN of the last record it applied. After a crash Pebble comes back with

@@ -6,6 +6,12 @@
 // nothing of the engine: keys and values are opaque bytes (in practice
 // index entry keys and index.EncodeEntry values, in key order).
 //
+// It is one of idem's building blocks (with packages wal, index and
+// compaction), published as Pebble publishes its record and sstable
+// packages: the engine, package idem, composes them, and tools use them
+// directly (the idem command checks every on-disk snapshot with Verify).
+// Applications use package idem (Engine.Snapshot, Restore).
+//
 // All integers are little-endian unless noted; every constant in format.go
 // marked frozen is wire format.
 //

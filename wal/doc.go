@@ -3,6 +3,12 @@
 // files in one directory, written with group commit by a single flusher
 // goroutine. All file I/O goes through pebble's vfs.FS.
 //
+// It is one of idem's building blocks (with packages index, snapshot and
+// compaction), published as Pebble publishes its record and sstable
+// packages: the engine, package idem, composes them, and tools use them
+// directly (the idem command reads a directory's log with Scan, which never
+// writes). Applications use package idem.
+//
 // # Files
 //
 // A segment is named fmt.Sprintf("%020d.wal", firstLSN), where firstLSN is

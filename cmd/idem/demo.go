@@ -416,7 +416,7 @@ func (o *demoOpts) finish(c *cli, eng *idem.Engine, store demoStore, plan []demo
 	for _, l := range ledger {
 		executed[l.ID] = l.Reply
 	}
-	doubts, err := eng.InDoubt(context.Background(), "")
+	doubts, err := eng.InDoubt(ctx, "") // every scope: the demo uses one
 	if err != nil {
 		return err
 	}
@@ -530,12 +530,13 @@ func (o *demoOpts) check(c *cli, eng *idem.Engine, store demoStore, plan []demoR
 		}
 	}
 	var stored []string
+	ctx := context.Background()
 	for i := range plan {
 		id := plan[i].id
 		if _, ok := got[id]; !ok {
 			lost = append(lost, id)
 		}
-		res, err := eng.Lookup(context.Background(), idem.Request{Scope: demoScope, ID: []byte(id)})
+		res, err := eng.Lookup(ctx, idem.Request{Scope: demoScope, ID: []byte(id)})
 		if err != nil {
 			return err
 		}

@@ -30,11 +30,15 @@ it works while an application has the directory open).
   idem dump <dir>         both: the WAL, then the index
 
 Ids are printed as text when they are printable ASCII, else as 0x<hex>.
+Scopes written by an integration are printed in its words:
+idemhttp(actor=alice) for the key space idemhttp gives actor alice,
+idemgrpc(actor=bob,fields=[t1]) for an idemgrpc scope; --json keeps the raw
+scope and adds those words as "integration". --scope takes either form.
 Times are RFC 3339 in UTC. With --json every record and entry is one JSON
 object per line, with "kind" set to "record" or "entry".
 
 The index shown is the index files plus the WAL records they have not
-applied yet, replayed onto a private copy exactly as Open would; --stored
+applied yet, replayed onto a private copy by Open's own recovery code; --stored
 shows the files as they are. The filters apply to both parts: records are
 matched on their own time and LSN, entries on their commit (or claim) time
 and on the LSN of their last change.`,
@@ -137,6 +141,7 @@ type recordOut struct {
 	Type        string   `json:"type"`
 	Time        string   `json:"time"`
 	Scope       string   `json:"scope"`
+	Integration string   `json:"integration,omitempty"` // the scope in its integration's words (scopeWords)
 	ID          string   `json:"id,omitempty"`
 	Client      string   `json:"client,omitempty"`
 	Seq         uint64   `json:"seq,omitempty"`
@@ -182,6 +187,9 @@ func (o *dumpOpts) dumpWAL(c *cli, w *bufio.Writer, dir string) error {
 			return nil
 		}
 		out.Time, out.Scope, out.Client, out.Seq = fmtTime(op.Time), op.Scope, op.Client, op.Seq
+		if o.json { // text output shows it in place of the scope
+			out.Integration = scopeWords(op.Scope)
+		}
 		if len(op.ID) > 0 {
 			out.ID = readable(op.ID)
 		}
@@ -189,7 +197,7 @@ func (o *dumpOpts) dumpWAL(c *cli, w *bufio.Writer, dir string) error {
 			out.Acked = append(out.Acked, readable(a))
 		}
 		for _, a := range op.Advances { // commit-advance, advance
-			out.Advanced = append(out.Advanced, fmt.Sprintf("scope %s client %s to %d", readableText([]byte(a.Scope)), readableText([]byte(a.Client)), a.Seq))
+			out.Advanced = append(out.Advanced, fmt.Sprintf("scope %s client %s to %d", showScope(a.Scope), readableText([]byte(a.Client)), a.Seq))
 		}
 		switch op.Type {
 		case wal.OpClaim:
@@ -237,7 +245,7 @@ func writeRecord(w io.Writer, asJSON bool, r *recordOut) error {
 	} else {
 		fmt.Fprintf(&b, " time=%s", r.Time)
 		if r.Type != "forget" && r.Type != "expire" && r.Type != "advance" {
-			fmt.Fprintf(&b, " scope=%s", readableText([]byte(r.Scope)))
+			fmt.Fprintf(&b, " scope=%s", showScope(r.Scope))
 		}
 		if r.ID != "" {
 			fmt.Fprintf(&b, " id=%s", readableText([]byte(r.ID)))
@@ -297,6 +305,7 @@ func writeJSONLine(w io.Writer, v any) error {
 type entryOut struct {
 	Kind             string `json:"kind"`
 	Scope            string `json:"scope"`
+	Integration      string `json:"integration,omitempty"` // the scope in its integration's words (scopeWords)
 	ID               string `json:"id,omitempty"`
 	Client           string `json:"client,omitempty"`
 	State            string `json:"state"`
@@ -328,7 +337,7 @@ func entryState(e *index.Entry) string {
 }
 
 func makeEntryOut(scope string, mode byte, ident []byte, e *index.Entry) *entryOut {
-	out := &entryOut{Kind: "entry", Scope: scope, State: entryState(e), LSN: uint64(e.LSN)}
+	out := &entryOut{Kind: "entry", Scope: scope, Integration: scopeWords(scope), State: entryState(e), LSN: uint64(e.LSN)}
 	if mode == index.ModeID {
 		out.ID = readable(ident)
 	} else {
@@ -410,7 +419,7 @@ func writeEntry(w io.Writer, asJSON bool, e *entryOut) error {
 		return writeJSONLine(w, e)
 	}
 	var b strings.Builder
-	fmt.Fprintf(&b, "entry scope=%s", readableText([]byte(e.Scope)))
+	fmt.Fprintf(&b, "entry scope=%s", showScope(e.Scope))
 	if e.Client != "" {
 		fmt.Fprintf(&b, " client=%s", readableText([]byte(e.Client)))
 	} else {

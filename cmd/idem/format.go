@@ -9,16 +9,16 @@ import (
 	"strings"
 	"time"
 
+	"github.com/idemdb/idem/idemgrpc"
+	"github.com/idemdb/idem/idemhttp"
 	"github.com/idemdb/idem/wal"
 )
 
 // readable renders an id, scope or client name: as text when every byte is
 // printable ASCII, else as 0x followed by hex.
 func readable(b []byte) string {
-	for _, c := range b {
-		if c < 0x20 || c > 0x7e {
-			return "0x" + hex.EncodeToString(b)
-		}
+	if !printable(string(b)) {
+		return "0x" + hex.EncodeToString(b)
 	}
 	return string(b)
 }
@@ -96,7 +96,7 @@ type filter struct {
 // register adds the shared filter flags to fs.
 func (f *filter) register(fs *flag.FlagSet) {
 	f.fs = fs
-	fs.StringVar(&f.scopeS, "scope", "", "only this `scope` (exact; use --scope '' for the empty scope)")
+	fs.StringVar(&f.scopeS, "scope", "", "only this `scope`: exact, or as printed for an integration's scope (--scope 'idemhttp(actor=alice)'); --scope '' is the empty scope")
 	fs.StringVar(&f.idS, "id", "", "only ids starting with `prefix` (text, or 0x... for hex)")
 	fs.StringVar(&f.client, "client", "", "only this sequence-mode `client`")
 	fs.Uint64Var(&f.fromLSN, "from-lsn", 0, "only LSNs >= `n`")
@@ -149,7 +149,7 @@ func (f *filter) timeOK(ns int64) bool {
 // keyOK checks scope, id and client filters against one identity. ids is
 // every id the item names (a record's id and its acked ids).
 func (f *filter) keyOK(scope string, hasScope bool, ids [][]byte, client string) bool {
-	if f.scopeSet && (!hasScope || scope != f.scopeVal) {
+	if f.scopeSet && (!hasScope || scope != f.scopeVal && (f.scopeVal == "" || scopeWords(scope) != f.scopeVal)) {
 		return false
 	}
 	if f.idSet {
@@ -183,4 +183,80 @@ func (f *filter) describe() string {
 		parts = append(parts, "client="+f.client)
 	}
 	return strings.Join(parts, " ")
+}
+
+// scopeWords renders a scope written by one of idem's integrations in that
+// integration's own terms, as a single token ("" for any other scope):
+//
+//	idemhttp(actor=alice)               idemhttp.ScopeFor("", "alice")
+//	idemhttp(prefix=api,shared)         the shared key space of a middleware with ScopePrefix "api"
+//	idemhttp(actor-sha256=3f1c...)      an actor too long to keep verbatim
+//	idemgrpc(actor=bob,fields=[t1])     idemgrpc.EncodeScope("", "bob", "t1")
+//
+// idemhttp's scopes are recognised by idemhttp.ParseKey, idemgrpc's by
+// idemgrpc.DecodeScope; the latter are binary (length-prefixed fields), so
+// a scope that is printable text is never taken for one.
+func scopeWords(scope string) string {
+	var parts []string
+	add := func(k, v string) {
+		if k == "" {
+			parts = append(parts, v)
+			return
+		}
+		parts = append(parts, k+"="+readableText([]byte(v)))
+	}
+	var kind string
+	if info, ok := idemhttp.ParseKey(scope, []byte("k")); ok { // any valid key: only the scope is parsed
+		kind = "idemhttp"
+		if info.Prefix != "" {
+			add("prefix", info.Prefix)
+		}
+		switch {
+		case info.Actor == "":
+			add("", "shared")
+		case info.ActorHashed:
+			add("actor-sha256", info.Actor)
+		default:
+			add("actor", info.Actor)
+		}
+	} else if !printable(scope) {
+		prefix, actor, fields, err := idemgrpc.DecodeScope(scope)
+		if err != nil {
+			return ""
+		}
+		kind = "idemgrpc"
+		if prefix != "" {
+			add("prefix", prefix)
+		}
+		add("actor", actor)
+		if len(fields) > 0 {
+			q := make([]string, len(fields))
+			for i, f := range fields {
+				q[i] = readableText([]byte(f))
+			}
+			parts = append(parts, "fields=["+strings.Join(q, ",")+"]")
+		}
+	} else {
+		return ""
+	}
+	return kind + "(" + strings.Join(parts, ",") + ")"
+}
+
+// showScope renders a scope for text output: in its integration's words
+// when an integration wrote it (scopeWords), else as readableText.
+func showScope(scope string) string {
+	if w := scopeWords(scope); w != "" {
+		return w
+	}
+	return readableText([]byte(scope))
+}
+
+// printable says whether every byte of s is printable ASCII.
+func printable(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] < 0x20 || s[i] > 0x7e {
+			return false
+		}
+	}
+	return true
 }

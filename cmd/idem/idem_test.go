@@ -535,11 +535,60 @@ func TestHelp(t *testing.T) {
 			fs := flag.NewFlagSet(c.name, flag.ContinueOnError)
 			c.setup(fs)
 			fs.VisitAll(func(f *flag.Flag) {
-				if !strings.HasPrefix(f.Usage, "(hidden)") && !strings.Contains(o, "--"+f.Name) {
-					t.Errorf("idem help %s does not explain --%s", c.name, f.Name)
+				if !strings.HasPrefix(f.Usage, "(hidden)") && !strings.Contains(o, "\n  "+flagSpelling(f.Name)) {
+					t.Errorf("idem help %s does not explain %s", c.name, flagSpelling(f.Name))
 				}
 			})
 		}
+	}
+}
+
+// TestHelpFlagsMatchExamples: every flag an example uses is listed under
+// Flags exactly as the example writes it (idem snapshot listed "--o file"
+// while its examples said "-o").
+func TestHelpFlagsMatchExamples(t *testing.T) {
+	// shown returns the flags a command's --help lists, as it writes them.
+	shown := func(name string) map[string]bool {
+		o, _ := wantCode(t, 0, name, "--help")
+		_, flags, ok := strings.Cut(o, "\nFlags:\n")
+		if !ok {
+			return nil
+		}
+		flags, _, _ = strings.Cut(flags, "\nExamples:")
+		m := map[string]bool{}
+		for _, line := range strings.Split(flags, "\n") {
+			if strings.HasPrefix(line, "  -") {
+				m[strings.Fields(line)[0]] = true
+			}
+		}
+		return m
+	}
+	checked := 0
+	for _, c := range commands {
+		for _, ex := range c.examples {
+			ex, _, _ = strings.Cut(ex, "#") // a comment
+			// Each idem command of a pipeline or list, against its own flags.
+			for _, part := range regexp.MustCompile(`\|\||&&|[|;]`).Split(ex, -1) {
+				words := strings.Fields(part)
+				if len(words) < 2 || words[0] != "idem" || lookupCommand(words[1]) == nil {
+					continue
+				}
+				flags := shown(words[1])
+				for _, w := range words[2:] {
+					w, _, _ = strings.Cut(w, "=")
+					if !strings.HasPrefix(w, "-") || w == "-" || regexp.MustCompile(`^-[0-9]`).MatchString(w) {
+						continue // an argument, standard input/output or a negative number
+					}
+					checked++
+					if !flags[w] {
+						t.Errorf("idem %s: the example %q uses %s, but --help lists %v", words[1], ex, w, flags)
+					}
+				}
+			}
+		}
+	}
+	if checked < 20 {
+		t.Fatalf("only %d flags found in the examples: the parsing is broken", checked)
 	}
 }
 

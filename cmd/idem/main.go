@@ -152,7 +152,11 @@ func exitCode(c *cli, cmd *command, err error) int {
 		fmt.Fprintf(c.stderr, "idem %s: %s (run 'idem help %s')\n", cmd.name, oneLine(ue.msg), cmd.name)
 		return 2
 	default:
-		fmt.Fprintf(c.stderr, "idem %s: %s\n", cmd.name, oneLine(err.Error()))
+		msg := err.Error()
+		if nd := (*notIdemDirError)(nil); errors.As(err, &nd) {
+			msg = nd.message(cmd.name)
+		}
+		fmt.Fprintf(c.stderr, "idem %s: %s\n", cmd.name, oneLine(msg))
 		return 1
 	}
 }
@@ -234,6 +238,15 @@ Exit status: 0 success, 1 failure or failed check, 2 usage error.
 `)
 }
 
+// flagSpelling is how help and examples write a flag: -o for a one-letter
+// name, --json for a longer one (the flag package accepts both forms).
+func flagSpelling(name string) string {
+	if len(name) == 1 {
+		return "-" + name
+	}
+	return "--" + name
+}
+
 func printCommandHelp(w io.Writer, cmd *command) {
 	fmt.Fprintf(w, "Usage: idem %s", cmd.name)
 	if cmd.args != "" {
@@ -254,7 +267,7 @@ func printCommandHelp(w io.Writer, cmd *command) {
 		for _, n := range names {
 			f := fs.Lookup(n)
 			arg, usage := flag.UnquoteUsage(f)
-			head := "  --" + f.Name
+			head := "  " + flagSpelling(f.Name)
 			if arg != "" {
 				head += " " + arg
 			}

@@ -20,13 +20,16 @@ var statsCmd = &command{
 Summarises an idem directory without changing it (no lock is taken; it works
 while an application has the directory open):
 
-  - live entries by state (in flight, committed, replies kept) and by scope;
+  - live entries by state (in flight, committed, replies kept) and by scope
+    (a scope written by idemhttp or idemgrpc in its words, such as
+    idemhttp(actor=alice); --json adds them as "integration");
   - the age of the kept replies, by commit time;
   - WAL segments, their bytes, the first and last LSN, a torn tail if any;
   - the index's size on disk, the LSN it has applied, its forget mark.
 
 The entry counts include the WAL records the index files have not applied
-yet, replayed onto a private copy as Open would (--stored: the files only).`,
+yet, replayed onto a private copy by Open's own recovery code (--stored:
+the files only).`,
 	examples: []string{
 		"idem stats /var/lib/app/idem",
 		"idem stats /var/lib/app/idem --json | jq .entries",
@@ -47,10 +50,11 @@ type statsOpts struct {
 }
 
 type scopeStats struct {
-	Scope     string `json:"scope"`
-	Entries   int64  `json:"entries"`
-	InFlight  int64  `json:"in_flight"`
-	Committed int64  `json:"committed"`
+	Scope       string `json:"scope"`
+	Integration string `json:"integration,omitempty"` // the scope in its integration's words (scopeWords)
+	Entries     int64  `json:"entries"`
+	InFlight    int64  `json:"in_flight"`
+	Committed   int64  `json:"committed"`
 }
 
 type ageBucket struct {
@@ -89,6 +93,9 @@ type statsOut struct {
 		ForgetBefore  string `json:"forget_before,omitempty"`
 		ForgetLSN     uint64 `json:"forget_lsn,omitempty"`
 		Replayed      int    `json:"replayed_records"`
+		// SeededFrom is the snapshot an empty index was loaded from before
+		// the replay, as Open would.
+		SeededFrom string `json:"seeded_from,omitempty"`
 	} `json:"index"`
 }
 
@@ -119,7 +126,7 @@ func (o *statsOpts) run(c *cli, pos []string) error {
 		}
 		sc := scopes[scope]
 		if sc == nil {
-			sc = &scopeStats{Scope: scope}
+			sc = &scopeStats{Scope: scope, Integration: scopeWords(scope)}
 			scopes[scope] = sc
 		}
 		s.Entries.Total++
@@ -188,7 +195,7 @@ func (o *statsOpts) run(c *cli, pos []string) error {
 	if m := ri.ix.Mark(); m.LSN != 0 {
 		s.Index.ForgetBefore, s.Index.ForgetLSN = fmtTime(m.Before), uint64(m.LSN)
 	}
-	s.Index.Replayed = ri.replayed
+	s.Index.Replayed, s.Index.SeededFrom = ri.replayed, ri.seeded
 	if o.json {
 		return writeJSONLine(c.stdout, &s)
 	}
@@ -210,13 +217,22 @@ func (o *statsOpts) print(w io.Writer, s *statsOut) {
 		e.Total, e.InFlight, e.Committed, e.RepliesKept, humanBytes(e.ReplyBytes))
 	fmt.Fprintf(w, "             %d ids, %d sequence-mode clients\n", e.IDs, e.Clients)
 	if len(s.ByScope) > 0 {
-		fmt.Fprintf(w, "by scope     %-24s %10s %10s %10s\n", "scope", "entries", "in-flight", "committed")
-		for i, sc := range s.ByScope {
-			if i == o.top {
-				fmt.Fprintf(w, "             ... and %d more scopes (--top, --json)\n", len(s.ByScope)-o.top)
-				break
-			}
-			fmt.Fprintf(w, "             %-24s %10d %10d %10d\n", readableText([]byte(sc.Scope)), sc.Entries, sc.InFlight, sc.Committed)
+		shown := s.ByScope
+		if o.top >= 0 && o.top < len(shown) {
+			shown = shown[:o.top]
+		}
+		names := make([]string, len(shown))
+		width := 24 // the scope column: as wide as the longest shown, up to 64
+		for i, sc := range shown {
+			names[i] = showScope(sc.Scope)
+			width = max(width, min(len(names[i]), 64))
+		}
+		fmt.Fprintf(w, "by scope     %-*s %10s %10s %10s\n", width, "scope", "entries", "in-flight", "committed")
+		for i, sc := range shown {
+			fmt.Fprintf(w, "             %-*s %10d %10d %10d\n", width, names[i], sc.Entries, sc.InFlight, sc.Committed)
+		}
+		if len(shown) < len(s.ByScope) {
+			fmt.Fprintf(w, "             ... and %d more scopes (--top, --json)\n", len(s.ByScope)-len(shown))
 		}
 	}
 	fmt.Fprintf(w, "reply age   ")

@@ -12,6 +12,7 @@ import (
 	"github.com/cockroachdb/pebble/v2"
 	"github.com/cockroachdb/pebble/v2/vfs"
 	"github.com/idemdb/idem/index"
+	"github.com/idemdb/idem/internal/recovery"
 	"github.com/idemdb/idem/snapshot"
 	"github.com/idemdb/idem/wal"
 )
@@ -26,8 +27,9 @@ while an application has the directory open):
 
   1. every frame of every WAL segment (checksum, length, LSN sequence,
      padding) and every record's payload;
-  2. the index files: the WAL records they have not applied are replayed
-     onto a private copy, as Open would, and must apply cleanly;
+  2. the index files: Open's own recovery (the same code, run read-only on
+     a private copy) must succeed: the WAL must continue the index, and the
+     records the index has not applied must apply cleanly;
   3. the whole WAL is replayed from LSN 1 into a fresh in-memory index, which
      must equal the index entry by entry (missing, extra and different
      entries are named by scope and id), with the same entry count and
@@ -90,11 +92,11 @@ func describeOp(op *wal.Op) string {
 	case op.Type == wal.OpAdvance:
 		return fmt.Sprintf("advance of %d clients", len(op.Advances))
 	case len(op.ID) > 0:
-		return fmt.Sprintf("scope %s id %s", readableText([]byte(op.Scope)), readableText(op.ID))
+		return fmt.Sprintf("scope %s id %s", showScope(op.Scope), readableText(op.ID))
 	case op.Client != "":
-		return fmt.Sprintf("scope %s client %s seq %d", readableText([]byte(op.Scope)), readableText([]byte(op.Client)), op.Seq)
+		return fmt.Sprintf("scope %s client %s seq %d", showScope(op.Scope), readableText([]byte(op.Client)), op.Seq)
 	}
-	return fmt.Sprintf("scope %s", readableText([]byte(op.Scope)))
+	return fmt.Sprintf("scope %s", showScope(op.Scope))
 }
 
 func describeKey(key []byte) string {
@@ -103,9 +105,9 @@ func describeKey(key []byte) string {
 		return "unparsable key 0x" + hex.EncodeToString(key)
 	}
 	if mode == index.ModeID {
-		return fmt.Sprintf("scope %s id %s", readableText([]byte(scope)), readableText(ident))
+		return fmt.Sprintf("scope %s id %s", showScope(scope), readableText(ident))
 	}
-	return fmt.Sprintf("scope %s client %s", readableText([]byte(scope)), readableText(ident))
+	return fmt.Sprintf("scope %s client %s", showScope(scope), readableText(ident))
 }
 
 func (v *verifier) run(c *cli, pos []string) error {
@@ -131,79 +133,96 @@ func (v *verifier) run(c *cli, pos []string) error {
 	}
 	defer fresh.Close(false)
 
-	files, _, err := listWAL(dir)
+	firstLSN, err := recovery.FirstLSN(dirFS, filepath.Join(dir, "wal"))
 	if err != nil {
 		return err
 	}
-	firstLSN := walFirstLSN(files)
 	// The fresh index starts empty when the log starts at LSN 1, else from
-	// the newest valid snapshot that reaches the log's start.
-	freshRep := fresh.NewReplayer()
+	// the newest valid snapshot that reaches the log's start, loaded by
+	// Open's own code.
 	var freshBase wal.LSN
-	freshFrom := "the whole WAL"
+	freshFrom, seedNote := "the whole WAL", false
 	if firstLSN > 1 {
-		path, lsn, err := seedFromSnapshot(dir, fresh, firstLSN)
+		info, err := recovery.Seed(dirFS, dir, fresh, firstLSN, nil)
 		if err != nil {
-			fmt.Fprintf(c.stdout, "note      %v, so the index cannot be rebuilt independently: the entry-by-entry comparison is skipped; frames, the records after the index and the index structure are checked\n", err)
-			freshRep = nil
+			fmt.Fprintf(c.stdout, "note      the WAL starts at LSN %d and the index cannot be rebuilt independently (%v): the entry-by-entry comparison is skipped; frames, the records after the index and the index structure are checked\n", firstLSN, err)
+			seedNote = true
 		} else {
-			freshBase, freshFrom = lsn, fmt.Sprintf("snapshot %s (LSN %d) plus the WAL after it", filepath.Base(path), lsn)
+			freshBase, freshFrom = wal.LSN(info.LSN), fmt.Sprintf("snapshot %s (LSN %d) plus the WAL after it", filepath.Base(info.Path), info.LSN)
 		}
 	}
-	var applied wal.LSN
-	var copyRep *index.Replayer
-	if ic != nil {
-		if firstLSN > 1 && ic.ix.Applied() == 0 && ic.ix.Count() == 0 {
-			// As Open: an empty index starts from the newest snapshot.
-			if _, _, err := seedFromSnapshot(dir, ic.ix, firstLSN); err != nil {
-				v.problem("index", "the index is empty and cannot be rebuilt: %v", err)
-			}
-		}
-		applied = ic.ix.Applied()
-		copyRep = ic.ix.NewReplayer()
-		if firstLSN > 1 && applied < firstLSN-1 {
-			v.problem("index", "the index has applied LSN %d but the WAL starts at LSN %d: records %d..%d are in neither", applied, firstLSN, applied+1, firstLSN-1)
-			copyRep = nil
-		}
+	var freshRep *index.Replayer
+	if !seedNote {
+		freshRep = fresh.NewReplayer()
 	}
+
+	// One pass over the whole WAL checks every frame and payload, feeds the
+	// fresh replay and, as the Scan of Open's recovery run on the index
+	// copy, feeds that recovery the records after the copy's applied LSN.
 	records, undecodable := 0, 0
-	scan, err := scanWAL(c, dir, 0, "verify", func(r wal.Record) error {
-		records++
-		op, err := wal.DecodeOp(r.Type, r.Payload)
-		if err != nil {
-			undecodable++
-			v.problem("wal", "segment %s offset %d LSN %d: undecodable %s record: %v", r.Segment, r.Offset, r.LSN, wal.OpName(r.Type), err)
-			freshRep, copyRep = nil, nil // replaying past a lost record proves nothing
+	var scan wal.ScanResult
+	var scanErr error
+	scanned := false
+	pass := func(after wal.LSN, copyFn func(wal.Record) error) (wal.ScanResult, error) {
+		scanned = true
+		var copyErr error
+		scan, scanErr = scanWAL(c, dir, 0, "verify", func(r wal.Record) error {
+			records++
+			op, err := wal.DecodeOp(r.Type, r.Payload)
+			if err != nil {
+				undecodable++
+				v.problem("wal", "segment %s offset %d LSN %d: undecodable %s record: %v", r.Segment, r.Offset, r.LSN, wal.OpName(r.Type), err)
+				freshRep = nil // replaying past a lost record proves nothing
+				if copyFn != nil && r.LSN > after {
+					copyFn, copyErr = nil, errReported // reported just now
+				}
+				return nil
+			}
+			if freshRep != nil && r.LSN > freshBase {
+				if err := freshRep.ApplyOp(r.LSN, op); err != nil {
+					v.problem("wal", "segment %s offset %d LSN %d (%s %s): does not replay: %v", r.Segment, r.Offset, r.LSN, wal.OpName(r.Type), describeOp(op), err)
+					freshRep = nil
+				}
+			}
+			if copyFn != nil && r.LSN > after {
+				if err := copyFn(r); err != nil {
+					copyFn, copyErr = nil, fmt.Errorf("LSN %d (%s %s): %w", r.LSN, wal.OpName(r.Type), describeOp(op), err)
+				}
+			}
 			return nil
+		})
+		if scanErr != nil {
+			return scan, scanErr
 		}
-		if freshRep != nil && r.LSN > freshBase {
-			if err := freshRep.ApplyOp(r.LSN, op); err != nil {
-				v.problem("wal", "segment %s offset %d LSN %d (%s %s): does not replay: %v", r.Segment, r.Offset, r.LSN, wal.OpName(r.Type), describeOp(op), err)
-				freshRep = nil
-			}
+		return scan, copyErr
+	}
+	copyOK, replayed := false, 0
+	if ic != nil {
+		res, err := recovery.Recover(recovery.Options{FS: dirFS, Dir: dir, Index: ic.ix, IndexDir: filepath.Join(dir, "index"), Scan: pass})
+		switch {
+		case err == nil:
+			copyOK, replayed = true, res.Replayed
+		case errors.Is(err, errReported), scanErr != nil && errors.Is(err, scanErr):
+			// reported by the pass (the WAL's problem)
+		default:
+			v.problem("index", "Open's recovery fails on it: %v", err)
 		}
-		if copyRep != nil && r.LSN > applied {
-			if err := copyRep.ApplyOp(r.LSN, op); err != nil {
-				v.problem("index", "segment %s offset %d LSN %d (%s %s): does not apply onto the index: %v", r.Segment, r.Offset, r.LSN, wal.OpName(r.Type), describeOp(op), err)
-				copyRep = nil
-			}
+	}
+	if !scanned { // no index copy, or its recovery stopped before the WAL
+		pass(0, nil)
+	}
+	if freshRep != nil {
+		if err := freshRep.Flush(); err != nil {
+			return err
 		}
-		return nil
-	})
-	walOK := err == nil
-	if err != nil {
+	}
+	walOK := scanErr == nil
+	if scanErr != nil {
 		var ce *wal.CorruptError
-		if errors.As(err, &ce) {
+		if errors.As(scanErr, &ce) {
 			v.problem("wal", "segment %s offset %d: %s", ce.Segment, ce.Offset, ce.Reason)
 		} else {
-			v.problem("wal", "%v", err)
-		}
-	}
-	for _, rep := range []*index.Replayer{freshRep, copyRep} {
-		if rep != nil {
-			if err := rep.Flush(); err != nil {
-				return err
-			}
+			v.problem("wal", "%v", scanErr)
 		}
 	}
 	walBytes := int64(0)
@@ -219,17 +238,16 @@ func (v *verifier) run(c *cli, pos []string) error {
 	if ic == nil {
 		return v.verdict()
 	}
-	if walOK && scan.LastLSN < applied {
-		v.problem("index", "the index has applied LSN %d but the WAL ends at LSN %d (WAL segments lost?)", applied, scan.LastLSN)
-	}
-	if copyRep != nil && walOK {
-		v.ok("index", "applied LSN %d in the files; %d later records replayed onto a copy, as Open would: ok", ic.stored.applied, scan.LastLSN-min(scan.LastLSN, applied))
+	if copyOK {
+		v.ok("index", "applied LSN %d in the files; %d later records replayed onto a copy by Open's own recovery: ok", ic.stored.applied, replayed)
 	}
 	switch {
-	case freshRep == nil && firstLSN > 1:
+	case seedNote:
 		// said above
-	case freshRep == nil || copyRep == nil || !walOK:
+	case freshRep == nil || !walOK || undecodable > 0:
 		fmt.Fprintf(c.stdout, "note      the entry-by-entry comparison was skipped: the WAL could not be replayed to its end\n")
+	case !copyOK:
+		fmt.Fprintf(c.stdout, "note      the entry-by-entry comparison was skipped: Open's recovery of the index failed (above)\n")
 	default:
 		if err := guard(func() error { v.compare(fresh, ic.ix, freshFrom); return nil }); err != nil {
 			v.problem("index", "%v", err)
@@ -243,7 +261,7 @@ func (v *verifier) run(c *cli, pos []string) error {
 
 // snapshots checks every on-disk snapshot file, end to end.
 func (v *verifier) snapshots(dir string) {
-	infos, err := snapshot.List(vfs.Default, filepath.Join(dir, "snapshot"))
+	infos, err := snapshot.List(dirFS, filepath.Join(dir, "snapshot"))
 	if err != nil {
 		v.problem("snapshot", "%v", err)
 		return
@@ -253,7 +271,7 @@ func (v *verifier) snapshots(dir string) {
 	}
 	bad := 0
 	for _, in := range infos {
-		if _, _, err := snapshot.Verify(vfs.Default, in.Path); err != nil {
+		if _, _, err := snapshot.Verify(dirFS, in.Path); err != nil {
 			bad++
 			v.problem("snapshot", "%v (Open would fall back to an older snapshot)", err)
 		}

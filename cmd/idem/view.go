@@ -12,9 +12,11 @@ package main
 // deleted by a compaction between the two steps makes the copy fail to open,
 // and the copy is retried. The engine keeps Pebble's WAL disabled and flushes
 // its memtable only from time to time, so the copy is a prefix of what the
-// engine applied: the commands replay the WAL records after the copy's
-// applied LSN onto it, exactly as Open would, unless asked for the stored
-// state (--stored).
+// engine applied: the commands bring the copy up to the end of the WAL with
+// Open's own recovery code (package recovery, run read-only: the directory
+// is read through recovery.ReadOnlyFS, the WAL with wal.Scan), unless asked
+// for the stored state (--stored). So what they show is what Open would
+// find, and they never write into the directory.
 
 import (
 	"cmp"
@@ -25,16 +27,25 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 
 	"github.com/cockroachdb/pebble/v2/vfs"
 	"github.com/idemdb/idem/index"
-	"github.com/idemdb/idem/snapshot"
+	"github.com/idemdb/idem/internal/recovery"
 	"github.com/idemdb/idem/wal"
 )
 
-// checkIdemDir fails with a one-line error unless dir is an idem directory.
+// dirFS is how the read-only commands read an idem directory: a view that
+// refuses every change (recovery.ReadOnlyFS), so that they cannot write
+// into it. Only the private index copy (openIndexCopy) is written.
+var dirFS = recovery.ReadOnlyFS(vfs.Default)
+
+// checkIdemDir fails with a one-line error unless dir is an idem directory
+// (the directory given to idem.Open: see isIdemDir). An
+// application's data directory is usually not one, its engine lives in a
+// subdirectory (<dir>/idem in the examples, <dir>/dedup/gen-N under
+// idemraft), so the error (a *notIdemDirError) says where it looked and
+// names the idem directories found inside dir, or the one dir is part of.
 func checkIdemDir(dir string) error {
 	st, err := os.Stat(dir)
 	if errors.Is(err, fs.ErrNotExist) {
@@ -46,11 +57,111 @@ func checkIdemDir(dir string) error {
 	if !st.IsDir() {
 		return fmt.Errorf("%s is not a directory", dir)
 	}
-	st, err = os.Stat(filepath.Join(dir, "wal"))
-	if err != nil || !st.IsDir() {
-		return fmt.Errorf("%s is not an idem directory (it has no wal/ subdirectory)", dir)
+	if isIdemDir(dir) {
+		return nil
 	}
-	return nil
+	e := &notIdemDirError{dir: dir}
+	if parent := filepath.Dir(filepath.Clean(dir)); isIdemDir(parent) {
+		switch filepath.Base(filepath.Clean(dir)) {
+		case "wal", "index", "snapshot":
+			e.parent = parent
+		}
+	}
+	if e.parent == "" {
+		e.found, e.more = findIdemDirs(dir)
+	}
+	return e
+}
+
+// isIdemDir says whether dir is an idem directory: it holds a wal/
+// subdirectory and either the LOCK file Open creates or a WAL segment (a
+// source checkout of idem has a wal/ directory too).
+func isIdemDir(dir string) bool {
+	st, err := os.Stat(filepath.Join(dir, "wal"))
+	if err != nil || !st.IsDir() {
+		return false
+	}
+	if _, err := os.Stat(filepath.Join(dir, "LOCK")); err == nil {
+		return true
+	}
+	first, err := recovery.FirstLSN(dirFS, filepath.Join(dir, "wal"))
+	return err == nil && first > 0
+}
+
+// Bounds of findIdemDirs: how deep it looks, how many directories it reads
+// and how many idem directories it names.
+const (
+	findDepth   = 3
+	findVisits  = 2000
+	findResults = 5
+)
+
+// findIdemDirs returns the idem directories under dir (not descending into
+// them), breadth first and sorted within a level, at most findResults of
+// them (more says there were others).
+func findIdemDirs(dir string) (found []string, more bool) {
+	level, visits := []string{dir}, 0
+	for depth := 0; depth < findDepth && len(level) > 0; depth++ {
+		var next []string
+		for _, d := range level {
+			if visits++; visits > findVisits {
+				return found, more
+			}
+			ents, err := os.ReadDir(d)
+			if err != nil {
+				continue
+			}
+			for _, e := range ents {
+				if !e.IsDir() {
+					continue
+				}
+				p := filepath.Join(d, e.Name())
+				if !isIdemDir(p) {
+					next = append(next, p)
+				} else if len(found) < findResults {
+					found = append(found, p)
+				} else {
+					more = true
+				}
+			}
+		}
+		level = next
+	}
+	return found, more
+}
+
+// notIdemDirError is a directory argument that is not an idem directory.
+type notIdemDirError struct {
+	dir    string
+	parent string   // the idem directory dir is the wal/, index/ or snapshot/ of
+	found  []string // idem directories inside dir
+	more   bool     // and more than those
+}
+
+func (e *notIdemDirError) Error() string { return e.message("") }
+
+// message describes the error; with the command's name it suggests running
+// the command on the idem directory when there is exactly one.
+func (e *notIdemDirError) message(cmd string) string {
+	msg := fmt.Sprintf("%s is not an idem directory: there is no WAL in %s", e.dir, filepath.Join(e.dir, "wal"))
+	target := ""
+	switch {
+	case e.parent != "":
+		msg += fmt.Sprintf("; it is the %s/ subdirectory of the idem directory %s", filepath.Base(filepath.Clean(e.dir)), e.parent)
+		target = e.parent
+	case len(e.found) == 1 && !e.more:
+		msg += fmt.Sprintf("; the idem directory inside it is %s", e.found[0])
+		target = e.found[0]
+	case len(e.found) > 0:
+		msg += fmt.Sprintf("; idem directories inside it: %s", strings.Join(e.found, ", "))
+		if e.more {
+			msg += ", ..."
+		}
+	}
+	if target != "" && cmd != "" {
+		msg += fmt.Sprintf(": run 'idem %s %s'", cmd, target)
+	}
+	return msg
 }
 
 // oneDir checks that exactly one positional argument, an idem directory,
@@ -65,26 +176,13 @@ func oneDir(pos []string) (string, error) {
 	return pos[0], checkIdemDir(pos[0])
 }
 
-// writerActive reports whether an engine holds dir's lock. It takes the
-// lock the way the engine does (vfs.Default.Lock on <dir>/LOCK) and releases
-// it at once. It never creates the LOCK file: without one no engine has the
-// directory open.
-//
-// POSIX record locks belong to a process, so this probe only means something
-// from another process than the writer's, which is how idem runs. In the same
-// process Pebble's registry of locked names answers instead (as long as the
-// directory is spelled the same way).
+// writerActive reports whether an engine holds dir's lock (the POSIX record
+// lock the engine takes on <dir>/LOCK). It asks without taking the lock and
+// without creating or touching the LOCK file (see lockHeld): without one no
+// engine has the directory open. When it cannot tell, it says no.
 func writerActive(dir string) bool {
-	p := filepath.Join(dir, "LOCK")
-	if _, err := os.Stat(p); err != nil {
-		return false
-	}
-	l, err := vfs.Default.Lock(p)
-	if err != nil {
-		return true
-	}
-	_ = l.Close()
-	return false
+	held, err := lockHeld(filepath.Join(dir, "LOCK"))
+	return err == nil && held
 }
 
 // noteWriter prints, when an engine has dir open, that what is shown may be
@@ -309,7 +407,7 @@ func scanWAL(c *cli, dir string, after wal.LSN, label string, fn func(wal.Record
 	}
 	defer p.finish()
 	n := 0
-	return wal.Scan(vfs.Default, filepath.Join(dir, "wal"), after, 0, func(r wal.Record) error {
+	return wal.Scan(dirFS, filepath.Join(dir, "wal"), after, 0, func(r wal.Record) error {
 		if n++; p != nil && n%256 == 0 {
 			p.set(bases[r.Segment] + r.Offset)
 		}
@@ -329,49 +427,8 @@ func walError(err error) error {
 	return err
 }
 
-// walFirstLSN returns the first LSN of the oldest segment in files (0 when
-// there is none): segments are named by their first LSN.
-func walFirstLSN(files []walFile) wal.LSN {
-	for _, f := range files {
-		if f.segment {
-			n, err := strconv.ParseUint(f.name[:20], 10, 64)
-			if err == nil {
-				return wal.LSN(n)
-			}
-		}
-	}
-	return 0
-}
-
-// seedFromSnapshot does what Open does for an empty index in front of a WAL
-// whose head was removed by compaction: it loads the newest valid on-disk
-// snapshot (read-only) into ix. It returns the snapshot's path and LSN.
-func seedFromSnapshot(dir string, ix *index.Index, first wal.LSN) (string, wal.LSN, error) {
-	sr, info, closer, err := snapshot.OpenNewestValid(vfs.Default, filepath.Join(dir, "snapshot"), nil)
-	if err != nil {
-		return "", 0, fmt.Errorf("the WAL starts at LSN %d and no valid snapshot is available: %w", first, err)
-	}
-	defer closer.Close()
-	if wal.LSN(info.LSN)+1 < first {
-		return "", 0, fmt.Errorf("the newest valid snapshot %s (LSN %d) does not reach the WAL's first LSN %d", info.Path, info.LSN, first)
-	}
-	h := sr.Header()
-	err = ix.Load(wal.LSN(h.LSN), index.Mark{Before: h.ForgetBefore, LSN: wal.LSN(h.ForgetLSN)},
-		func() ([]byte, []byte, bool, error) {
-			k, v, err := sr.Next()
-			if errors.Is(err, io.EOF) {
-				return nil, nil, false, nil
-			}
-			return k, v, err == nil, err
-		})
-	if err != nil {
-		return "", 0, fmt.Errorf("loading snapshot %s: %w", info.Path, err)
-	}
-	return info.Path, wal.LSN(h.LSN), nil
-}
-
-// replayedIndex is an index copy brought up to the end of the WAL, as Open
-// would (or left as stored).
+// replayedIndex is an index copy brought up to the end of the WAL by Open's
+// own recovery (package recovery), or left as stored.
 type replayedIndex struct {
 	*indexCopy
 	scan     wal.ScanResult
@@ -381,50 +438,40 @@ type replayedIndex struct {
 	base     wal.LSN
 }
 
-// loadIndex copies dir's index and, unless stored, replays the WAL tail
-// onto it (after loading the newest snapshot into it first if the index is
-// empty and the WAL no longer starts at LSN 1, as Open does).
+// loadIndex copies dir's index and, unless stored, runs Open's recovery on
+// the copy, read-only (recovery.Recover: an empty index is loaded from the
+// newest snapshot when the WAL no longer starts at LSN 1, and the WAL
+// records after the index's applied LSN are replayed onto it).
 func loadIndex(c *cli, dir string, stored bool, label string) (*replayedIndex, error) {
 	ic, err := openIndexCopy(dir)
 	if err != nil {
 		return nil, err
 	}
 	ri := &replayedIndex{indexCopy: ic, asStored: stored, base: ic.stored.applied}
-	files, _, err := listWAL(dir)
-	if err != nil {
-		ic.close()
-		return nil, err
-	}
-	if first := walFirstLSN(files); !stored && first > 1 && ic.ix.Applied() == 0 && ic.ix.Count() == 0 {
-		if ri.seeded, ri.base, err = seedFromSnapshot(dir, ic.ix, first); err != nil {
+	if stored {
+		ri.scan, err = scanWAL(c, dir, ri.base, label, nil)
+		if err != nil {
 			ic.close()
-			return nil, err
+			return nil, walError(err)
 		}
+		return ri, nil
 	}
-	var rep *index.Replayer
-	if !stored {
-		rep = ic.ix.NewReplayer()
-	}
-	ri.scan, err = scanWAL(c, dir, ri.base, label, func(r wal.Record) error {
-		if rep == nil {
-			return nil
-		}
-		ri.replayed++
-		if err := rep.Apply(r.LSN, r.Type, r.Payload); err != nil {
-			return fmt.Errorf("replaying the WAL onto the index: segment %s offset %d: %w", r.Segment, r.Offset, err)
-		}
-		return nil
+	res, err := recovery.Recover(recovery.Options{
+		FS:       dirFS,
+		Dir:      dir,
+		Index:    ic.ix,
+		IndexDir: filepath.Join(dir, "index"),
+		Scan: func(after wal.LSN, fn func(wal.Record) error) (wal.ScanResult, error) {
+			return scanWAL(c, dir, after, label, fn)
+		},
 	})
-	if err == nil && rep != nil {
-		err = rep.Flush()
-	}
 	if err != nil {
 		ic.close()
 		return nil, walError(err)
 	}
-	if ri.scan.LastLSN < ri.base {
-		ic.close()
-		return nil, fmt.Errorf("corrupt directory: the index has applied LSN %d but the WAL ends at LSN %d (WAL segments lost?)", ri.base, ri.scan.LastLSN)
+	ri.scan, ri.replayed, ri.base = res.Scan, res.Replayed, res.Base
+	if res.Seeded != nil {
+		ri.seeded = res.Seeded.Path
 	}
 	return ri, nil
 }

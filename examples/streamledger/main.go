@@ -35,6 +35,7 @@ import (
 
 	"github.com/idemdb/idem"
 	"github.com/idemdb/idem/idemstream"
+	idemjs "github.com/idemdb/idem/idemstream/jetstream"
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -270,7 +271,7 @@ func child(dir, url string) error {
 		balance += n
 		return idemstream.Effect{Result: []byte(strconv.FormatInt(balance, 10))}, nil
 	}
-	sink, err := idemstream.NewSink(ctx, e, "ledger", idemstream.SinkOptions{
+	sink, err := idemstream.NewSink(ctx, e, "ledger", &idemstream.SinkOptions{
 		TTL: 24 * time.Hour,
 		// An event left in doubt by the kill: did its row reach the ledger?
 		Recover: func(ctx context.Context, d idemstream.InDoubtEvent) (idemstream.Resolution, error) {
@@ -299,7 +300,10 @@ func child(dir, url string) error {
 	if err != nil {
 		return err
 	}
-	src := idemstream.NewJetStreamSource(cons, idemstream.JetStreamOptions{FetchWait: 200 * time.Millisecond, IDHeader: "Event-Id"})
+	src, err := idemjs.NewSource(cons, &idemjs.Options{FetchWait: 200 * time.Millisecond, IDHeader: "Event-Id"})
+	if err != nil {
+		return err
+	}
 	// Stop once JetStream has nothing left for the consumer.
 	go func() {
 		for ctx.Err() == nil {
@@ -310,7 +314,7 @@ func child(dir, url string) error {
 			time.Sleep(100 * time.Millisecond)
 		}
 	}()
-	err = idemstream.Consume(ctx, src, sink, post, idemstream.ConsumeOptions{BatchSize: 64})
+	err = idemstream.Consume(ctx, src, sink, post, &idemstream.ConsumeOptions{BatchSize: 64})
 	if err != nil && !errors.Is(err, context.Canceled) {
 		return err
 	}

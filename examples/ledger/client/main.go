@@ -73,15 +73,21 @@ func run(addr, token, client, ns, vault, stateDir string, drop bool, timeout tim
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+token)
-	ints := []grpc.UnaryClientInterceptor{idemgrpc.UnaryClientInterceptor(idemgrpc.RetryOptions{
+	// The retrying client: each attempt bounded (PerAttemptTimeout), a
+	// new connection after an attempt that timed out, keepalive.
+	dialOpts, err := idemgrpc.DialOptions(&idemgrpc.RetryOptions{
 		OnRetry: func(method string, attempt int, err error, delay time.Duration) {
 			fmt.Fprintf(os.Stderr, "attempt %d of %s failed (%v); retrying in %v with the same sequence\n", attempt, method, status.Code(err), delay.Round(time.Millisecond))
 		},
-	})}
-	if drop {
-		ints = append(ints, dropFirst())
+	})
+	if err != nil {
+		return err
 	}
-	cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithChainUnaryInterceptor(ints...))
+	dialOpts = append(dialOpts, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if drop {
+		dialOpts = append(dialOpts, grpc.WithChainUnaryInterceptor(dropFirst())) // inside the retries
+	}
+	cc, err := grpc.NewClient(addr, dialOpts...)
 	if err != nil {
 		return err
 	}
@@ -96,7 +102,12 @@ func run(addr, token, client, ns, vault, stateDir string, drop bool, timeout tim
 		if err != nil {
 			return nil, nil, err
 		}
-		return idemgrpc.NewTracker(client, fs, idemgrpc.ServiceState(cc)), func() { fs.Close() }, nil
+		tr, err := idemgrpc.NewTracker(client, fs, idemgrpc.ServiceState(cc), nil)
+		if err != nil {
+			fs.Close()
+			return nil, nil, err
+		}
+		return tr, func() { fs.Close() }, nil
 	}
 	switch cmd := args[0]; cmd {
 	case "write", "batch":

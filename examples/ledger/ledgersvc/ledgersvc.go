@@ -68,7 +68,7 @@ func Identify(_ context.Context, req proto.Message) (idemgrpc.Identity, error) {
 	return idemgrpc.Identity{Client: r.GetClientId(), Seq: r.GetSequence(), Scope: Scope(r.GetNamespaceId(), r.GetVaultId())}, nil
 }
 
-// Methods is the idemgrpc.Config.Methods of the ledger.
+// Methods is the idemgrpc.Options.Methods of the ledger.
 func Methods() map[string]idemgrpc.IdentifyFunc {
 	return map[string]idemgrpc.IdentifyFunc{MethodWrite: Identify, MethodBatchWrite: Identify}
 }

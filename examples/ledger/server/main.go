@@ -47,7 +47,7 @@ func main() {
 		log.Error("listen", "err", err)
 		os.Exit(1)
 	}
-	srv, err := ledgersvc.Start(*dir, lis, ledgersvc.Options{Tokens: tokens, TTL: *ttl, Logger: log})
+	srv, err := ledgersvc.Start(*dir, lis, &ledgersvc.Options{Tokens: tokens, TTL: *ttl, Logger: log})
 	if err != nil {
 		log.Error("start", "err", err)
 		os.Exit(1)
