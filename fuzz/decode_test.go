@@ -8,7 +8,6 @@ import (
 	"io"
 	"maps"
 	"reflect"
-	"runtime"
 	"slices"
 	"sort"
 	"strings"
@@ -19,6 +18,7 @@ import (
 	"github.com/cockroachdb/pebble/v2/vfs"
 	"github.com/idemdb/idem"
 	"github.com/idemdb/idem/index"
+	"github.com/idemdb/idem/internal/alloctest"
 	"github.com/idemdb/idem/internal/testclock"
 	"github.com/idemdb/idem/snapshot"
 	"github.com/idemdb/idem/wal"
@@ -29,18 +29,17 @@ import (
 // allocate more than a fixed bound (the format's largest legitimate
 // object) plus a small multiple of its input.
 
-// allocCheck measures what f allocates.
+// allocCheck fails t if f allocates more than fixed plus 32 bytes per
+// byte of input plus 1 MiB of slack. f may run several times
+// (alloctest.Check: a breach is confirmed by running f again, so that the
+// fuzzing engine's and other goroutines' allocations cannot fail it): it
+// must start from the same state each time.
 func allocCheck(t *testing.T, what string, input int, fixed uint64, f func()) {
 	t.Helper()
-	var ms runtime.MemStats
-	runtime.ReadMemStats(&ms)
-	before := ms.TotalAlloc
-	f()
-	runtime.ReadMemStats(&ms)
-	if got, limit := ms.TotalAlloc-before, fixed+uint64(32*input)+(1<<20); got > limit {
-		t.Fatalf("%s allocated %d bytes for %d bytes of input (limit %d)", what, got, input, limit)
-	}
+	alloctest.Check(t, what, allocLimit(input, fixed), f)
 }
+
+func allocLimit(input int, fixed uint64) uint64 { return fixed + uint64(32*input) + 1<<20 }
 
 // sample is real on-disk data written by the engine: the seeds of the
 // decoder targets.
@@ -330,6 +329,7 @@ func FuzzWALScan(f *testing.F) {
 		var res wal.ScanResult
 		var err error
 		allocCheck(t, "Scan", len(data), 2<<20, func() {
+			lsns, payloads = nil, nil
 			res, err = wal.Scan(fs, "wal", 0, 1<<20, func(r wal.Record) error {
 				lsns = append(lsns, r.LSN)
 				payloads = append(payloads, bytes.Clone(r.Payload))
@@ -470,6 +470,7 @@ func FuzzSnapshotDecode(f *testing.F) {
 		var n uint64
 		readOK, lying := false, false
 		allocCheck(t, "snapshot reader", len(data), 64<<20, func() {
+			n, readOK, lying = 0, false, false
 			r, err := snapshot.NewReader(bytes.NewReader(data))
 			if err != nil {
 				if !errors.Is(err, snapshot.ErrCorrupt) {
@@ -562,16 +563,16 @@ func restoreBaseline(t *testing.T) uint64 {
 			t.Fatal(err)
 		}
 		for i := 0; i < 3; i++ {
-			var ms runtime.MemStats
-			runtime.ReadMemStats(&ms)
-			before := ms.TotalAlloc
-			e, err := idem.Restore("r", bytes.NewReader(buf.Bytes()), &idem.Options{FS: vfs.NewMem(), SegmentSize: 4 << 10})
-			runtime.ReadMemStats(&ms)
+			var e *idem.Engine
+			var err error
+			n := alloctest.Measure(func() {
+				e, err = idem.Restore("r", bytes.NewReader(buf.Bytes()), &idem.Options{FS: vfs.NewMem(), SegmentSize: 4 << 10})
+			})
 			if err != nil {
 				t.Fatal(err)
 			}
 			e.Close()
-			baseline = max(baseline, ms.TotalAlloc-before)
+			baseline = max(baseline, n)
 		}
 	})
 	return baseline
@@ -658,8 +659,12 @@ func FuzzRestore(f *testing.F) {
 		}
 		clk := testclock.New()
 		var e *idem.Engine
-		allocCheck(t, "Restore", buf.Len(), 2*restoreBaseline(t), func() {
+		alloctest.CheckUndo(t, "Restore", allocLimit(buf.Len(), 2*restoreBaseline(t)), func() (undo func()) {
 			e, err = idem.Restore("r", bytes.NewReader(buf.Bytes()), &idem.Options{FS: vfs.NewMem(), Clock: clk.Now, Retention: time.Hour, SegmentSize: 4 << 10})
+			if err != nil {
+				return nil
+			}
+			return func() { e.Close() }
 		})
 		if err != nil {
 			if !errors.Is(err, idem.ErrCorrupt) {

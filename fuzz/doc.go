@@ -12,9 +12,11 @@
 //   - TestCrashAtEverySyncPoint: fixed programs with a crash image taken at
 //     every fsync, each image recovered and checked.
 //   - TestMaxEntriesEvictionCrash: capacity eviction under crashes.
-//   - TestFaultSweep (and TestFaultSweepIndex, opt-in): EIO and ENOSPC
-//     injected with vfs/errorfs at the 1st, 2nd, ... write, sync, create,
-//     rename and remove until a run completes.
+//   - TestFaultSweep (and TestFaultSweepIndex for the index's files, one
+//     child process per fault point, run with IDEM_FUZZ_INDEX_FAULTS: every
+//     point, or every N-th in CI): EIO and ENOSPC injected with
+//     vfs/errorfs at the 1st, 2nd, ... write, sync, create, rename and
+//     remove until a run completes.
 //   - TestWALByteFlipsAndTruncations: every single-byte flip and every
 //     truncation of a small WAL.
 //   - TestSIGKILL: a child process killed with SIGKILL at random moments.

@@ -4,8 +4,9 @@ import (
 	"bytes"
 	"errors"
 	"io"
-	"runtime"
 	"testing"
+
+	"github.com/idemdb/idem/internal/alloctest"
 )
 
 // FuzzReader feeds arbitrary bytes to the Reader: it must never panic,
@@ -24,41 +25,36 @@ func FuzzReader(f *testing.F) {
 	f.Add([]byte(headerMagic))
 	f.Add([]byte{})
 	f.Fuzz(func(t *testing.T, data []byte) {
-		var ms runtime.MemStats
-		runtime.ReadMemStats(&ms)
-		before := ms.TotalAlloc
-		r, err := NewReader(bytes.NewReader(data))
-		if err != nil {
-			if !errors.Is(err, ErrCorrupt) {
-				t.Fatalf("NewReader: %v is not ErrCorrupt", err)
-			}
-			return
-		}
-		var prev []byte
-		var n uint64
-		for {
-			k, _, err := r.Next()
-			if err == io.EOF {
-				if r.Trailer().Count != n {
-					t.Fatalf("trailer count %d, read %d", r.Trailer().Count, n)
-				}
-				break
-			}
+		alloctest.Check(t, "Reader", uint64(maxRaw+8*len(data)+1<<20), func() {
+			r, err := NewReader(bytes.NewReader(data))
 			if err != nil {
 				if !errors.Is(err, ErrCorrupt) {
-					t.Fatalf("Next: %v is not ErrCorrupt", err)
+					t.Fatalf("NewReader: %v is not ErrCorrupt", err)
 				}
-				break
+				return
 			}
-			if n > 0 && bytes.Compare(k, prev) <= 0 {
-				t.Fatalf("key %x after %x", k, prev)
+			var prev []byte
+			var n uint64
+			for {
+				k, _, err := r.Next()
+				if err == io.EOF {
+					if r.Trailer().Count != n {
+						t.Fatalf("trailer count %d, read %d", r.Trailer().Count, n)
+					}
+					return
+				}
+				if err != nil {
+					if !errors.Is(err, ErrCorrupt) {
+						t.Fatalf("Next: %v is not ErrCorrupt", err)
+					}
+					return
+				}
+				if n > 0 && bytes.Compare(k, prev) <= 0 {
+					t.Fatalf("key %x after %x", k, prev)
+				}
+				prev = append(prev[:0], k...)
+				n++
 			}
-			prev = append(prev[:0], k...)
-			n++
-		}
-		runtime.ReadMemStats(&ms)
-		if got, limit := ms.TotalAlloc-before, uint64(maxRaw+8*len(data)+1<<20); got > limit {
-			t.Fatalf("allocated %d bytes for %d bytes of input (limit %d)", got, len(data), limit)
-		}
+		})
 	})
 }
