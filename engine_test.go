@@ -626,8 +626,8 @@ func TestDoAbortsOnErrorAndPanic(t *testing.T) {
 	}
 }
 
-// TestWaitSeq: WaitSeq blocks while the client's request is in flight and
-// returns what LookupSeq then says: the reply after a commit, Absent after
+// TestWaitSeq: Wait of a sequence number blocks while the client's request is in flight and
+// returns what Lookup then says: the reply after a commit, Absent after
 // an abort; a request not in flight returns at once; ctx bounds the wait.
 func TestWaitSeq(t *testing.T) {
 	e := openMem(t, vfs.NewMem(), nil)

@@ -236,7 +236,7 @@ func runProgramWith(data []byte, st *counters, setup func(*runner)) (end time.Ti
 // Restore, Compact, Close/reopen, in-doubt resolution, time passing, crashes
 // between steps and inside fsyncs) against the reference model. After every
 // step, and after every crash recovery, the engine's whole observable state
-// (Lookup of every id, ClientState and LookupSeq of every client, InDoubt)
+// (Lookup of every id, ClientState and sequence-mode Lookup of every client, InDoubt)
 // must equal the model's; inside a step it must equal the state before or
 // after the step. That covers the invariants: committed replies survive
 // exactly, no id is Fresh while committed or in doubt, acked / forgotten /

@@ -615,7 +615,7 @@ func encodeEntries(keys, values [][]byte) []byte {
 // checksums) whose entries are the fuzzer's: keys and values that may not
 // parse, entries that break the state machine's invariants. Restore must
 // refuse what does not parse with ErrCorrupt; whatever it accepts, the
-// engine must answer Lookup, LookupSeq, ClientState, InDoubt, Begin and
+// engine must answer Lookup (ids and sequences), ClientState, InDoubt, Begin and
 // Compact about every key without panicking, with an answer or an error.
 func FuzzRestore(f *testing.F) {
 	s := getSample(f)

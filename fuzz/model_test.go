@@ -289,7 +289,7 @@ func (m *model) compact(now int64) {
 	}
 }
 
-// lookup predicts Lookup (mode id) or LookupSeq (mode client).
+// lookup predicts Lookup of an id (mode id) or of a sequence number (mode client).
 func (m *model) lookup(k mkey, seq uint64, now int64) expect {
 	e, ok := m.ents[k]
 	if !ok {
@@ -364,7 +364,7 @@ func resObs(r idem.Result) string {
 	return resultString(r.Status, r.Reply, at, lease, r.Seq)
 }
 
-// observeModel is what every Lookup, LookupSeq, ClientState and InDoubt
+// observeModel is what every Lookup (ids and sequences), ClientState and InDoubt
 // must answer in state m at time now.
 func observeModel(m *model, now int64) map[string]string {
 	out := map[string]string{}
