@@ -15,14 +15,14 @@ import (
 // testCluster is n nodes on loopback, with listeners bound by the test
 // (a restarted node binds its old addresses again, as a real restart does).
 type testCluster struct {
-	t     *testing.T
+	t     testing.TB
 	dir   string
 	nodes map[string]*Node
 	opts  map[string]*NodeOptions
 	addrs []string
 }
 
-func listen(t *testing.T) net.Listener {
+func listen(t testing.TB) net.Listener {
 	t.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -31,7 +31,7 @@ func listen(t *testing.T) net.Listener {
 	return l
 }
 
-func newTestCluster(t *testing.T, n int) *testCluster {
+func newTestCluster(t testing.TB, n int) *testCluster {
 	t.Helper()
 	tc := &testCluster{t: t, dir: t.TempDir(), nodes: map[string]*Node{}, opts: map[string]*NodeOptions{}}
 	peers := map[string]string{}
