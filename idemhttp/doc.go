@@ -80,9 +80,16 @@
 // # Failures
 //
 //   - A 5xx from the handler releases the key (the store's claim is
-//     aborted): the 5xx is sent, and a retry runs the handler again.
-//   - A panic in the handler releases the key and goes on to net/http
-//     (which drops the connection; http.ErrAbortHandler included).
+//     aborted): the 5xx is sent, and a retry runs the handler again. That
+//     is the Idempotency-Key service's rule, and Options.NoEffect's
+//     default: a 5xx certifies that nothing happened. A handler whose
+//     failure may follow its side effect says so with Options.NoEffect
+//     (false for that status): the 5xx is then stored and replayed like
+//     any response, and the handler never runs twice for the key.
+//   - A panic in the handler counts as a 500: it releases the key (or,
+//     when NoEffect(500) is false, keeps it as handled: retries get
+//     IDEMPOTENCY_RESPONSE_NOT_STORED) and goes on to net/http (which
+//     drops the connection; http.ErrAbortHandler included).
 //   - The client goes away or the request's context ends: the handler keeps
 //     running (as net/http handlers do); if it still writes a response, that
 //     response is stored and retries get it. If it returns without writing

@@ -321,8 +321,13 @@ func (h *handler) run(w http.ResponseWriter, r *http.Request, key string, body [
 		if returned {
 			return
 		}
-		// The handler panicked: release the key (a retry runs again) and
-		// let the panic go on to net/http.
+		// The handler panicked: a 500 for Options.NoEffect. Release the
+		// key (a retry runs again), or keep it as handled when a 500 may
+		// follow the side effect; the panic goes on to net/http.
+		if !h.c.noEffect(http.StatusInternalServerError) {
+			h.commitNotStored(r, key, claim, http.StatusInternalServerError)
+			return
+		}
 		if err := claim.Abort(ctx); err != nil {
 			h.logStore(r, key, "releasing the key of a handler that panicked", err)
 		}
@@ -343,8 +348,9 @@ func (h *handler) finish(w http.ResponseWriter, r *http.Request, key string, rec
 			h.logStore(r, key, "releasing the key of a canceled request", err)
 		}
 		writeError(w, http.StatusServiceUnavailable, CodeCanceled, detailCanceled, key, h.c.retryAfter)
-	case status >= 500:
-		// A failed request releases its key: the retry runs again.
+	case status >= 500 && h.c.noEffect(status):
+		// A failed request that had no effect releases its key: the retry
+		// runs again. (One that may have had effects is stored below.)
 		if err := claim.Abort(ctx); err != nil {
 			h.logStore(r, key, "releasing the key of a failed request", err)
 		}

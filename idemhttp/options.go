@@ -83,6 +83,18 @@ type Options struct {
 	// answer at once, as the Idempotency-Key service does.
 	WaitInFlight time.Duration
 
+	// NoEffect reports whether a handler's 5xx response certifies that
+	// the request had no effect. Then the key is released and a retry runs
+	// the handler again: the Idempotency-Key service's rule (an error
+	// deletes the record; clients retry a 5xx with the same key), which
+	// the default, DefaultNoEffect, keeps for every 5xx. A handler whose
+	// failure may come after its side effect (a 500 after the payment went
+	// out) returns false for that status: the response is then stored and
+	// replayed to retries like any other, so the handler never runs twice
+	// for the key. A panic counts as a 500: when NoEffect(500) is false the
+	// key is kept as handled and retries get IDEMPOTENCY_RESPONSE_NOT_STORED.
+	NoEffect func(status int) bool
+
 	// MaxAckedKeys bounds the keys accepted in one Idempotency-Acked-Keys
 	// header (default 64, at most 4096; more keys in a request is a 400).
 	// Negative: the header is ignored.
@@ -93,6 +105,10 @@ type Options struct {
 	// Default slog.Default().
 	Logger *slog.Logger
 }
+
+// DefaultNoEffect is Options.NoEffect's default: every 5xx releases its
+// key (the Idempotency-Key service's rule).
+func DefaultNoEffect(status int) bool { return status >= 500 }
 
 const (
 	defaultTTL          = time.Hour
@@ -112,6 +128,7 @@ type config struct {
 	prefix         string
 	shared         string // scope of the shared space
 	fingerprint    func(*http.Request, []byte) []byte
+	noEffect       func(status int) bool
 	requireKey     bool
 	conflictStatus int
 	maxRequest     int64
@@ -135,6 +152,7 @@ func newConfig(o *Options) (*config, error) {
 		actor:          o.Actor,
 		prefix:         o.ScopePrefix,
 		fingerprint:    o.Fingerprint,
+		noEffect:       o.NoEffect,
 		requireKey:     o.RequireKey,
 		conflictStatus: o.ConflictStatus,
 		maxRequest:     o.MaxRequestBytes,
@@ -165,6 +183,9 @@ func newConfig(o *Options) (*config, error) {
 	c.shared = ScopeFor(c.prefix, "")
 	if c.fingerprint == nil {
 		c.fingerprint = DefaultFingerprint
+	}
+	if c.noEffect == nil {
+		c.noEffect = DefaultNoEffect
 	}
 	switch c.conflictStatus {
 	case 0:
