@@ -356,3 +356,49 @@ func TestClusterSequenceReplyWindow(t *testing.T) {
 		t.Fatalf("retry of seq 1 within the window: %+v %v", r, err)
 	}
 }
+
+// A node removed from the cluster leaves the configuration, and the two
+// left go on; a client with FollowerReads reads from the node it asks.
+func TestClusterRemoveAndFollowerReads(t *testing.T) {
+	tc := newTestCluster(t, 3)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	c := dial(t, tc, "app")
+	if _, err := idem.Do(ctx, c, idem.Request{ID: []byte("before")}, func(context.Context) ([]byte, error) { return []byte("b"), nil }); err != nil {
+		t.Fatal(err)
+	}
+	// A follower read from each node eventually sees the commit.
+	for i, addr := range tc.addrs {
+		fc, err := Dial(ctx, []string{addr}, &Options{FollowerReads: true, AttemptTimeout: time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for {
+			r, err := fc.Lookup(ctx, idem.Request{ID: []byte("before")})
+			if err == nil && r.Status == idem.Done {
+				break
+			}
+			if ctx.Err() != nil {
+				t.Fatalf("node %d never answered the follower read: %+v %v", i+1, r, err)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+		fc.Close()
+	}
+	leader := tc.leader(30 * time.Second)
+	victim := "n1"
+	if victim == leader {
+		victim = "n2"
+	}
+	if err := c.Remove(ctx, victim); err != nil {
+		t.Fatalf("remove %s: %v", victim, err)
+	}
+	f := tc.nodes[leader].Raft().GetConfiguration()
+	if err := f.Error(); err != nil || len(f.Configuration().Servers) != 2 {
+		t.Fatalf("configuration after removing %s: %+v %v", victim, f.Configuration(), err)
+	}
+	tc.stop(victim)
+	if _, err := idem.Do(ctx, c, idem.Request{ID: []byte("after")}, func(context.Context) ([]byte, error) { return []byte("a"), nil }); err != nil {
+		t.Fatalf("a write with two nodes left: %v", err)
+	}
+}
