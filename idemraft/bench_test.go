@@ -8,11 +8,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/hashicorp/raft"
 	"github.com/idemdb/idem"
 )
 
 // BenchmarkReplicated measures replicated requests/s of a 3-node
-// in-process cluster (raft's in-memory transport and stores), 64
+// in-process cluster (raft's in-memory transport and stores, BatchApplyCh
+// on, so that the leader appends and every FSM applies in batches), 64
 // concurrent callers applying on the leader: "bare" applies the
 // application's operations directly, "idemraft" wraps the FSM and sends
 // each operation as a Command with a fresh id.
@@ -27,7 +29,9 @@ func BenchmarkReplicated(b *testing.B) {
 		b.Run(name, func(b *testing.B) {
 			// Long timeouts: on a loaded machine a starved heartbeat must not
 			// cost the leader (the bare run would lose it just the same).
-			c := newCluster(b, 3, clusterOpts{wrap: wrap, timeout: time.Second, engine: &idem.Options{}}) // engine defaults
+			// Engine defaults; the application is the plain counterFSM on
+			// every node, as in the bare run.
+			c := newCluster(b, 3, clusterOpts{wrap: wrap, timeout: time.Second, engine: &idem.Options{}, plainApps: true})
 			l := c.waitLeader(10 * time.Second)
 			r, _, _, _ := l.current()
 			var next atomic.Int64
@@ -89,6 +93,36 @@ func BenchmarkFSMApply(b *testing.B) {
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		fd.apply(cmds[i])
+	}
+}
+
+// BenchmarkFSMApplyBatch is BenchmarkFSMApply through ApplyBatch, in
+// batches of 64 and 512 fresh requests (what raft hands a BatchingFSM
+// under load: one AppendedAt per batch); ns/op is per entry.
+func BenchmarkFSMApplyBatch(b *testing.B) {
+	for _, size := range []int{64, 512} {
+		b.Run(strconv.Itoa(size), func(b *testing.B) {
+			app := newCounterFSM()
+			f, err := Wrap(app, &Options{Dir: b.TempDir()})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer f.Close()
+			logs := make([]*raft.Log, b.N)
+			for i := range logs {
+				id := "req-" + strconv.Itoa(i)
+				c, _ := Command(idem.Request{ID: []byte(id)}, encodeOp(counterOp{ID: id, Key: "k", Delta: 1}))
+				logs[i] = &raft.Log{Index: uint64(i + 1), Term: 1, Type: raft.LogCommand, Data: c, AppendedAt: t0.Add(time.Duration(i/size) * time.Millisecond)}
+			}
+			b.ResetTimer()
+			for i := 0; i < b.N; i += size {
+				for _, r := range f.ApplyBatch(logs[i:min(i+size, b.N)]) {
+					if resp := r.(*Response); resp.Err != nil || resp.Duplicate {
+						b.Fatalf("%+v", resp)
+					}
+				}
+			}
+		})
 	}
 }
 

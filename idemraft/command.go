@@ -16,9 +16,18 @@ import (
 // own entries pass through untouched unless they begin with exactly this.
 const commandMagic = "\xc1idemraf"
 
+// The kind byte after commandMagic. These values are frozen: a log holds
+// entries written by every earlier version, and a reader refuses a kind it
+// does not know (ErrInvalidCommand, the same on every replica) rather than
+// guess at its body.
 const (
-	kindCommand byte = 1
-	kindForget  byte = 2
+	kindCommand byte = 1 // a request without a reply window: wireCommand
+	kindForget  byte = 2 // the administrator's tombstone: Unix ns
+	// kindWindowCommand is a request with a reply window
+	// (Request.KeepReplies, KeepRepliesFor): wireWindowCommand. Command
+	// writes it only when a window is given, so that entries without one
+	// stay readable by an idemraft from before it.
+	kindWindowCommand byte = 3
 )
 
 // MaxCommandSize bounds a log entry built by Command (64 MiB), far above
@@ -57,28 +66,61 @@ type wireCommand struct {
 	Op          []byte
 }
 
+// wireWindowCommand is the body of a kindWindowCommand entry: the fields
+// of wireCommand, then the reply window. As for wireCommand, the decoder
+// takes exactly these fields.
+type wireWindowCommand struct {
+	_msgpack       struct{} `msgpack:",as_array"`
+	Scope          string
+	ID             []byte
+	Client         string
+	Seq            uint64
+	Fingerprint    []byte
+	Acked          [][]byte
+	TTL            int64 // nanoseconds
+	Op             []byte
+	KeepReplies    int64
+	KeepRepliesFor int64 // nanoseconds
+}
+
 // Command returns the data of a raft log entry that carries req (id or
-// client and sequence number, scope, fingerprint, acked ids, TTL) and the
+// client and sequence number, scope, fingerprint, acked ids, TTL, and in
+// sequence mode the reply window KeepReplies and KeepRepliesFor) and the
 // application's operation op. Submit it with raft's Apply; the wrapped
 // FSM's Apply receives op as Log.Data the first time the request is
 // applied, and never again.
 //
 // It refuses requests the engine would refuse whatever its state (neither
-// or both of ID and Client/Seq), so a malformed request never costs a log
-// append.
+// or both of ID and Client/Seq, a reply window out of range or with an
+// ID), so a malformed request never costs a log append.
+//
+// A request with a reply window is written with a kind of entry of its own
+// (docs/design.md, "idemraft"), which an idemraft from before it refuses
+// (ErrInvalidCommand) rather than apply without the window: upgrade every
+// node before clients send windows.
 func Command(req idem.Request, op []byte) ([]byte, error) {
 	if err := checkRequest(req); err != nil {
 		return nil, err
 	}
-	c := wireCommand{
-		Scope: req.Scope, ID: req.ID, Client: req.Client, Seq: req.Seq,
-		Fingerprint: req.Fingerprint, Acked: req.Acked, TTL: int64(req.TTL), Op: op,
-	}
 	var buf bytes.Buffer
 	buf.Grow(len(commandMagic) + 1 + len(op) + len(req.ID) + 64)
 	buf.WriteString(commandMagic)
-	buf.WriteByte(kindCommand)
-	if err := msgpack.NewEncoder(&buf).Encode(&c); err != nil {
+	var body any
+	if req.KeepReplies == 0 && req.KeepRepliesFor == 0 {
+		buf.WriteByte(kindCommand)
+		body = &wireCommand{
+			Scope: req.Scope, ID: req.ID, Client: req.Client, Seq: req.Seq,
+			Fingerprint: req.Fingerprint, Acked: req.Acked, TTL: int64(req.TTL), Op: op,
+		}
+	} else {
+		buf.WriteByte(kindWindowCommand)
+		body = &wireWindowCommand{
+			Scope: req.Scope, ID: req.ID, Client: req.Client, Seq: req.Seq,
+			Fingerprint: req.Fingerprint, Acked: req.Acked, TTL: int64(req.TTL), Op: op,
+			KeepReplies: int64(req.KeepReplies), KeepRepliesFor: int64(req.KeepRepliesFor),
+		}
+	}
+	if err := msgpack.NewEncoder(&buf).Encode(body); err != nil {
 		return nil, fmt.Errorf("idemraft: encode command: %w", err)
 	}
 	if buf.Len() > MaxCommandSize {
@@ -99,6 +141,12 @@ func checkRequest(req idem.Request) error {
 		return fmt.Errorf("%w: sequence mode needs both Client and Seq (>= 1)", idem.ErrInvalidRequest)
 	case req.TTL < 0:
 		return fmt.Errorf("%w: negative TTL", idem.ErrInvalidRequest)
+	case (req.KeepReplies != 0 || req.KeepRepliesFor != 0) && !hasSeq:
+		return fmt.Errorf("%w: KeepReplies and KeepRepliesFor apply to sequence mode (Client and Seq) only", idem.ErrInvalidRequest)
+	case req.KeepReplies < 0 || req.KeepReplies > idem.MaxKeepReplies:
+		return fmt.Errorf("%w: KeepReplies %d out of range 0..%d", idem.ErrInvalidRequest, req.KeepReplies, idem.MaxKeepReplies)
+	case req.KeepRepliesFor < 0:
+		return fmt.Errorf("%w: negative KeepRepliesFor", idem.ErrInvalidRequest)
 	}
 	return nil
 }
@@ -147,10 +195,19 @@ func decodeCommand(data []byte) (decoded, error) {
 		}
 		req := idem.Request{Scope: c.Scope, ID: c.ID, Client: c.Client, Seq: c.Seq, Fingerprint: c.Fingerprint, Acked: c.Acked}
 		req.TTL = time.Duration(c.TTL)
-		if err := checkRequest(req); err != nil {
+		return checkDecoded(kind, req, c.Op)
+	case kindWindowCommand:
+		var c wireWindowCommand
+		if err := unmarshalStrict(body, &c); err != nil {
 			return decoded{}, fmt.Errorf("%w: %v", ErrInvalidCommand, err)
 		}
-		return decoded{kind: kind, req: req, op: c.Op}, nil
+		if c.KeepReplies < 0 || c.KeepReplies > idem.MaxKeepReplies {
+			return decoded{}, fmt.Errorf("%w: KeepReplies %d out of range 0..%d", ErrInvalidCommand, c.KeepReplies, idem.MaxKeepReplies)
+		}
+		req := idem.Request{Scope: c.Scope, ID: c.ID, Client: c.Client, Seq: c.Seq, Fingerprint: c.Fingerprint, Acked: c.Acked}
+		req.TTL = time.Duration(c.TTL)
+		req.KeepReplies, req.KeepRepliesFor = int(c.KeepReplies), time.Duration(c.KeepRepliesFor)
+		return checkDecoded(kind, req, c.Op)
 	case kindForget:
 		var ns int64
 		if err := unmarshalStrict(body, &ns); err != nil {
@@ -160,6 +217,15 @@ func decodeCommand(data []byte) (decoded, error) {
 	default:
 		return decoded{}, fmt.Errorf("%w: unknown kind %d (written by a newer idemraft?)", ErrInvalidCommand, kind)
 	}
+}
+
+// checkDecoded refuses a decoded request that Command would not have
+// written.
+func checkDecoded(kind byte, req idem.Request, op []byte) (decoded, error) {
+	if err := checkRequest(req); err != nil {
+		return decoded{}, fmt.Errorf("%w: %v", ErrInvalidCommand, err)
+	}
+	return decoded{kind: kind, req: req, op: op}, nil
 }
 
 // unmarshalStrict decodes exactly one msgpack value filling all of b.

@@ -52,11 +52,12 @@ type Options struct {
 // FSM wraps an application's raft.FSM with exactly-once handling of
 // Command entries. It implements raft.FSM and raft.ConfigurationStore.
 type FSM struct {
-	app    raft.FSM
-	dir    string
-	eopts  idem.Options
-	logger *slog.Logger
-	lock   io.Closer
+	app      raft.FSM
+	batchApp raft.BatchingFSM // app, when it implements raft.BatchingFSM
+	dir      string
+	eopts    idem.Options
+	logger   *slog.Logger
+	lock     io.Closer
 
 	// mu guards cur and closed: Apply, Snapshot and Lookup read them,
 	// Restore and Close change them.
@@ -116,6 +117,7 @@ func Wrap(fsm raft.FSM, opts *Options) (*FSM, error) {
 		return nil, fmt.Errorf("idemraft: Wrap %s: %w (another FSM of this process has it; Close it first)", dir, idem.ErrLocked)
 	}
 	f := &FSM{app: fsm, dir: dir}
+	f.batchApp, _ = fsm.(raft.BatchingFSM)
 	ok := false
 	defer func() {
 		if !ok {
@@ -379,25 +381,8 @@ func (f *FSM) applyEntry(l *raft.Log, d decoded, derr error) any {
 		return &Response{}
 	}
 	res, err := e.Begin(ctx, d.req)
-	if err != nil {
-		if requestError(err) {
-			f.refused.Add(1)
-			return &Response{Err: err}
-		}
-		return &Response{Err: f.fail(l.Index, err)}
-	}
-	switch res.Status {
-	case idem.Done:
-		env, err := decodeEnvelope(res.Reply)
-		if err != nil {
-			return &Response{Err: f.fail(l.Index, err)}
-		}
-		f.duplicates.Add(1)
-		return env.response(true)
-	case idem.Fresh:
-	default:
-		// Claims never outlive an Apply, so nothing can be in flight.
-		return &Response{Err: f.fail(l.Index, fmt.Errorf("unexpected %v for a request (a claim outlived its Apply)", res.Status))}
+	if resp := f.answered(l.Index, res, err); resp != nil {
+		return resp
 	}
 	entry := *l
 	entry.Data = d.op
@@ -412,6 +397,33 @@ func (f *FSM) applyEntry(l *raft.Log, d decoded, derr error) any {
 	}
 	f.applied.Add(1)
 	return resp
+}
+
+// answered is the Response to a command that does not run, from what the
+// engine's Begin (or Lookup) said of its request: the stored reply
+// (Done), or the engine's refusal. It returns nil for a new request
+// (Begin's Fresh, Lookup's Absent); an error of this node stops the FSM.
+func (f *FSM) answered(idx uint64, res idem.Result, err error) *Response {
+	if err != nil {
+		if requestError(err) {
+			f.refused.Add(1)
+			return &Response{Err: err}
+		}
+		return &Response{Err: f.fail(idx, err)}
+	}
+	switch res.Status {
+	case idem.Fresh, idem.Absent:
+		return nil
+	case idem.Done:
+		env, err := decodeEnvelope(res.Reply)
+		if err != nil {
+			return &Response{Err: f.fail(idx, err)}
+		}
+		f.duplicates.Add(1)
+		return env.response(true)
+	}
+	// Claims never outlive an Apply (or ApplyBatch), so nothing can be in flight.
+	return &Response{Err: f.fail(idx, fmt.Errorf("unexpected %v for a request (a claim outlived its Apply)", res.Status))}
 }
 
 // requestError reports whether err is the engine's answer to the request

@@ -10,11 +10,15 @@ import (
 
 // FuzzDecodeCommand: no input makes the decoders panic, and a command that
 // decodes re-encodes to one that decodes to the same request and operation
-// (what every replica relies on: a log entry means one thing).
+// (what every replica relies on: a log entry means one thing), reply
+// window included.
 func FuzzDecodeCommand(f *testing.F) {
 	c1, _ := Command(idem.Request{Scope: "s", ID: []byte("a"), Fingerprint: []byte("f"), Acked: [][]byte{[]byte("z")}, TTL: time.Second}, []byte("op"))
 	c2, _ := Command(idem.Request{Client: "c", Seq: 7}, nil)
-	for _, s := range [][]byte{c1, c2, ForgetCommand(time.Unix(100, 0)), []byte(commandMagic), {}} {
+	// A request with a reply window (its own kind), and one with only the age.
+	c3, _ := Command(idem.Request{Scope: "s", Client: "c", Seq: 9, Fingerprint: []byte("f"), Acked: [][]byte{[]byte("z")}, TTL: time.Second, KeepReplies: 5, KeepRepliesFor: time.Minute}, []byte("op"))
+	c4, _ := Command(idem.Request{Client: "c", Seq: 1, KeepRepliesFor: time.Second}, nil)
+	for _, s := range [][]byte{c1, c2, c3, c4, ForgetCommand(time.Unix(100, 0)), []byte(commandMagic), {}} {
 		f.Add(s)
 	}
 	f.Fuzz(func(t *testing.T, b []byte) {
@@ -22,7 +26,7 @@ func FuzzDecodeCommand(f *testing.F) {
 		var w wireResponse
 		unmarshalStrict(b, &w)
 		d, err := decodeCommand(b)
-		if err != nil || d.kind != kindCommand {
+		if err != nil || d.kind == kindForget {
 			return
 		}
 		again, err := Command(d.req, d.op)
