@@ -37,9 +37,10 @@ const maxPutBytes = 8 << 20
 // new request of the run writes (its own key, or an id it acks: the second
 // of two appends of one request is then answered as a duplicate of the
 // first), before a command whose log time differs from the new requests'
-// (each request is committed at its own entry's time, as Apply commits
-// it), and at a ForgetCommand. Under load raft stamps a whole batch of
-// appends with one time, so a run is usually the whole batch.
+// (a record has one time, and each request is committed at its own
+// entry's log time, as Apply commits it), and at a ForgetCommand. Log time
+// is to the millisecond (see logTime): under load a batch spans one or a
+// few, so a run is most of a batch.
 func (f *FSM) ApplyBatch(logs []*raft.Log) []any {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
@@ -53,8 +54,8 @@ type batchApply struct {
 	f    *FSM
 	logs []*raft.Log
 	out  []any
-	// clk is the clock as of the entry being looked at: the largest
-	// AppendedAt so far. f.now follows it at each lookup, and stays at
+	// clk is the clock as of the entry being looked at: the largest log
+	// time so far. f.now follows it at each lookup, and stays at
 	// the new requests' time until their batch is written.
 	clk int64
 
@@ -109,9 +110,7 @@ func (a *batchApply) run() {
 			continue
 		}
 		last = i
-		if !l.AppendedAt.IsZero() {
-			a.clk = max(a.clk, l.AppendedAt.UnixNano())
-		}
+		a.clk = max(a.clk, logTime(l))
 		if f.Err() != nil || f.closed {
 			a.refuse(i)
 			continue

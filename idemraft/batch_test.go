@@ -21,7 +21,7 @@ import (
 // number, repeats, older numbers, gaps, reply windows), forgets, entries
 // that are not commands, damaged commands and configuration changes.
 // Consecutive entries often share their AppendedAt, as a leader's batch of
-// appends does; a new leader's clock may be behind.
+// appends does, or their millisecond; a new leader's clock may be behind.
 func genLog(rng *rand.Rand, n int) []*raft.Log {
 	at := t0
 	last := map[string]uint64{}
@@ -31,7 +31,7 @@ func genLog(rng *rand.Rand, n int) []*raft.Log {
 	for i := 0; i < n; i++ {
 		switch x := rng.IntN(10); {
 		case x < 5:
-			at = at.Add(time.Duration(rng.IntN(3)) * time.Millisecond)
+			at = at.Add(time.Duration(rng.IntN(2500)) * time.Microsecond)
 		case x == 5:
 			at = at.Add(-time.Millisecond)
 		}

@@ -69,7 +69,7 @@
 // client, or an id it acks: a second append of a request in one batch is
 // answered as a duplicate of the first), before a command whose log time
 // differs from the new requests' (each request is committed at its own
-// entry's time), and at a ForgetCommand. The engine is the FSM's alone and
+// entry's log time, to the millisecond), and at a ForgetCommand. The engine is the FSM's alone and
 // only the FSM writes to it, so nothing changes between the lookup and the
 // write.
 //
@@ -78,9 +78,13 @@
 // Every time decision (commit time, per-request TTL and Retention expiry,
 // the forget tombstone, leases) is made with the engine clock
 // (idem.Options.Clock), and idemraft gives the engine a clock that returns
-// the AppendedAt of the entry being applied: the largest AppendedAt seen
-// so far, so that a new leader whose clock is behind never moves it back.
-// Its value is part of the snapshot. Every replica therefore sees the
+// the log time of the entry being applied: its AppendedAt rounded down to
+// the millisecond, or the largest log time seen so far if that is later,
+// so that a new leader whose clock is behind never moves it back. Its
+// value is part of the snapshot. (The millisecond lets the entries raft
+// appended within one millisecond share a time, so that ApplyBatch
+// commits them in one engine record; expiries, forgets and reply windows
+// are therefore decided to the millisecond.) Every replica therefore sees the
 // same times after the same entries and keeps the same set; the local
 // clock decides nothing. (Raft calls Apply, Snapshot and Restore from one
 // goroutine; the clock is an atomic so that the engine's background work

@@ -70,7 +70,7 @@ type FSM struct {
 	refMu sync.Mutex
 	live  int // generations not yet closed
 
-	now       atomic.Int64 // the clock: max AppendedAt so far (Unix ns)
+	now       atomic.Int64 // the clock: max log time so far (Unix ns; see logTime)
 	lastIndex atomic.Uint64
 	failed    atomic.Pointer[error]
 
@@ -182,7 +182,7 @@ func checkEngineOptions(o *idem.Options) error {
 	case o.FS != nil:
 		return bad("FS", fmt.Sprintf("%T", o.FS), "idemraft's directory is on the operating system's file system")
 	case o.Clock != nil:
-		return bad("Clock", "a func", "idemraft's clock is the AppendedAt of the entry being applied, the same on every replica")
+		return bad("Clock", "a func", "idemraft's clock is the log time of the entry being applied (its AppendedAt), the same on every replica")
 	case o.Sync != idem.SyncAlways: // the zero value: unset
 		return bad("Sync", o.Sync, "idemraft uses idem.SyncInterval (the raft log is what makes an entry durable)")
 	case o.RelaxedClaims:
@@ -297,18 +297,32 @@ func (f *FSM) release(g *generation) {
 	}
 }
 
-// clock is the engine's Options.Clock: the time of the entry being
-// applied (the largest AppendedAt seen so far, so it never goes back).
+// clock is the engine's Options.Clock: the log time of the entry being
+// applied (the largest seen so far, so it never goes back).
 func (f *FSM) clock() time.Time { return time.Unix(0, f.now.Load()) }
 
-// tick advances the clock to the entry's AppendedAt. Apply runs on raft's
+// clockResolution is the resolution of the log clock: an entry's log time
+// is its AppendedAt rounded down to the millisecond. Replicas must agree
+// on it (it decides expiries and forgets), so it is frozen. It makes the
+// entries of a batch that raft appended within one millisecond share a
+// time, so that ApplyBatch commits them in one engine record (a record has
+// one time; see ApplyBatch).
+const clockResolution = time.Millisecond
+
+// logTime is the entry's log time (Unix ns), or 0 if it has none.
+func logTime(l *raft.Log) int64 {
+	if l.AppendedAt.IsZero() {
+		return 0
+	}
+	return l.AppendedAt.Truncate(clockResolution).UnixNano()
+}
+
+// tick advances the clock to the entry's log time. Apply runs on raft's
 // FSM goroutine only, so the load and store do not race with each other;
 // the atomic is for readers (the engine's background work, Lookup).
 func (f *FSM) tick(l *raft.Log) {
-	if !l.AppendedAt.IsZero() {
-		if t := l.AppendedAt.UnixNano(); t > f.now.Load() {
-			f.now.Store(t)
-		}
+	if t := logTime(l); t > f.now.Load() {
+		f.now.Store(t)
 	}
 }
 

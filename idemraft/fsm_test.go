@@ -211,8 +211,15 @@ func TestTimeIsTheLogs(t *testing.T) {
 	if got := fd.f.Stats().Time; !got.Equal(fd.at) {
 		t.Fatalf("clock %v, want the entry's %v", got, fd.at)
 	}
+	// Log time is to the millisecond (what lets ApplyBatch commit a batch
+	// in one engine record).
+	fd.at = fd.at.Add(1500 * time.Microsecond)
+	fd.apply([]byte("noise"))
+	if got, want := fd.f.Stats().Time, fd.at.Add(-500*time.Microsecond); !got.Equal(want) {
+		t.Fatalf("clock %v, want %v (the entry's AppendedAt %v to the millisecond)", got, want, fd.at)
+	}
 	// A leader whose clock is behind appends an entry: the clock holds.
-	high := fd.at
+	high := fd.at.Add(-500 * time.Microsecond)
 	fd.at = t0.Add(-time.Hour)
 	fd.apply([]byte("noise"))
 	if got := fd.f.Stats().Time; !got.Equal(high) {

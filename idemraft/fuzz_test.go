@@ -1,6 +1,7 @@
 package idemraft
 
 import (
+	"errors"
 	"reflect"
 	"testing"
 	"time"
@@ -26,6 +27,7 @@ func FuzzDecodeCommand(f *testing.F) {
 		var w wireResponse
 		unmarshalStrict(b, &w)
 		d, err := decodeCommand(b)
+		sameAsUnmarshal(t, b, d, err)
 		if err != nil || d.kind == kindForget {
 			return
 		}
@@ -41,6 +43,48 @@ func FuzzDecodeCommand(f *testing.F) {
 			t.Fatalf("%+v became %+v", d.req, d2.req)
 		}
 	})
+}
+
+// sameAsUnmarshal checks that decodeCommand reads a request command
+// exactly as msgpack.Unmarshal reads its struct (how idemraft decoded
+// commands before decodeRequest, and how it encodes them): the same
+// request from the same bytes, and the same bytes refused.
+func sameAsUnmarshal(t *testing.T, b []byte, d decoded, derr error) {
+	t.Helper()
+	if !IsCommand(b) || len(b) > MaxCommandSize {
+		return
+	}
+	kind, body := b[len(commandMagic)], b[len(commandMagic)+1:]
+	var req idem.Request
+	var op []byte
+	var uerr error
+	switch kind {
+	case kindCommand:
+		var c wireCommand
+		uerr = unmarshalStrict(body, &c)
+		req = idem.Request{Scope: c.Scope, ID: c.ID, Client: c.Client, Seq: c.Seq, Fingerprint: c.Fingerprint, Acked: c.Acked, TTL: time.Duration(c.TTL)}
+		op = c.Op
+	case kindWindowCommand:
+		var c wireWindowCommand
+		uerr = unmarshalStrict(body, &c)
+		req = idem.Request{Scope: c.Scope, ID: c.ID, Client: c.Client, Seq: c.Seq, Fingerprint: c.Fingerprint, Acked: c.Acked, TTL: time.Duration(c.TTL),
+			KeepReplies: int(c.KeepReplies), KeepRepliesFor: time.Duration(c.KeepRepliesFor)}
+		op = c.Op
+		if uerr == nil && (c.KeepReplies < 0 || c.KeepReplies > idem.MaxKeepReplies) {
+			uerr = errors.New("KeepReplies out of range")
+		}
+	default:
+		return
+	}
+	if uerr == nil {
+		uerr = checkRequest(req)
+	}
+	switch {
+	case (uerr == nil) != (derr == nil):
+		t.Fatalf("decodeCommand: %v; Unmarshal: %v", derr, uerr)
+	case uerr == nil && (!reflect.DeepEqual(norm(req), norm(d.req)) || string(op) != string(d.op)):
+		t.Fatalf("decodeCommand read %+v %q; Unmarshal %+v %q", d.req, d.op, req, op)
+	}
 }
 
 // norm makes empty and nil slices compare equal.
