@@ -10,11 +10,6 @@ import (
 
 var _ raft.BatchingFSM = (*FSM)(nil)
 
-// maxPutBytes bounds the replies of one engine batch: the replies of a run
-// are written in several batches (one clock, no key twice, so the split
-// changes no result) rather than one record near the WAL's record limit.
-const maxPutBytes = 8 << 20
-
 // ApplyBatch implements raft.BatchingFSM: raft hands it consecutive
 // committed entries (commands and configuration changes), and it returns
 // for each exactly what Apply returns for it (a configuration change gives
@@ -224,7 +219,7 @@ func (a *batchApply) reset() {
 
 // flush applies the run: the application first (new requests' operations
 // and the other entries, in log order), then the new requests' replies in
-// engine batches at their log time (f.now is still freshAt). If the
+// one engine batch at their log time (f.now is still freshAt). If the
 // engine fails, every command of the run gets the failure (the node must
 // be restarted, as after any failure); the entries the application got
 // keep its results.
@@ -260,38 +255,12 @@ func (a *batchApply) flush() {
 }
 
 // write commits the replies of the run's new requests (the application's
-// results by run position) and sets their Responses in resps. It reports
-// false once the FSM has stopped.
+// results by run position) in one engine batch, and sets their Responses
+// in resps. It reports false once the FSM has stopped.
 func (a *batchApply) write(results []any, resps []*Response) bool {
 	f := a.f
-	var (
-		b     idem.Batch
-		size  int
-		items []int // run positions of b's items
-	)
-	run := func() bool {
-		if len(items) == 0 {
-			return true
-		}
-		out, err := b.Run(context.Background())
-		for n := 0; err == nil && n < len(items); n++ {
-			switch {
-			case n >= len(out):
-				err = fmt.Errorf("the engine batch gave %d results for %d items", len(out), len(items))
-			case out[n].Err != nil:
-				err = out[n].Err
-			case out[n].Result.Status != idem.Fresh:
-				err = fmt.Errorf("the dedup set answered %v on writing a request it had just looked up as new", out[n].Result.Status)
-			}
-		}
-		if err != nil {
-			f.fail(a.logs[a.pending[items[0]].i].Index, err)
-			return false
-		}
-		f.applied.Add(uint64(len(items)))
-		b, size, items = nil, 0, items[:0]
-		return true
-	}
+	b := f.cur.e.NewBatch()
+	var items []int // run positions of b's items
 	for p := range a.pending {
 		r := &a.pending[p]
 		if r.kind != runFresh {
@@ -304,17 +273,29 @@ func (a *batchApply) write(results []any, resps []*Response) bool {
 			return false
 		}
 		resps[p] = resp
-		if b != nil && size+len(reply) > maxPutBytes && !run() {
-			return false
-		}
-		if b == nil {
-			b = f.cur.e.NewBatch()
-		}
 		b.Put(r.d.req, reply)
-		size += len(reply)
 		items = append(items, p)
 	}
-	return run()
+	if len(items) == 0 {
+		return true
+	}
+	out, err := b.Run(context.Background())
+	for n := 0; err == nil && n < len(items); n++ {
+		switch {
+		case n >= len(out):
+			err = fmt.Errorf("the engine batch gave %d results for %d items", len(out), len(items))
+		case out[n].Err != nil:
+			err = out[n].Err
+		case out[n].Result.Status != idem.Fresh:
+			err = fmt.Errorf("the dedup set answered %v on writing a request it had just looked up as new", out[n].Result.Status)
+		}
+	}
+	if err != nil {
+		f.fail(a.logs[a.pending[items[0]].i].Index, err)
+		return false
+	}
+	f.applied.Add(uint64(len(items)))
+	return true
 }
 
 // applyApp hands the run's entries for the application to it, in log
