@@ -202,7 +202,7 @@ func runSteps(t *testing.T, e *Engine, steps []batchStep, open []*Claim, singly 
 	}
 	var out []BatchResult
 	if singly {
-		out = runSingly(e, b.(*engineBatch).items)
+		out = runSingly(e, b.(*engineBatch).calls)
 	} else {
 		var err error
 		if out, err = b.Run(bg); err != nil {
@@ -218,7 +218,7 @@ func runSteps(t *testing.T, e *Engine, steps []batchStep, open []*Claim, singly 
 }
 
 // runSingly runs items one at a time through the single calls.
-func runSingly(e *Engine, items []batchItem) []BatchResult {
+func runSingly(e *Engine, items []batchCall) []BatchResult {
 	out := make([]BatchResult, len(items))
 	for i := range items {
 		it := &items[i]
