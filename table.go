@@ -238,14 +238,11 @@ func (e *Engine) evictLocked(sh *shard, keep string) {
 // evictScan bounds the slots one eviction pass looks at.
 const evictScan = 64
 
-// setLocked publishes a new entry for a slot after its record was appended.
-// The slot must be key's slot in the map: a dirty entry that is not in the
-// map would be invisible to the next caller, who would read the index.
-func (e *Engine) setLocked(key []byte, sl *slot, en *index.Entry, lsn wal.LSN) {
-	sh := e.shardOf(key)
-	if sh.m[string(key)] != sl {
-		panic(fmt.Sprintf("idem: slot of key %x is not in its shard", key)) // invariant
-	}
+// setLocked publishes a new entry for a slot of sh after its record was
+// appended. The slot must be key's slot in the map (appendRecord looks it
+// up there): a dirty entry that is not in the map would be invisible to
+// the next caller, who would read the index.
+func (e *Engine) setLocked(sh *shard, key []byte, sl *slot, en *index.Entry, lsn wal.LSN) {
 	sh.bytes -= sl.size
 	sl.e = en
 	sl.dirty = lsn
@@ -321,11 +318,17 @@ func (e *Engine) appendRecord(typ byte, payload []byte, ts []index.Transition) (
 		return 0, e.failure(err)
 	}
 	for _, t := range ts {
-		sl, err := e.slotLocked(t.Key)
-		if err != nil { // cannot happen: every key was loaded by getLocked
-			return 0, err
+		sh := e.shardOf(t.Key)
+		sl := sh.m[string(t.Key)]
+		if sl == nil {
+			// Loaded by getLocked, then evicted (it was clean) when
+			// another key of its shard was loaded: load it again.
+			var err error
+			if sl, err = e.slotLocked(t.Key); err != nil {
+				return 0, err
+			}
 		}
-		e.setLocked(t.Key, sl, t.Next, lsn)
+		e.setLocked(sh, t.Key, sl, t.Next, lsn)
 	}
 	return lsn, nil
 }
