@@ -213,7 +213,7 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 		unlock()
 		return Result{}, k, err
 	}
-	lsn, err := e.appendOp(op, ts)
+	lsn, err := e.appendOpSlot(op, ts, k.key, sl)
 	unlock()
 	if err != nil {
 		return Result{}, k, err

@@ -280,12 +280,19 @@ func (c *engineClaim) write(typ byte, reply []byte, adv []wal.Advance, keys [][]
 	} else {
 		op.Client, op.Seq = string(k.ident), k.seq
 	}
-	ts, err := index.Transitions(op, 0, e.getLocked)
+	// The claim's own key is the slot in hand: spare its lookup.
+	get := func(key []byte, mode byte) (*index.Entry, error) {
+		if string(key) == string(k.key) {
+			return e.current(sl, mode), nil
+		}
+		return e.getLocked(key, mode)
+	}
+	ts, err := index.Transitions(op, 0, get)
 	if err != nil {
 		unlock()
 		return err
 	}
-	lsn, err := e.appendOp(op, ts)
+	lsn, err := e.appendOpSlot(op, ts, k.key, sl)
 	var waiters chan struct{}
 	if err == nil {
 		waiters, sl.waiters = sl.waiters, nil
