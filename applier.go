@@ -58,29 +58,51 @@ func (e *Engine) applier() {
 	var (
 		batch []*pinnedUpdate
 		ups   []*index.Update // batch's updates, for the index
+		held  int64           // backlog bytes of batch
+		open  = true          // applyCh is not closed
 	)
-	for first := range e.applyCh {
-		batch = append(batch[:0], first.ups...)
-		held := first.bytes
-		// Gather for a little while: a claim and its commit usually arrive
-		// within a few fsyncs of each other, and applying them in one batch
-		// writes the entry once instead of twice (and never writes its
-		// in-doubt row). The slots stay pinned in memory meanwhile.
-		deadline := time.NewTimer(applyGather)
-	drain:
-		for len(batch) < applyBatchMax {
+	// drain takes what is waiting in applyCh, without blocking.
+	drain := func() {
+		for open && len(batch) < applyBatchMax {
 			select {
 			case more, ok := <-e.applyCh:
 				if !ok {
-					break drain
+					open = false
+					return
 				}
 				batch = append(batch, more.ups...)
 				held += more.bytes
-			case <-deadline.C:
-				break drain
+			default:
+				return
 			}
 		}
-		deadline.Stop()
+	}
+	gather := time.NewTimer(applyGather)
+	gather.Stop()
+	for open {
+		first, ok := <-e.applyCh
+		if !ok {
+			return
+		}
+		batch = append(batch[:0], first.ups...)
+		held = first.bytes
+		// Gather for a little while: a claim and its commit usually arrive
+		// within a few fsyncs of each other, and applying them in one batch
+		// writes the entry once instead of twice (and never writes its
+		// in-doubt row). The slots stay pinned in memory meanwhile. The
+		// applier sleeps meanwhile rather than receiving each fsync's
+		// records as they come: one wakeup per batch, not one per fsync.
+		// Close (stopBg) ends the wait.
+		drain()
+		if open && len(batch) < applyBatchMax {
+			gather.Reset(applyGather)
+			select {
+			case <-gather.C:
+			case <-e.stopBg:
+				gather.Stop()
+			}
+			drain()
+		}
 		ups = e.applyBatch(batch, ups)
 		clear(batch)
 		e.backlogBytes.Add(-held)
