@@ -228,6 +228,7 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 		}
 	}
 	c := newEngineClaim(e, k, lsn, fp, lease)
+	c.ec.sl = sl
 	return Result{Status: Fresh, Claim: c, LeaseUntil: lease, Seq: k.seq, ExpiresAt: expiresAt}, k, nil
 }
 
