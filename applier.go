@@ -29,7 +29,7 @@ func (e *Engine) onSynced(recs []wal.Synced) {
 	var n int64
 	for _, r := range recs {
 		switch u := r.Value.(type) {
-		case *pinnedUpdate: // appendOp's
+		case *pinnedUpdate: // appendRecord's
 			ups = append(ups, u)
 			n += u.MemSize()
 		case *index.Update: // Forget's

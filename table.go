@@ -291,18 +291,6 @@ func (e *Engine) appendOp(op *wal.Op, ts []index.Transition) (wal.LSN, error) {
 	return e.appendOpSlot(op, ts, nil, nil)
 }
 
-// pinnedUpdate is what a record appended by appendOp hands the applier
-// through the WAL: its index update and, for a record of one key whose
-// slot the caller passed (nearly all: claims, commits, aborts), that slot,
-// so that the applier unpins it without looking it up. A slot stays in its
-// shard's map while it is dirty, so if it still carries the record's LSN
-// when the applier comes, it is the key's slot. With slot nil the applier
-// looks the keys up.
-type pinnedUpdate struct {
-	index.Update
-	slot *slot
-}
-
 // appendOpSlot is appendOp for a caller that holds key's slot sl (nil:
 // none), which spares looking it up again.
 func (e *Engine) appendOpSlot(op *wal.Op, ts []index.Transition, key []byte, sl *slot) (wal.LSN, error) {
@@ -319,6 +307,37 @@ func (e *Engine) appendOpSlot(op *wal.Op, ts []index.Transition, key []byte, sl 
 	if err != nil {
 		return 0, err
 	}
+	lsn, err := e.appendRecordSlot(op.Type, payload, ts, key, sl)
+	if err != nil {
+		return 0, err
+	}
+	e.countRemovals(removals(op.Type, ts))
+	return lsn, nil
+}
+
+// pinnedUpdate is what a record appended by appendRecord hands the
+// applier through the WAL: its index update and, for a record of one key
+// whose slot the caller passed (nearly all: claims, commits, aborts), that
+// slot, so that the applier unpins it without looking it up. A slot stays
+// in its shard's map while it is dirty, so if it still carries the
+// record's LSN when the applier comes, it is the key's slot. With slot nil
+// the applier looks the keys up.
+type pinnedUpdate struct {
+	index.Update
+	slot *slot
+}
+
+// appendRecord appends the record (kind typ, payload) whose transitions
+// ts were computed with the caller holding the locks of every key they
+// touch, stamps its LSN into them (index.Stamp) and publishes them to the
+// slots. The caller still holds the locks.
+func (e *Engine) appendRecord(typ byte, payload []byte, ts []index.Transition) (wal.LSN, error) {
+	return e.appendRecordSlot(typ, payload, ts, nil, nil)
+}
+
+// appendRecordSlot is appendRecord for a caller that holds key's slot sl
+// (nil: none).
+func (e *Engine) appendRecordSlot(typ byte, payload []byte, ts []index.Transition, key []byte, sl *slot) (wal.LSN, error) {
 	up := &pinnedUpdate{Update: index.Update{Transitions: ts}}
 	// Set before the append: once appended, the record may reach the
 	// applier at any time (which then waits for the locks held here
@@ -326,9 +345,9 @@ func (e *Engine) appendOpSlot(op *wal.Op, ts []index.Transition, key []byte, sl 
 	if len(ts) == 1 && sl != nil && !sl.evicted && string(ts[0].Key) == string(key) {
 		up.slot = sl
 	}
-	lsn, err := e.w.AppendWith(op.Type, payload, func(lsn wal.LSN) any {
+	lsn, err := e.w.AppendWith(typ, payload, func(lsn wal.LSN) any {
 		up.LSN = lsn
-		index.Stamp(ts, op.Type, lsn)
+		index.Stamp(ts, typ, lsn)
 		return up
 	})
 	if err != nil {
@@ -342,15 +361,34 @@ func (e *Engine) appendOpSlot(op *wal.Op, ts []index.Transition, key []byte, sl 
 			}
 		}
 		e.setLocked(t.Key, tsl, t.Next, lsn)
-		switch {
-		case op.Type == wal.OpExpire || t.Next != nil || t.Prev == nil || !t.Prev.Committed:
-		case t.Mode == index.ModeSeq:
-			e.st.ttlRemoved.Add(1) // left its client's reply window: a cleanup
-		default:
-			e.st.acked.Add(1)
-		}
 	}
 	return lsn, nil
+}
+
+// removals counts the committed replies that the transitions ts of a
+// record of kind typ remove: acked (or forgotten by a commit's reply
+// window: seq) ones. Expire records count theirs elsewhere.
+func removals(typ byte, ts []index.Transition) (acked, seq uint64) {
+	for _, t := range ts {
+		switch {
+		case typ == wal.OpExpire || t.Next != nil || t.Prev == nil || !t.Prev.Committed:
+		case t.Mode == index.ModeSeq:
+			seq++ // left its client's reply window: a cleanup
+		default:
+			acked++
+		}
+	}
+	return acked, seq
+}
+
+// countRemovals adds what removals counted to the stats.
+func (e *Engine) countRemovals(acked, seq uint64) {
+	if acked > 0 {
+		e.st.acked.Add(acked)
+	}
+	if seq > 0 {
+		e.st.ttlRemoved.Add(seq)
+	}
 }
 
 func (e *Engine) failure(err error) error {
