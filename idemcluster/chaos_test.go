@@ -414,7 +414,7 @@ func probeIsolated(t *testing.T, cc *chaosCluster, id, probe string, acked map[s
 	defer cancel()
 	br, err := ic.Begin(ctx, &clusterpb.BeginRequest{Request: reqToPB(idem.Request{Scope: "load", ID: []byte(probe)}), Owner: "prober", Token: []byte(probe)})
 	if err == nil {
-		t.Errorf("isolated %s handed out %s: %v", id, probe, br.Result)
+		t.Errorf("isolated %s handed out %s: %v", id, probe, resultFromPB(br.Result).Status)
 	} else {
 		t.Logf("isolated %s (%v), Begin: %v", id, cc.nodes[id].Raft().State(), fromStatus(err))
 	}
@@ -428,7 +428,8 @@ func probeIsolated(t *testing.T, cc *chaosCluster, id, probe string, acked map[s
 			continue
 		}
 		if r := resultFromPB(lr.Result); r.Status != idem.Done || string(r.Reply) != reply {
-			t.Errorf("isolated %s answered a linearizable read of %s from stale state: %+v (acknowledged %q)", id, k, r, reply)
+			t.Errorf("isolated %s answered a linearizable read of %s from stale state: %v %q (acknowledged %q)", id, k, r.Status, r.Reply, reply)
+			return
 		}
 	}
 }

@@ -246,12 +246,12 @@ func (l *chaosLoad) hotKey(rng *rand.Rand) string {
 	return fmt.Sprintf("h%d", l.keys.Add(1)/16+rng.Int64N(4))
 }
 
-// dueKey returns a key left claimed more than 1.5 leases ago (by
+// dueKey returns a key left claimed more than 1.25 leases ago (by
 // the test's clock, which is the log's on this machine), if any.
 func (l *chaosLoad) dueKey() (string, bool) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if len(l.revisit) == 0 || time.Since(l.revisit[0].at) < l.lease*3/2 {
+	if len(l.revisit) == 0 || time.Since(l.revisit[0].at) < l.lease*5/4 {
 		return "", false
 	}
 	k := l.revisit[0].key
@@ -265,12 +265,12 @@ func (l *chaosLoad) leave(key string) {
 	l.mu.Unlock()
 }
 
-// opCtx bounds one call. It is shorter than the lease: a Begin retried
+// opCtx bounds one call. It is a quarter of the lease: a Begin retried
 // inside its call then finds its own claim still leased and gets it back,
 // so one call claims once (a retry after the lease ran out could take the
 // key over again, a second effect of one call).
 func opCtx() (context.Context, context.CancelFunc) {
-	return context.WithTimeout(context.Background(), 1500*time.Millisecond)
+	return context.WithTimeout(context.Background(), time.Second)
 }
 
 func (l *chaosLoad) lookup(ci int, c *Client, key string) {
@@ -326,18 +326,20 @@ func (l *chaosLoad) write(ci int, c *Client, rng *rand.Rand) {
 // TestClusterLinearizableUnderPartitions: 4 writers and 3 readers work on
 // a small moving set of keys through idemcluster.Client while the leader
 // and a follower are cut off in turn and healed (new leaders each time),
-// with a lease of 3 s of log time so that claims left open are taken
+// with a lease of 4 s of log time so that claims left open are taken
 // over; porcupine must find each key's history linearizable against the
 // specification above, with calls whose outcome is unknown left pending.
 func TestClusterLinearizableUnderPartitions(t *testing.T) {
-	const lease = 3 * time.Second
+	const lease = 4 * time.Second
 	cc := newChaosCluster(t, 3, func(o *NodeOptions) { o.Engine.Lease = lease })
 	l := &chaosLoad{h: &history{start: time.Now()}, lease: lease}
 	stop := make(chan struct{})
 	var wg sync.WaitGroup
 	const writers, readers = 4, 3
+	dctx, dcancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer dcancel()
 	for ci := range writers + readers {
-		c, err := Dial(context.Background(), cc.addrs, &Options{Owner: fmt.Sprintf("p%d", ci), AttemptTimeout: 500 * time.Millisecond})
+		c, err := Dial(dctx, cc.addrs, &Options{Owner: fmt.Sprintf("p%d", ci), AttemptTimeout: 500 * time.Millisecond})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -435,4 +437,45 @@ func explain(model porcupine.Model, hist []porcupine.Operation) string {
 		return b.String()
 	}
 	return "(no single key fails alone)"
+}
+
+// TestKeyModel pins the specification on small histories: what it must
+// accept and what it must reject.
+func TestKeyModel(t *testing.T) {
+	const lease = 10
+	type o = porcupine.Operation
+	op := func(call, ret int64, in keyInput, out keyOutput) o {
+		return o{Input: in, Call: call, Output: out, Return: ret}
+	}
+	begin := func(tok string) keyInput { return keyInput{op: opBegin, key: "k", tok: tok} }
+	commit := func(tok string) keyInput { return keyInput{op: opCommit, key: "k", tok: tok, reply: tok} }
+	abort := func(tok string) keyInput { return keyInput{op: opAbort, key: "k", tok: tok} }
+	lookup := keyInput{op: opLookup, key: "k"}
+	fresh := func(l int64) keyOutput { return keyOutput{status: idem.Fresh, lease: l} }
+	inflight := func(l int64) keyOutput { return keyOutput{status: idem.InFlight, lease: l} }
+	done := func(r string) keyOutput { return keyOutput{status: idem.Done, reply: r} }
+	ok, lost, unknown := keyOutput{}, keyOutput{leaseLost: true}, keyOutput{unknown: true}
+	never := int64(math.MaxInt64)
+	for _, tc := range []struct {
+		name string
+		h    []o
+		want bool
+	}{
+		{"claim, commit, read", []o{op(0, 1, begin("a"), fresh(100)), op(2, 3, commit("a"), ok), op(4, 5, lookup, done("a")), op(6, 7, begin("b"), done("a"))}, true},
+		{"a second Fresh within the lease", []o{op(0, 1, begin("a"), fresh(100)), op(2, 3, begin("b"), fresh(105))}, false},
+		{"a takeover after the lease", []o{op(0, 1, begin("a"), fresh(100)), op(2, 3, begin("b"), fresh(110)), op(4, 5, commit("a"), lost), op(6, 7, commit("b"), ok)}, true},
+		{"the holder's commit lost", []o{op(0, 1, begin("a"), fresh(100)), op(2, 3, commit("a"), lost)}, false},
+		{"abort, then claimed again", []o{op(0, 1, begin("a"), fresh(100)), op(2, 3, abort("a"), ok), op(4, 5, lookup, keyOutput{status: idem.Absent}), op(6, 7, begin("b"), fresh(101))}, true},
+		{"absent after a commit returned", []o{op(0, 1, begin("a"), fresh(100)), op(2, 3, commit("a"), ok), op(4, 5, lookup, keyOutput{status: idem.Absent})}, false},
+		{"InFlight names another lease", []o{op(0, 1, begin("a"), fresh(100)), op(2, 3, lookup, inflight(99))}, false},
+		{"an unknown Begin's claim, seen and taken over", []o{op(0, never, begin("a"), unknown), op(2, 3, lookup, inflight(50)), op(4, 5, begin("b"), fresh(60))}, true},
+		{"an unknown Begin's claim taken over too early", []o{op(0, never, begin("a"), unknown), op(2, 3, lookup, inflight(50)), op(4, 5, begin("b"), fresh(59))}, false},
+		{"an unknown commit may have happened", []o{op(0, 1, begin("a"), fresh(100)), op(2, never, commit("a"), unknown), op(4, 5, lookup, done("a"))}, true},
+		{"or not", []o{op(0, 1, begin("a"), fresh(100)), op(2, never, commit("a"), unknown), op(4, 5, lookup, inflight(100))}, true},
+		{"but not twice", []o{op(0, 1, begin("a"), fresh(100)), op(2, never, commit("a"), unknown), op(4, 5, lookup, done("a")), op(6, 7, lookup, inflight(100))}, false},
+	} {
+		if got := porcupine.CheckOperations(keyModel(lease), tc.h); got != tc.want {
+			t.Errorf("%s: linearizable %v, want %v", tc.name, got, tc.want)
+		}
+	}
 }
