@@ -267,13 +267,8 @@ func (a *batchApply) write(results []any, resps []*Response) bool {
 			continue
 		}
 		env, resp := resultEnvelope(results[p], f.eopts.MaxReplySize)
-		reply, err := encodeEnvelope(env)
-		if err != nil {
-			f.fail(a.logs[r.i].Index, err)
-			return false
-		}
 		resps[p] = resp
-		b.Put(r.d.req, reply)
+		b.Put(r.d.req, encodeEnvelope(env))
 		items = append(items, p)
 	}
 	if len(items) == 0 {

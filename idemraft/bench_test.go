@@ -5,6 +5,7 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -12,7 +13,8 @@ import (
 	"github.com/idemdb/idem"
 )
 
-// BenchmarkReplicated measures replicated requests/s of a 3-node
+// BenchmarkReplicated measures replicated requests/s (and the process's
+// CPU time per request, all three nodes together) of a 3-node
 // in-process cluster (raft's in-memory transport and stores, BatchApplyCh
 // on, so that the leader appends and every FSM applies in batches), 64
 // concurrent callers applying on the leader: "bare" applies the
@@ -38,7 +40,7 @@ func BenchmarkReplicated(b *testing.B) {
 			var failed atomic.Value
 			var wg sync.WaitGroup
 			b.ResetTimer()
-			start := time.Now()
+			start, cpu0 := time.Now(), cpuTime(b)
 			for g := 0; g < 64; g++ {
 				wg.Add(1)
 				go func() {
@@ -71,6 +73,7 @@ func BenchmarkReplicated(b *testing.B) {
 				b.Fatal(err)
 			}
 			b.ReportMetric(float64(b.N)/el.Seconds(), "req/s")
+			b.ReportMetric(float64((cpuTime(b)-cpu0).Microseconds())/float64(b.N), "cpu-us/req")
 		})
 	}
 }
@@ -91,9 +94,11 @@ func BenchmarkFSMApply(b *testing.B) {
 		cmds[i], _ = Command(idem.Request{ID: []byte(id)}, encodeOp(counterOp{ID: id, Key: "k", Delta: 1}))
 	}
 	b.ResetTimer()
+	cpu0 := cpuTime(b)
 	for i := 0; i < b.N; i++ {
 		fd.apply(cmds[i])
 	}
+	b.ReportMetric(float64((cpuTime(b)-cpu0).Nanoseconds())/float64(b.N), "cpu-ns/op")
 }
 
 // BenchmarkFSMApplyBatch is BenchmarkFSMApply through ApplyBatch, in
@@ -115,6 +120,7 @@ func BenchmarkFSMApplyBatch(b *testing.B) {
 				logs[i] = &raft.Log{Index: uint64(i + 1), Term: 1, Type: raft.LogCommand, Data: c, AppendedAt: t0.Add(time.Duration(i/size) * time.Millisecond)}
 			}
 			b.ResetTimer()
+			cpu0 := cpuTime(b)
 			for i := 0; i < b.N; i += size {
 				for _, r := range f.ApplyBatch(logs[i:min(i+size, b.N)]) {
 					if resp := r.(*Response); resp.Err != nil || resp.Duplicate {
@@ -122,6 +128,7 @@ func BenchmarkFSMApplyBatch(b *testing.B) {
 					}
 				}
 			}
+			b.ReportMetric(float64((cpuTime(b)-cpu0).Nanoseconds())/float64(b.N), "cpu-ns/op")
 		})
 	}
 }
@@ -147,4 +154,16 @@ func BenchmarkEngineSequential(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
+}
+
+// cpuTime is the CPU time the process used so far (user and system, every
+// goroutine: raft's, the engines' background work). On this shared 2-core
+// machine a benchmark gets a varying share of the cores; its CPU time per
+// operation does not depend on that share.
+func cpuTime(b *testing.B) time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		b.Fatal(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }

@@ -402,11 +402,7 @@ func (f *FSM) applyEntry(l *raft.Log, d decoded, derr error) any {
 	entry.Data = d.op
 	out := f.app.Apply(&entry)
 	env, resp := resultEnvelope(out, f.eopts.MaxReplySize)
-	b, err := encodeEnvelope(env)
-	if err == nil {
-		err = res.Claim.Commit(ctx, b)
-	}
-	if err != nil {
+	if err := res.Claim.Commit(ctx, encodeEnvelope(env)); err != nil {
 		return &Response{Err: f.fail(l.Index, err)}
 	}
 	f.applied.Add(1)
