@@ -365,8 +365,12 @@ func (e *Engine) appendRecordSlot(typ byte, payload []byte, ts []index.Transitio
 	for _, t := range ts {
 		tsl := up.slot
 		if tsl == nil {
-			if tsl, err = e.slotLocked(t.Key); err != nil { // cannot happen: every key was loaded by getLocked
-				return 0, err
+			sh := e.shardOf(t.Key)
+			if tsl = sh.m[string(t.Key)]; tsl == nil {
+				// Clean, and evicted when a later key of its shard was
+				// loaded (a batch): its entry is t.Next now, so no index
+				// read (which could fail after the append) is needed.
+				tsl = e.installLocked(sh, t.Key, t.Next, false)
 			}
 		}
 		e.setLocked(t.Key, tsl, t.Next, lsn)
