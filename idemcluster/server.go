@@ -63,6 +63,9 @@ func (s *server) Begin(ctx context.Context, in *clusterpb.BeginRequest) (*cluste
 	if err != nil {
 		return nil, toStatus(err)
 	}
+	if r, ok := s.committed(ctx, req); ok {
+		return &clusterpb.BeginResponse{Result: resultToPB(r)}, nil
+	}
 	a, err := s.n.apply(ctx, &command{Op: cmdBegin, Req: toWire(req), Owner: in.Owner, Token: in.Token})
 	if err == nil {
 		err = a.err
@@ -75,6 +78,35 @@ func (s *server) Begin(ctx context.Context, in *clusterpb.BeginRequest) (*cluste
 		res.Claim = &clusterpb.ClaimRef{Scope: req.Scope, Id: req.ID, Client: req.Client, Seq: req.Seq, Owner: a.owner, Token: a.token}
 	}
 	return &clusterpb.BeginResponse{Result: res}, nil
+}
+
+// committed answers a Begin of a committed request (a duplicate) as a
+// linearizable read, without a raft entry: Begin writes nothing for a Done
+// request (unless it acknowledges replies: req.Acked), so the answer is
+// the one the entry would have given. The leader's own state is asked
+// first, so a new request pays no leadership round; a Done there is
+// confirmed by a read round and asked again (it may have expired since).
+// ok false: take the write path, which gives every other answer.
+func (s *server) committed(ctx context.Context, req idem.Request) (idem.Result, bool) {
+	if len(req.Acked) > 0 || !s.n.IsLeader() {
+		return idem.Result{}, false
+	}
+	lookup := func() (idem.Result, bool) {
+		e, done, err := s.n.fsm.engine()
+		if err != nil {
+			return idem.Result{}, false
+		}
+		defer done()
+		r, err := e.Lookup(ctx, req)
+		return r, err == nil && r.Status == idem.Done
+	}
+	if _, ok := lookup(); !ok {
+		return idem.Result{}, false
+	}
+	if err := s.n.readIndex(ctx, false); err != nil {
+		return idem.Result{}, false
+	}
+	return lookup()
 }
 
 func claimCmd(op byte, c *clusterpb.ClaimRef) (*command, error) {
@@ -218,11 +250,9 @@ func (s *server) members() ([]*clusterpb.Member, error) {
 		return nil, err
 	}
 	_, leader := s.n.r.LeaderWithID()
-	s.n.fsm.mu.RLock()
-	defer s.n.fsm.mu.RUnlock()
 	var out []*clusterpb.Member
 	for _, sv := range f.Configuration().Servers {
-		out = append(out, &clusterpb.Member{NodeId: string(sv.ID), RaftAddr: string(sv.Address), GrpcAddr: s.n.fsm.members[string(sv.ID)],
+		out = append(out, &clusterpb.Member{NodeId: string(sv.ID), RaftAddr: string(sv.Address), GrpcAddr: s.n.fsm.member(string(sv.ID)),
 			Voter: sv.Suffrage == raft.Voter, Leader: sv.ID == leader})
 	}
 	return out, nil
