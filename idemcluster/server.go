@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/hashicorp/raft"
 	"github.com/idemdb/idem"
 	"github.com/idemdb/idem/idemcluster/clusterpb"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 )
@@ -218,6 +220,52 @@ func (s *server) Wait(ctx context.Context, in *clusterpb.WaitRequest) (*clusterp
 		}
 		return &clusterpb.WaitResponse{Result: resultToPB(r)}, nil
 	}
+}
+
+// Batch runs a client's coalesced calls: each item concurrently, as its
+// own call would run (so the writes among them share raft's group commit
+// and the reads a leadership round), answered in the items' order.
+func (s *server) Batch(ctx context.Context, in *clusterpb.BatchRequest) (*clusterpb.BatchResponse, error) {
+	out := &clusterpb.BatchResponse{Results: make([]*clusterpb.BatchResult, len(in.Items))}
+	var wg sync.WaitGroup
+	wg.Add(len(in.Items))
+	for i, it := range in.Items {
+		go func() {
+			defer wg.Done()
+			out.Results[i] = s.item(ctx, it)
+		}()
+	}
+	wg.Wait()
+	return out, nil
+}
+
+// item runs one item of a Batch.
+func (s *server) item(ctx context.Context, it *clusterpb.BatchItem) *clusterpb.BatchResult {
+	out := &clusterpb.BatchResult{}
+	var err error
+	switch c := it.GetCall().(type) {
+	case *clusterpb.BatchItem_Begin:
+		var r *clusterpb.BeginResponse
+		if r, err = s.Begin(ctx, c.Begin); r != nil {
+			out.Result = r.Result
+		}
+	case *clusterpb.BatchItem_Commit:
+		_, err = s.Commit(ctx, c.Commit)
+	case *clusterpb.BatchItem_Abort:
+		_, err = s.Abort(ctx, c.Abort)
+	case *clusterpb.BatchItem_Lookup:
+		var r *clusterpb.LookupResponse
+		if r, err = s.Lookup(ctx, c.Lookup); r != nil {
+			out.Result = r.Result
+		}
+	default:
+		err = toStatus(fmt.Errorf("%w: a batch item without a call", idem.ErrInvalidRequest))
+	}
+	if err != nil {
+		st := status.Convert(err).Proto()
+		out.Status = &clusterpb.ItemStatus{Code: st.Code, Message: st.Message, Details: st.Details}
+	}
+	return out
 }
 
 func (s *server) ClientState(ctx context.Context, in *clusterpb.ClientStateRequest) (*clusterpb.ClientStateResponse, error) {
