@@ -28,6 +28,7 @@ const (
 	cmdAdvance
 	cmdForget
 	cmdMember
+	cmdBatch // several begin, commit and abort commands in one entry (Cmds), applied in order
 )
 
 // claimKey names a request's key (not its sequence number): a scope and an
@@ -63,6 +64,7 @@ type command struct {
 	Before int64          `msgpack:"before,omitempty"`
 	Node   string         `msgpack:"node,omitempty"`
 	Addr   string         `msgpack:"addr,omitempty"`
+	Cmds   []*command     `msgpack:"cmds,omitempty"` // cmdBatch
 }
 
 // wireRequest is idem.Request as logged.
@@ -94,6 +96,7 @@ type applied struct {
 	token []byte
 	owner string
 	err   error
+	subs  []*applied // a cmdBatch entry's answers, one per command
 }
 
 // held is a claim the cluster handed out: its owner, its token and the
@@ -266,7 +269,7 @@ func (f *fsm) ApplyBatch(logs []*raft.Log) []any {
 		}
 		return out
 	}
-	s := &segment{f: f, out: out}
+	s := &segment{f: f}
 	for i, l := range logs {
 		if t := l.AppendedAt.UnixNano(); !l.AppendedAt.IsZero() && t > f.now.Load() {
 			s.run() // the segment so far ran at the earlier time
@@ -275,24 +278,44 @@ func (f *fsm) ApplyBatch(logs []*raft.Log) []any {
 		if l.Type != raft.LogCommand {
 			continue
 		}
+		a := &applied{}
+		out[i] = a
 		var c command
 		if err := msgpack.Unmarshal(l.Data, &c); err != nil {
-			out[i] = &applied{err: fmt.Errorf("%w: idemcluster: undecodable entry %d: %v", idem.ErrInvalidRequest, l.Index, err)}
+			a.err = fmt.Errorf("%w: idemcluster: undecodable entry %d: %v", idem.ErrInvalidRequest, l.Index, err)
 			continue
 		}
-		switch c.Op {
-		case cmdBegin:
-			s.begin(i, &c)
-		case cmdCommit, cmdAbort:
-			s.finish(i, &c)
-		default:
-			s.run()
-			out[i] = f.applyAlone(&c, l.Index)
+		if c.Op != cmdBatch {
+			s.command(a, &c, l.Index)
+			continue
+		}
+		a.subs = make([]*applied, len(c.Cmds))
+		for j, sub := range c.Cmds {
+			a.subs[j] = &applied{}
+			if sub == nil || sub.Op == cmdBatch {
+				a.subs[j].err = fmt.Errorf("%w: idemcluster: entry %d: command %d of a batch is empty or a batch", idem.ErrInvalidRequest, l.Index, j)
+				continue
+			}
+			s.command(a.subs[j], sub, l.Index)
 		}
 	}
 	s.run()
 	f.purgeFinished()
 	return out
+}
+
+// command adds c to the segment (a begin, a commit, an abort) or applies
+// it alone after running the segment; its answer goes to a.
+func (s *segment) command(a *applied, c *command, index uint64) {
+	switch c.Op {
+	case cmdBegin:
+		s.begin(a, c)
+	case cmdCommit, cmdAbort:
+		s.finish(a, c)
+	default:
+		s.run()
+		*a = *s.f.applyAlone(c, index)
+	}
 }
 
 // applyAlone applies a command that does not go through a batch.
@@ -351,7 +374,6 @@ func (f *fsm) purgeFinished() {
 // segment is the part of a raft batch collected into one engine batch.
 type segment struct {
 	f       *fsm
-	out     []any
 	b       idem.Batch
 	items   []segItem
 	touched map[string]struct{} // keys and tokens of the segment's entries
@@ -359,7 +381,7 @@ type segment struct {
 
 // segItem is a command of the segment waiting for its batch item's result.
 type segItem struct {
-	at  int // index into out
+	a   *applied // the command's answer, set when the batch ran
 	c   *command
 	req idem.Request // begin
 	key string
@@ -391,10 +413,10 @@ func (s *segment) batch() idem.Batch {
 	return s.b
 }
 
-func (s *segment) begin(i int, c *command) {
+func (s *segment) begin(a *applied, c *command) {
 	f := s.f
 	if c.Req == nil || len(c.Token) == 0 {
-		s.out[i] = &applied{err: fmt.Errorf("%w: idemcluster: begin without a request or a token", idem.ErrInvalidRequest)}
+		*a = applied{err: fmt.Errorf("%w: idemcluster: begin without a request or a token", idem.ErrInvalidRequest)}
 		return
 	}
 	req := c.Req.request()
@@ -405,7 +427,7 @@ func (s *segment) begin(i int, c *command) {
 	// own claim back, not InFlight against itself.
 	if h := f.holds[k]; h != nil && h.Owner == c.Owner && string(h.Token) == string(c.Token) && h.Seq == req.Seq {
 		if r, err := f.e.Lookup(ctx, req); err == nil && r.Status == idem.InFlight && !r.LeaseUntil.Before(f.clock()) {
-			s.out[i] = &applied{res: idem.Result{Status: idem.Fresh, LeaseUntil: h.claim.LeaseUntil(), Seq: req.Seq}, token: h.Token, owner: h.Owner}
+			*a = applied{res: idem.Result{Status: idem.Fresh, LeaseUntil: h.claim.LeaseUntil(), Seq: req.Seq}, token: h.Token, owner: h.Owner}
 			return
 		}
 	}
@@ -413,14 +435,14 @@ func (s *segment) begin(i int, c *command) {
 		// The Begin's claim was committed already (the Begin's answer was
 		// lost and the owner went on): answer as a retry would.
 		r, err := f.e.Lookup(ctx, req)
-		s.out[i] = &applied{res: r, err: err}
+		*a = applied{res: r, err: err}
 		return
 	}
 	s.batch().Begin(req)
-	s.items = append(s.items, segItem{at: i, c: c, req: req, key: k})
+	s.items = append(s.items, segItem{a: a, c: c, req: req, key: k})
 }
 
-func (s *segment) finish(i int, c *command) {
+func (s *segment) finish(a *applied, c *command) {
 	f := s.f
 	k := c.Key.String()
 	names := append(make([]string, 0, 2+len(c.Adv)), k, "t:"+string(c.Token))
@@ -431,10 +453,10 @@ func (s *segment) finish(i int, c *command) {
 	h := f.holds[k]
 	if h == nil || string(h.Token) != string(c.Token) || h.Seq != c.Seq {
 		if fin, ok := f.finishedOK(c.Token); ok && fin.Committed == (c.Op == cmdCommit) {
-			s.out[i] = &applied{} // a retry of a finish whose answer was lost
+			*a = applied{} // a retry of a finish whose answer was lost
 			return
 		}
-		s.out[i] = &applied{err: fmt.Errorf("%w: idemcluster: no claim of %s with this token (taken over after its lease, or finished)", idem.ErrLeaseLost, k)}
+		*a = applied{err: fmt.Errorf("%w: idemcluster: no claim of %s with this token (taken over after its lease, or finished)", idem.ErrLeaseLost, k)}
 		return
 	}
 	if c.Op == cmdCommit {
@@ -442,7 +464,7 @@ func (s *segment) finish(i int, c *command) {
 	} else {
 		s.batch().Abort(h.claim)
 	}
-	s.items = append(s.items, segItem{at: i, c: c, key: k, h: h})
+	s.items = append(s.items, segItem{a: a, c: c, key: k, h: h})
 }
 
 // run runs the segment's batch and records its results in the tables.
@@ -460,7 +482,7 @@ func (s *segment) run() {
 	}
 	if err != nil {
 		for _, it := range items {
-			s.out[it.at] = &applied{err: err}
+			*it.a = applied{err: err}
 		}
 		return
 	}
@@ -472,24 +494,24 @@ func (s *segment) run() {
 		c := it.c
 		if c.Op == cmdBegin {
 			if err != nil || r.Status != idem.Fresh {
-				s.out[it.at] = &applied{res: r, err: err}
+				*it.a = applied{res: r, err: err}
 				continue
 			}
 			f.holds[it.key] = &held{Key: keyOf(&it.req), Owner: c.Owner, Token: c.Token, Seq: it.req.Seq, Fingerprint: it.req.Fingerprint,
 				ClaimedAt: now, LeaseUntil: r.LeaseUntil.UnixNano(), claim: r.Claim}
 			r.Claim = nil
-			s.out[it.at] = &applied{res: r, token: c.Token, owner: c.Owner}
+			*it.a = applied{res: r, token: c.Token, owner: c.Owner}
 			continue
 		}
 		if errors.Is(err, idem.ErrInvalidRequest) || errors.Is(err, idem.ErrInFlight) {
-			s.out[it.at] = &applied{err: err} // nothing written: the claim stays open
+			*it.a = applied{err: err} // nothing written: the claim stays open
 			continue
 		}
 		delete(f.holds, it.key)
 		if err == nil {
 			f.finished[string(c.Token)] = finished{Committed: c.Op == cmdCommit, At: now}
 		}
-		s.out[it.at] = &applied{err: err}
+		*it.a = applied{err: err}
 	}
 }
 

@@ -188,3 +188,46 @@ func TestApplyBatchMatchesApply(t *testing.T) {
 		}
 	}
 }
+
+// A cmdBatch entry (the writes of one Batch RPC) gives each of its
+// commands the answer it gets as an entry of its own.
+func TestBatchEntryMatchesEntries(t *testing.T) {
+	entries := fsmLog()
+	logs := fsmLogs(t, entries)
+	one := testFSM(t, "one")
+	var want []string
+	for _, l := range logs {
+		want = append(want, detail(one.Apply(l)))
+	}
+	// Pack runs of entries appended at the same time, up to 5 a run.
+	var packed []fsmEntry
+	var packs [][]int // the entries of each packed entry
+	for i := 0; i < len(entries); {
+		j := i + 1
+		for j < len(entries) && j-i < 5 && entries[j].at == entries[i].at {
+			j++
+		}
+		b := command{Op: cmdBatch}
+		var idx []int
+		for k := i; k < j; k++ {
+			c := entries[k].c
+			b.Cmds = append(b.Cmds, &c)
+			idx = append(idx, k)
+		}
+		packed = append(packed, fsmEntry{at: entries[i].at, c: b})
+		packs = append(packs, idx)
+		i = j
+	}
+	f := testFSM(t, "packed")
+	for p, a := range f.ApplyBatch(fsmLogs(t, packed)) {
+		ap := a.(*applied)
+		if len(ap.subs) != len(packs[p]) {
+			t.Fatalf("entry %d: %d answers for %d commands (%v)", p+1, len(ap.subs), len(packs[p]), ap.err)
+		}
+		for j, k := range packs[p] {
+			if got := detail(ap.subs[j]); got != want[k] && !(entries[k].want == "invalid" && outcome(ap.subs[j]) == "invalid") { // the message names the entry
+				t.Errorf("command %d (entry %d of the packed log):\n packed: %s\n alone:  %s", k+1, p+1, got, want[k])
+			}
+		}
+	}
+}

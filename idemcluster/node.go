@@ -351,6 +351,26 @@ func (n *Node) apply(ctx context.Context, c *command) (*applied, error) {
 	return a, nil
 }
 
+// applyAll appends cmds as one entry (one cmdBatch, or the command itself
+// when alone) and returns the state machine's answer to each.
+func (n *Node) applyAll(ctx context.Context, cmds []*command) ([]*applied, error) {
+	if len(cmds) == 1 {
+		a, err := n.apply(ctx, cmds[0])
+		return []*applied{a}, err
+	}
+	a, err := n.apply(ctx, &command{Op: cmdBatch, Cmds: cmds})
+	if err != nil {
+		return nil, err
+	}
+	if len(a.subs) != len(cmds) {
+		if a.err != nil {
+			return nil, a.err
+		}
+		return nil, fmt.Errorf("idemcluster: a batch entry of %d commands applied with %d answers", len(cmds), len(a.subs))
+	}
+	return a.subs, nil
+}
+
 // readIndex makes a read linearizable: the node must be a ready leader,
 // confirm its leadership with a majority after taking the commit index,
 // and have applied up to that index. The confirmation is shared: one
