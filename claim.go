@@ -37,6 +37,11 @@ type engineClaim struct {
 	k   reqKey
 	lsn wal.LSN
 	fp  []byte
+	// sl is k.key's slot as Begin left it (nil: unknown). It stays the
+	// key's slot while the claim is in flight (an in-flight slot is never
+	// evicted), so the finish takes it without a lookup unless it was
+	// evicted after a takeover.
+	sl *slot
 }
 
 func newEngineClaim(e *Engine, k reqKey, lsn wal.LSN, fp []byte, leaseUntil time.Time) *Claim {
@@ -154,14 +159,21 @@ func (e *Engine) checkAdvances(adv []Advance, own []byte) ([]wal.Advance, [][]by
 }
 
 // advancesInFlightLocked returns ErrInFlight if a client of adv (whose keys
-// are locked) has a claim in flight.
-func (e *Engine) advancesInFlightLocked(adv []wal.Advance, keys [][]byte) error {
+// are locked) has a claim in flight, read through the batch ov when not
+// nil (Batch.Run).
+func (e *Engine) advancesInFlightLocked(adv []wal.Advance, keys [][]byte, ov *index.Batch) error {
 	for i, a := range adv {
-		sl, err := e.slotLocked(keys[i])
+		var en *index.Entry
+		var err error
+		if ov != nil {
+			en, err = ov.Get(keys[i], index.ModeClient)
+		} else {
+			en, err = e.getLocked(keys[i], index.ModeClient)
+		}
 		if err != nil {
 			return err
 		}
-		if en := e.current(sl, index.ModeClient); en != nil && en.InFlight {
+		if en != nil && en.InFlight {
 			return fmt.Errorf("%w: cannot advance client %q in scope %q to %d: its sequence number %d is claimed", ErrInFlight, a.Client, a.Scope, a.Seq, en.ClaimSeq)
 		}
 	}
@@ -192,7 +204,7 @@ func (e *Engine) Advance(ctx context.Context, adv ...Advance) error {
 	}
 	defer e.leave()
 	unlock := e.lockKeys(keys...)
-	if err := e.advancesInFlightLocked(wadv, keys); err != nil {
+	if err := e.advancesInFlightLocked(wadv, keys, nil); err != nil {
 		unlock()
 		return err
 	}
@@ -251,16 +263,28 @@ func (c *engineClaim) write(typ byte, reply []byte, adv []wal.Advance, keys [][]
 	}
 	defer e.leave()
 	k := c.k
-	var unlock func()
-	if keys == nil { // Commit, Abort: the claim's key alone (no slice to build)
+	var (
+		unlock func()
+		sl     *slot
+	)
+	switch {
+	case keys == nil && c.sl != nil: // Commit, Abort: the claim's key alone, its slot in hand
+		c.sl.sh.mu.Lock()
+		unlock = c.sl.sh.unlock
+		if !c.sl.evicted {
+			sl = c.sl
+		}
+	case keys == nil:
 		unlock = e.lockKeys(k.key)
-	} else {
+	default:
 		unlock = e.lockKeys(keys...)
 	}
-	sl, err := e.slotLocked(k.key)
-	if err != nil {
-		unlock()
-		return err
+	if sl == nil {
+		var err error
+		if sl, err = e.slotLocked(k.key); err != nil {
+			unlock()
+			return err
+		}
 	}
 	cur := e.current(sl, k.mode)
 	if cur == nil || !cur.InFlight || cur.ClaimLSN != c.lsn {
@@ -269,23 +293,26 @@ func (c *engineClaim) write(typ byte, reply []byte, adv []wal.Advance, keys [][]
 		return fmt.Errorf("%w: scope %q %s", ErrLeaseLost, k.scope, printable(k.ident))
 	}
 	if len(adv) > 0 {
-		if err := e.advancesInFlightLocked(adv, keys[1:]); err != nil {
+		if err := e.advancesInFlightLocked(adv, keys[1:], nil); err != nil {
 			unlock()
 			return err
 		}
 	}
-	op := &wal.Op{Type: typ, Scope: k.scope, ClaimLSN: c.lsn, Time: e.o.Clock().UnixNano(), Reply: reply, Advances: adv}
-	if k.mode == index.ModeID {
-		op.ID = k.ident
-	} else {
-		op.Client, op.Seq = string(k.ident), k.seq
+	op := &wal.Op{}
+	finishOp(op, typ, k, c.lsn, e.o.Clock().UnixNano(), reply, adv)
+	// The claim's own key is the slot in hand: spare its lookup.
+	get := func(key []byte, mode byte) (*index.Entry, error) {
+		if string(key) == string(k.key) {
+			return e.current(sl, mode), nil
+		}
+		return e.getLocked(key, mode)
 	}
-	ts, err := index.Transitions(op, 0, e.getLocked)
+	ts, err := index.Transitions(op, 0, get)
 	if err != nil {
 		unlock()
 		return err
 	}
-	lsn, err := e.appendOp(op, ts)
+	lsn, err := e.appendOpSlot(op, ts, k.key, sl)
 	var waiters chan struct{}
 	if err == nil {
 		waiters, sl.waiters = sl.waiters, nil
@@ -299,4 +326,15 @@ func (c *engineClaim) write(typ byte, reply []byte, adv []wal.Advance, keys [][]
 		close(waiters)
 	}
 	return err
+}
+
+// finishOp fills op with the commit, commit-advance or abort (typ) of the
+// claim claimLSN of key k, at time now (unix ns).
+func finishOp(op *wal.Op, typ byte, k reqKey, claimLSN wal.LSN, now int64, reply []byte, adv []wal.Advance) {
+	*op = wal.Op{Type: typ, Scope: k.scope, ClaimLSN: claimLSN, Time: now, Reply: reply, Advances: adv}
+	if k.mode == index.ModeID {
+		op.ID = k.ident
+	} else {
+		op.Client, op.Seq = string(k.ident), k.seq
+	}
 }
