@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/hashicorp/raft"
 	"github.com/idemdb/idem"
 	"github.com/idemdb/idem/idemcluster/clusterpb"
 	"google.golang.org/grpc"
@@ -258,4 +259,65 @@ func TestBatchRPCItems(t *testing.T) {
 	if err := itemErr(3); !errors.Is(err, idem.ErrInvalidRequest) {
 		t.Fatalf("an empty item: %v", err)
 	}
+}
+
+// A leader cut off from the others answers no linearizable read (a
+// Lookup, a Begin of a committed id) from its own state: its leadership
+// round cannot reach a majority. The leader lease is long here (2 s), so
+// that the reads arrive while it still thinks it leads: a node that
+// skipped the round would answer them.
+func TestIsolatedLeaderAnswersNoRead(t *testing.T) {
+	cc := newChaosCluster(t, 3, func(o *NodeOptions) {
+		o.HeartbeatTimeout, o.ElectionTimeout = 4*time.Second, 4*time.Second
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	c := dial(t, cc.testCluster, "app")
+	req := idem.Request{ID: []byte("x")}
+	if _, err := idem.Do(ctx, c, req, func(context.Context) ([]byte, error) { return []byte("r"), nil }); err != nil {
+		t.Fatal(err)
+	}
+	old := cc.leader(30 * time.Second)
+	oc := rawIdem(t, cc.addr(old))
+	if out, err := oc.Lookup(ctx, &clusterpb.LookupRequest{Request: reqToPB(req)}); err != nil || out.Result.Status != clusterpb.Status_STATUS_DONE {
+		t.Fatalf("lookup before the cut: %v %v", out, err)
+	}
+	// Cut it off, and wait until a heartbeat to each follower has failed:
+	// no answer sent before the cut is on its way any more.
+	obs := make(chan raft.Observation, 16)
+	o := raft.NewObserver(obs, false, func(o *raft.Observation) bool {
+		_, ok := o.Data.(raft.FailedHeartbeatObservation)
+		return ok
+	})
+	r := cc.nodes[old].Raft()
+	r.RegisterObserver(o)
+	defer r.DeregisterObserver(o)
+	cc.isolate(old)
+	failed := map[raft.ServerID]bool{}
+	for len(failed) < 2 {
+		select {
+		case ob := <-obs:
+			failed[ob.Data.(raft.FailedHeartbeatObservation).PeerID] = true
+		case <-ctx.Done():
+			t.Fatalf("no failed heartbeats after the cut: %v", failed)
+		}
+	}
+	if !cc.nodes[old].IsLeader() {
+		t.Skip("the old leader stepped down before the reads (a loaded machine): nothing to check")
+	}
+	var wg sync.WaitGroup
+	wg.Add(2)
+	go func() {
+		defer wg.Done()
+		if out, err := oc.Lookup(ctx, &clusterpb.LookupRequest{Request: reqToPB(req)}); err == nil {
+			t.Errorf("the cut-off leader answered a lookup: %v", out.Result.Status)
+		}
+	}()
+	go func() {
+		defer wg.Done()
+		if out, err := oc.Begin(ctx, &clusterpb.BeginRequest{Request: reqToPB(req), Owner: "o", Token: []byte("t")}); err == nil {
+			t.Errorf("the cut-off leader answered a Begin: %v", out.Result.Status)
+		}
+	}()
+	wg.Wait()
 }

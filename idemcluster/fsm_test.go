@@ -231,3 +231,40 @@ func TestBatchEntryMatchesEntries(t *testing.T) {
 		}
 	}
 }
+
+// The begins, commits and aborts of many clients in one raft batch
+// (appended together, distinct keys) are one engine record.
+func TestRaftBatchIsOneEngineRecord(t *testing.T) {
+	f := testFSM(t, "f")
+	var entries []fsmEntry
+	for i := range 40 {
+		entries = append(entries, fsmEntry{c: command{Op: cmdBegin, Req: toWire(idem.Request{ID: []byte(fmt.Sprint("k", i))}), Owner: "o", Token: []byte(fmt.Sprint("t", i))}})
+	}
+	for i := range 20 {
+		r := idem.Request{ID: []byte(fmt.Sprint("k", i))}
+		entries = append(entries, fsmEntry{at: time.Millisecond, c: command{Op: cmdCommit, Key: keyOf(&r), Token: []byte(fmt.Sprint("t", i)), Reply: []byte("r")}})
+	}
+	logs := fsmLogs(t, entries)
+	lsn := func() uint64 {
+		e, done, err := f.engine()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer done()
+		return e.Stats().LastLSN
+	}
+	for _, step := range []struct {
+		logs []*raft.Log
+		want string
+	}{{logs[:40], "fresh"}, {logs[40:], "ok"}} {
+		before := lsn()
+		for i, a := range f.ApplyBatch(step.logs) {
+			if got := outcome(a); got != step.want {
+				t.Fatalf("entry %d: %s (%s)", i, got, detail(a))
+			}
+		}
+		if n := lsn() - before; n != 1 {
+			t.Fatalf("a raft batch of %d entries wrote %d engine records, want 1", len(step.logs), n)
+		}
+	}
+}
