@@ -18,6 +18,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 )
 
@@ -467,6 +468,9 @@ func (c *Client) Remove(ctx context.Context, nodeID string) error {
 // share one leadership round instead of waiting for the round before).
 const maxBatchesInFlight = 1
 
+// maxBatchBytes bounds the items of one Batch RPC (encoded).
+const maxBatchBytes = 1 << 20
+
 // batcher coalesces a client's concurrent calls to one node into Batch
 // RPCs. A call that finds fewer than maxBatchesInFlight batches on the
 // wire goes at once (alone, when nothing else waits: no timer delays it);
@@ -487,6 +491,7 @@ type batcher struct {
 // batchCall is a call waiting in a batcher.
 type batchCall struct {
 	item *clusterpb.BatchItem
+	size int           // the item's encoded size
 	done chan struct{} // closed when res or err is set
 	res  *clusterpb.BatchResult
 	err  error // the Batch RPC's own error
@@ -507,13 +512,12 @@ func (b *batcher) do(ctx context.Context, item *clusterpb.BatchItem) (*clusterpb
 	if b.off || b.unary.Load() {
 		return b.single(ctx, item)
 	}
-	bc := &batchCall{item: item, done: make(chan struct{})}
+	bc := &batchCall{item: item, size: proto.Size(item), done: make(chan struct{})}
 	b.mu.Lock()
 	b.queue = append(b.queue, bc)
 	if b.inflight < maxBatchesInFlight {
 		b.inflight++
-		q := b.queue
-		b.queue = nil
+		q := b.takeLocked()
 		b.mu.Unlock()
 		go b.send(q)
 	} else {
@@ -535,6 +539,24 @@ func (b *batcher) do(ctx context.Context, item *clusterpb.BatchItem) (*clusterpb
 		return nil, status.ErrorProto(toProto(st))
 	}
 	return bc.res.Result, nil
+}
+
+// takeLocked takes the next batch from the queue: the calls in order, up
+// to maxBatchBytes (at least one call), so that a batch of large replies
+// stays far below gRPC's 4 MiB message limit, which each call alone meets.
+func (b *batcher) takeLocked() []*batchCall {
+	n, size := 1, b.queue[0].size
+	for n < len(b.queue) && size+b.queue[n].size <= maxBatchBytes {
+		size += b.queue[n].size
+		n++
+	}
+	q := b.queue[:n:n]
+	if n == len(b.queue) {
+		b.queue = nil
+	} else {
+		b.queue = b.queue[n:]
+	}
+	return q
 }
 
 // send sends q, then whatever queued meanwhile, until nothing waits.
@@ -564,8 +586,7 @@ func (b *batcher) send(q []*batchCall) {
 			b.mu.Unlock()
 			return
 		}
-		q = b.queue
-		b.queue = nil
+		q = b.takeLocked()
 		b.mu.Unlock()
 	}
 }

@@ -321,3 +321,73 @@ func TestIsolatedLeaderAnswersNoRead(t *testing.T) {
 	}()
 	wg.Wait()
 }
+
+// Calls with large replies that queue together still go in batches under
+// gRPC's 4 MiB message limit (each call alone is under it).
+func TestClientBatchesOfLargeReplies(t *testing.T) {
+	tc := newTestCluster(t, 3)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	cb := &countBatches{}
+	leader := tc.nodes[tc.leader(30*time.Second)]
+	c, err := Dial(ctx, []string{leader.Addr()}, &Options{Owner: "app", DialOptions: []grpc.DialOption{grpc.WithUnaryInterceptor(cb.intercept)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	const n = 6
+	var claims []*idem.Claim
+	for i := range n {
+		r, err := c.Begin(ctx, idem.Request{ID: []byte(fmt.Sprint("big-", i))})
+		if err != nil || r.Status != idem.Fresh {
+			t.Fatalf("begin %d: %+v %v", i, r, err)
+		}
+		claims = append(claims, r.Claim)
+	}
+	p, err := c.peer(leader.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	cb.n.Store(0)
+	cb.hold = make(chan struct{})
+	reply := make([]byte, 900<<10)
+	var wg sync.WaitGroup
+	errs := make(chan error, n+1)
+	wg.Add(1)
+	go func() { // the first batch, held on the wire
+		defer wg.Done()
+		_, err := c.Lookup(ctx, idem.Request{ID: []byte("big-0")})
+		errs <- err
+	}()
+	for cb.n.Load() == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	for i, cl := range claims {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := cl.Commit(ctx, reply); err != nil {
+				errs <- fmt.Errorf("commit %d: %w", i, err)
+			}
+		}()
+	}
+	for queued := 0; queued < n; {
+		p.batch.mu.Lock()
+		queued = len(p.batch.queue)
+		p.batch.mu.Unlock()
+		time.Sleep(time.Millisecond)
+	}
+	close(cb.hold)
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i := range n {
+		if r, err := c.Lookup(ctx, idem.Request{ID: []byte(fmt.Sprint("big-", i))}); err != nil || r.Status != idem.Done || len(r.Reply) != len(reply) {
+			t.Fatalf("big-%d: %v %d bytes %v", i, r.Status, len(r.Reply), err)
+		}
+	}
+}
