@@ -31,6 +31,13 @@ func eventRequest(scope string, ev *Event, noFingerprint bool, ttl time.Duration
 // who names the component in errors ("sink \"ledger\"").
 func claimEvent(ctx context.Context, st idem.Store, req idem.Request, who string, ev *Event) (*idem.Claim, Outcome, error) {
 	res, err := st.Begin(ctx, req)
+	return classifyEvent(res, err, req.Scope, who, ev)
+}
+
+// classifyEvent is claimEvent's classification of a Begin's (or a batch
+// item's, or a Lookup's: Absent is then the event to run, with no claim)
+// answer for ev in scope.
+func classifyEvent(res idem.Result, err error, scope, who string, ev *Event) (*idem.Claim, Outcome, error) {
 	if err != nil {
 		if errors.Is(err, idem.ErrConflict) {
 			return nil, Outcome{}, fmt.Errorf("%w: %s, event %q (partition %q, offset %d)", ErrConflict, who, ev.ID, ev.Partition, ev.Offset)
@@ -38,10 +45,10 @@ func claimEvent(ctx context.Context, st idem.Store, req idem.Request, who string
 		return nil, Outcome{}, fmt.Errorf("idemstream: %s: claiming event %q: %w", who, ev.ID, err)
 	}
 	switch res.Status {
-	case idem.Fresh:
+	case idem.Fresh, idem.Absent:
 		return res.Claim, Outcome{ExpiresAt: res.ExpiresAt}, nil
 	case idem.Done:
-		rec, err := decodeEventRecord(req.Scope, ev.ID, res.Reply)
+		rec, err := decodeEventRecord(scope, ev.ID, res.Reply)
 		if err != nil {
 			return nil, Outcome{}, err
 		}

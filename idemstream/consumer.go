@@ -121,9 +121,11 @@ func fatal(err error) bool {
 
 // Consume moves events from src through sink with h until ctx ends (it
 // then returns ctx's error) or a fatal error (engine closed or failed).
-// For each batch: every delivery is applied (concurrently; each commit
-// raises its partition's frontier in the same record), and only then are
-// the committed deliveries acknowledged. A delivery whose handler failed,
+// For each batch: the deliveries are claimed together (one record when
+// the store is an idem.Batcher, one request each otherwise), their
+// handlers run (up to Concurrency at once), their commits (each raising
+// its partition's frontier) are written together, and only then are the
+// committed deliveries acknowledged. A delivery whose handler failed,
 // or that is Busy, is not acknowledged: the broker redelivers it.
 //
 // opts nil means the defaults; a configuration error is returned at once.
@@ -136,21 +138,13 @@ func Consume(ctx context.Context, src Source, sink *Sink, h Handler, opts *Consu
 }
 
 func consume(ctx context.Context, src Source, sink *Sink, h Handler, opts ConsumeOptions) error {
+	var evs []Event
 	return fetchBatches(ctx, src, opts, func(msgs []Message, _ *backoff) error {
-		outs := make([]Outcome, len(msgs))
-		errs := make([]error, len(msgs))
-		var wg sync.WaitGroup
-		sem := make(chan struct{}, opts.Concurrency)
+		evs = evs[:0]
 		for i := range msgs {
-			sem <- struct{}{}
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				defer func() { <-sem }()
-				outs[i], errs[i] = sink.Apply(ctx, msgs[i].Event, h)
-			}()
+			evs = append(evs, msgs[i].Event)
 		}
-		wg.Wait()
+		outs, errs := sink.applyBatch(ctx, evs, h, opts.Concurrency)
 		for i, err := range errs {
 			if err == nil {
 				continue

@@ -209,6 +209,38 @@ func encodeEventRecord(r *eventRecord) ([]byte, error) {
 	return msgpack.Marshal(r)
 }
 
+// eventRecordEncoder encodes the records of a checkpoint's events (a
+// position and a checkpoint, no result, no outbox) byte for byte as
+// encodeEventRecord does (TestEventRecordEncoder), without reflection and
+// into shared chunks: no allocation per event. The slices it returns stay
+// valid (a full chunk is left to them, never reused).
+type eventRecordEncoder struct{ buf []byte }
+
+func (e *eventRecordEncoder) encode(checkpoint uint64, partition string, offset uint64) []byte {
+	need := 32 + len(partition)
+	if cap(e.buf)-len(e.buf) < need {
+		e.buf = make([]byte, 0, max(16<<10, need))
+	}
+	start := len(e.buf)
+	b := append(e.buf, 0x96, 0xcc, eventRecordVersion, 0xc0) // array of 6, Version (uint8), Result nil
+	switch n := len(partition); {
+	case n < 32:
+		b = append(b, 0xa0|byte(n))
+	case n < 256:
+		b = append(b, 0xd9, byte(n))
+	case n <= 0xffff:
+		b = binary.BigEndian.AppendUint16(append(b, 0xda), uint16(n))
+	default:
+		b = binary.BigEndian.AppendUint32(append(b, 0xdb), uint32(n))
+	}
+	b = append(b, partition...)
+	b = binary.BigEndian.AppendUint64(append(b, 0xcf), offset)
+	b = binary.BigEndian.AppendUint64(append(b, 0xcf), checkpoint)
+	b = append(b, 0xc0) // Outbox nil
+	e.buf = b
+	return b[start:len(b):len(b)]
+}
+
 func decodeEventRecord(scope string, id, b []byte) (*eventRecord, error) {
 	var r eventRecord
 	if err := unmarshal(b, &r); err != nil {

@@ -226,7 +226,10 @@ func TestTwoPhaseCrashWindows(t *testing.T) {
 		{windowAfterPreCommit, "", "aborted"},
 		{windowAfterCheckpoint, "", "committed"},
 		{windowAfterSinkCommit, "", "committed"},
-		{windowBeforeAck, "", "finished"},
+		// The sink's commit of the last checkpoint is recorded only by
+		// recovery: RecoverAndCommit again (idempotent; the ledger
+		// counts a second visible commit as a violation).
+		{windowBeforeAck, "", "committed"},
 		{windowAfterCheckpoint, windowDuringRecovery, "committed"},
 		{windowBeforePreCommit, windowDuringRecovery, "aborted"},
 	}
@@ -421,12 +424,13 @@ func TestTwoPhaseRecordsBounded(t *testing.T) {
 		}
 	}
 	for k := uint64(1); k <= 5; k++ {
+		// "d/<k>" is written by recovery only.
 		for _, kind := range []string{"c", "d"} {
 			res, err := e.Lookup(context.Background(), idem.Request{Scope: twoPhaseScope("tx"), ID: ckptID(kind, k)})
 			if err != nil {
 				t.Fatal(err)
 			}
-			if want := k == 5; (res.Status == idem.Done) != want {
+			if want := k == 5 && kind == "c"; (res.Status == idem.Done) != want {
 				t.Fatalf("record %s/%d: %v, kept %v", kind, k, res.Status, want)
 			}
 		}
