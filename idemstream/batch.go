@@ -27,8 +27,11 @@ func newBatch(st idem.Store) idem.Batch {
 // storeBatch is an idem.Batch over a Store without Batcher: each item is
 // the single call it stands for, with the same result. Items run in the
 // order they were added, except that a run of consecutive items of the
-// same kind (Begin, Put, Commit or Abort) naming distinct keys runs
-// concurrently, so that their records share the store's group commits.
+// same kind (Begin, Put, Commit or Abort) in the same scope naming
+// distinct keys runs concurrently, so that their records share the
+// store's group commits. An item of another kind or scope waits for the
+// items before it: a checkpoint's record is durable before its events are
+// put.
 type storeBatch struct {
 	st    idem.Store
 	items []storeItem
@@ -86,6 +89,10 @@ func (it *storeItem) key() any {
 	return nil
 }
 
+// reqScope is the scope of a Begin or Put ("" for the others: a claim's
+// finish is ordered by its claim).
+func (it *storeItem) reqScope() string { return it.req.Scope }
+
 func (b *storeBatch) Run(ctx context.Context) ([]idem.BatchResult, error) {
 	if b.ran {
 		return nil, fmt.Errorf("%w: the batch was run already", idem.ErrInvalidRequest)
@@ -99,7 +106,7 @@ func (b *storeBatch) Run(ctx context.Context) ([]idem.BatchResult, error) {
 		j := i + 1
 		if k := b.items[i].key(); k != nil {
 			seen := map[any]bool{k: true}
-			for j < len(b.items) && b.items[j].kind == b.items[i].kind && !seen[b.items[j].key()] {
+			for j < len(b.items) && b.items[j].kind == b.items[i].kind && b.items[j].reqScope() == b.items[i].reqScope() && !seen[b.items[j].key()] {
 				seen[b.items[j].key()] = true
 				j++
 			}

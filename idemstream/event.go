@@ -217,12 +217,14 @@ func encodeEventRecord(r *eventRecord) ([]byte, error) {
 type eventRecordEncoder struct{ buf []byte }
 
 func (e *eventRecordEncoder) encode(checkpoint uint64, partition string, offset uint64) []byte {
-	need := 32 + len(partition)
+	need := 96 + len(partition)
 	if cap(e.buf)-len(e.buf) < need {
 		e.buf = make([]byte, 0, max(16<<10, need))
 	}
 	start := len(e.buf)
-	b := append(e.buf, 0x96, 0xcc, eventRecordVersion, 0xc0) // array of 6, Version (uint8), Result nil
+	// msgpack.Marshal's encoding of the struct (a map by field name;
+	// the version is eventRecordVersion, 1).
+	b := append(e.buf, "\x86\xa7Version\xcc\x01\xa6Result\xc0\xa9Partition"...)
 	switch n := len(partition); {
 	case n < 32:
 		b = append(b, 0xa0|byte(n))
@@ -234,9 +236,9 @@ func (e *eventRecordEncoder) encode(checkpoint uint64, partition string, offset 
 		b = binary.BigEndian.AppendUint32(append(b, 0xdb), uint32(n))
 	}
 	b = append(b, partition...)
-	b = binary.BigEndian.AppendUint64(append(b, 0xcf), offset)
-	b = binary.BigEndian.AppendUint64(append(b, 0xcf), checkpoint)
-	b = append(b, 0xc0) // Outbox nil
+	b = binary.BigEndian.AppendUint64(append(b, "\xa6Offset\xcf"...), offset)
+	b = binary.BigEndian.AppendUint64(append(b, "\xaaCheckpoint\xcf"...), checkpoint)
+	b = append(b, "\xa6Outbox\xc0"...)
 	e.buf = b
 	return b[start:len(b):len(b)]
 }
