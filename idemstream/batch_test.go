@@ -320,10 +320,12 @@ func TestEventRecordEncoder(t *testing.T) {
 	var enc eventRecordEncoder
 	var got [][]byte
 	cases := []eventRecord{{}, {Partition: "p", Offset: 7, Checkpoint: 3}, {Partition: strings.Repeat("x", 31), Offset: 1 << 60, Checkpoint: 1 << 40},
-		{Partition: strings.Repeat("y", 32)}, {Partition: strings.Repeat("z", 300), Offset: 5}, {Partition: strings.Repeat("w", 512), Offset: 5}}
+		{Partition: strings.Repeat("y", 32)}, {Partition: strings.Repeat("z", 300), Offset: 5}, {Partition: strings.Repeat("w", 512), Offset: 5},
+		{Result: []byte{}}, {Result: []byte("posted"), Partition: "p", Offset: 1}, {Result: make([]byte, 255)}, {Result: make([]byte, 256)},
+		{Result: make([]byte, 70000), Partition: "q"}}
 	for n := 0; n < 2000; n++ { // across chunks
 		c := cases[n%len(cases)]
-		got = append(got, enc.encode(c.Checkpoint, c.Partition, c.Offset))
+		got = append(got, enc.encode(c.Result, c.Checkpoint, c.Partition, c.Offset))
 	}
 	for n, b := range got {
 		c := cases[n%len(cases)]
@@ -335,7 +337,7 @@ func TestEventRecordEncoder(t *testing.T) {
 			t.Fatalf("record %d (%+v):\n got %x\nwant %x", n, c, b, want)
 		}
 		var r eventRecord
-		if err := msgpack.Unmarshal(b, &r); err != nil || r.Partition != c.Partition || r.Offset != c.Offset || r.Checkpoint != c.Checkpoint {
+		if err := msgpack.Unmarshal(b, &r); err != nil || r.Partition != c.Partition || r.Offset != c.Offset || r.Checkpoint != c.Checkpoint || string(r.Result) != string(c.Result) {
 			t.Fatalf("record %d: %+v %v", n, r, err)
 		}
 	}

@@ -12,8 +12,18 @@ import (
 // eventRequest is the claim request of ev in scope: the event id, the
 // payload's fingerprint (unless noFingerprint) and the TTL.
 func eventRequest(scope string, ev *Event, noFingerprint bool, ttl time.Duration) idem.Request {
+	return eventRequestFP(scope, ev, noFingerprint, ttl, nil)
+}
+
+// eventRequestFP is eventRequest with the fingerprint from fps (a
+// batch's), or its own allocation when fps is nil.
+func eventRequestFP(scope string, ev *Event, noFingerprint bool, ttl time.Duration, fps *fingerprints) idem.Request {
 	req := idem.Request{Scope: scope, ID: ev.ID, TTL: ttl}
-	if !noFingerprint {
+	switch {
+	case noFingerprint:
+	case fps != nil:
+		req.Fingerprint = fps.of(ev.Payload)
+	default:
 		req.Fingerprint = fingerprint(ev.Payload)
 	}
 	return req

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -244,7 +243,7 @@ func ackBatch(ctx context.Context, msgs []Message, outs []Outcome, opts ConsumeO
 			return err
 		}
 	}
-	var wg sync.WaitGroup
+	todo := make([]int, 0, len(outs))
 	for i, o := range outs {
 		switch {
 		case o.Status.Ackable() && msgs[i].Ack != nil:
@@ -252,13 +251,13 @@ func ackBatch(ctx context.Context, msgs []Message, outs []Outcome, opts ConsumeO
 		default:
 			continue
 		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			settle(ctx, &msgs[i], o, opts, pc)
-		}()
+		todo = append(todo, i)
 	}
-	wg.Wait()
+	// Acks are network calls for a broker: a few at once.
+	parallelN(len(todo), 64, func(n int) {
+		i := todo[n]
+		settle(ctx, &msgs[i], outs[i], opts, pc)
+	})
 	if opts.OnBatch != nil {
 		opts.OnBatch(msgs, outs)
 	}

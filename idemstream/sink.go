@@ -510,12 +510,13 @@ func (s *Sink) applyBatch(ctx context.Context, evs []Event, h Handler, conc int)
 	who := s.who()
 	claims := newBatch(s.st)
 	items := make([]int, 0, len(evs)) // batch item -> event
+	var fps fingerprints
 	for i := range evs {
 		if err := evs[i].validate(); err != nil {
 			errs[i] = err
 			continue
 		}
-		claims.Begin(eventRequest(s.scope, &evs[i], s.opts.NoFingerprint, s.opts.TTL))
+		claims.Begin(eventRequestFP(s.scope, &evs[i], s.opts.NoFingerprint, s.opts.TTL, &fps))
 		items = append(items, i)
 	}
 	res, err := claims.Run(ctx)
@@ -569,11 +570,15 @@ func (s *Sink) applyBatch(ctx context.Context, evs []Event, h Handler, conc int)
 	// past replayed deliveries, in one batch.
 	fin := newBatch(s.st)
 	var finItems []*run
+	var enc eventRecordEncoder
 	for n := range fresh {
 		r := &fresh[n]
 		ev := &evs[r.i]
 		switch r.state {
 		case runCommit:
+			if r.rec == nil {
+				r.rec = enc.encode(r.eff.Result, 0, ev.Partition, ev.Offset)
+			}
 			if ev.Offset != 0 {
 				fin.Commit(r.claim, r.rec, idem.Advance{Scope: s.fscope, Client: frontierClient(ev.Partition), Seq: ev.Offset})
 			} else {
@@ -675,10 +680,13 @@ func (s *Sink) runEffect(ctx context.Context, ev *Event, h Handler, state *runSt
 		*errp = fmt.Errorf("idemstream: %s: event %q: the handler returned outbox messages and the sink has no Outbox", s.who(), ev.ID)
 		return
 	}
-	*rec, err = s.encode(&eventRecord{Result: e.Result, Partition: ev.Partition, Offset: ev.Offset, Outbox: e.Outbox}, ev.ID)
-	if err != nil {
-		*errp = err
-		return
+	if len(e.Outbox) > 0 || len(e.Result)+len(ev.Partition)+eventRecordOverhead > s.opts.MaxRecordSize {
+		// Else applyBatch encodes it, without reflection.
+		*rec, err = s.encode(&eventRecord{Result: e.Result, Partition: ev.Partition, Offset: ev.Offset, Outbox: e.Outbox}, ev.ID)
+		if err != nil {
+			*errp = err
+			return
+		}
 	}
 	if err := s.hookAt(windowAfterEffect, ev); err != nil {
 		*state, *errp = runLeave, err

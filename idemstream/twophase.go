@@ -755,7 +755,7 @@ func (t *TwoPhase[Txn]) recordCheckpoint(ctx context.Context, k uint64, handle [
 	b.Put(idem.Request{Scope: t.scope, ID: ckptID("c", k)}, rec, adv...)
 	var enc eventRecordEncoder
 	for _, c := range fresh {
-		b.Put(c.req, enc.encode(k, c.ev.Partition, c.ev.Offset))
+		b.Put(c.req, enc.encode(nil, k, c.ev.Partition, c.ev.Offset))
 	}
 	res, err := b.Run(context.WithoutCancel(ctx))
 	if err != nil {
@@ -784,6 +784,8 @@ func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event) ([]Outc
 	byID := make(map[string]*eventClaim, len(events))
 	order := make([]*eventClaim, 0, len(events))
 	all := make([]eventClaim, len(events))
+	idx := make([]int, len(events))
+	var fps fingerprints
 	for i := range events {
 		ev := &events[i]
 		if err := ev.validate(); err != nil {
@@ -795,7 +797,8 @@ func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event) ([]Outc
 			continue
 		}
 		c := &all[i]
-		*c = eventClaim{ev: *ev, idx: []int{i}}
+		idx[i] = i
+		*c = eventClaim{ev: *ev, idx: idx[i : i+1 : i+1]} // a repeat appends to a copy
 		byID[string(ev.ID)] = c
 		order = append(order, c)
 	}
@@ -804,11 +807,13 @@ func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event) ([]Outc
 	fresh := make([]bool, len(order))
 	lookup := func(j int) {
 		c := order[j]
-		c.req = eventRequest(t.escope, &c.ev, t.opts.NoFingerprint, t.opts.TTL)
 		r, err := t.st.Lookup(ctx, c.req)
 		var claim *idem.Claim
 		claim, res[j], errs[j] = classifyEvent(r, err, t.escope, t.who, &c.ev)
 		fresh[j] = errs[j] == nil && claim == nil && r.Status == idem.Absent
+	}
+	for _, c := range order {
+		c.req = eventRequestFP(t.escope, &c.ev, t.opts.NoFingerprint, t.opts.TTL, &fps)
 	}
 	if _, ok := t.st.(idem.Batcher); ok {
 		// An embedded engine answers from memory: no goroutines.
