@@ -53,9 +53,10 @@ type ConsumeOptions struct {
 	// BatchSize is the most deliveries fetched at once (default 128). For
 	// ConsumeTwoPhase a batch is one checkpoint.
 	BatchSize int
-	// Concurrency is how many events of a batch Consume applies at once
-	// (default BatchSize: all of them; their engine records share group
-	// commits, so the batch costs about two fsyncs).
+	// Concurrency is how many handlers of a batch Consume runs at once
+	// (default BatchSize: all of them). The batch's claims are one
+	// engine record and its commits another (on a store with batches),
+	// so a batch costs two fsyncs whatever its size.
 	Concurrency int
 	// Logger receives handler failures (the event is not acknowledged, so
 	// the broker redelivers it) and source errors. Default: discard.

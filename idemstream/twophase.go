@@ -20,15 +20,17 @@ import (
 // after a crash the coordinator hands the recovered value to
 // RecoverAndCommit or RecoverAndAbort.
 //
-// The coordinator calls, for checkpoint k: BeginTransaction(k), Invoke for
-// each new event, PreCommit, then records the checkpoint with the handle,
-// then Commit, then records that the sink committed, and only then lets
-// the source acknowledge the events. Abort is called when a step before the
+// The coordinator calls, for checkpoint k: BeginTransaction(k) (and
+// records the handle while the events are invoked), Invoke for each new
+// event, PreCommit, then records the checkpoint with the handle and the
+// events in one record, then Commit, and only then lets the source
+// acknowledge the events. Abort is called when a step before the
 // checkpoint record fails.
 //
-// RecoverAndCommit must be idempotent: it may be called for a transaction
-// that Commit already committed (a crash between the sink's commit and
-// its record), and again if the recovery itself crashes. RecoverAndAbort
+// RecoverAndCommit must be idempotent: it is called for the last recorded
+// checkpoint at every recovery, whether or not Commit committed it (its
+// commit is recorded by recovery only, so that a checkpoint costs two
+// records), and again if the recovery itself crashes. RecoverAndAbort
 // likewise for a transaction that may already be aborted, or that the
 // sink never saw pre-committed.
 type TwoPhaseCommitSink[Txn any] interface {
@@ -45,10 +47,11 @@ type TwoPhaseCommitSink[Txn any] interface {
 // whose transactions can be found by checkpoint id (as Kafka's
 // transactional ids are). A crash between BeginTransaction and the durable
 // record of its handle leaves a transaction the coordinator has no handle
-// for; recovery then calls AbortCheckpoint with its id. Without it such a
-// transaction is left to the sink (it was never pre-committed, so nothing
-// of it is visible; a sink expires it as Kafka does after
-// transaction.timeout.ms).
+// for; recovery therefore calls AbortCheckpoint with the id after the last
+// recorded checkpoint's, every time (it must do nothing when no
+// transaction of that id exists). Without it such a transaction is left
+// to the sink (it was never pre-committed, so nothing of it is visible; a
+// sink expires it as Kafka does after transaction.timeout.ms).
 type CheckpointAborter interface {
 	AbortCheckpoint(ctx context.Context, checkpointID uint64) error
 }
@@ -79,15 +82,18 @@ type RecoveryReport struct {
 	// LastCheckpoint is the last checkpoint opened before the restart.
 	LastCheckpoint uint64
 	// Action: "none", "committed" (the checkpoint record was durable:
-	// RecoverAndCommit), "aborted" (it was not: RecoverAndAbort),
-	// "finished" (it was already committed or aborted and recorded).
+	// RecoverAndCommit, whether or not the sink had committed it before
+	// the restart), "aborted" (it was not: RecoverAndAbort), "finished"
+	// (its outcome was recorded already: an earlier recovery, or an
+	// aborted checkpoint).
 	Action string
 	// EventsCommitted and EventsReleased count the events left in doubt
 	// that recovery committed (part of the recovered checkpoint) or
 	// released (they run again in a later checkpoint when redelivered).
 	EventsCommitted, EventsReleased int
-	// OrphanAborted: a transaction begun without a durable handle was
-	// aborted through CheckpointAborter.
+	// OrphanAborted: the sink implements CheckpointAborter, and recovery
+	// called AbortCheckpoint(LastCheckpoint+1) for a transaction that may
+	// have been begun without a durable handle.
 	OrphanAborted bool
 }
 
@@ -95,14 +101,18 @@ type RecoveryReport struct {
 // as its durable log. One checkpoint runs at a time.
 //
 // Records (scope "idemstream.2pc/<name>"): sequence client "ckpt", number k,
-// holds checkpoint k's handle as begun (and the frontier so far); id
-// "c/<k>" holds the pre-committed handle, the event ids and the frontier
-// (the checkpoint); "d/<k>" and "a/<k>" record that the sink committed or
-// aborted it. Each event of the batch is claimed in the sink's event scope
-// before it is invoked and committed after "d/<k>", so redeliveries of it
-// are replayed, and a crash in between leaves it in doubt for recovery to
-// settle with its checkpoint. All records are sealed (version, length,
-// CRC-32C) and checked when read back.
+// holds checkpoint k's handle as begun (and the frontier so far), written
+// with the removal of checkpoint k-1's records; id "c/<k>" holds the
+// pre-committed handle, the event ids and fingerprints and the frontier
+// (the checkpoint), and is written in one batch with the frontier's
+// advances and a Put (claim and commit at once) of every event of the
+// checkpoint in the sink's event scope, so that the events are committed
+// (their redeliveries replay) exactly when the checkpoint is recorded;
+// "d/<k>" and "a/<k>" record that recovery committed it, or that it was
+// aborted. Two records per checkpoint on a store with batches, whatever
+// its size; the package doc says why a crash anywhere is still exactly
+// once. All records are sealed (version, length, CRC-32C) and checked when
+// read back.
 type TwoPhase[Txn any] struct {
 	st     idem.Store
 	name   string
