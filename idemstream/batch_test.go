@@ -104,7 +104,7 @@ func kinds(ops []spyOp) string {
 }
 
 // TestSinkBatchRecords: Consume claims a fetched batch in one batch, and
-// commits it in a second one where every commit carries its partition's
+// commits it in a second one (two engine records) where every commit carries its partition's
 // frontier advance (the frontier is in the record of the effect, never in
 // one of its own); a redelivery at a higher offset adds one advance, a
 // plain redelivery writes nothing.
@@ -120,7 +120,11 @@ func TestSinkBatchRecords(t *testing.T) {
 	}
 	l := newLedger(w)
 	evs := makeEvents(40, 2, 0)
+	lsn := st.Stats().LastLSN
 	outs, errs := s.applyBatch(ctx, evs, l.handler, 8)
+	if n := st.Stats().LastLSN - lsn; n != 2 {
+		t.Fatalf("a batch of 40 events wrote %d records, want 2", n)
+	}
 	for i := range evs {
 		if errs[i] != nil || outs[i].Status != Applied {
 			t.Fatalf("event %s: %+v %v", evs[i].ID, outs[i], errs[i])
@@ -167,8 +171,8 @@ func runKinds(runs [][]spyOp) []string {
 	return out
 }
 
-// TestCheckpointRecords: a checkpoint writes two batches whatever its
-// size: its opening (the handle, and the previous checkpoint's records
+// TestCheckpointRecords: a checkpoint writes two batches (two engine
+// records) whatever its size: its opening (the handle, and the previous checkpoint's records
 // dropped), and the checkpoint record, whose item raises the frontier,
 // followed by one Put per event, each event put once. The frontier the
 // engine holds is the checkpoint's.
@@ -188,8 +192,12 @@ func TestCheckpointRecords(t *testing.T) {
 	put := map[string]int{}
 	for k := uint64(1); k <= 3; k++ {
 		batch := evs[(k-1)*32 : k*32]
+		lsn := st.Stats().LastLSN
 		if _, err := tp.Checkpoint(ctx, batch); err != nil {
 			t.Fatalf("checkpoint %d: %v", k, err)
+		}
+		if n := st.Stats().LastLSN - lsn; n != 2 {
+			t.Fatalf("checkpoint %d of 32 events wrote %d records, want 2", k, n)
 		}
 		runs := st.takeRuns()
 		wantOpen := "put x1"
