@@ -125,7 +125,8 @@ func fatal(err error) bool {
 // the store is an idem.Batcher, one request each otherwise), their
 // handlers run (up to Concurrency at once), their commits (each raising
 // its partition's frontier) are written together, and only then are the
-// committed deliveries acknowledged. A delivery whose handler failed,
+// committed deliveries acknowledged. The commits and acks of a batch
+// overlap with the fetch, claims and handlers of the next one. A delivery whose handler failed,
 // or that is Busy, is not acknowledged: the broker redelivers it.
 //
 // opts nil means the defaults; a configuration error is returned at once.
@@ -138,24 +139,52 @@ func Consume(ctx context.Context, src Source, sink *Sink, h Handler, opts *Consu
 }
 
 func consume(ctx context.Context, src Source, sink *Sink, h Handler, opts ConsumeOptions) error {
-	var evs []Event
-	return fetchBatches(ctx, src, opts, func(msgs []Message, _ *backoff) error {
-		evs = evs[:0]
+	// Two batches overlap: batch n's commits are written, and its
+	// deliveries then settled, by a goroutine while batch n+1 is fetched,
+	// claimed and run, so that the commit record of one and the claim
+	// record of the next share an fsync. At most one batch is finishing:
+	// batch n+1's commits start after batch n is settled (OnBatch calls
+	// stay in order).
+	var finishing chan error
+	wait := func() error {
+		if finishing == nil {
+			return nil
+		}
+		err := <-finishing
+		finishing = nil
+		return err
+	}
+	err := fetchBatches(ctx, src, opts, func(msgs []Message, _ *backoff) error {
+		evs := make([]Event, len(msgs))
 		for i := range msgs {
-			evs = append(evs, msgs[i].Event)
+			evs[i] = msgs[i].Event
 		}
-		outs, errs := sink.applyBatch(ctx, evs, h, opts.Concurrency)
-		for i, err := range errs {
-			if err == nil {
-				continue
-			}
-			if fatal(err) {
-				return err
-			}
-			outs[i] = Outcome{Status: Failed, Err: err}
+		sb := sink.startBatch(ctx, evs, h, opts.Concurrency)
+		if err := wait(); err != nil {
+			_, _ = sb.finish() // its effects ran: commit them
+			return err
 		}
-		return ackBatch(ctx, msgs, outs, opts, &sink.poison, func() error { return sink.hookAt(windowBeforeAck, nil) })
+		finishing = make(chan error, 1)
+		go func(done chan<- error) {
+			outs, errs := sb.finish()
+			for i, err := range errs {
+				if err == nil {
+					continue
+				}
+				if fatal(err) {
+					done <- err
+					return
+				}
+				outs[i] = Outcome{Status: Failed, Err: err}
+			}
+			done <- ackBatch(ctx, msgs, outs, opts, &sink.poison, func() error { return sink.hookAt(windowBeforeAck, nil) })
+		}(finishing)
+		return nil
 	})
+	if werr := wait(); werr != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)) {
+		return werr
+	}
+	return err
 }
 
 // ConsumeTwoPhase moves events from src into tp's sink, one checkpoint per

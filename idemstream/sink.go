@@ -499,13 +499,43 @@ func discardLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Disca
 // replayed ones in a second batch. It returns each event's outcome or
 // error, as Apply would have.
 func (s *Sink) applyBatch(ctx context.Context, evs []Event, h Handler, conc int) ([]Outcome, []error) {
+	return s.startBatch(ctx, evs, h, conc).finish()
+}
+
+// sinkBatch is a batch of applyBatch between its two steps: claimed, its
+// handlers run, its commits not written.
+type sinkBatch struct {
+	s        *Sink
+	ctx      context.Context
+	evs      []Event
+	outs     []Outcome
+	errs     []error
+	fresh    []freshEvent
+	replayed []int
+	finished bool // nothing left to write (the claims failed)
+}
+
+// freshEvent is a claimed event of a sinkBatch.
+type freshEvent struct {
+	i     int
+	claim *idem.Claim
+	rec   []byte
+	eff   Effect
+	state runState
+}
+
+// startBatch is applyBatch's first step: the claims, and the handlers of
+// the fresh events.
+func (s *Sink) startBatch(ctx context.Context, evs []Event, h Handler, conc int) *sinkBatch {
 	outs := make([]Outcome, len(evs))
 	errs := make([]error, len(evs))
+	sb := &sinkBatch{s: s, ctx: ctx, evs: evs, outs: outs, errs: errs}
 	if s.closed.Load() {
 		for i := range errs {
 			errs[i] = ErrClosed
 		}
-		return outs, errs
+		sb.finished = true
+		return sb
 	}
 	who := s.who()
 	claims := newBatch(s.st)
@@ -525,17 +555,11 @@ func (s *Sink) applyBatch(ctx context.Context, evs []Event, h Handler, conc int)
 			errs[i] = fmt.Errorf("idemstream: %s: claiming event %q: %w", who, evs[i].ID, err)
 		}
 		s.countFailed(errs)
-		return outs, errs
+		sb.finished = true
+		return sb
 	}
 	// Classify. fresh lists the events to run, with their claims.
-	type run struct {
-		i     int
-		claim *idem.Claim
-		rec   []byte
-		eff   Effect
-		state runState
-	}
-	var fresh []run
+	var fresh []freshEvent
 	var replayed []int
 	for j, i := range items {
 		c, o, err := classifyEvent(res[j].Result, res[j].Err, s.scope, who, &evs[i])
@@ -544,7 +568,7 @@ func (s *Sink) applyBatch(ctx context.Context, evs []Event, h Handler, conc int)
 			errs[i] = err
 		case c != nil:
 			outs[i] = o
-			fresh = append(fresh, run{i: i, claim: c})
+			fresh = append(fresh, freshEvent{i: i, claim: c})
 		case o.Status == Replayed:
 			outs[i] = o
 			replayed = append(replayed, i)
@@ -566,10 +590,24 @@ func (s *Sink) applyBatch(ctx context.Context, evs []Event, h Handler, conc int)
 		s.runEffect(ctx, ev, h, &r.state, &r.rec, &r.eff, &errs[r.i])
 		returned = true
 	})
+	sb.fresh, sb.replayed = fresh, replayed
+	return sb
+}
+
+// finish is applyBatch's second step: the commits (with their frontier),
+// the releases and the advances past replayed events, in one batch; then
+// each event's outcome or error.
+func (sb *sinkBatch) finish() ([]Outcome, []error) {
+	if sb.finished {
+		return sb.outs, sb.errs
+	}
+	sb.finished = true
+	s, ctx, evs, outs, errs, fresh, replayed := sb.s, sb.ctx, sb.evs, sb.outs, sb.errs, sb.fresh, sb.replayed
+	who := s.who()
 	// Finish: commits (with their frontier), releases, and the advances
 	// past replayed deliveries, in one batch.
 	fin := newBatch(s.st)
-	var finItems []*run
+	var finItems []*freshEvent
 	var enc eventRecordEncoder
 	for n := range fresh {
 		r := &fresh[n]
@@ -596,6 +634,7 @@ func (s *Sink) applyBatch(ctx context.Context, evs []Event, h Handler, conc int)
 		fin.Advance(adv...)
 	}
 	var finRes []idem.BatchResult
+	var err error
 	if fin.Len() > 0 {
 		// Once an effect has run, its commit is written whatever ctx says.
 		finRes, err = fin.Run(context.WithoutCancel(ctx))
