@@ -62,7 +62,10 @@ type ConsumeOptions struct {
 	// the broker redelivers it) and source errors. Default: discard.
 	Logger *slog.Logger
 	// OnBatch, if set, is called after each batch has been acknowledged,
-	// with the outcomes of its deliveries (in fetch order).
+	// with the outcomes of its deliveries (in fetch order). Calls come one
+	// at a time, in batch order, but Consume makes them from the goroutine
+	// that settles the batch, possibly while the next batch is fetched
+	// and run.
 	OnBatch func(msgs []Message, outs []Outcome)
 	// MaxDeliveries bounds the deliveries of an event whose processing
 	// keeps failing (its handler, or its Invoke in a checkpoint, returns
