@@ -2,6 +2,7 @@ package idemstream
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -745,9 +746,11 @@ const (
 
 func (s *Sink) who() string { return fmt.Sprintf("sink %q", s.name) }
 
+// countFailed counts the events that failed after their claim was asked
+// for (as Apply counts them: an invalid event is not counted).
 func (s *Sink) countFailed(errs []error) {
 	for _, err := range errs {
-		if err != nil {
+		if err != nil && !errors.Is(err, ErrInvalidEvent) {
 			s.failed.Add(1)
 		}
 	}
