@@ -75,7 +75,7 @@ type NodeOptions struct {
 
 	// walSegmentSize is raft-wal's segment size (0: its default, 64 MiB).
 	// Tests make it small so that compaction deletes whole segments:
-	// raft-wal v0.4.0 still reads entries below its first index while they
+	// raft-wal (v0.4.0, v0.4.1) still reads entries below its first index while they
 	// are in a segment it keeps, and raft then never needs a snapshot.
 	walSegmentSize int
 }
