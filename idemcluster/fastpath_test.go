@@ -196,7 +196,8 @@ func TestClientCoalescesCalls(t *testing.T) {
 	}
 }
 
-// A node without the Batch RPC (an older node) gets the calls one by one.
+// A node without the Batch RPC (an older node) gets the calls one by one,
+// and so does every node with Options.NoBatching.
 func TestClientWithoutBatchRPC(t *testing.T) {
 	tc := newTestCluster(t, 3)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
@@ -217,6 +218,19 @@ func TestClientWithoutBatchRPC(t *testing.T) {
 	}
 	if n := cb.one.Load(); n != 2 {
 		t.Fatalf("%d Lookup RPCs, want 2", n)
+	}
+	// Options.NoBatching: one RPC per call, no Batch at all.
+	nb := &countBatches{}
+	c2, err := Dial(ctx, tc.addrs, &Options{Owner: "app", NoBatching: true, DialOptions: []grpc.DialOption{grpc.WithUnaryInterceptor(nb.intercept)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c2.Close()
+	if r, err := c2.Lookup(ctx, idem.Request{ID: []byte("a")}); err != nil || r.Status != idem.Done {
+		t.Fatalf("lookup without batching: %+v %v", r, err)
+	}
+	if b, one := nb.n.Load(), nb.one.Load(); b != 0 || one != 1 {
+		t.Fatalf("NoBatching: %d Batch and %d Lookup RPCs, want 0 and 1", b, one)
 	}
 }
 
