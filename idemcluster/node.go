@@ -180,9 +180,12 @@ func StartNode(opts *NodeOptions) (*Node, error) {
 		return nil, fmt.Errorf("idemcluster: engine: %w", err)
 	}
 	n.fsm = f
-	// raft-wal v0.4.0's Close leaves its metadata store (a bbolt file)
-	// open and locked: the node keeps it and closes it after the log, so a
-	// node restarted in the same process can open its directory again.
+	// The node keeps the log's metadata store (a bbolt file, locked while
+	// open) to close it itself: raft-wal v0.4.1's Close closes it (v0.4.0's
+	// left it open), after which the node's Close of it does nothing, but
+	// Open returns its errors (a log it cannot recover) with the store left
+	// open, and the node must still release it so that a node restarted in
+	// the same process can open its directory again.
 	n.meta = &metadb.BoltMetaDB{}
 	if n.logs, err = openWAL(&o, n.meta); err != nil {
 		return nil, fmt.Errorf("idemcluster: raft log: %w", err)
