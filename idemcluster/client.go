@@ -251,8 +251,8 @@ func (c *Client) call(ctx context.Context, write bool, fn func(ctx context.Conte
 				// The request may have reached the node, also when ctx
 				// ended while its answer was on the way.
 				doubt = true
-				if ctx.Err() != nil {
-					continue // the loop's top reports ctx's end
+				if ctx.Err() != nil && st.Code() != codes.Unavailable {
+					continue // ctx cut the attempt short; the loop's top reports it
 				}
 				c.forgetLeader(addr)
 			default:
