@@ -197,12 +197,12 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 	// Claim it.
 	op := &wal.Op{}
 	lease, expiresAt := e.claimOp(op, k, &req, fp, cur, now)
-	ts, err := index.Transitions(op, 0, e.getLocked)
+	ts, err := index.Transitions(op, 0, e.getLockedFn)
 	if err != nil {
 		unlock()
 		return Result{}, k, err
 	}
-	lsn, err := e.appendOp(op, ts)
+	lsn, err := e.appendOpSlot(op, ts, k.key, sl)
 	unlock()
 	if err != nil {
 		return Result{}, k, err
@@ -217,6 +217,7 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 		}
 	}
 	c := newEngineClaim(e, k, lsn, fp, lease)
+	c.ec.sl = sl
 	return Result{Status: Fresh, Claim: c, LeaseUntil: lease, Seq: k.seq, ExpiresAt: expiresAt}, k, nil
 }
 
