@@ -367,12 +367,15 @@ func (o *clusterOpts) remove(ctx context.Context, c *cli, addrs []string, id str
 		return fmt.Errorf("%s is the cluster's last voter: raft cannot remove it (no member would be left); to retire the cluster stop its process, or --join another node first", id)
 	}
 	if err := cl.Remove(ctx, id); err != nil {
-		if errors.Is(err, context.DeadlineExceeded) {
+		if errors.Is(err, context.DeadlineExceeded) && (st.LeaderId == "" || strings.Contains(err.Error(), "not the leader")) {
 			known := "none"
 			if st.LeaderId != "" {
 				known = st.LeaderId
 			}
 			return fmt.Errorf("no leader answered within %v (the leader known at the start: %s): removing a node needs a leader, so a majority of the %d voters up; see 'idem cluster status', or give a longer --timeout (%v)", o.timeout, known, voters, err)
+		}
+		if errors.Is(err, context.DeadlineExceeded) {
+			return fmt.Errorf("remove %s: not done within %v; 'idem cluster status' shows whether it left (%w)", id, o.timeout, err)
 		}
 		return fmt.Errorf("remove %s: %w", id, err)
 	}

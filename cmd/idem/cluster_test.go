@@ -55,7 +55,7 @@ func startCluster(t *testing.T, n int) *testCluster {
 	})
 	for id := range peers {
 		nd, err := idemcluster.StartNode(&idemcluster.NodeOptions{ID: id, Dir: filepath.Join(dir, id), RaftListener: rls[id], GRPCListener: gls[id],
-			Peers: peers, HeartbeatTimeout: 200 * time.Millisecond, ElectionTimeout: 200 * time.Millisecond})
+			Peers: peers}) // raft's default timeouts: fewer elections on a loaded machine
 		if err != nil {
 			t.Fatalf("start %s: %v", id, err)
 		}
@@ -148,7 +148,7 @@ func TestClusterStatus(t *testing.T) {
 		}
 	}
 	for id, addr := range tc.grpc {
-		if !regexp.MustCompile(`(?m)^` + id + `\s+voter\s+(Leader|Follower)\s+127\.0\.0\.1:\d+\s+` + regexp.QuoteMeta(addr) + `\s+\d+\s+\d+$`).MatchString(out) {
+		if !regexp.MustCompile(`(?m)^` + id + `\s+voter\s+(Leader|Follower|Candidate)\s+127\.0\.0\.1:\d+\s+` + regexp.QuoteMeta(addr) + `\s+\d+\s+\d+$`).MatchString(out) {
 			t.Errorf("status has no line for %s at %s:\n%s", id, addr, out)
 		}
 	}
@@ -249,8 +249,10 @@ func TestClusterRemoveErrors(t *testing.T) {
 	// One of two nodes down: no leader, so nothing can be removed.
 	tc.stop("n2")
 	lone := tc.addrs("n1")
-	for tc.nodes["n1"].IsLeader() {
-		time.Sleep(20 * time.Millisecond) // it steps down once its lease lapses
+	for deadline := time.Now().Add(30 * time.Second); tc.nodes["n1"].IsLeader(); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) { // it steps down once its lease lapses
+			t.Fatal("n1 still leads alone after 30s")
+		}
 	}
 	_, errs = wantCode(t, 1, "cluster", "remove", "n2", "--addr", lone, "--timeout", "3s")
 	if !strings.Contains(errs, "no leader answered within 3s") || !strings.Contains(errs, "a majority of the 2 voters up") {
