@@ -116,7 +116,7 @@ func (o *clusterOpts) run(c *cli, pos []string) error {
 
 // dial connects a client; its error says what to check.
 func (o *clusterOpts) dial(ctx context.Context, addrs []string) (*idemcluster.Client, error) {
-	cl, err := idemcluster.Dial(ctx, addrs, &idemcluster.Options{AttemptTimeout: min(o.timeout, 5*time.Second), NoBatching: true})
+	cl, err := idemcluster.Dial(ctx, addrs, &idemcluster.Options{AttemptTimeout: min(o.timeout, 5*time.Second)})
 	if err != nil {
 		return nil, fmt.Errorf("no node answered at %s within %v: are the nodes up, and is --addr their --grpc-addr? (%v)", strings.Join(addrs, ","), o.timeout, err)
 	}
