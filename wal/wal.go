@@ -224,8 +224,18 @@ type WAL struct {
 		// the last entry, waiting for an fsync to cover it.
 		positions []position
 		cand      position
-		sinceLast int64         // bytes written since the last entry
-		posDone   chan struct{} // closed when the background write of the file ends
+		sinceLast int64 // bytes written since the last entry
+	}
+
+	// pos hands the position hints to the goroutine that writes
+	// positions.hint (see recordPosition).
+	pos struct {
+		mu sync.Mutex
+		// queued is the newest ring not yet handed to writePositions
+		// (nil: none); done is closed when the writing goroutine ends
+		// (nil while none runs).
+		queued []position
+		done   chan struct{}
 	}
 
 	segMu sync.Mutex
@@ -731,9 +741,7 @@ func (w *WAL) Close() error {
 	w.mu.Unlock()
 	w.wake()
 	<-w.doneC
-	if w.fl.posDone != nil {
-		<-w.fl.posDone
-	}
+	w.waitPositions()
 	if w.fl.prepC != nil {
 		if err := w.awaitPrep(); err != nil {
 			// Only the spare file is affected; the next Open replaces it.
@@ -1035,22 +1043,50 @@ func (w *WAL) recordPosition() {
 		w.fl.positions = slices.Delete(w.fl.positions, 0, 1)
 	}
 	w.fl.positions = append(w.fl.positions, p)
-	if w.fl.posDone != nil {
-		select {
-		case <-w.fl.posDone:
-		default:
-			return // the previous write is still going: the next entry writes this one too
-		}
+	ps := slices.Clone(w.fl.positions)
+	w.pos.mu.Lock()
+	defer w.pos.mu.Unlock()
+	w.pos.queued = ps
+	if w.pos.done != nil {
+		return // the running writer takes the newest ring when it is done
 	}
 	done := make(chan struct{})
-	w.fl.posDone = done
-	ps, fs, dir, logger := slices.Clone(w.fl.positions), w.opts.FS, w.opts.Dir, w.logger
-	go func() {
-		defer close(done)
-		if err := writePositions(fs, dir, ps); err != nil {
-			logger.Warn("wal: writing position hints (Open after a crash reads more of the segment)", "error", err)
+	w.pos.done = done
+	go w.writePositionsLoop(done)
+}
+
+// writePositionsLoop writes the queued rings of position hints, newest
+// only, until none is queued. A ring queued while a write runs is
+// written next, so the file ends up with the last entry even if no
+// other follows (it did not: an entry made during a write waited for the
+// next one, and an idle log could keep a file an entry or more behind).
+func (w *WAL) writePositionsLoop(done chan struct{}) {
+	for {
+		w.pos.mu.Lock()
+		ps := w.pos.queued
+		w.pos.queued = nil
+		if ps == nil {
+			w.pos.done = nil
+			w.pos.mu.Unlock()
+			close(done)
+			return
 		}
-	}()
+		w.pos.mu.Unlock()
+		if err := writePositions(w.opts.FS, w.opts.Dir, ps); err != nil {
+			w.logger.Warn("wal: writing position hints (Open after a crash reads more of the segment)", "error", err)
+		}
+	}
+}
+
+// waitPositions waits until positions.hint holds every entry recorded so
+// far.
+func (w *WAL) waitPositions() {
+	w.pos.mu.Lock()
+	done := w.pos.done
+	w.pos.mu.Unlock()
+	if done != nil {
+		<-done
+	}
 }
 
 // recycle keeps the buffers just taken for the next swap, unless a huge
