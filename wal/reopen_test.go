@@ -462,10 +462,10 @@ func TestReopenAfterCrashStartsNearApplied(t *testing.T) {
 	o.SegmentSize = 4 << 20
 	w, _ := mustOpen(t, o, 0, nil)
 	appendWait(t, w, 20000, 50)
-	// The hints are written in the background once their fsync is done:
-	// crash once the last one is (without this the crash raced with the
-	// writer, and a loaded machine lost a hint or two: Open then read more).
-	w.waitPositions()
+	// The hints that the last fsyncs recorded are written by a goroutine
+	// of their own: wait for it (on a loaded machine it may still be
+	// writing, and the image would then hold older hints only).
+	w.pos.wg.Wait()
 	crashed := mem.CrashClone(vfs.CrashCloneCfg{})
 	_ = w.Close()
 	const after = 19000

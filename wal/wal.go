@@ -228,14 +228,12 @@ type WAL struct {
 	}
 
 	// pos hands the position hints to the goroutine that writes
-	// positions.hint (see recordPosition).
+	// positions.hint, so that the flusher never waits for that file.
 	pos struct {
-		mu sync.Mutex
-		// queued is the newest ring not yet handed to writePositions
-		// (nil: none); done is closed when the writing goroutine ends
-		// (nil while none runs).
-		queued []position
-		done   chan struct{}
+		mu      sync.Mutex
+		pending []position // the newest ring not yet written (nil: none); guarded by mu
+		writing bool       // a writer goroutine runs; guarded by mu
+		wg      sync.WaitGroup
 	}
 
 	segMu sync.Mutex
@@ -741,7 +739,7 @@ func (w *WAL) Close() error {
 	w.mu.Unlock()
 	w.wake()
 	<-w.doneC
-	w.waitPositions()
+	w.pos.wg.Wait()
 	if w.fl.prepC != nil {
 		if err := w.awaitPrep(); err != nil {
 			// Only the spare file is affected; the next Open replaces it.
@@ -1043,49 +1041,35 @@ func (w *WAL) recordPosition() {
 		w.fl.positions = slices.Delete(w.fl.positions, 0, 1)
 	}
 	w.fl.positions = append(w.fl.positions, p)
-	ps := slices.Clone(w.fl.positions)
 	w.pos.mu.Lock()
 	defer w.pos.mu.Unlock()
-	w.pos.queued = ps
-	if w.pos.done != nil {
-		return // the running writer takes the newest ring when it is done
+	w.pos.pending = slices.Clone(w.fl.positions)
+	if w.pos.writing {
+		return // the running writer writes this ring after its current one
 	}
-	done := make(chan struct{})
-	w.pos.done = done
-	go w.writePositionsLoop(done)
+	w.pos.writing = true
+	w.pos.wg.Add(1)
+	go w.writePositionsLoop()
 }
 
-// writePositionsLoop writes the queued rings of position hints, newest
-// only, until none is queued. A ring queued while a write runs is
-// written next, so the file ends up with the last entry even if no
-// other follows (it did not: an entry made during a write waited for the
-// next one, and an idle log could keep a file an entry or more behind).
-func (w *WAL) writePositionsLoop(done chan struct{}) {
+// writePositionsLoop writes the newest pending ring of position hints
+// until none is left, so that the last hints recorded are on disk soon
+// after the fsync that covers them, not only when a later one comes.
+func (w *WAL) writePositionsLoop() {
+	defer w.pos.wg.Done()
 	for {
 		w.pos.mu.Lock()
-		ps := w.pos.queued
-		w.pos.queued = nil
+		ps := w.pos.pending
+		w.pos.pending = nil
 		if ps == nil {
-			w.pos.done = nil
+			w.pos.writing = false
 			w.pos.mu.Unlock()
-			close(done)
 			return
 		}
 		w.pos.mu.Unlock()
 		if err := writePositions(w.opts.FS, w.opts.Dir, ps); err != nil {
 			w.logger.Warn("wal: writing position hints (Open after a crash reads more of the segment)", "error", err)
 		}
-	}
-}
-
-// waitPositions waits until positions.hint holds every entry recorded so
-// far.
-func (w *WAL) waitPositions() {
-	w.pos.mu.Lock()
-	done := w.pos.done
-	w.pos.mu.Unlock()
-	if done != nil {
-		<-done
 	}
 }
 
