@@ -1,6 +1,7 @@
 package idem
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -329,8 +330,11 @@ func (c *engineClaim) write(typ byte, reply []byte, adv []wal.Advance, keys [][]
 }
 
 // finishOp fills op with the commit, commit-advance or abort (typ) of the
-// claim claimLSN of key k, at time now (unix ns).
+// claim claimLSN of key k, at time now (unix ns). The reply is copied:
+// the entry keeps it (in the table, then in the index), and the caller's
+// buffer is the caller's again once Commit returns.
 func finishOp(op *wal.Op, typ byte, k reqKey, claimLSN wal.LSN, now int64, reply []byte, adv []wal.Advance) {
+	reply = bytes.Clone(reply)
 	*op = wal.Op{Type: typ, Scope: k.scope, ClaimLSN: claimLSN, Time: now, Reply: reply, Advances: adv}
 	if k.mode == index.ModeID {
 		op.ID = k.ident
