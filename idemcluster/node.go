@@ -440,7 +440,9 @@ func (n *Node) confirmLeadership() (uint64, error) {
 // next command, and a read waiting for the commit index would wait for
 // that (TestReadAfterBarrierAnswers). The search stops at the state
 // machine's index, or at an entry no longer in the log (compacted: a
-// snapshot of the state machine, or one restored into it, covers it).
+// snapshot of the state machine, or one restored into it, covers it). It
+// is short: a ready leader has applied a command of its own term (its
+// member entry, watchLeadership), so it never goes below that.
 func (n *Node) fsmIndexAt(index uint64) (uint64, error) {
 	applied := n.fsm.index.Load()
 	for ; index > applied; index-- {
