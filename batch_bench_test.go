@@ -2,9 +2,10 @@ package idem
 
 import (
 	"context"
-	"syscall"
 	"testing"
 	"time"
+
+	"github.com/idemdb/idem/internal/cputime"
 )
 
 // BenchmarkBatchPut: Batch.Run of 1,024 Puts (16-byte random ids,
@@ -56,7 +57,7 @@ func benchBatchPut(b *testing.B, o Options, per int) {
 	}
 	b.ReportAllocs()
 	b.ResetTimer()
-	start, cpu0 := time.Now(), cpuTime(b)
+	start, cpu0 := time.Now(), cputime.Process()
 	fn := func(context.Context) ([]byte, error) { return benchReply, nil }
 	for done := 0; done < b.N && per == 0; done++ {
 		if _, err := e.Do(bg, Request{ID: ids[done]}, fn); err != nil {
@@ -86,16 +87,7 @@ func benchBatchPut(b *testing.B, o Options, per int) {
 		done += n
 	}
 	b.ReportMetric(float64(b.N)/time.Since(start).Seconds(), "items/s")
-	b.ReportMetric(float64((cpuTime(b)-cpu0).Nanoseconds())/float64(b.N), "cpu-ns/item")
-}
-
-// cpuTime is the CPU time the process used so far (user and system).
-func cpuTime(b *testing.B) time.Duration {
-	var ru syscall.Rusage
-	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
-		b.Fatal(err)
-	}
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+	b.ReportMetric(float64((cputime.Process()-cpu0).Nanoseconds())/float64(b.N), "cpu-ns/item")
 }
 
 var partitions = []string{"p0", "p1", "p2", "p3"}

@@ -5,9 +5,10 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
+
+	"github.com/idemdb/idem/internal/cputime"
 
 	"github.com/idemdb/idem"
 )
@@ -103,7 +104,7 @@ func benchDuplicate(b *testing.B, s idem.Store, op func(context.Context, idem.Re
 	var n atomic.Int64
 	b.SetParallelism(32) // 64 callers on 2 cores
 	b.ResetTimer()
-	start, cpu := time.Now(), processCPU()
+	start, cpu := time.Now(), cputime.Process()
 	b.RunParallel(func(pb *testing.PB) {
 		for pb.Next() {
 			id := fmt.Sprintf("d-%d", n.Add(1)%dupIDs)
@@ -117,27 +118,18 @@ func benchDuplicate(b *testing.B, s idem.Store, op func(context.Context, idem.Re
 	report(b, start, cpu)
 }
 
-// processCPU is the CPU time the process used so far (user and system).
-func processCPU() time.Duration {
-	var ru syscall.Rusage
-	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
-		return 0
-	}
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
-}
-
 // report adds req/s and the process's CPU time per request (every node
 // and the client: the figure that a loaded machine changes least).
 func report(b *testing.B, start time.Time, cpu time.Duration) {
 	b.ReportMetric(float64(b.N)/time.Since(start).Seconds(), "req/s")
-	b.ReportMetric(float64(processCPU()-cpu)/float64(time.Microsecond)/float64(b.N), "cpu-µs/req")
+	b.ReportMetric(float64(cputime.Process()-cpu)/float64(time.Microsecond)/float64(b.N), "cpu-µs/req")
 }
 
 func benchFresh(b *testing.B, s idem.Store) {
 	var n atomic.Int64
 	b.SetParallelism(32) // 64 callers on 2 cores
 	b.ResetTimer()
-	start, cpu := time.Now(), processCPU()
+	start, cpu := time.Now(), cputime.Process()
 	b.RunParallel(func(pb *testing.PB) {
 		ctx := context.Background()
 		for pb.Next() {

@@ -5,9 +5,10 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
+
+	"github.com/idemdb/idem/internal/cputime"
 
 	"github.com/idemdb/idem"
 	"github.com/idemdb/idem/examples/ledger/ledgerpb"
@@ -57,7 +58,7 @@ func BenchmarkUnary(b *testing.B) {
 			ctx := as(context.Background(), "tok-alice")
 			var ids atomic.Int64
 			b.SetParallelism(16) // 16 x GOMAXPROCS callers
-			cpu0 := cpuTime()
+			cpu0 := cputime.Process()
 			b.ResetTimer()
 			b.RunParallel(func(pb *testing.PB) {
 				client := "bench-" + strconv.FormatInt(ids.Add(1), 10)
@@ -83,17 +84,9 @@ func BenchmarkUnary(b *testing.B) {
 			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "calls/s")
 			// CPU time of the whole process (client and server) per call:
 			// less sensitive than calls/s to other load on a shared machine.
-			b.ReportMetric(float64((cpuTime()-cpu0).Microseconds())/float64(b.N), "cpu-us/call")
+			b.ReportMetric(float64((cputime.Process()-cpu0).Microseconds())/float64(b.N), "cpu-us/call")
 		})
 	}
-}
-
-func cpuTime() time.Duration {
-	var ru syscall.Rusage
-	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
-		return 0
-	}
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 type benchLedger struct {

@@ -5,9 +5,10 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
+
+	"github.com/idemdb/idem/internal/cputime"
 
 	"github.com/hashicorp/raft"
 	"github.com/idemdb/idem"
@@ -40,7 +41,7 @@ func BenchmarkReplicated(b *testing.B) {
 			var failed atomic.Value
 			var wg sync.WaitGroup
 			b.ResetTimer()
-			start, cpu0 := time.Now(), cpuTime(b)
+			start, cpu0 := time.Now(), cputime.Process()
 			for g := 0; g < 64; g++ {
 				wg.Add(1)
 				go func() {
@@ -73,7 +74,7 @@ func BenchmarkReplicated(b *testing.B) {
 				b.Fatal(err)
 			}
 			b.ReportMetric(float64(b.N)/el.Seconds(), "req/s")
-			b.ReportMetric(float64((cpuTime(b)-cpu0).Microseconds())/float64(b.N), "cpu-us/req")
+			b.ReportMetric(float64((cputime.Process()-cpu0).Microseconds())/float64(b.N), "cpu-us/req")
 		})
 	}
 }
@@ -94,11 +95,11 @@ func BenchmarkFSMApply(b *testing.B) {
 		cmds[i], _ = Command(idem.Request{ID: []byte(id)}, encodeOp(counterOp{ID: id, Key: "k", Delta: 1}))
 	}
 	b.ResetTimer()
-	cpu0 := cpuTime(b)
+	cpu0 := cputime.Process()
 	for i := 0; i < b.N; i++ {
 		fd.apply(cmds[i])
 	}
-	b.ReportMetric(float64((cpuTime(b)-cpu0).Nanoseconds())/float64(b.N), "cpu-ns/op")
+	b.ReportMetric(float64((cputime.Process()-cpu0).Nanoseconds())/float64(b.N), "cpu-ns/op")
 }
 
 // BenchmarkFSMApplyBatch is BenchmarkFSMApply through ApplyBatch, in
@@ -120,7 +121,7 @@ func BenchmarkFSMApplyBatch(b *testing.B) {
 				logs[i] = &raft.Log{Index: uint64(i + 1), Term: 1, Type: raft.LogCommand, Data: c, AppendedAt: t0.Add(time.Duration(i/size) * time.Millisecond)}
 			}
 			b.ResetTimer()
-			cpu0 := cpuTime(b)
+			cpu0 := cputime.Process()
 			for i := 0; i < b.N; i += size {
 				for _, r := range f.ApplyBatch(logs[i:min(i+size, b.N)]) {
 					if resp := r.(*Response); resp.Err != nil || resp.Duplicate {
@@ -128,7 +129,7 @@ func BenchmarkFSMApplyBatch(b *testing.B) {
 					}
 				}
 			}
-			b.ReportMetric(float64((cpuTime(b)-cpu0).Nanoseconds())/float64(b.N), "cpu-ns/op")
+			b.ReportMetric(float64((cputime.Process()-cpu0).Nanoseconds())/float64(b.N), "cpu-ns/op")
 		})
 	}
 }
@@ -154,16 +155,4 @@ func BenchmarkEngineSequential(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
-}
-
-// cpuTime is the CPU time the process used so far (user and system, every
-// goroutine: raft's, the engines' background work). On this shared 2-core
-// machine a benchmark gets a varying share of the cores; its CPU time per
-// operation does not depend on that share.
-func cpuTime(b *testing.B) time.Duration {
-	var ru syscall.Rusage
-	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
-		b.Fatal(err)
-	}
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
