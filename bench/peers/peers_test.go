@@ -300,7 +300,7 @@ func TestSummary(t *testing.T) {
 	if len(ms) != 2 || ms[0].Peer != "idem" || ms[1].Peer != "pebble" {
 		t.Fatalf("medians %+v", ms)
 	}
-	if ms[1].PerSec != 1000 || ms[1].Ratio != 0.5 || ms[1].MinPerSec != 500 || ms[1].MaxPerSec != 1500 || ms[1].P50us != 2 {
+	if ms[1].PerSec != 1000 || ms[1].Ratio != 0.5 || ms[1].BaseOver != 2 || ms[1].MinPerSec != 500 || ms[1].MaxPerSec != 1500 || ms[1].P50us != 2 {
 		t.Fatalf("pebble medians %+v", ms[1])
 	}
 	if _, err := ReadCSV(bytes.NewBufferString("a,b\n1,2\n")); err == nil {

@@ -147,6 +147,10 @@ type Median struct {
 	P999us      float64
 	CPUusPerReq float64
 	Ratio       float64 // median of the per-round ratios to the base peer
+	// BaseOver is the median of the per-round ratios the other way: the
+	// base peer's requests/s over this one's (with an even number of
+	// rounds it is not exactly 1/Ratio).
+	BaseOver float64
 }
 
 // Medians groups rows (with Ratio set) by peer, concurrency and phase, in
@@ -203,6 +207,12 @@ func Medians(rows []Result) []Median {
 			P999us:      col(func(r *Result) float64 { return r.P999us }),
 			CPUusPerReq: col(func(r *Result) float64 { return r.CPUusPerReq }),
 			Ratio:       col(func(r *Result) float64 { return r.Ratio }),
+			BaseOver: col(func(r *Result) float64 {
+				if r.Ratio <= 0 {
+					return 0
+				}
+				return 1 / r.Ratio
+			}),
 		}
 		m.MinPerSec, m.MaxPerSec = g[0].PerSec, g[0].PerSec
 		for _, r := range g {
@@ -260,6 +270,7 @@ func WriteMediansCSV(w io.Writer, ms []Median, base string) error {
 // concurrency).
 func WriteMarkdown(w io.Writer, ms []Median, base string) error {
 	writePivot(w, ms, base)
+	writeBaseOver(w, ms, base)
 	for _, phase := range []string{"fresh", "duplicate"} {
 		var rows []Median
 		for _, m := range ms {
@@ -335,6 +346,54 @@ func writePivot(w io.Writer, ms []Median, base string) {
 					fmt.Fprintf(w, " %s |", group(m.PerSec))
 				default:
 					fmt.Fprintf(w, " %s (%s) |", group(m.PerSec), ratioStr(m.Ratio))
+				}
+			}
+			fmt.Fprintln(w)
+		}
+	}
+}
+
+// writeBaseOver writes, per phase, the base peer's requests/s over each
+// other peer's (the median of the per-round ratios), a row per peer and a
+// column per concurrency: how many times faster (or slower) the base is.
+func writeBaseOver(w io.Writer, ms []Median, base string) {
+	fmt.Fprintf(w, "\n%s's requests/s over each peer's (median of the per-round ratios), by concurrent callers:\n\n", base)
+	var concs []int
+	for _, m := range ms {
+		if !slices.Contains(concs, m.Concurrency) {
+			concs = append(concs, m.Concurrency)
+		}
+	}
+	slices.Sort(concs)
+	fmt.Fprint(w, "| peer | phase |")
+	for _, c := range concs {
+		fmt.Fprintf(w, " %d |", c)
+	}
+	fmt.Fprint(w, "\n|---|---|")
+	for range concs {
+		fmt.Fprint(w, "---:|")
+	}
+	fmt.Fprintln(w)
+	for _, phase := range []string{"fresh", "duplicate"} {
+		var names []string
+		cell := map[string]map[int]float64{}
+		for _, m := range ms {
+			if m.Phase != phase || m.Peer == base || m.BaseOver <= 0 {
+				continue
+			}
+			if cell[m.Peer] == nil {
+				cell[m.Peer] = map[int]float64{}
+				names = append(names, m.Peer)
+			}
+			cell[m.Peer][m.Concurrency] = m.BaseOver
+		}
+		for _, n := range names {
+			fmt.Fprintf(w, "| %s | %s |", n, phase)
+			for _, c := range concs {
+				if v, ok := cell[n][c]; ok {
+					fmt.Fprintf(w, " %s |", ratioStr(v))
+				} else {
+					fmt.Fprint(w, " - |")
 				}
 			}
 			fmt.Fprintln(w)
