@@ -2,7 +2,13 @@ package idem
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	mbits "math/bits"
+	"time"
+
+	"github.com/idemdb/idem/index"
+	"github.com/idemdb/idem/wal"
 )
 
 // Batcher is implemented by a Store that can run many requests at once
@@ -81,6 +87,24 @@ type batchItem struct {
 	adv   []Advance
 	scope string
 	ids   [][]byte
+
+	// Set by Run.
+	k    reqKey        // Begin, Put: the request's key; Commit, Abort: the claim's
+	fp   []byte        // Begin, Put: the fingerprint as stored
+	wadv []wal.Advance // Put, Commit, Advance: the checked advances
+	// keys are the keys the item locks besides k.key: the advanced
+	// clients (Put, Commit: after k.key, as checkAdvances returns them),
+	// the acked ids (Ack).
+	keys     [][]byte
+	swapped  bool // Commit, Abort: Run marked the claim finished
+	noop     bool // nothing to do (an Ack or Advance of nothing)
+	wake     bool // finishes a claim: wake its waiters
+	rec      int  // the record (of this Run) holding the item's operations; -1: none
+	waitRec  int  // the record whose LSN the result waits for; -1: none
+	waitLSN  wal.LSN
+	lease    time.Time
+	expires  time.Time
+	resolved bool // Run has its result (or error)
 }
 
 // engineBatch is the Engine's Batch.
@@ -111,9 +135,31 @@ func (b *engineBatch) Advance(adv ...Advance) {
 }
 func (b *engineBatch) Len() int { return len(b.items) }
 
-// Run runs the items. This first version runs them one at a time through
-// the single calls (same results, one record each); the one-record batch
-// (docs/design.md, "The batch path") replaces it.
+// batchRecordBytes is the encoded size from which Run starts another
+// record (a batch record's operations, besides its head). An item's
+// operations are never split: a record holds whole items, and an item
+// larger than this (a reply of up to MaxReplySize) goes alone.
+const batchRecordBytes = 4 << 20
+
+// Run runs the items as one WAL record (docs/design.md, "The batch
+// path"): it checks every item (an invalid one gets its error and the
+// others go on), locks the keys of the whole batch in shard order,
+// classifies each item with classifyLocked against what the items before
+// it left, appends one batch record holding the operations of every item
+// that changes something (none: no record), publishes its transitions,
+// unlocks and waits once for what the items need to be durable: the
+// record under SyncAlways when it holds a claim (unless
+// Options.RelaxedClaims), a commit, abort, ack or advance, the records of
+// the replies Done items return. A batch whose operations take more than
+// batchRecordBytes (4 MiB) encoded, or more than wal.MaxBatchCost decoded,
+// is written as several records, each holding whole items and each whole
+// or absent after a crash.
+//
+// A Commit or Abort item must name a claim made by this engine: a Claim
+// of another store (NewClaim with a backend) is ErrInvalidRequest (finish
+// it with its own Commit or Abort; the batch cannot make another store's
+// write part of its record), and a claim already finished (also by an
+// earlier item) is ErrLeaseLost.
 func (b *engineBatch) Run(ctx context.Context) ([]BatchResult, error) {
 	if b.ran {
 		return nil, fmt.Errorf("%w: the batch was run already", ErrInvalidRequest)
@@ -123,48 +169,502 @@ func (b *engineBatch) Run(ctx context.Context) ([]BatchResult, error) {
 		return nil, err
 	}
 	e := b.e
-	if err := e.enter(); err != nil {
-		return nil, err
-	}
-	e.leave()
 	out := make([]BatchResult, len(b.items))
+	var set shardSet
 	for i := range b.items {
-		it := &b.items[i]
-		r := &out[i]
-		switch it.kind {
-		case bBegin:
-			r.Result, r.Err = e.Begin(context.WithoutCancel(ctx), it.req)
-		case bPut:
-			r.Result, r.Err = e.Begin(context.WithoutCancel(ctx), it.req)
-			if r.Err == nil && r.Result.Status == Fresh {
-				c := r.Result.Claim
-				r.Result.Claim = nil
-				if len(it.adv) > 0 {
-					r.Err = c.CommitAdvance(ctx, it.reply, it.adv...)
-				} else {
-					r.Err = c.Commit(ctx, it.reply)
-				}
-				if r.Err != nil {
-					_ = c.Abort(ctx)
-				}
-			}
-		case bCommit, bAbort:
-			if it.claim == nil {
-				r.Err = fmt.Errorf("%w: batch item %d: nil claim", ErrInvalidRequest, i)
-				continue
-			}
-			if it.kind == bAbort {
-				r.Err = it.claim.Abort(ctx)
-			} else if len(it.adv) > 0 {
-				r.Err = it.claim.CommitAdvance(ctx, it.reply, it.adv...)
-			} else {
-				r.Err = it.claim.Commit(ctx, it.reply)
-			}
-		case bAck:
-			r.Err = e.Ack(context.WithoutCancel(ctx), it.scope, it.ids...)
-		case bAdvance:
-			r.Err = e.Advance(context.WithoutCancel(ctx), it.adv...)
+		if err := b.check(i, &set); err != nil {
+			out[i].Err = err
+			b.items[i].resolved = true
 		}
 	}
+	if err := e.enter(); err != nil {
+		b.reopenClaims(0)
+		return nil, err
+	}
+	defer e.leave()
+	r := &batchRun{e: e, b: b, out: out, now: e.o.Clock()}
+	r.bt = index.NewBatch(0, e.getLocked)
+	r.buf = make([]byte, wal.MaxBatchHeader, wal.MaxBatchHeader+1024)
+	unlock := e.lockShards(&set)
+	for i := range b.items {
+		if b.items[i].resolved {
+			continue
+		}
+		if err := r.item(i); err != nil {
+			b.items[i].resolved = false // its result is err
+			r.abandon(err)
+			break
+		}
+	}
+	if r.fatal == nil {
+		if err := r.flush(len(b.items)); err != nil {
+			r.abandon(err)
+		}
+	}
+	unlock()
+	if r.fatal != nil && len(r.lsns) == 0 {
+		return nil, r.fatal
+	}
+	r.finish()
 	return out, nil
+}
+
+// check validates item i and adds the keys it locks to set.
+func (b *engineBatch) check(i int, set *shardSet) error {
+	e := b.e
+	it := &b.items[i]
+	it.rec, it.waitRec = -1, -1
+	switch it.kind {
+	case bBegin, bPut:
+		k, err := e.validate(&it.req)
+		if err != nil {
+			return err
+		}
+		it.k, it.fp = k, fingerprint(&it.req)
+		set.add(e, k.key)
+		for _, a := range k.ackKey {
+			set.add(e, a)
+		}
+		if it.kind == bBegin {
+			return nil
+		}
+		if len(it.reply) > e.o.MaxReplySize {
+			return invalid("reply of %d bytes exceeds %d", len(it.reply), e.o.MaxReplySize)
+		}
+		if len(it.adv) > 0 {
+			if it.wadv, it.keys, err = e.checkAdvances(it.adv, k.key); err != nil {
+				return err
+			}
+			for _, a := range it.keys[1:] {
+				set.add(e, a)
+			}
+		}
+	case bCommit, bAbort:
+		c := it.claim
+		switch {
+		case c == nil:
+			return invalid("batch item %d: nil claim", i)
+		case c.b != nil || c.ec.e != e:
+			return invalid("batch item %d: the claim was not made by this engine (finish it with its own Commit or Abort)", i)
+		case c.finished.Swap(true):
+			return fmt.Errorf("%w: the claim was already committed or aborted", ErrLeaseLost)
+		}
+		it.swapped = true
+		it.k = c.ec.k
+		set.add(e, it.k.key)
+		if it.kind == bAbort {
+			it.reply = nil
+			return nil
+		}
+		if it.reply == nil {
+			it.reply = []byte{}
+		}
+		if len(it.reply) > e.o.MaxReplySize {
+			it.reopen()
+			return invalid("reply of %d bytes exceeds %d", len(it.reply), e.o.MaxReplySize)
+		}
+		if len(it.adv) > 0 {
+			var err error
+			if it.wadv, it.keys, err = e.checkAdvances(it.adv, it.k.key); err != nil {
+				it.reopen()
+				return err
+			}
+			for _, a := range it.keys[1:] {
+				set.add(e, a)
+			}
+		}
+	case bAck:
+		if len(it.ids) == 0 {
+			it.noop, it.resolved = true, true
+			return nil
+		}
+		if len(it.scope) > e.o.MaxIDLen {
+			return invalid("scope of %d bytes exceeds %d", len(it.scope), e.o.MaxIDLen)
+		}
+		it.keys = make([][]byte, 0, len(it.ids))
+		for _, id := range it.ids {
+			if len(id) == 0 || len(id) > e.o.MaxIDLen {
+				return invalid("acked id of %d bytes (want 1..%d)", len(id), e.o.MaxIDLen)
+			}
+			it.keys = append(it.keys, index.EntryKey(nil, it.scope, index.ModeID, id))
+		}
+		for _, k := range it.keys {
+			set.add(e, k)
+		}
+	case bAdvance:
+		if len(it.adv) == 0 {
+			it.noop, it.resolved = true, true
+			return nil
+		}
+		var err error
+		if it.wadv, it.keys, err = e.checkAdvances(it.adv, nil); err != nil {
+			return err
+		}
+		for _, k := range it.keys {
+			set.add(e, k)
+		}
+	}
+	return nil
+}
+
+// reopen leaves the item's claim open: nothing of it was written.
+func (it *batchItem) reopen() {
+	if it.swapped {
+		it.claim.finished.Store(false)
+		it.swapped = false
+	}
+}
+
+// reopenClaims reopens the claims of the Commit and Abort items from the
+// from-th on, which nothing was written for.
+func (b *engineBatch) reopenClaims(from int) {
+	for i := from; i < len(b.items); i++ {
+		b.items[i].reopen()
+	}
+}
+
+// batchRun is one Run's work under the locks: the record being built and
+// what the records appended so far need.
+type batchRun struct {
+	e   *Engine
+	b   *engineBatch
+	out []BatchResult
+	now time.Time
+
+	bt   *index.Batch // the record's transitions so far
+	buf  []byte       // wal.MaxBatchHeader reserved, then the record's operations
+	nops int          // operations in buf
+	cost int          // their wal.BatchCost
+	ops  [2]wal.Op    // the operations of the item being added
+	// items are the items with operations in the record being built.
+	items []int
+	// first is the first item not in an appended record.
+	first int
+	// st counts what the record being built does, added to the stats
+	// once it is appended.
+	st struct{ misses, takeovers, expired, acked, seq uint64 }
+
+	lsns  []wal.LSN // the records appended, in order
+	fatal error     // the error that stopped the run
+	wake  []chan struct{}
+}
+
+// item classifies item i against the batch so far and adds its
+// operations to the record. It returns an error only when the run must
+// stop (the current record cannot be built or appended).
+func (r *batchRun) item(i int) error {
+	e, it, res := r.e, &r.b.items[i], &r.out[i]
+	it.resolved = true
+	switch it.kind {
+	case bBegin, bPut:
+		cur, err := r.bt.Get(it.k.key, it.k.mode)
+		if err != nil {
+			res.Err = err
+			return nil
+		}
+		v, rr, verr, takeover, expired := e.classifyLocked(cur, it.k, it.fp, r.now, r.bt)
+		switch v {
+		case vDone:
+			e.st.hits.Add(1)
+			res.Result = rr
+			r.waitCommit(it, cur)
+		case vInFlight:
+			e.st.collisions.Add(1)
+			res.Result = rr
+		case vConflict:
+			e.st.conflicts.Add(1)
+			res.Err = verr
+		case vAlreadyCommitted:
+			e.st.alreadyCommitted.Add(1)
+			res.Result, res.Err = rr, verr
+		case vGap:
+			e.st.gaps.Add(1)
+			res.Err = verr
+		case vFailed:
+			res.Err = verr
+		}
+		if v != vClaim {
+			return nil
+		}
+		if len(it.wadv) > 0 {
+			if err := e.advancesInFlightLocked(it.wadv, it.keys[1:], r.bt); err != nil {
+				res.Err = err
+				return nil
+			}
+		}
+		it.lease, it.expires = e.claimOp(&r.ops[0], it.k, &it.req, it.fp, cur, r.now)
+		n := 1
+		if it.kind == bPut {
+			typ := wal.OpCommit
+			if len(it.wadv) > 0 {
+				typ = wal.OpCommitAdvance
+			}
+			// Claim LSN 0: the claim just before, in the same record.
+			finishOp(&r.ops[1], typ, it.k, 0, r.now.UnixNano(), it.reply, it.wadv)
+			n = 2
+			it.wake = true // a claim it took over may have waiters
+		}
+		if _, err := r.add(i, r.ops[:n], false); err != nil {
+			return err
+		}
+		r.st.misses++
+		if takeover {
+			r.st.takeovers++
+		}
+		if expired {
+			r.st.expired++
+		}
+		if it.kind == bPut || !e.o.RelaxedClaims {
+			it.waitRec = it.rec
+		}
+	case bCommit, bAbort:
+		cur, err := r.bt.Get(it.k.key, it.k.mode)
+		if err != nil {
+			res.Err = err
+			return nil
+		}
+		c := it.claim
+		if cur == nil || !cur.InFlight || cur.ClaimLSN != c.ec.lsn {
+			e.st.leaseLost.Add(1)
+			res.Err = fmt.Errorf("%w: scope %q %s", ErrLeaseLost, it.k.scope, printable(it.k.ident))
+			return nil
+		}
+		typ := wal.OpAbort
+		if it.kind == bCommit {
+			typ = wal.OpCommit
+			if len(it.wadv) > 0 {
+				typ = wal.OpCommitAdvance
+				if err := e.advancesInFlightLocked(it.wadv, it.keys[1:], r.bt); err != nil {
+					if errors.Is(err, ErrInFlight) {
+						it.reopen()
+					}
+					res.Err = err
+					return nil
+				}
+			}
+		}
+		finishOp(&r.ops[0], typ, it.k, c.ec.lsn, r.now.UnixNano(), it.reply, it.wadv)
+		if _, err := r.add(i, r.ops[:1], false); err != nil {
+			return err
+		}
+		it.wake = true
+		it.waitRec = it.rec
+	case bAck:
+		r.ops[0] = wal.Op{Type: wal.OpAck, Scope: it.scope, Acked: it.ids, Time: r.now.UnixNano()}
+		kept, err := r.add(i, r.ops[:1], true)
+		if err != nil {
+			return err
+		}
+		if kept {
+			it.waitRec = it.rec
+		} // else nothing to remove: nothing to log, nothing to wait for
+	case bAdvance:
+		if err := e.advancesInFlightLocked(it.wadv, it.keys, r.bt); err != nil {
+			res.Err = err
+			return nil
+		}
+		r.ops[0] = wal.Op{Type: wal.OpAdvance, Time: r.now.UnixNano(), Advances: it.wadv}
+		kept, err := r.add(i, r.ops[:1], true)
+		if err != nil {
+			return err
+		}
+		if kept {
+			it.waitRec = it.rec
+			return nil
+		}
+		// Nothing to raise: wait for the records that raised them.
+		for _, k := range it.keys {
+			en, err := r.bt.Get(k, index.ModeClient)
+			if err != nil {
+				res.Err = err
+				return nil
+			}
+			r.waitCommit(it, en)
+		}
+	}
+	return nil
+}
+
+// waitCommit makes item it wait for the record that committed en (a
+// record appended before the run, or one of the run's: CommitLSN 0).
+func (r *batchRun) waitCommit(it *batchItem, en *index.Entry) {
+	switch {
+	case en == nil || !en.Committed:
+	case en.CommitLSN == 0:
+		it.waitRec = len(r.lsns) // the record being built
+	default:
+		it.waitLSN = max(it.waitLSN, en.CommitLSN)
+	}
+}
+
+// add adds ops, the operations of item i, to the record being built,
+// first appending the record built so far when ops would take it past
+// its bounds. With dropEmpty, operations that change nothing are left out
+// (kept false). An error stops the run.
+func (r *batchRun) add(i int, ops []wal.Op, dropEmpty bool) (kept bool, err error) {
+	mark := len(r.buf)
+	cost := 0
+	for j := range ops {
+		if r.buf, err = wal.AppendBatchOp(r.buf, &ops[j]); err != nil {
+			return false, err
+		}
+		cost += wal.BatchCost(&ops[j])
+	}
+	if r.nops > 0 && (len(r.buf)-wal.MaxBatchHeader > batchRecordBytes || r.cost+cost > wal.MaxBatchCost) {
+		tail := append([]byte(nil), r.buf[mark:]...)
+		r.buf = r.buf[:mark]
+		if err := r.flush(i); err != nil {
+			return false, err
+		}
+		r.buf = append(r.buf, tail...)
+		mark = wal.MaxBatchHeader
+	}
+	changed := 0
+	for j := range ops {
+		step, err := r.bt.Add(&ops[j])
+		if err != nil {
+			return false, err
+		}
+		changed += len(step)
+		a, s := removals(ops[j].Type, step)
+		r.st.acked += a
+		r.st.seq += s
+	}
+	if dropEmpty && changed == 0 {
+		r.buf = r.buf[:mark]
+		return false, nil
+	}
+	r.nops += len(ops)
+	r.cost += cost
+	r.b.items[i].rec = len(r.lsns)
+	if len(r.items) == 0 || r.items[len(r.items)-1] != i {
+		r.items = append(r.items, i)
+	}
+	return true, nil
+}
+
+// flush appends the record built so far (if it holds anything) and
+// publishes it; next is the first item not in it.
+func (r *batchRun) flush(next int) error {
+	if r.nops == 0 {
+		r.first = next
+		return nil
+	}
+	e := r.e
+	ts := r.bt.Transitions()
+	var hb [wal.MaxBatchHeader]byte
+	h := wal.AppendBatchHeader(hb[:0], r.now.UnixNano(), r.nops)
+	payload := r.buf[wal.MaxBatchHeader-len(h):]
+	copy(payload, h)
+	lsn, err := e.appendRecord(wal.OpBatch, payload, ts)
+	if err != nil {
+		return err
+	}
+	r.lsns = append(r.lsns, lsn)
+	e.st.misses.Add(r.st.misses)
+	e.st.takeovers.Add(r.st.takeovers)
+	e.st.expired.Add(r.st.expired)
+	e.countRemovals(r.st.acked, r.st.seq)
+	r.st = struct{ misses, takeovers, expired, acked, seq uint64 }{}
+	for _, i := range r.items {
+		it := &r.b.items[i]
+		if !it.wake {
+			continue
+		}
+		if sl := e.shardOf(it.k.key).m[string(it.k.key)]; sl != nil && sl.waiters != nil {
+			r.wake = append(r.wake, sl.waiters)
+			sl.waiters = nil
+		}
+	}
+	r.items = r.items[:0]
+	r.buf = r.buf[:wal.MaxBatchHeader]
+	r.nops, r.cost = 0, 0
+	r.bt.Reset(0)
+	r.first = next
+	return nil
+}
+
+// abandon stops the run with err: the items not in an appended record
+// get err, and their claims stay open (nothing of them was written).
+func (r *batchRun) abandon(err error) {
+	r.fatal = err
+	for i := r.first; i < len(r.b.items); i++ {
+		it := &r.b.items[i]
+		if it.rec >= len(r.lsns) || !it.resolved {
+			it.rec, it.waitRec, it.waitLSN, it.wake = -1, -1, 0, false
+			it.reopen()
+			r.out[i] = BatchResult{Err: err}
+		} else if it.waitRec >= len(r.lsns) {
+			r.out[i] = BatchResult{Err: err} // waits for the record that was not written
+			it.waitRec = -1
+		}
+	}
+}
+
+// finish sets the results that need their record's LSN, waits for what
+// the items need to be durable, and wakes the waiters of the claims the
+// run finished.
+func (r *batchRun) finish() {
+	e := r.e
+	var wait wal.LSN
+	for i := range r.b.items {
+		it := &r.b.items[i]
+		if it.waitRec >= 0 {
+			it.waitLSN = max(it.waitLSN, r.lsns[it.waitRec])
+		}
+		wait = max(wait, it.waitLSN)
+		if it.rec < 0 {
+			continue
+		}
+		switch it.kind {
+		case bBegin:
+			c := newEngineClaim(e, it.k, r.lsns[it.rec], it.fp, it.lease)
+			r.out[i].Result = Result{Status: Fresh, Claim: c, LeaseUntil: it.lease, Seq: it.k.seq, ExpiresAt: it.expires}
+		case bPut:
+			r.out[i].Result = Result{Status: Fresh, LeaseUntil: it.lease, Seq: it.k.seq, ExpiresAt: it.expires}
+		}
+	}
+	if wait != 0 {
+		if err := e.waitDurable(wait); err != nil {
+			// Tell each item whether its own record is durable.
+			for i := range r.b.items {
+				if lsn := r.b.items[i].waitLSN; lsn != 0 {
+					if err := e.waitDurable(lsn); err != nil {
+						r.out[i] = BatchResult{Err: err}
+					}
+				}
+			}
+		}
+	}
+	for _, ch := range r.wake {
+		close(ch)
+	}
+}
+
+// shardSet is a set of lock shards.
+type shardSet [numShards / 64]uint64
+
+func (s *shardSet) add(e *Engine, key []byte) {
+	i := e.shardIdx(key)
+	s[i/64] |= 1 << (i % 64)
+}
+
+// lockShards locks the shards of set in index order, as lockKeys does (so
+// a batch never deadlocks with another operation), and returns the unlock
+// function.
+func (e *Engine) lockShards(set *shardSet) func() {
+	for w, bits := range set {
+		for ; bits != 0; bits &= bits - 1 {
+			e.shards[w*64+mbits.TrailingZeros64(bits)].mu.Lock()
+		}
+	}
+	return func() {
+		for w := len(set) - 1; w >= 0; w-- {
+			for bits := set[w]; bits != 0; {
+				top := 63 - mbits.LeadingZeros64(bits)
+				e.shards[w*64+top].mu.Unlock()
+				bits &^= 1 << top
+			}
+		}
+	}
 }

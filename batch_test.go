@@ -1,11 +1,18 @@
 package idem
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/cockroachdb/pebble/v2/vfs"
+	"github.com/idemdb/idem/index"
+	"github.com/idemdb/idem/internal/testclock"
 )
 
 // TestBatchResults: every item of a batch gets the result the single call
@@ -71,3 +78,425 @@ func TestBatchResults(t *testing.T) {
 		t.Errorf("second Run: %v", err)
 	}
 }
+
+// batchProgram draws random batches over a few ids and sequence-mode
+// clients: Begin, Put (with advances for ids), Commit (some with
+// advances) and Abort of claims from earlier batches, Ack, Advance, with
+// conflicting fingerprints, gaps, reply windows, TTLs and leases that run
+// out. Items refer to open claims by number, so the same program runs
+// against two engines.
+type batchProgram struct {
+	rng  *rand.Rand
+	seqs map[string]uint64 // a guess at each client's next number
+}
+
+// batchStep is one item of a program; claim indexes the open claims.
+type batchStep struct {
+	kind  batchKind
+	req   Request
+	reply []byte
+	adv   []Advance
+	claim int
+	scope string
+	ids   [][]byte
+}
+
+func newBatchProgram(seed uint64) *batchProgram {
+	return &batchProgram{rng: rand.New(rand.NewPCG(seed, 7)), seqs: map[string]uint64{}}
+}
+
+func (p *batchProgram) batch(open int) []batchStep {
+	rng := p.rng
+	n := 1 + rng.IntN(12)
+	var out []batchStep
+	idReq := func() Request {
+		r := Request{Scope: []string{"", "s"}[rng.IntN(2)], ID: []byte(fmt.Sprint("id", rng.IntN(12)))}
+		if rng.IntN(6) == 0 {
+			r.Fingerprint = []byte{byte('a' + rng.IntN(2))}
+		}
+		if rng.IntN(8) == 0 {
+			r.TTL = time.Duration(1+rng.IntN(20)) * time.Second
+		}
+		if rng.IntN(8) == 0 {
+			r.Acked = [][]byte{[]byte(fmt.Sprint("id", rng.IntN(12)))}
+			if string(r.Acked[0]) == string(r.ID) {
+				r.Acked = nil
+			}
+		}
+		return r
+	}
+	client := func() string { return fmt.Sprint("c", rng.IntN(3)) }
+	seqReq := func() Request {
+		c := client()
+		s := p.seqs[c] + 1
+		switch rng.IntN(8) {
+		case 0:
+			s += uint64(rng.IntN(3)) // maybe a gap
+		case 1:
+			if s > 2 {
+				s -= uint64(1 + rng.IntN(2)) // an older number
+			}
+		}
+		p.seqs[c] = max(p.seqs[c], s)
+		r := Request{Client: c, Seq: s}
+		if rng.IntN(3) == 0 {
+			r.KeepReplies = 3
+			if rng.IntN(2) == 0 {
+				r.KeepRepliesFor = 30 * time.Second
+			}
+		}
+		return r
+	}
+	adv := func() []Advance {
+		if rng.IntN(3) != 0 {
+			return nil
+		}
+		c := fmt.Sprint("k", rng.IntN(2))
+		return []Advance{{Client: c, Seq: uint64(1 + rng.IntN(20))}}
+	}
+	for i := 0; i < n; i++ {
+		reply := []byte(fmt.Sprint("r", rng.IntN(1000)))
+		switch k := rng.IntN(10); {
+		case k < 2:
+			out = append(out, batchStep{kind: bBegin, req: idReq()})
+		case k < 4:
+			out = append(out, batchStep{kind: bPut, req: idReq(), reply: reply, adv: adv()})
+		case k == 4:
+			out = append(out, batchStep{kind: bBegin, req: seqReq()})
+		case k == 5:
+			out = append(out, batchStep{kind: bPut, req: seqReq(), reply: reply})
+		case k == 6 && open > 0:
+			out = append(out, batchStep{kind: bCommit, claim: rng.IntN(open), reply: reply, adv: adv()})
+		case k == 7 && open > 0:
+			out = append(out, batchStep{kind: bAbort, claim: rng.IntN(open)})
+		case k == 8:
+			out = append(out, batchStep{kind: bAck, scope: []string{"", "s"}[rng.IntN(2)], ids: [][]byte{[]byte(fmt.Sprint("id", rng.IntN(12)))}})
+		default:
+			out = append(out, batchStep{kind: bAdvance, adv: []Advance{{Client: client(), Seq: uint64(1 + rng.IntN(12))}}})
+		}
+	}
+	return out
+}
+
+// runSteps adds steps to a batch of e (claims from open) and runs it, or
+// (singly) runs each step through the single calls, as the first Run did.
+// It returns the results and the open claims afterwards.
+func runSteps(t *testing.T, e *Engine, steps []batchStep, open []*Claim, singly bool) ([]BatchResult, []*Claim) {
+	t.Helper()
+	b := e.NewBatch()
+	for _, s := range steps {
+		switch s.kind {
+		case bBegin:
+			b.Begin(s.req)
+		case bPut:
+			b.Put(s.req, s.reply, s.adv...)
+		case bCommit:
+			b.Commit(open[s.claim], s.reply, s.adv...)
+		case bAbort:
+			b.Abort(open[s.claim])
+		case bAck:
+			b.Ack(s.scope, s.ids...)
+		case bAdvance:
+			b.Advance(s.adv...)
+		}
+	}
+	var out []BatchResult
+	if singly {
+		out = runSingly(e, b.(*engineBatch).items)
+	} else {
+		var err error
+		if out, err = b.Run(bg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, r := range out {
+		if r.Result.Claim != nil {
+			open = append(open, r.Result.Claim)
+		}
+	}
+	return out, open
+}
+
+// runSingly runs items one at a time through the single calls.
+func runSingly(e *Engine, items []batchItem) []BatchResult {
+	out := make([]BatchResult, len(items))
+	for i := range items {
+		it := &items[i]
+		r := &out[i]
+		switch it.kind {
+		case bBegin:
+			r.Result, r.Err = e.Begin(bg, it.req)
+		case bPut:
+			r.Result, r.Err = e.Begin(bg, it.req)
+			if r.Err == nil && r.Result.Status == Fresh {
+				c := r.Result.Claim
+				r.Result.Claim = nil
+				r.Err = c.CommitAdvance(bg, it.reply, it.adv...)
+				if r.Err != nil {
+					_ = c.Abort(bg)
+				}
+			}
+		case bCommit, bAbort:
+			if it.kind == bAbort {
+				r.Err = it.claim.Abort(bg)
+			} else {
+				r.Err = it.claim.CommitAdvance(bg, it.reply, it.adv...)
+			}
+		case bAck:
+			r.Err = e.Ack(bg, it.scope, it.ids...)
+		case bAdvance:
+			r.Err = e.Advance(bg, it.adv...)
+		}
+	}
+	return out
+}
+
+// describeResult renders what a caller sees of one result.
+func describeResult(r BatchResult) string {
+	s := fmt.Sprintf("%v reply=%q seq=%d lease=%d at=%d exp=%d claim=%v", r.Result.Status, r.Result.Reply, r.Result.Seq,
+		r.Result.LeaseUntil.UnixNano(), r.Result.CommittedAt.UnixNano(), r.Result.ExpiresAt.UnixNano(), r.Result.Claim != nil)
+	if r.Err != nil {
+		s += " err=" + r.Err.Error()
+	}
+	return s
+}
+
+// observeBatchState is every answer a caller can get about the keys
+// batchProgram uses.
+func observeBatchState(t *testing.T, e *Engine) string {
+	t.Helper()
+	var b strings.Builder
+	for _, scope := range []string{"", "s"} {
+		for i := 0; i < 12; i++ {
+			r, err := e.Lookup(bg, Request{Scope: scope, ID: []byte(fmt.Sprint("id", i))})
+			fmt.Fprintf(&b, "%s/id%d %v %q %d %d %v\n", scope, i, r.Status, r.Reply, r.CommittedAt.UnixNano(), r.ExpiresAt.UnixNano(), err)
+		}
+	}
+	for _, c := range []string{"c0", "c1", "c2", "k0", "k1"} {
+		last, err := e.ClientState(bg, "", c)
+		fmt.Fprintf(&b, "%s last %d %v\n", c, last, err)
+		for s := uint64(1); s <= last+1; s++ {
+			r, err := e.Lookup(bg, Request{Client: c, Seq: s})
+			fmt.Fprintf(&b, "  %d %v %q %v\n", s, r.Status, r.Reply, err)
+		}
+	}
+	return b.String()
+}
+
+// indexEntries is every entry of the engine's index, encoded.
+func indexEntries(t *testing.T, e *Engine) map[string]string {
+	t.Helper()
+	waitApplied(t, e)
+	out := map[string]string{}
+	if err := e.ix.Entries(nil, func(k []byte, en *index.Entry) error {
+		out[string(k)] = fmt.Sprintf("%+v", *en)
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// TestBatchMatchesSingleCalls: random batches run as one record each give
+// every item exactly the result the single calls give it one at a time,
+// and leave the same state and counters.
+func TestBatchMatchesSingleCalls(t *testing.T) {
+	for seed := uint64(1); seed <= 6; seed++ {
+		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) {
+			clkA, clkB := testclock.New(), testclock.New()
+			a := openMem(t, vfs.NewMem(), &Options{Clock: clkA.Now, Lease: 10 * time.Second})
+			defer a.Close()
+			b := openMem(t, vfs.NewMem(), &Options{Clock: clkB.Now, Lease: 10 * time.Second})
+			defer b.Close()
+			p := newBatchProgram(seed)
+			var openA, openB []*Claim
+			for round := 0; round < 150; round++ {
+				steps := p.batch(len(openA))
+				var outA, outB []BatchResult
+				outA, openA = runSteps(t, a, steps, openA, false)
+				outB, openB = runSteps(t, b, steps, openB, true)
+				for i := range steps {
+					if da, db := describeResult(outA[i]), describeResult(outB[i]); da != db {
+						t.Fatalf("round %d item %d (%+v):\nbatch:  %s\nsingly: %s", round, i, steps[i], da, db)
+					}
+				}
+				d := time.Duration(p.rng.IntN(4)) * time.Second
+				clkA.Advance(d)
+				clkB.Advance(d)
+			}
+			if sa, sb := observeBatchState(t, a), observeBatchState(t, b); sa != sb {
+				t.Fatalf("state differs:\nbatch:\n%s\nsingly:\n%s", sa, sb)
+			}
+			sa, sb := a.Stats(), b.Stats()
+			for _, c := range []struct {
+				name string
+				a, b uint64
+			}{
+				{"hits", sa.Hits, sb.Hits}, {"misses", sa.Misses, sb.Misses}, {"conflicts", sa.Conflicts, sb.Conflicts},
+				{"collisions", sa.InFlightCollisions, sb.InFlightCollisions}, {"acked", sa.Acked, sb.Acked},
+				{"cleanups", sa.Cleanups, sb.Cleanups}, {"expired", sa.Expired, sb.Expired}, {"gaps", sa.SequenceGaps, sb.SequenceGaps},
+				{"already", sa.AlreadyCommitted, sb.AlreadyCommitted}, {"leaseLost", sa.LeaseLost, sb.LeaseLost}, {"takeovers", sa.Takeovers, sb.Takeovers},
+			} {
+				if c.a != c.b {
+					t.Errorf("Stats %s: %d in batches, %d singly", c.name, c.a, c.b)
+				}
+			}
+			if sa.LastLSN >= sb.LastLSN {
+				t.Errorf("batches wrote %d records, the single calls %d", sa.LastLSN, sb.LastLSN)
+			}
+		})
+	}
+}
+
+// TestBatchReplayEqualsLive: after random batches, the index the engine
+// applied, the index after a clean reopen and the index rebuilt by
+// replaying the whole WAL hold the same entries, byte for byte: the live
+// engine and replay compute a batch record with the same transitions
+// (claims inside a batch take the record's LSN, a commit naming claim 0
+// finds the claim of its own record).
+func TestBatchReplayEqualsLive(t *testing.T) {
+	fs := vfs.NewMem()
+	clk := testclock.New()
+	opts := &Options{Clock: clk.Now, Lease: 10 * time.Second, SegmentSize: 16 << 10}
+	e := openMem(t, fs, opts)
+	p := newBatchProgram(42)
+	var open []*Claim
+	for round := 0; round < 300; round++ {
+		_, open = runSteps(t, e, p.batch(len(open)), open, false)
+		clk.Advance(time.Duration(p.rng.IntN(4)) * time.Second)
+	}
+	live, state := indexEntries(t, e), observeBatchState(t, e)
+	if len(live) < 20 {
+		t.Fatalf("only %d entries: the program did little", len(live))
+	}
+	if err := e.Close(); err != nil {
+		t.Fatal(err)
+	}
+	e = openMem(t, fs, opts)
+	if got := indexEntries(t, e); !equalMaps(got, live) {
+		t.Fatalf("entries differ after reopen:\n%s", diffMaps(live, got))
+	}
+	e.Close()
+	if err := fs.RemoveAll("db/index"); err != nil {
+		t.Fatal(err)
+	}
+	e = openMem(t, fs, opts)
+	defer e.Close()
+	if got := indexEntries(t, e); !equalMaps(got, live) {
+		t.Fatalf("entries differ after replaying the whole WAL:\n%s", diffMaps(live, got))
+	}
+	if got := observeBatchState(t, e); got != state {
+		t.Fatalf("state differs after replay:\nlive:\n%s\nreplayed:\n%s", state, got)
+	}
+}
+
+// diffMaps lists the keys whose values differ (at most 5).
+func diffMaps(want, got map[string]string) string {
+	var b strings.Builder
+	n := 0
+	for k, w := range want {
+		if g := got[k]; g != w && n < 5 {
+			fmt.Fprintf(&b, "key %x:\n  live     %s\n  replayed %s\n", k, w, g)
+			n++
+		}
+	}
+	for k, g := range got {
+		if _, ok := want[k]; !ok && n < 5 {
+			fmt.Fprintf(&b, "key %x only replayed: %s\n", k, g)
+			n++
+		}
+	}
+	return b.String()
+}
+
+// TestBatchEdges: a batch of items that change nothing writes no record;
+// a claim of another store is ErrInvalidRequest and stays open; a claim
+// finished before (or by an earlier item) is ErrLeaseLost; a batch larger
+// than one record's bound is written as several records holding whole
+// items, and replays to the same state.
+func TestBatchEdges(t *testing.T) {
+	fs := vfs.NewMem()
+	e := openMem(t, fs, nil)
+	commitID(t, e, Request{ID: id("d")}, "rd")
+	last := e.Stats().LastLSN
+	b := e.NewBatch()
+	b.Begin(Request{ID: id("d")})
+	b.Ack("", id("unknown"))
+	b.Ack("")
+	b.Advance()
+	out, err := b.Run(bg)
+	if err != nil || out[0].Result.Status != Done || out[1].Err != nil {
+		t.Fatalf("no-op batch: %+v %v", out, err)
+	}
+	if got := e.Stats().LastLSN; got != last {
+		t.Fatalf("a batch that changes nothing wrote records %d..%d", last+1, got)
+	}
+
+	foreign := NewClaim(claimBackendFunc(func(abort bool) error { t.Error("foreign backend called"); return nil }), time.Now().Add(time.Hour))
+	res := mustBegin(t, e, Request{ID: id("f")}, Fresh)
+	done := mustBegin(t, e, Request{ID: id("g")}, Fresh)
+	if err := done.Claim.Commit(bg, nil); err != nil {
+		t.Fatal(err)
+	}
+	b = e.NewBatch()
+	b.Commit(foreign, []byte("x"))
+	b.Commit(done.Claim, []byte("again"))
+	b.Commit(res.Claim, []byte("rf"))
+	b.Abort(res.Claim)
+	out, err = b.Run(bg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !errors.Is(out[0].Err, ErrInvalidRequest) || !errors.Is(out[1].Err, ErrLeaseLost) || out[2].Err != nil || !errors.Is(out[3].Err, ErrLeaseLost) {
+		t.Fatalf("claims: %v / %v / %v / %v", out[0].Err, out[1].Err, out[2].Err, out[3].Err)
+	}
+	if foreign.finished.Load() {
+		t.Fatalf("the foreign claim was marked finished")
+	}
+
+	// 12 Puts of 1 MiB incompressible replies: four records of 3 (4 with
+	// their keys would exceed batchRecordBytes).
+	before := e.Stats().LastLSN
+	b = e.NewBatch()
+	rng := rand.New(rand.NewPCG(3, 4))
+	replies := make([][]byte, 12)
+	for i := range replies {
+		replies[i] = make([]byte, 1<<20)
+		for j := range replies[i] {
+			replies[i][j] = byte(rng.Uint32())
+		}
+		b.Put(Request{ID: []byte(fmt.Sprint("big", i))}, replies[i])
+	}
+	out, err = b.Run(bg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, r := range out {
+		if r.Err != nil || r.Result.Status != Fresh {
+			t.Fatalf("put %d: %v %v", i, r.Result.Status, r.Err)
+		}
+	}
+	if n := e.Stats().LastLSN - before; n != 4 {
+		t.Fatalf("12 MiB of replies in %d records, want 4", n)
+	}
+	e.Close()
+	if err := fs.RemoveAll("db/index"); err != nil {
+		t.Fatal(err)
+	}
+	e = openMem(t, fs, nil)
+	defer e.Close()
+	for i := range replies {
+		r, err := e.Lookup(bg, Request{ID: []byte(fmt.Sprint("big", i))})
+		if err != nil || r.Status != Done || !bytes.Equal(r.Reply, replies[i]) {
+			t.Fatalf("big%d after replay: %v %v", i, r.Status, err)
+		}
+	}
+}
+
+// claimBackendFunc is a ClaimBackend of another store.
+type claimBackendFunc func(abort bool) error
+
+func (f claimBackendFunc) Commit(ctx context.Context, reply []byte, adv []Advance) error {
+	return f(false)
+}
+func (f claimBackendFunc) Abort(ctx context.Context) error { return f(true) }

@@ -47,8 +47,10 @@ const (
 // classifyLocked classifies the request k (fingerprint fp) against cur, the
 // key's current entry, at now. For vDone and vInFlight res is the result;
 // for the errors err is the error; for vClaim, takeover says the entry is
-// a claim whose lease ran out and expired an expired committed reply.
-func (e *Engine) classifyLocked(cur *index.Entry, k reqKey, fp []byte, now time.Time) (v verdict, res Result, err error, takeover, expired bool) {
+// a claim whose lease ran out and expired an expired committed reply. ov,
+// when not nil, is the batch being built (Batch.Run): an older sequence
+// number's reply is read through it, as the batch's earlier items left it.
+func (e *Engine) classifyLocked(cur *index.Entry, k reqKey, fp []byte, now time.Time, ov *index.Batch) (v verdict, res Result, err error, takeover, expired bool) {
 	if k.mode == index.ModeID {
 		switch {
 		case cur != nil && cur.Committed && !e.expired(cur, now):
@@ -81,7 +83,7 @@ func (e *Engine) classifyLocked(cur *index.Entry, k reqKey, fp []byte, now time.
 			// window, is under its sequence key (same shard and lock as
 			// the client's key).
 			var err error
-			if kept, err = e.olderReplyLocked(k); err != nil {
+			if kept, err = e.olderReplyLocked(k, ov); err != nil {
 				return vFailed, Result{}, err, false, false
 			}
 		}
@@ -109,9 +111,13 @@ func (e *Engine) classifyLocked(cur *index.Entry, k reqKey, fp []byte, now time.
 }
 
 // olderReplyLocked returns the entry of the client's sequence key for
-// k.seq (nil if none). The client key's lock is held, which covers it.
-func (e *Engine) olderReplyLocked(k reqKey) (*index.Entry, error) {
+// k.seq (nil if none), through the batch ov when not nil. The client key's
+// lock is held, which covers it.
+func (e *Engine) olderReplyLocked(k reqKey, ov *index.Batch) (*index.Entry, error) {
 	key := index.SeqKey(nil, k.scope, k.ident, k.seq)
+	if ov != nil {
+		return ov.Get(key, index.ModeSeq)
+	}
 	sl, err := e.slotLocked(key)
 	if err != nil {
 		return nil, err
@@ -159,7 +165,7 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 		}
 	}
 	cur := e.current(sl, k.mode)
-	v, res, verr, takeover, expired := e.classifyLocked(cur, k, fp, now)
+	v, res, verr, takeover, expired := e.classifyLocked(cur, k, fp, now, nil)
 	switch v {
 	case vDone:
 		unlock()
@@ -189,25 +195,8 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 		e.st.expired.Add(1) // retention or TTL ran out: runs again as new (T+61m for a one-hour TTL)
 	}
 	// Claim it.
-	lease := now.Add(e.o.Lease)
-	op := &wal.Op{
-		Type: wal.OpClaim, Scope: k.scope, Fingerprint: fp, Acked: k.acked,
-		Time: now.UnixNano(), LeaseUntil: lease.UnixNano(),
-	}
-	var expiresAt time.Time
-	if req.TTL > 0 {
-		expiresAt = now.Add(req.TTL)
-		op.ExpiresAt = expiresAt.UnixNano()
-	}
-	if k.mode == index.ModeID {
-		op.ID = k.ident
-		if cur == nil {
-			op.Flags |= wal.ClaimFlagNew
-		}
-	} else {
-		op.Client, op.Seq = string(k.ident), k.seq
-		op.KeepReplies, op.KeepFor = uint64(req.KeepReplies), int64(req.KeepRepliesFor)
-	}
+	op := &wal.Op{}
+	lease, expiresAt := e.claimOp(op, k, &req, fp, cur, now)
 	ts, err := index.Transitions(op, 0, e.getLocked)
 	if err != nil {
 		unlock()
@@ -229,6 +218,31 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 	}
 	c := newEngineClaim(e, k, lsn, fp, lease)
 	return Result{Status: Fresh, Claim: c, LeaseUntil: lease, Seq: k.seq, ExpiresAt: expiresAt}, k, nil
+}
+
+// claimOp fills op with the claim record of the request req (key k,
+// fingerprint fp) whose key holds cur, made at now, and returns the
+// claim's lease and TTL deadline (zero: none).
+func (e *Engine) claimOp(op *wal.Op, k reqKey, req *Request, fp []byte, cur *index.Entry, now time.Time) (lease, expiresAt time.Time) {
+	lease = now.Add(e.o.Lease)
+	*op = wal.Op{
+		Type: wal.OpClaim, Scope: k.scope, Fingerprint: fp, Acked: k.acked,
+		Time: now.UnixNano(), LeaseUntil: lease.UnixNano(),
+	}
+	if req.TTL > 0 {
+		expiresAt = now.Add(req.TTL)
+		op.ExpiresAt = expiresAt.UnixNano()
+	}
+	if k.mode == index.ModeID {
+		op.ID = k.ident
+		if cur == nil {
+			op.Flags |= wal.ClaimFlagNew
+		}
+	} else {
+		op.Client, op.Seq = string(k.ident), k.seq
+		op.KeepReplies, op.KeepFor = uint64(req.KeepReplies), int64(req.KeepRepliesFor)
+	}
+	return lease, expiresAt
 }
 
 func doneResult(en *index.Entry) Result {

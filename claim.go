@@ -154,14 +154,21 @@ func (e *Engine) checkAdvances(adv []Advance, own []byte) ([]wal.Advance, [][]by
 }
 
 // advancesInFlightLocked returns ErrInFlight if a client of adv (whose keys
-// are locked) has a claim in flight.
-func (e *Engine) advancesInFlightLocked(adv []wal.Advance, keys [][]byte) error {
+// are locked) has a claim in flight, read through the batch ov when not
+// nil (Batch.Run).
+func (e *Engine) advancesInFlightLocked(adv []wal.Advance, keys [][]byte, ov *index.Batch) error {
 	for i, a := range adv {
-		sl, err := e.slotLocked(keys[i])
+		var en *index.Entry
+		var err error
+		if ov != nil {
+			en, err = ov.Get(keys[i], index.ModeClient)
+		} else {
+			en, err = e.getLocked(keys[i], index.ModeClient)
+		}
 		if err != nil {
 			return err
 		}
-		if en := e.current(sl, index.ModeClient); en != nil && en.InFlight {
+		if en != nil && en.InFlight {
 			return fmt.Errorf("%w: cannot advance client %q in scope %q to %d: its sequence number %d is claimed", ErrInFlight, a.Client, a.Scope, a.Seq, en.ClaimSeq)
 		}
 	}
@@ -192,7 +199,7 @@ func (e *Engine) Advance(ctx context.Context, adv ...Advance) error {
 	}
 	defer e.leave()
 	unlock := e.lockKeys(keys...)
-	if err := e.advancesInFlightLocked(wadv, keys); err != nil {
+	if err := e.advancesInFlightLocked(wadv, keys, nil); err != nil {
 		unlock()
 		return err
 	}
@@ -269,17 +276,13 @@ func (c *engineClaim) write(typ byte, reply []byte, adv []wal.Advance, keys [][]
 		return fmt.Errorf("%w: scope %q %s", ErrLeaseLost, k.scope, printable(k.ident))
 	}
 	if len(adv) > 0 {
-		if err := e.advancesInFlightLocked(adv, keys[1:]); err != nil {
+		if err := e.advancesInFlightLocked(adv, keys[1:], nil); err != nil {
 			unlock()
 			return err
 		}
 	}
-	op := &wal.Op{Type: typ, Scope: k.scope, ClaimLSN: c.lsn, Time: e.o.Clock().UnixNano(), Reply: reply, Advances: adv}
-	if k.mode == index.ModeID {
-		op.ID = k.ident
-	} else {
-		op.Client, op.Seq = string(k.ident), k.seq
-	}
+	op := &wal.Op{}
+	finishOp(op, typ, k, c.lsn, e.o.Clock().UnixNano(), reply, adv)
 	ts, err := index.Transitions(op, 0, e.getLocked)
 	if err != nil {
 		unlock()
@@ -299,4 +302,15 @@ func (c *engineClaim) write(typ byte, reply []byte, adv []wal.Advance, keys [][]
 		close(waiters)
 	}
 	return err
+}
+
+// finishOp fills op with the commit, commit-advance or abort (typ) of the
+// claim claimLSN of key k, at time now (unix ns).
+func finishOp(op *wal.Op, typ byte, k reqKey, claimLSN wal.LSN, now int64, reply []byte, adv []wal.Advance) {
+	*op = wal.Op{Type: typ, Scope: k.scope, ClaimLSN: claimLSN, Time: now, Reply: reply, Advances: adv}
+	if k.mode == index.ModeID {
+		op.ID = k.ident
+	} else {
+		op.Client, op.Seq = string(k.ident), k.seq
+	}
 }

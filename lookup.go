@@ -48,7 +48,7 @@ func (e *Engine) Lookup(ctx context.Context, req Request) (Result, error) {
 // yet: it is still InFlight (its owner may still commit it), with its
 // LeaseUntil in the past, and Wait does not wait for it.
 func (e *Engine) readLocked(cur *index.Entry, k reqKey, fp []byte, now time.Time) (verdict, Result, error) {
-	v, res, err, takeover, _ := e.classifyLocked(cur, k, fp, now)
+	v, res, err, takeover, _ := e.classifyLocked(cur, k, fp, now, nil)
 	switch {
 	case v == vClaim && takeover:
 		res = Result{Status: InFlight, LeaseUntil: time.Unix(0, cur.LeaseUntil), Seq: k.seq}

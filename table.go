@@ -298,10 +298,23 @@ func (e *Engine) appendOp(op *wal.Op, ts []index.Transition) (wal.LSN, error) {
 	if err != nil {
 		return 0, err
 	}
+	lsn, err := e.appendRecord(op.Type, payload, ts)
+	if err != nil {
+		return 0, err
+	}
+	e.countRemovals(removals(op.Type, ts))
+	return lsn, nil
+}
+
+// appendRecord appends the record (kind typ, payload) whose transitions
+// ts were computed with the caller holding the locks of every key they
+// touch, stamps its LSN into them (index.Stamp) and publishes them to the
+// slots. The caller still holds the locks.
+func (e *Engine) appendRecord(typ byte, payload []byte, ts []index.Transition) (wal.LSN, error) {
 	up := &index.Update{Transitions: ts}
-	lsn, err := e.w.AppendWith(op.Type, payload, func(lsn wal.LSN) any {
+	lsn, err := e.w.AppendWith(typ, payload, func(lsn wal.LSN) any {
 		up.LSN = lsn
-		index.Stamp(ts, op.Type, lsn)
+		index.Stamp(ts, typ, lsn)
 		return up
 	})
 	if err != nil {
@@ -313,15 +326,34 @@ func (e *Engine) appendOp(op *wal.Op, ts []index.Transition) (wal.LSN, error) {
 			return 0, err
 		}
 		e.setLocked(t.Key, sl, t.Next, lsn)
-		switch {
-		case op.Type == wal.OpExpire || t.Next != nil || t.Prev == nil || !t.Prev.Committed:
-		case t.Mode == index.ModeSeq:
-			e.st.ttlRemoved.Add(1) // left its client's reply window: a cleanup
-		default:
-			e.st.acked.Add(1)
-		}
 	}
 	return lsn, nil
+}
+
+// removals counts the committed replies that the transitions ts of a
+// record of kind typ remove: acked (or forgotten by a commit's reply
+// window: seq) ones. Expire records count theirs elsewhere.
+func removals(typ byte, ts []index.Transition) (acked, seq uint64) {
+	for _, t := range ts {
+		switch {
+		case typ == wal.OpExpire || t.Next != nil || t.Prev == nil || !t.Prev.Committed:
+		case t.Mode == index.ModeSeq:
+			seq++ // left its client's reply window: a cleanup
+		default:
+			acked++
+		}
+	}
+	return acked, seq
+}
+
+// countRemovals adds what removals counted to the stats.
+func (e *Engine) countRemovals(acked, seq uint64) {
+	if acked > 0 {
+		e.st.acked.Add(acked)
+	}
+	if seq > 0 {
+		e.st.ttlRemoved.Add(seq)
+	}
 }
 
 func (e *Engine) failure(err error) error {

@@ -153,8 +153,28 @@ var ErrNoClaim = errors.New("index: record does not match the current claim")
 // rebuild exactly the set the engine had.
 //
 // Forget records change no single key; they are applied by Index.Apply.
+//
+// A batch record's operations are applied in order, each reading what the
+// previous ones left (see Batch); a key changed twice keeps its first Prev
+// and its last Next.
 func Transitions(op *wal.Op, lsn wal.LSN, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, error) {
-	var out []Transition
+	if op.Type == wal.OpBatch {
+		b := NewBatch(lsn, get)
+		for i := range op.Ops {
+			if _, err := b.Add(&op.Ops[i]); err != nil {
+				return nil, fmt.Errorf("batch operation %d: %w", i, err)
+			}
+		}
+		return b.Transitions(), nil
+	}
+	return appendTransitions(nil, op, lsn, op.ClaimLSN, get)
+}
+
+// appendTransitions appends the transitions of op, appended at lsn, to
+// out. claimLSN is the claim a commit or abort must find: op.ClaimLSN, or
+// in a batch the batch's LSN for an operation naming claim 0 (the claim
+// made earlier in the same record).
+func appendTransitions(out []Transition, op *wal.Op, lsn, claimLSN wal.LSN, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, error) {
 	// Acked ids are removed first: they name earlier requests.
 	for _, id := range op.Acked {
 		k := EntryKey(nil, op.Scope, ModeID, id)
@@ -234,8 +254,8 @@ func Transitions(op *wal.Op, lsn wal.LSN, get func(key []byte, mode byte) (*Entr
 		n.LSN = lsn
 		next = &n
 	case wal.OpCommit, wal.OpCommitAdvance:
-		if prev == nil || !prev.InFlight || prev.ClaimLSN != op.ClaimLSN {
-			return nil, fmt.Errorf("%w: commit at LSN %d names claim %d", ErrNoClaim, lsn, op.ClaimLSN)
+		if prev == nil || !prev.InFlight || prev.ClaimLSN != claimLSN {
+			return nil, fmt.Errorf("%w: commit at LSN %d names claim %d", ErrNoClaim, lsn, claimLSN)
 		}
 		n := Entry{
 			Committed:   true,
@@ -259,8 +279,8 @@ func Transitions(op *wal.Op, lsn wal.LSN, get func(key []byte, mode byte) (*Entr
 		}
 		next = &n
 	case wal.OpAbort:
-		if prev == nil || !prev.InFlight || prev.ClaimLSN != op.ClaimLSN {
-			return nil, fmt.Errorf("%w: abort at LSN %d names claim %d", ErrNoClaim, lsn, op.ClaimLSN)
+		if prev == nil || !prev.InFlight || prev.ClaimLSN != claimLSN {
+			return nil, fmt.Errorf("%w: abort at LSN %d names claim %d", ErrNoClaim, lsn, claimLSN)
 		}
 		if mode == ModeClient && prev.Committed {
 			n := *prev
@@ -598,7 +618,7 @@ func Stamp(ts []Transition, typ byte, lsn wal.LSN) {
 			continue
 		}
 		n.LSN = lsn
-		if ts[i].Mode == ModeSeq {
+		if ts[i].Mode == ModeSeq && typ != wal.OpBatch {
 			continue // a moved reply keeps the commit LSN of its own record
 		}
 		switch typ {
@@ -606,6 +626,15 @@ func Stamp(ts []Transition, typ byte, lsn wal.LSN) {
 			n.ClaimLSN = lsn
 		case wal.OpCommit, wal.OpCommitAdvance, wal.OpAdvance:
 			n.CommitLSN = lsn
+		case wal.OpBatch:
+			// Claims and commits made by the batch itself carry LSN 0
+			// (nothing else does: LSNs start at 1).
+			if n.InFlight && n.ClaimLSN == 0 {
+				n.ClaimLSN = lsn
+			}
+			if n.Committed && n.CommitLSN == 0 {
+				n.CommitLSN = lsn
+			}
 		}
 	}
 }

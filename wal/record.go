@@ -17,6 +17,9 @@ package wal
 //	OpCommitAdvance (7): [scope, id, client, seq, claimLSN, time, replyCodec, reply, advances[]]
 //	                     advance = [scope, client, seq]
 //	OpAdvance (8): [advances[], time]
+//	OpBatch   (9): [time, ops[]]
+//	                 op = [kind, fields[]]: kind is 1, 2, 3, 4, 7 or 8 and fields
+//	                 that kind's array, exactly as its own record holds it
 //
 // A claim's expiresAt (appended in format 2; absent or 0 = never) is when
 // the request's per-request TTL runs out. An expire record names the index
@@ -40,6 +43,20 @@ package wal
 // skipping the advances. An advance record raises clients alone (a
 // position whose effect was committed earlier, by another record).
 //
+// A batch record is many operations applied in order as one atomic step:
+// one frame, one CRC, so after a crash a batch is there whole or not at
+// all. Its operations are claims, commits, commit-advances, aborts, acks
+// and advances (never a forget, an expire or another batch). Every claim
+// of a batch takes the batch record's LSN as its claim LSN (claims of
+// different keys may share it: fencing compares per key), and a commit,
+// commit-advance or abort whose claimLSN is 0 finishes the claim made
+// earlier in the same record: claim and commit of one request in one
+// record, with no claim ever visible alone. It is a kind of its own, so a
+// version that does not know it refuses the log instead of misreading it.
+// Decoding bounds what a batch may allocate: BatchOpCost per operation plus
+// its decompressed reply, at most MaxBatchCost per record (the engine
+// splits a larger batch into several records, each whole).
+//
 // Times are Unix nanoseconds taken from the engine's clock when the record was
 // appended, so that replay never consults the clock. An id-mode request has a
 // non-empty id and empty client; a sequence-mode request has a client and a
@@ -54,6 +71,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"unsafe"
 
 	"github.com/idemdb/idem/internal/msgp"
 	"github.com/klauspost/compress/s2"
@@ -73,7 +91,20 @@ const (
 	OpCommitAdvance byte = 7
 	// OpAdvance raises sequence-mode clients without a commit.
 	OpAdvance byte = 8
+	// OpBatch is many claims, commits, commit-advances, aborts, acks and
+	// advances applied in order as one atomic step.
+	OpBatch byte = 9
 )
+
+// InBatch says whether an operation of kind t may be part of a batch
+// record.
+func InBatch(t byte) bool {
+	switch t {
+	case OpClaim, OpCommit, OpCommitAdvance, OpAbort, OpAck, OpAdvance:
+		return true
+	}
+	return false
+}
 
 // Forget reasons. Frozen.
 const (
@@ -133,7 +164,23 @@ type Op struct {
 	Advances    []Advance // commit-advance: clients raised with the commit
 	KeepReplies uint64    // claim (sequence mode): reply window, in sequence numbers; 0 and 1 = the latest only
 	KeepFor     int64     // claim (sequence mode): age bound of the older replies, ns; 0 = none
+	Ops         []Op      // batch: the operations, in order (see InBatch)
 }
+
+// BatchOpCost is what decoding one operation of a batch record may
+// allocate besides its byte strings: the Op itself, rounded up.
+const BatchOpCost = int(unsafe.Sizeof(Op{})) + 32
+
+// MaxBatchCost bounds the decoded size of one batch record: BatchOpCost
+// per operation plus the decompressed size of its replies. A writer keeps
+// each batch record within it (see BatchCost); DecodeOp refuses a record
+// beyond it, so a small payload full of compressed replies cannot make the
+// decoder allocate without bound.
+const MaxBatchCost = maxReplyBytes
+
+// BatchCost is what op, as an operation of a batch record, counts against
+// MaxBatchCost.
+func BatchCost(op *Op) int { return BatchOpCost + len(op.Reply) }
 
 // Advance raises a sequence-mode client's last committed number to at
 // least Seq (it never lowers it).
@@ -162,6 +209,8 @@ func OpName(t byte) string {
 		return "commit-advance"
 	case OpAdvance:
 		return "advance"
+	case OpBatch:
+		return "batch"
 	}
 	return fmt.Sprintf("unknown(%d)", t)
 }
@@ -232,10 +281,43 @@ func EncodeOp(dst []byte, op *Op) ([]byte, error) {
 		dst = msgp.AppendArrayLen(dst, 2)
 		dst = appendIDs(dst, op.Keys)
 		dst = msgp.AppendInt(dst, op.Time)
+	case OpBatch:
+		dst = AppendBatchHeader(dst, op.Time, len(op.Ops))
+		for i := range op.Ops {
+			var err error
+			if dst, err = AppendBatchOp(dst, &op.Ops[i]); err != nil {
+				return dst, fmt.Errorf("batch operation %d: %w", i, err)
+			}
+		}
 	default:
 		return dst, fmt.Errorf("%w: cannot encode kind %d", ErrBadRecord, op.Type)
 	}
 	return dst, nil
+}
+
+// AppendBatchHeader appends the head of a batch record's payload: its
+// time and the array header of its n operations, which AppendBatchOp
+// appends after it. (A writer that learns n only at the end reserves
+// MaxBatchHeader bytes and writes the head right-aligned in front of the
+// operations.)
+func AppendBatchHeader(dst []byte, time int64, n int) []byte {
+	dst = msgp.AppendArrayLen(dst, 2)
+	dst = msgp.AppendInt(dst, time)
+	return msgp.AppendArrayLen(dst, n)
+}
+
+// MaxBatchHeader is the largest head AppendBatchHeader writes.
+const MaxBatchHeader = 1 + 9 + 5
+
+// AppendBatchOp appends op as one operation of a batch record:
+// [kind, fields[]].
+func AppendBatchOp(dst []byte, op *Op) ([]byte, error) {
+	if !InBatch(op.Type) {
+		return dst, fmt.Errorf("%w: a batch cannot hold a %s record", ErrBadRecord, OpName(op.Type))
+	}
+	dst = msgp.AppendArrayLen(dst, 2)
+	dst = msgp.AppendUint(dst, uint64(op.Type))
+	return EncodeOp(dst, op)
 }
 
 func appendKey(dst []byte, op *Op) []byte {
@@ -278,39 +360,103 @@ func compressReply(r []byte) ([]byte, int) {
 }
 
 // DecodeOp parses the payload of a frame of kind typ. It never panics and
-// never allocates more than a small multiple of len(payload) (a compressed
-// reply is bounded by maxReplyBytes).
+// never allocates more than a small multiple of len(payload) plus
+// maxReplyBytes (a compressed reply; for a batch record, MaxBatchCost for
+// its operations and their replies together).
 func DecodeOp(typ byte, payload []byte) (op *Op, err error) {
+	if fieldsOf(typ) == 0 && typ != OpBatch {
+		return nil, fmt.Errorf("%w: unknown kind %d", ErrBadRecord, typ)
+	}
 	d := msgpack.GetDecoder()
 	defer msgpack.PutDecoder(d)
 	br := bytes.NewReader(payload)
 	d.Reset(br)
-	op = &Op{Type: typ}
-	r := &reader{d: d, br: br, left: len(payload)}
-	var want int
-	switch typ {
-	case OpClaim:
-		want = 9
-	case OpCommit:
-		want = 8
-	case OpAbort:
-		want = 6
-	case OpAck:
-		want = 3
-	case OpForget:
-		want = 3
-	case OpExpire:
-		want = 2
-	case OpCommitAdvance:
-		want = 9
-	case OpAdvance:
-		want = 2
-	default:
-		return nil, fmt.Errorf("%w: unknown kind %d", ErrBadRecord, typ)
+	op = &Op{}
+	r := &reader{d: d, br: br, left: len(payload), budget: MaxBatchCost}
+	if typ == OpBatch {
+		r.batch(op)
+	} else {
+		r.op(op, typ)
 	}
+	if r.err != nil {
+		return nil, fmt.Errorf("%w: %s: %v", ErrBadRecord, OpName(typ), r.err)
+	}
+	return op, nil
+}
+
+// fieldsOf is the number of fields the first version of kind typ wrote
+// (0: not an operation kind; a batch is decoded by reader.batch).
+func fieldsOf(typ byte) int {
+	switch typ {
+	case OpClaim, OpCommitAdvance:
+		return 9
+	case OpCommit:
+		return 8
+	case OpAbort:
+		return 6
+	case OpAck, OpForget:
+		return 3
+	case OpExpire, OpAdvance:
+		return 2
+	}
+	return 0
+}
+
+// batch decodes a batch record's payload into op: [time, ops[]], each
+// operation [kind, fields[]]. Its operations and their replies are
+// charged against r.budget before they are allocated.
+func (r *reader) batch(op *Op) {
+	op.Type = OpBatch
+	n := r.arrayLen()
+	if r.err == nil && n < 2 {
+		r.err = fmt.Errorf("batch has %d fields, want 2", n)
+		return
+	}
+	op.Time = r.int()
+	m := r.arrayLen()
+	if r.err != nil {
+		return
+	}
+	if m > r.budget/BatchOpCost {
+		r.err = fmt.Errorf("%d operations exceed the limit of %d", m, MaxBatchCost/BatchOpCost)
+		return
+	}
+	r.budget -= m * BatchOpCost
+	if m > 0 {
+		op.Ops = make([]Op, m)
+	}
+	for i := 0; i < m && r.err == nil; i++ {
+		if k := r.arrayLen(); r.err == nil && k != 2 {
+			r.err = fmt.Errorf("operation %d has %d elements, want 2 (kind, fields)", i, k)
+			return
+		}
+		kind := r.uint()
+		if r.err != nil {
+			break
+		}
+		if kind > 0xff || !InBatch(byte(kind)) {
+			r.err = fmt.Errorf("operation %d: a batch cannot hold kind %d", i, kind)
+			return
+		}
+		r.op(&op.Ops[i], byte(kind))
+		if r.err != nil {
+			r.err = fmt.Errorf("operation %d (%s): %w", i, OpName(byte(kind)), r.err)
+		}
+	}
+	// Fields appended by later versions are skipped.
+	for i := 2; i < n && r.err == nil; i++ {
+		r.err = SkipBounded(r.d, r.br, 0)
+	}
+}
+
+// op decodes the fields array of an operation of kind typ into op.
+func (r *reader) op(op *Op, typ byte) {
+	op.Type = typ
+	want := fieldsOf(typ)
 	n := r.arrayLen()
 	if r.err == nil && n < want {
-		return nil, fmt.Errorf("%w: %s has %d fields, want %d", ErrBadRecord, OpName(typ), n, want)
+		r.err = fmt.Errorf("%s has %d fields, want %d", OpName(typ), n, want)
+		return
 	}
 	switch typ {
 	case OpClaim:
@@ -336,7 +482,7 @@ func DecodeOp(typ byte, payload []byte) (op *Op, err error) {
 		codec := r.uint()
 		reply := r.bytes()
 		if r.err == nil {
-			op.Reply, r.err = decompressReply(reply, codec)
+			op.Reply, r.err = r.decompressReply(reply, codec)
 		}
 		if typ == OpCommitAdvance {
 			op.Advances = r.advances()
@@ -362,15 +508,14 @@ func DecodeOp(typ byte, payload []byte) (op *Op, err error) {
 	}
 	// Fields appended by later versions are skipped.
 	for i := want; i < n && r.err == nil; i++ {
-		r.err = SkipBounded(d, br, 0)
+		r.err = SkipBounded(r.d, r.br, 0)
 	}
-	if r.err != nil {
-		return nil, fmt.Errorf("%w: %s: %v", ErrBadRecord, OpName(typ), r.err)
-	}
-	return op, nil
 }
 
-func decompressReply(b []byte, codec uint64) ([]byte, error) {
+// decompressReply decodes a reply stored with codec. What it allocates
+// is charged against r.budget (maxReplyBytes for one record; a batch
+// record's replies share MaxBatchCost).
+func (r *reader) decompressReply(b []byte, codec uint64) ([]byte, error) {
 	switch codec {
 	case codecRaw:
 		return b, nil
@@ -379,9 +524,10 @@ func decompressReply(b []byte, codec uint64) ([]byte, error) {
 		if err != nil {
 			return nil, err
 		}
-		if n > maxReplyBytes {
+		if n > maxReplyBytes || n > r.budget {
 			return nil, fmt.Errorf("reply of %d bytes exceeds limit", n)
 		}
+		r.budget -= n
 		return s2.Decode(make([]byte, n), b)
 	}
 	return nil, fmt.Errorf("unknown reply codec %d", codec)
@@ -393,7 +539,10 @@ type reader struct {
 	d    *msgpack.Decoder
 	br   *bytes.Reader // what d reads from
 	left int
-	err  error
+	// budget is what decompressed replies (and a batch's operations) may
+	// still allocate.
+	budget int
+	err    error
 }
 
 func (r *reader) arrayLen() int {

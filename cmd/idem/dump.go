@@ -126,7 +126,7 @@ func forgetReason(r byte) string {
 }
 
 func opByName(s string) (byte, bool) {
-	for t := wal.OpClaim; t <= wal.OpAdvance; t++ {
+	for t := wal.OpClaim; t <= wal.OpBatch; t++ {
 		if wal.OpName(t) == s {
 			return t, true
 		}
@@ -182,44 +182,18 @@ func (o *dumpOpts) dumpWAL(c *cli, w *bufio.Writer, dir string) error {
 			out.Error = derr.Error()
 			return writeRecord(w, o.json, &out)
 		}
-		ids := append([][]byte{op.ID}, op.Acked...)
-		if !o.f.keyOK(op.Scope, op.Type != wal.OpForget && op.Type != wal.OpExpire && op.Type != wal.OpAdvance, ids, op.Client) || !o.f.timeOK(op.Time) {
+		if op.Type == wal.OpBatch {
+			// One line per operation, in order: "batch:claim", ...
+			for i := range op.Ops {
+				sub := out
+				sub.Type = "batch:" + wal.OpName(op.Ops[i].Type)
+				if err := o.writeOp(w, &op.Ops[i], &sub); err != nil {
+					return err
+				}
+			}
 			return nil
 		}
-		out.Time, out.Scope, out.Client, out.Seq = fmtTime(op.Time), op.Scope, op.Client, op.Seq
-		if o.json { // text output shows it in place of the scope
-			out.Integration = scopeWords(op.Scope)
-		}
-		if len(op.ID) > 0 {
-			out.ID = readable(op.ID)
-		}
-		for _, a := range op.Acked {
-			out.Acked = append(out.Acked, readable(a))
-		}
-		for _, a := range op.Advances { // commit-advance, advance
-			out.Advanced = append(out.Advanced, fmt.Sprintf("scope %s client %s to %d", showScope(a.Scope), readableText([]byte(a.Client)), a.Seq))
-		}
-		switch op.Type {
-		case wal.OpClaim:
-			out.Fingerprint = hex.EncodeToString(op.Fingerprint)
-			out.LeaseUntil = fmtTime(op.LeaseUntil)
-			out.New = op.Flags&wal.ClaimFlagNew != 0
-			if op.ExpiresAt != 0 {
-				out.ExpiresAt = fmtTime(op.ExpiresAt)
-			}
-		case wal.OpExpire:
-			for _, k := range op.Keys {
-				out.Expired = append(out.Expired, describeKey(k))
-			}
-		case wal.OpCommit, wal.OpCommitAdvance:
-			n := len(op.Reply)
-			out.ClaimLSN, out.ReplySize = uint64(op.ClaimLSN), &n
-		case wal.OpAbort:
-			out.ClaimLSN = uint64(op.ClaimLSN)
-		case wal.OpForget:
-			out.Before, out.Reason = fmtTime(op.Before), forgetReason(op.Reason)
-		}
-		return writeRecord(w, o.json, &out)
+		return o.writeOp(w, op, &out)
 	})
 	if err != nil {
 		return walError(err)
@@ -234,6 +208,49 @@ func (o *dumpOpts) dumpWAL(c *cli, w *bufio.Writer, dir string) error {
 	return nil
 }
 
+// writeOp writes the operation op (a record, or one operation of a batch
+// record) as out, when it passes the filters.
+func (o *dumpOpts) writeOp(w *bufio.Writer, op *wal.Op, out *recordOut) error {
+	ids := append([][]byte{op.ID}, op.Acked...)
+	if !o.f.keyOK(op.Scope, op.Type != wal.OpForget && op.Type != wal.OpExpire && op.Type != wal.OpAdvance, ids, op.Client) || !o.f.timeOK(op.Time) {
+		return nil
+	}
+	out.Time, out.Scope, out.Client, out.Seq = fmtTime(op.Time), op.Scope, op.Client, op.Seq
+	if o.json { // text output shows it in place of the scope
+		out.Integration = scopeWords(op.Scope)
+	}
+	if len(op.ID) > 0 {
+		out.ID = readable(op.ID)
+	}
+	for _, a := range op.Acked {
+		out.Acked = append(out.Acked, readable(a))
+	}
+	for _, a := range op.Advances { // commit-advance, advance
+		out.Advanced = append(out.Advanced, fmt.Sprintf("scope %s client %s to %d", showScope(a.Scope), readableText([]byte(a.Client)), a.Seq))
+	}
+	switch op.Type {
+	case wal.OpClaim:
+		out.Fingerprint = hex.EncodeToString(op.Fingerprint)
+		out.LeaseUntil = fmtTime(op.LeaseUntil)
+		out.New = op.Flags&wal.ClaimFlagNew != 0
+		if op.ExpiresAt != 0 {
+			out.ExpiresAt = fmtTime(op.ExpiresAt)
+		}
+	case wal.OpExpire:
+		for _, k := range op.Keys {
+			out.Expired = append(out.Expired, describeKey(k))
+		}
+	case wal.OpCommit, wal.OpCommitAdvance:
+		n := len(op.Reply)
+		out.ClaimLSN, out.ReplySize = uint64(op.ClaimLSN), &n
+	case wal.OpAbort:
+		out.ClaimLSN = uint64(op.ClaimLSN)
+	case wal.OpForget:
+		out.Before, out.Reason = fmtTime(op.Before), forgetReason(op.Reason)
+	}
+	return writeRecord(w, o.json, out)
+}
+
 func writeRecord(w io.Writer, asJSON bool, r *recordOut) error {
 	if asJSON {
 		return writeJSONLine(w, r)
@@ -244,7 +261,7 @@ func writeRecord(w io.Writer, asJSON bool, r *recordOut) error {
 		fmt.Fprintf(&b, " error=%q", r.Error)
 	} else {
 		fmt.Fprintf(&b, " time=%s", r.Time)
-		if r.Type != "forget" && r.Type != "expire" && r.Type != "advance" {
+		if base := strings.TrimPrefix(r.Type, "batch:"); base != "forget" && base != "expire" && base != "advance" {
 			fmt.Fprintf(&b, " scope=%s", showScope(r.Scope))
 		}
 		if r.ID != "" {

@@ -830,6 +830,39 @@ func TestVerifyLostSyncedRegion(t *testing.T) {
 	}
 }
 
+// dump shows a batch record as one line per operation, in order, and
+// verify replays it.
+func TestDumpBatch(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "db")
+	e, err := idem.Open(dir, &idem.Options{Clock: testclock.At(t0).Now})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := e.NewBatch()
+	b.Put(idem.Request{Scope: "ev", ID: []byte("e1")}, []byte("ok"))
+	b.Begin(idem.Request{Client: "c", Seq: 1})
+	if _, err := b.Run(bg); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Close(); err != nil {
+		t.Fatal(err)
+	}
+	out, _ := wantCode(t, 0, "dump", "wal", dir, "--type", "batch")
+	for _, want := range []string{
+		"lsn=1 type=batch:claim time=2026-01-01T00:00:00Z scope=ev id=e1",
+		"lsn=1 type=batch:commit time=2026-01-01T00:00:00Z scope=ev id=e1 reply_size=2",
+		"lsn=1 type=batch:claim time=2026-01-01T00:00:00Z scope=\"\" client=c seq=1",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("dump wal lacks %q:\n%s", want, out)
+		}
+	}
+	if countLines(out) != 3 {
+		t.Errorf("dump wal: %d lines, want 3:\n%s", countLines(out), out)
+	}
+	wantCode(t, 0, "verify", dir)
+}
+
 // dump shows the clients a commit-advance or an advance record raises, and
 // verify replays them.
 func TestDumpAdvance(t *testing.T) {

@@ -89,6 +89,8 @@ func describeOp(op *wal.Op) string {
 		return "forget before " + fmtTime(op.Before)
 	case op.Type == wal.OpExpire:
 		return fmt.Sprintf("TTL expiry of %d entries", len(op.Keys))
+	case op.Type == wal.OpBatch:
+		return fmt.Sprintf("batch of %d operations", len(op.Ops))
 	case op.Type == wal.OpAdvance:
 		return fmt.Sprintf("advance of %d clients", len(op.Advances))
 	case len(op.ID) > 0:

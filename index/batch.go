@@ -1,0 +1,103 @@
+package index
+
+import (
+	"fmt"
+
+	"github.com/idemdb/idem/wal"
+)
+
+// Batch computes the transitions of a batch record (wal.OpBatch) one
+// operation at a time: each operation reads, through Get, what the
+// previous ones left (an overlay over the get it was made with), and the
+// record's transitions keep, for a key changed more than once, its first
+// Prev and its last Next. Transitions of a batch record is a Batch fed
+// every operation; the engine feeds one the operations it decides on,
+// classifying each request against Get first, so that the live engine and
+// replay compute a batch with the same code.
+//
+// Every claim of the batch gets the batch's LSN as its claim LSN, and a
+// commit or abort naming claim 0 finishes the claim made earlier in the
+// same record (it must find a claim with the batch's LSN).
+type Batch struct {
+	lsn wal.LSN
+	get func(key []byte, mode byte) (*Entry, error)
+	// at maps a key changed by the batch to its transition in out.
+	at   map[string]int
+	out  []Transition
+	step []Transition // the transitions of the last Add
+	// getFn is b.Get bound once (handed to the operations' transitions).
+	getFn func(key []byte, mode byte) (*Entry, error)
+}
+
+// NewBatch returns an empty batch record appended at lsn (0 when not
+// known yet: Stamp fills it in) over the state get returns.
+func NewBatch(lsn wal.LSN, get func(key []byte, mode byte) (*Entry, error)) *Batch {
+	b := &Batch{lsn: lsn, get: get, at: make(map[string]int)}
+	b.getFn = b.Get
+	return b
+}
+
+// Reset empties b for the next batch record at lsn over the same get.
+// Slices returned by Transitions stay valid.
+func (b *Batch) Reset(lsn wal.LSN) {
+	b.lsn = lsn
+	clear(b.at)
+	b.out = nil
+	b.step = b.step[:0]
+}
+
+// Get returns key's state as the operations added so far leave it.
+func (b *Batch) Get(key []byte, mode byte) (*Entry, error) {
+	if i, ok := b.at[string(key)]; ok {
+		return b.out[i].Next, nil
+	}
+	return b.get(key, mode)
+}
+
+// Add applies op, the next operation of the batch, and returns its own
+// transitions (valid until the next Add or Reset), as Transitions would
+// give them for op alone in that state. On an error nothing of op is
+// applied.
+func (b *Batch) Add(op *wal.Op) ([]Transition, error) {
+	if !wal.InBatch(op.Type) {
+		return nil, fmt.Errorf("index: a batch cannot hold a %s record", wal.OpName(op.Type))
+	}
+	claimLSN := op.ClaimLSN
+	if claimLSN == 0 {
+		claimLSN = b.lsn // the claim made earlier in this record
+	}
+	step, err := appendTransitions(b.step[:0], op, b.lsn, claimLSN, b.getFn)
+	if err != nil {
+		return nil, err
+	}
+	b.step = step
+	for _, t := range step {
+		if i, ok := b.at[string(t.Key)]; ok {
+			b.out[i].Next = t.Next
+			continue
+		}
+		b.at[string(t.Key)] = len(b.out)
+		b.out = append(b.out, t)
+	}
+	return step, nil
+}
+
+// Len is the number of keys the batch changed so far.
+func (b *Batch) Len() int { return len(b.out) }
+
+// Transitions returns the record's transitions: one per key it changed,
+// from the key's state before the record (Prev) to its state after it
+// (Next). A key that was absent before and after (claimed and aborted,
+// committed and acked within the batch) is left out.
+func (b *Batch) Transitions() []Transition {
+	out := b.out[:0]
+	for _, t := range b.out {
+		if t.Prev == nil && t.Next == nil {
+			continue
+		}
+		out = append(out, t)
+	}
+	b.out = out
+	clear(b.at) // the indices no longer hold; Reset before the next Add
+	return out
+}

@@ -1,0 +1,89 @@
+package index
+
+import (
+	"errors"
+	"testing"
+
+	"github.com/idemdb/idem/wal"
+)
+
+// TestBatchTransitions: a batch record's operations apply in order, each
+// seeing what the previous left; a key changed twice keeps its first Prev
+// and its last Next; a key absent before and after is left out; claims
+// take the record's LSN and a commit naming claim 0 finds the claim of
+// its own record, never one of another record.
+func TestBatchTransitions(t *testing.T) {
+	a := EntryKey(nil, "", ModeID, []byte("a"))
+	b := EntryKey(nil, "", ModeID, []byte("b"))
+	c := EntryKey(nil, "", ModeClient, []byte("c"))
+	old := &Entry{Committed: true, CommitLSN: 3, ReplyKept: true, Reply: []byte("old"), LSN: 3}
+	stored := map[string]*Entry{string(b): old}
+	get := func(k []byte, _ byte) (*Entry, error) { return stored[string(k)], nil }
+	op := &wal.Op{Type: wal.OpBatch, Time: 9, Ops: []wal.Op{
+		{Type: wal.OpClaim, ID: []byte("a"), Time: 9, LeaseUntil: 99, Flags: wal.ClaimFlagNew},
+		{Type: wal.OpCommit, ID: []byte("a"), Time: 9, Reply: []byte("ra")}, // claim 0: the one above
+		{Type: wal.OpAck, Acked: [][]byte{[]byte("b")}, Time: 9},
+		{Type: wal.OpClaim, ID: []byte("b"), Time: 9, LeaseUntil: 99, Flags: wal.ClaimFlagNew},
+		{Type: wal.OpClaim, Client: "c", Seq: 1, Time: 9, LeaseUntil: 99},
+		{Type: wal.OpCommitAdvance, Client: "c", Seq: 1, Time: 9, Reply: []byte("rc"), Advances: []wal.Advance{{Client: "k", Seq: 4}}},
+		{Type: wal.OpClaim, ID: []byte("x"), Time: 9, LeaseUntil: 99, Flags: wal.ClaimFlagNew},
+		{Type: wal.OpAbort, ID: []byte("x"), Time: 9}, // x: absent before and after
+	}}
+	ts, err := Transitions(op, 20, get)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]Transition{}
+	for _, tr := range ts {
+		if _, dup := got[string(tr.Key)]; dup {
+			t.Fatalf("key %q has two transitions", tr.Key)
+		}
+		got[string(tr.Key)] = tr
+	}
+	if len(ts) != 4 {
+		t.Fatalf("%d transitions, want 4 (a, b, c, k): %+v", len(ts), ts)
+	}
+	if ta := got[string(a)]; ta.Prev != nil || !ta.Next.Committed || string(ta.Next.Reply) != "ra" || ta.Next.CommitLSN != 20 {
+		t.Errorf("a: %+v -> %+v", ta.Prev, ta.Next)
+	}
+	if tb := got[string(b)]; tb.Prev != old || !tb.Next.InFlight || tb.Next.ClaimLSN != 20 || tb.Next.Committed {
+		t.Errorf("b: first Prev and last Next: %+v -> %+v", tb.Prev, tb.Next)
+	}
+	if tc := got[string(c)]; tc.Prev != nil || tc.Next.Seq != 1 || tc.Next.CommitLSN != 20 {
+		t.Errorf("c: %+v -> %+v", tc.Prev, tc.Next)
+	}
+	k := EntryKey(nil, "", ModeClient, []byte("k"))
+	if tk := got[string(k)]; tk.Next == nil || tk.Next.Seq != 4 {
+		t.Errorf("k: %+v", tk.Next)
+	}
+
+	// Live (LSN 0, then Stamp) computes the same entries as replay.
+	live, err := Transitions(op, 0, get)
+	if err != nil {
+		t.Fatal(err)
+	}
+	Stamp(live, wal.OpBatch, 20)
+	for i := range live {
+		if w, g := *got[string(live[i].Key)].Next, *live[i].Next; !equalEntry(&w, &g) {
+			t.Errorf("key %q: live %+v, replay %+v", live[i].Key, g, w)
+		}
+	}
+
+	// A commit naming claim 0 with no claim of its own record: ErrNoClaim,
+	// also when the key holds a claim of another record.
+	claimed := map[string]*Entry{string(a): {InFlight: true, ClaimLSN: 7, LeaseUntil: 99, LSN: 7}}
+	for _, m := range []map[string]*Entry{nil, claimed} {
+		bad := &wal.Op{Type: wal.OpBatch, Ops: []wal.Op{{Type: wal.OpCommit, ID: []byte("a"), Reply: []byte("r")}}}
+		if _, err := Transitions(bad, 20, func(k []byte, _ byte) (*Entry, error) { return m[string(k)], nil }); !errors.Is(err, ErrNoClaim) {
+			t.Errorf("commit of claim 0 over %v: %v", m, err)
+		}
+	}
+	// A batch cannot hold a forget.
+	if _, err := Transitions(&wal.Op{Type: wal.OpBatch, Ops: []wal.Op{{Type: wal.OpForget}}}, 20, get); err == nil {
+		t.Errorf("a forget inside a batch was applied")
+	}
+}
+
+func equalEntry(a, b *Entry) bool {
+	return string(EncodeEntry(nil, a)) == string(EncodeEntry(nil, b)) && a.Committed == b.Committed
+}
