@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -29,15 +30,19 @@ const ClusterMembers = 3
 // balances them round robin over the endpoints (a member that is not the
 // leader forwards writes to it).
 //
-// Per request: a Get of the id (linearizable, etcd's default: a read-index
-// round to a majority); if absent, a transaction that puts the claim only
-// if the key was never created (If(CreateRevision(id) == 0)) and else
-// reads it (a caller that lost the race gets the winner's value); run; a
-// Put of the reply.
+// Per request: a transaction that puts the claim only if the key was
+// never created (If(CreateRevision(id) == 0)) and else reads it (a caller
+// that lost the race, or a duplicate, gets the stored value); run; a Put
+// of the reply. In the duplicate phase (Phased) a Get of the id comes
+// first (linearizable, etcd's default: a read-index round to a majority),
+// and the transaction only if it is absent: etcd runs every transaction
+// with a write in it through raft, its Else branch too, so a duplicate
+// answered by the transaction would be a raft entry.
 type etcdPeer struct {
-	members []*embed.Etcd
-	cli     *clientv3.Client
-	addrs   []string // every listening address (peer and client) of the members
+	members    []*embed.Etcd
+	cli        *clientv3.Client
+	addrs      []string    // every listening address (peer and client) of the members
+	claimFirst atomic.Bool // Phase(true): no Get before the transaction
 }
 
 // etcdStartTimeout bounds the start of the members (an election among
@@ -112,15 +117,21 @@ func openEtcd(ctx context.Context, cfg Config) (p Peer, err error) {
 	return ep, nil
 }
 
+// Phase implements Phased: claim first for new ids, read first for
+// duplicates.
+func (p *etcdPeer) Phase(fresh bool) { p.claimFirst.Store(fresh) }
+
 func (p *etcdPeer) Do(ctx context.Context, id []byte, fn func() []byte) ([]byte, bool, error) {
 	key := string(id)
-	got, err := p.cli.Get(ctx, key)
-	if err != nil {
-		return nil, false, err
-	}
-	if len(got.Kvs) > 0 {
-		reply, err := decodeStored(got.Kvs[0].Value)
-		return reply, false, err
+	if !p.claimFirst.Load() {
+		got, err := p.cli.Get(ctx, key)
+		if err != nil {
+			return nil, false, err
+		}
+		if len(got.Kvs) > 0 {
+			reply, err := decodeStored(got.Kvs[0].Value)
+			return reply, false, err
+		}
 	}
 	tx, err := p.cli.Txn(ctx).
 		If(clientv3.Compare(clientv3.CreateRevision(key), "=", 0)).
@@ -130,7 +141,7 @@ func (p *etcdPeer) Do(ctx context.Context, id []byte, fn func() []byte) ([]byte,
 	if err != nil {
 		return nil, false, err
 	}
-	if !tx.Succeeded { // claimed by another caller meanwhile
+	if !tx.Succeeded { // committed, or claimed by another caller
 		kvs := tx.Responses[0].GetResponseRange().GetKvs()
 		if len(kvs) == 0 {
 			return nil, false, fmt.Errorf("etcd: key %x: compare failed but the key is absent", id)

@@ -7,6 +7,7 @@ import (
 	"net"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/idemdb/idem"
@@ -23,16 +24,16 @@ import (
 // members do, so that the CPU figure of both clusters counts the members,
 // the client and the harness alike.
 //
-// Per request: a Lookup of the id; if it is Absent, a Begin (Fresh: this
-// caller claimed it; Done or InFlight: another one did meanwhile); run; a
-// Commit of the reply. The Lookup first (rather than a Begin, which would
-// also answer a committed id) keeps a duplicate a read, as the other
-// peers' lookups are: a Begin is a raft entry even when it finds the
-// request done.
+// Per request, as idem.Do does it: a Begin (Fresh: this caller claimed
+// it; Done: the stored reply; InFlight: another caller runs it); run; a
+// Commit of the reply. In the duplicate phase (Phased) a Lookup comes
+// first, and the Begin only if the id is Absent: a Lookup is a read,
+// where a Begin may be a raft entry even when it finds the request done.
 type idemclusterPeer struct {
-	nodes []*idemcluster.Node
-	c     *idemcluster.Client
-	addrs []string // every listening address (raft and gRPC) of the nodes
+	nodes      []*idemcluster.Node
+	c          *idemcluster.Client
+	addrs      []string    // every listening address (raft and gRPC) of the nodes
+	claimFirst atomic.Bool // Phase(true): no Lookup before the Begin
 }
 
 // clusterStartTimeout bounds the start of the nodes (an election among
@@ -118,13 +119,21 @@ func (p *idemclusterPeer) hasLeader() bool {
 	return false
 }
 
+// Phase implements Phased: claim first for new ids, read first for
+// duplicates.
+func (p *idemclusterPeer) Phase(fresh bool) { p.claimFirst.Store(fresh) }
+
 func (p *idemclusterPeer) Do(ctx context.Context, id []byte, fn func() []byte) ([]byte, bool, error) {
 	req := idem.Request{ID: id}
-	r, err := p.c.Lookup(ctx, req)
-	if err != nil {
-		return nil, false, err
+	r := idem.Result{Status: idem.Absent}
+	if !p.claimFirst.Load() {
+		var err error
+		if r, err = p.c.Lookup(ctx, req); err != nil {
+			return nil, false, err
+		}
 	}
 	if r.Status == idem.Absent {
+		var err error
 		if r, err = p.c.Begin(ctx, req); err != nil {
 			return nil, false, err
 		}

@@ -45,6 +45,17 @@ type Settler interface {
 	Settle(ctx context.Context)
 }
 
+// Phased is implemented by peers with two orders of operations, each
+// correct for any id but each cheaper for one kind of request: claim
+// first (one write that claims a new id or returns what a committed one
+// holds) for new ids, read first for duplicates. The harness calls
+// Phase(true) before the fresh phase and Phase(false) before the duplicate
+// phase, so that such a peer is measured in each phase with the order that
+// suits it (the clusters: idemcluster, etcd).
+type Phased interface {
+	Phase(fresh bool)
+}
+
 // NoLookups is implemented by peers that cannot answer duplicates (the
 // file-append limit): their duplicate phase is skipped.
 type NoLookups interface {

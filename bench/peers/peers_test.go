@@ -98,18 +98,18 @@ func TestExactlyOneClaims(t *testing.T) {
 			defer p.Close()
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
-			checkExactlyOne(ctx, t, p)
+			checkExactlyOne(ctx, t, p, "id-")
 		})
 	}
 }
 
-// checkExactlyOne races 16 callers on each of 5 new ids: exactly one runs
-// it; every other one gets the committed reply or is told the id is in
-// flight; afterwards everyone gets the reply.
-func checkExactlyOne(ctx context.Context, t *testing.T, p Peer) {
+// checkExactlyOne races 16 callers on each of 5 new ids (prefix and a
+// number): exactly one runs it; every other one gets the committed reply
+// or is told the id is in flight; afterwards everyone gets the reply.
+func checkExactlyOne(ctx context.Context, t *testing.T, p Peer, prefix string) {
 	t.Helper()
 	for round := range 5 {
-		id := []byte(fmt.Sprintf("id-%015d", round))
+		id := []byte(fmt.Sprintf("%s%015d", prefix, round))
 		want := []byte("reply " + strconv.Itoa(round))
 		var (
 			mu             sync.Mutex
@@ -160,8 +160,9 @@ func checkExactlyOne(ctx context.Context, t *testing.T, p Peer) {
 
 // TestClusterPeers starts each cluster peer (three idem cluster nodes,
 // three etcd members, in this process on loopback), runs the harness on
-// it for a fraction of a second, races callers on new ids, closes it, and
-// checks that nothing it started still listens.
+// it for a fraction of a second, races callers on new ids in both orders
+// of operations (claim first, read first), closes it, and checks that
+// nothing it started still listens.
 func TestClusterPeers(t *testing.T) {
 	for _, name := range []string{"idemcluster", "etcd"} {
 		t.Run(name, func(t *testing.T) {
@@ -190,7 +191,11 @@ func TestClusterPeers(t *testing.T) {
 					t.Errorf("%s: %d requests, %d errors (first: %s)", r.Phase, r.Requests, r.Errors, r.FirstError)
 				}
 			}
-			checkExactlyOne(ctx, t, p)
+			// Both orders of operations, each on new ids.
+			for _, fresh := range []bool{true, false} {
+				p.(Phased).Phase(fresh)
+				checkExactlyOne(ctx, t, p, fmt.Sprintf("claim-first=%v/", fresh))
+			}
 			closed = true
 			if err := p.Close(); err != nil {
 				t.Fatalf("close: %v", err)
