@@ -131,14 +131,18 @@ func draw2(in, envPath, out string) error {
 	}
 	caption += "."
 	if envPath != "" {
-		date, machine, command, err := readEnv(envPath)
+		env, err := readEnv(envPath)
 		if err != nil {
 			return err
 		}
-		if command == "" {
-			command = "bash bench/peers/run.sh"
+		if env.command == "" {
+			env.command = "bash bench/peers/run.sh"
 		}
-		caption += "\nMeasured " + date + " on " + machine + ".\nRegenerate: " + command
+		caption += "\nMeasured " + env.date + " on " + env.machine
+		if env.loadBefore != "" && env.loadAfter != "" {
+			caption += "; load average " + env.loadBefore + " before the run, " + env.loadAfter + " after"
+		}
+		caption += ".\nRegenerate: " + env.command
 	}
 
 	const w, h = 26 * vg.Centimeter, 12.4 * vg.Centimeter
@@ -282,12 +286,19 @@ func si(v float64) string {
 	return fmt.Sprintf("%g", v)
 }
 
-// readEnv returns the date (its day), the machine line and the command
-// line (empty if none) of run.sh's peers-env.txt.
-func readEnv(path string) (date, machine, command string, err error) {
+// runEnv is what the chart shows of run.sh's peers-env.txt.
+type runEnv struct {
+	date, machine         string // the day; cores, CPU, memory, kernel, file system
+	command               string // empty if the file has none
+	loadBefore, loadAfter string // 1-minute load averages, empty if none
+}
+
+// readEnv reads run.sh's peers-env.txt.
+func readEnv(path string) (runEnv, error) {
+	var e runEnv
 	f, err := os.Open(path)
 	if err != nil {
-		return "", "", "", err
+		return e, err
 	}
 	defer f.Close()
 	sc := bufio.NewScanner(f)
@@ -296,23 +307,27 @@ func readEnv(path string) (date, machine, command string, err error) {
 		switch {
 		case !ok:
 		case k == "date":
-			date, _, _ = strings.Cut(v, "T")
+			e.date, _, _ = strings.Cut(v, "T")
 		case k == "machine":
-			machine = v
+			e.machine = v
 		case k == "command":
-			command = v
+			e.command = v
 		case k == "stores":
 			fs, _, _ := strings.Cut(v, " on ")
 			if fs != "" {
-				machine += ", stores on " + fs
+				e.machine += ", stores on " + fs
 			}
+		case k == "load average before the run":
+			e.loadBefore, _, _ = strings.Cut(v, " ")
+		case k == "load average after the run":
+			e.loadAfter, _, _ = strings.Cut(v, " ")
 		}
 	}
 	if err := sc.Err(); err != nil {
-		return "", "", "", err
+		return e, err
 	}
-	if date == "" || machine == "" {
-		return "", "", "", fmt.Errorf("%s: no date: or machine: line", path)
+	if e.date == "" || e.machine == "" {
+		return e, fmt.Errorf("%s: no date: or machine: line", path)
 	}
-	return date, machine, command, nil
+	return e, nil
 }
