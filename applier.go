@@ -12,7 +12,7 @@ import (
 // applyBatch is what one fsync made durable, for the applier: the updates
 // and the backlog bytes they hold (released once applied).
 type applyBatch struct {
-	ups   []*index.Update
+	ups   []*pinnedUpdate
 	bytes int64
 }
 
@@ -25,12 +25,18 @@ type applyBatch struct {
 // wait for durability (or for the applier) while holding a shard lock:
 // that would stop the three of them (TestClientStateWhileApplierBehind).
 func (e *Engine) onSynced(recs []wal.Synced) {
-	ups := make([]*index.Update, 0, len(recs))
+	ups := make([]*pinnedUpdate, 0, len(recs))
 	var n int64
 	for _, r := range recs {
-		if u, ok := r.Value.(*index.Update); ok && u != nil {
+		switch u := r.Value.(type) {
+		case *pinnedUpdate: // appendRecord's
 			ups = append(ups, u)
 			n += u.MemSize()
+		case *index.Update: // Forget's
+			if u != nil {
+				ups = append(ups, &pinnedUpdate{Update: *u})
+				n += u.MemSize()
+			}
 		}
 	}
 	if len(ups) == 0 {
@@ -49,30 +55,56 @@ func (e *Engine) onSynced(recs []wal.Synced) {
 // unpins the slots they changed.
 func (e *Engine) applier() {
 	defer close(e.applyDone)
-	var batch []*index.Update
-	for first := range e.applyCh {
-		batch = append(batch[:0], first.ups...)
-		held := first.bytes
-		// Gather for a little while: a claim and its commit usually arrive
-		// within a few fsyncs of each other, and applying them in one batch
-		// writes the entry once instead of twice (and never writes its
-		// in-doubt row). The slots stay pinned in memory meanwhile.
-		deadline := time.NewTimer(applyGather)
-	drain:
-		for len(batch) < applyBatchMax {
+	var (
+		batch []*pinnedUpdate
+		ups   []*index.Update // batch's updates, for the index
+		held  int64           // backlog bytes of batch
+		open  = true          // applyCh is not closed
+	)
+	// drain takes what is waiting in applyCh, without blocking.
+	drain := func() {
+		for open && len(batch) < applyBatchMax {
 			select {
 			case more, ok := <-e.applyCh:
 				if !ok {
-					break drain
+					open = false
+					return
 				}
 				batch = append(batch, more.ups...)
 				held += more.bytes
-			case <-deadline.C:
-				break drain
+			default:
+				return
 			}
 		}
-		deadline.Stop()
-		e.applyBatch(batch)
+	}
+	gather := time.NewTimer(applyGather)
+	gather.Stop()
+	for open {
+		first, ok := <-e.applyCh
+		if !ok {
+			return
+		}
+		batch = append(batch[:0], first.ups...)
+		held = first.bytes
+		// Gather for a little while: a claim and its commit usually arrive
+		// within a few fsyncs of each other, and applying them in one batch
+		// writes the entry once instead of twice (and never writes its
+		// in-doubt row). The slots stay pinned in memory meanwhile. The
+		// applier sleeps meanwhile rather than receiving each fsync's
+		// records as they come: one wakeup per batch, not one per fsync.
+		// Close (stopBg) ends the wait.
+		drain()
+		if open && len(batch) < applyBatchMax {
+			gather.Reset(applyGather)
+			select {
+			case <-gather.C:
+			case <-e.stopBg:
+				gather.Stop()
+			}
+			drain()
+		}
+		ups = e.applyBatch(batch, ups)
+		clear(batch)
 		e.backlogBytes.Add(-held)
 		e.backlog.Release(held)
 	}
@@ -81,17 +113,31 @@ func (e *Engine) applier() {
 // applyBatch applies durable records to the index and unpins the slots
 // they changed. After a failure it does nothing: the applier keeps
 // draining so that the WAL never blocks.
-func (e *Engine) applyBatch(batch []*index.Update) {
+func (e *Engine) applyBatch(batch []*pinnedUpdate, ups []*index.Update) []*index.Update {
 	if e.failed.Load() != nil {
-		return
+		return ups
 	}
-	if err := e.ix.Apply(batch); err != nil {
+	ups = ups[:0]
+	for _, u := range batch {
+		ups = append(ups, &u.Update)
+	}
+	err := e.ix.Apply(ups)
+	clear(ups) // the updates go once applied
+	if err != nil {
 		err = fmt.Errorf("%w: applying to the index: %w", ErrFailed, err)
 		e.failed.Store(&err)
 		e.o.Logger.Error("idem: index apply failed; the engine stops accepting writes", "err", err)
-		return
+		return ups
 	}
 	for _, u := range batch {
+		if sl := u.slot; sl != nil {
+			sl.sh.mu.Lock()
+			if sl.dirty == u.LSN {
+				sl.dirty = 0
+			}
+			sl.sh.mu.Unlock()
+			continue
+		}
 		for _, t := range u.Transitions {
 			sh := e.shardOf(t.Key)
 			sh.mu.Lock()
@@ -107,6 +153,7 @@ func (e *Engine) applyBatch(batch []*index.Update) {
 		default:
 		}
 	}
+	return ups
 }
 
 // payloadPool holds record encoding buffers (see appendOp).

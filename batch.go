@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	mbits "math/bits"
+	"sync"
 	"time"
 
 	"github.com/idemdb/idem/index"
@@ -79,7 +80,8 @@ const (
 	bAdvance
 )
 
-type batchItem struct {
+// batchCall is one call added to a batch.
+type batchCall struct {
 	kind  batchKind
 	req   Request
 	claim *Claim
@@ -87,8 +89,11 @@ type batchItem struct {
 	adv   []Advance
 	scope string
 	ids   [][]byte
+}
 
-	// Set by Run.
+// batchItem is a call and what Run found out about it.
+type batchItem struct {
+	batchCall
 	k    reqKey        // Begin, Put: the request's key; Commit, Abort: the claim's
 	fp   []byte        // Begin, Put: the fingerprint as stored
 	wadv []wal.Advance // Put, Commit, Advance: the checked advances
@@ -110,7 +115,8 @@ type batchItem struct {
 // engineBatch is the Engine's Batch.
 type engineBatch struct {
 	e     *Engine
-	items []batchItem
+	calls []batchCall
+	items []batchItem // Run's, one per call
 	ran   bool
 }
 
@@ -118,22 +124,26 @@ type engineBatch struct {
 func (e *Engine) NewBatch() Batch { return &engineBatch{e: e} }
 
 func (b *engineBatch) Begin(req Request) {
-	b.items = append(b.items, batchItem{kind: bBegin, req: req})
+	b.calls = append(b.calls, batchCall{kind: bBegin, req: req})
 }
 func (b *engineBatch) Put(req Request, reply []byte, adv ...Advance) {
-	b.items = append(b.items, batchItem{kind: bPut, req: req, reply: reply, adv: adv})
+	b.calls = append(b.calls, batchCall{kind: bPut, req: req, reply: reply, adv: adv})
 }
 func (b *engineBatch) Commit(c *Claim, reply []byte, adv ...Advance) {
-	b.items = append(b.items, batchItem{kind: bCommit, claim: c, reply: reply, adv: adv})
+	b.calls = append(b.calls, batchCall{kind: bCommit, claim: c, reply: reply, adv: adv})
 }
-func (b *engineBatch) Abort(c *Claim) { b.items = append(b.items, batchItem{kind: bAbort, claim: c}) }
+func (b *engineBatch) Abort(c *Claim) { b.calls = append(b.calls, batchCall{kind: bAbort, claim: c}) }
 func (b *engineBatch) Ack(scope string, ids ...[]byte) {
-	b.items = append(b.items, batchItem{kind: bAck, scope: scope, ids: ids})
+	b.calls = append(b.calls, batchCall{kind: bAck, scope: scope, ids: ids})
 }
 func (b *engineBatch) Advance(adv ...Advance) {
-	b.items = append(b.items, batchItem{kind: bAdvance, adv: adv})
+	b.calls = append(b.calls, batchCall{kind: bAdvance, adv: adv})
 }
-func (b *engineBatch) Len() int { return len(b.items) }
+func (b *engineBatch) Len() int { return len(b.calls) }
+
+// batchBufPool holds the buffers batch records are encoded into (the WAL
+// copies the payload).
+var batchBufPool = sync.Pool{New: func() any { b := make([]byte, 0, 64<<10); return &b }}
 
 // batchRecordBytes is the encoded size from which Run starts another
 // record (a batch record's operations, besides its head). An item's
@@ -169,6 +179,10 @@ func (b *engineBatch) Run(ctx context.Context) ([]BatchResult, error) {
 		return nil, err
 	}
 	e := b.e
+	b.items = make([]batchItem, len(b.calls))
+	for i := range b.calls {
+		b.items[i].batchCall = b.calls[i]
+	}
 	out := make([]BatchResult, len(b.items))
 	var set shardSet
 	for i := range b.items {
@@ -183,8 +197,15 @@ func (b *engineBatch) Run(ctx context.Context) ([]BatchResult, error) {
 	}
 	defer e.leave()
 	r := &batchRun{e: e, b: b, out: out, now: e.o.Clock()}
-	r.bt = index.NewBatch(0, e.getLocked)
-	r.buf = make([]byte, wal.MaxBatchHeader, wal.MaxBatchHeader+1024)
+	r.bt = index.NewBatch(0, e.getLocked, len(b.items))
+	pb := batchBufPool.Get().(*[]byte)
+	r.buf = append((*pb)[:0], make([]byte, wal.MaxBatchHeader)...)
+	defer func() {
+		if cap(r.buf) <= 2*batchRecordBytes {
+			*pb = r.buf[:0]
+			batchBufPool.Put(pb)
+		}
+	}()
 	unlock := e.lockShards(&set)
 	for i := range b.items {
 		if b.items[i].resolved {
@@ -402,9 +423,9 @@ func (r *batchRun) item(i int) error {
 			// Claim LSN 0: the claim just before, in the same record.
 			finishOp(&r.ops[1], typ, it.k, 0, r.now.UnixNano(), it.reply, it.wadv)
 			n = 2
-			it.wake = true // a claim it took over may have waiters
+			it.wake = takeover // the claim it took over may have waiters
 		}
-		if _, err := r.add(i, r.ops[:n], false); err != nil {
+		if _, err := r.add(i, r.ops[:n], it.k.key, false); err != nil {
 			return err
 		}
 		r.st.misses++
@@ -444,14 +465,14 @@ func (r *batchRun) item(i int) error {
 			}
 		}
 		finishOp(&r.ops[0], typ, it.k, c.ec.lsn, r.now.UnixNano(), it.reply, it.wadv)
-		if _, err := r.add(i, r.ops[:1], false); err != nil {
+		if _, err := r.add(i, r.ops[:1], it.k.key, false); err != nil {
 			return err
 		}
 		it.wake = true
 		it.waitRec = it.rec
 	case bAck:
 		r.ops[0] = wal.Op{Type: wal.OpAck, Scope: it.scope, Acked: it.ids, Time: r.now.UnixNano()}
-		kept, err := r.add(i, r.ops[:1], true)
+		kept, err := r.add(i, r.ops[:1], nil, true)
 		if err != nil {
 			return err
 		}
@@ -464,7 +485,7 @@ func (r *batchRun) item(i int) error {
 			return nil
 		}
 		r.ops[0] = wal.Op{Type: wal.OpAdvance, Time: r.now.UnixNano(), Advances: it.wadv}
-		kept, err := r.add(i, r.ops[:1], true)
+		kept, err := r.add(i, r.ops[:1], nil, true)
 		if err != nil {
 			return err
 		}
@@ -501,7 +522,7 @@ func (r *batchRun) waitCommit(it *batchItem, en *index.Entry) {
 // first appending the record built so far when ops would take it past
 // its bounds. With dropEmpty, operations that change nothing are left out
 // (kept false). An error stops the run.
-func (r *batchRun) add(i int, ops []wal.Op, dropEmpty bool) (kept bool, err error) {
+func (r *batchRun) add(i int, ops []wal.Op, key []byte, dropEmpty bool) (kept bool, err error) {
 	mark := len(r.buf)
 	cost := 0
 	for j := range ops {
@@ -521,7 +542,7 @@ func (r *batchRun) add(i int, ops []wal.Op, dropEmpty bool) (kept bool, err erro
 	}
 	changed := 0
 	for j := range ops {
-		step, err := r.bt.Add(&ops[j])
+		step, err := r.bt.Add(&ops[j], key)
 		if err != nil {
 			return false, err
 		}

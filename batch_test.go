@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -13,6 +14,8 @@ import (
 	"github.com/cockroachdb/pebble/v2/vfs"
 	"github.com/idemdb/idem/index"
 	"github.com/idemdb/idem/internal/testclock"
+	"github.com/idemdb/idem/internal/vfstest"
+	"github.com/idemdb/idem/wal"
 )
 
 // TestBatchResults: every item of a batch gets the result the single call
@@ -202,7 +205,7 @@ func runSteps(t *testing.T, e *Engine, steps []batchStep, open []*Claim, singly 
 	}
 	var out []BatchResult
 	if singly {
-		out = runSingly(e, b.(*engineBatch).items)
+		out = runSingly(e, b.(*engineBatch).calls)
 	} else {
 		var err error
 		if out, err = b.Run(bg); err != nil {
@@ -218,7 +221,7 @@ func runSteps(t *testing.T, e *Engine, steps []batchStep, open []*Claim, singly 
 }
 
 // runSingly runs items one at a time through the single calls.
-func runSingly(e *Engine, items []batchItem) []BatchResult {
+func runSingly(e *Engine, items []batchCall) []BatchResult {
 	out := make([]BatchResult, len(items))
 	for i := range items {
 		it := &items[i]
@@ -500,3 +503,66 @@ func (f claimBackendFunc) Commit(ctx context.Context, reply []byte, adv []Advanc
 	return f(false)
 }
 func (f claimBackendFunc) Abort(ctx context.Context) error { return f(true) }
+
+// TestTornBatchRecordLeavesNoItem: a batch record cut anywhere (a torn
+// tail: the crash came while it was written) leaves none of its items;
+// the records before it are all there.
+func TestTornBatchRecordLeavesNoItem(t *testing.T) {
+	fs := vfs.NewMem()
+	e := openMem(t, fs, nil)
+	for i := 0; i < 5; i++ {
+		commitID(t, e, Request{ID: []byte(fmt.Sprint("before", i))}, "r")
+	}
+	b := e.NewBatch()
+	for i := 0; i < 20; i++ {
+		b.Put(Request{ID: []byte(fmt.Sprint("in", i))}, []byte("reply"))
+	}
+	if _, err := b.Run(bg); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Close(); err != nil {
+		t.Fatal(err)
+	}
+	segs := segmentFiles(t, fs, "db")
+	last := segs[len(segs)-1]
+	var batchAt int64 = -1
+	var batchLSN wal.LSN
+	if _, err := wal.Scan(fs, filepath.Join("db", "wal"), 0, 0, func(r wal.Record) error {
+		if r.Type == wal.OpBatch && batchAt < 0 {
+			batchAt, batchLSN = r.Offset, r.LSN
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	full := vfstest.ReadFile(t, fs, last)
+	if batchAt < 0 || batchLSN != 11 {
+		t.Fatalf("batch record at offset %d LSN %d (want LSN 11, after 10 records)", batchAt, batchLSN)
+	}
+	end := int64(len(full))
+	for _, cut := range []int64{batchAt + 1, batchAt + 20, (batchAt + end) / 2, end - 9, end - 1} {
+		vfstest.WriteFile(t, fs, last, full[:cut])
+		for _, p := range []string{"db/index", "db/wal/close.hint", "db/wal/positions.hint"} {
+			if err := fs.RemoveAll(p); err != nil {
+				t.Fatal(err)
+			}
+		}
+		e := openMem(t, fs, nil)
+		for i := 0; i < 5; i++ {
+			if r, err := lookupID(e, "", []byte(fmt.Sprint("before", i))); err != nil || r.Status != Done {
+				t.Fatalf("cut at %d: before%d %v %v", cut, i, r.Status, err)
+			}
+		}
+		for i := 0; i < 20; i++ {
+			if r, err := lookupID(e, "", []byte(fmt.Sprint("in", i))); err != nil || r.Status != Absent {
+				t.Fatalf("cut at %d (batch frame %d..%d): in%d %v %v, want absent: the batch was kept in part", cut, batchAt, end, i, r.Status, err)
+			}
+		}
+		if st := e.Stats(); st.TornTailsCut != 1 || st.LastLSN != 10 {
+			t.Fatalf("cut at %d: torn tails cut %d, last LSN %d (want 1 and 10)", cut, st.TornTailsCut, st.LastLSN)
+		}
+		if err := e.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}
+}

@@ -202,7 +202,7 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 		unlock()
 		return Result{}, k, err
 	}
-	lsn, err := e.appendOp(op, ts)
+	lsn, err := e.appendOpSlot(op, ts, k.key, sl)
 	unlock()
 	if err != nil {
 		return Result{}, k, err
@@ -217,6 +217,7 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 		}
 	}
 	c := newEngineClaim(e, k, lsn, fp, lease)
+	c.ec.sl = sl
 	return Result{Status: Fresh, Claim: c, LeaseUntil: lease, Seq: k.seq, ExpiresAt: expiresAt}, k, nil
 }
 

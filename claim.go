@@ -37,6 +37,11 @@ type engineClaim struct {
 	k   reqKey
 	lsn wal.LSN
 	fp  []byte
+	// sl is k.key's slot as Begin left it (nil: unknown). It stays the
+	// key's slot while the claim is in flight (an in-flight slot is never
+	// evicted), so the finish takes it without a lookup unless it was
+	// evicted after a takeover.
+	sl *slot
 }
 
 func newEngineClaim(e *Engine, k reqKey, lsn wal.LSN, fp []byte, leaseUntil time.Time) *Claim {
@@ -258,16 +263,28 @@ func (c *engineClaim) write(typ byte, reply []byte, adv []wal.Advance, keys [][]
 	}
 	defer e.leave()
 	k := c.k
-	var unlock func()
-	if keys == nil { // Commit, Abort: the claim's key alone (no slice to build)
+	var (
+		unlock func()
+		sl     *slot
+	)
+	switch {
+	case keys == nil && c.sl != nil: // Commit, Abort: the claim's key alone, its slot in hand
+		c.sl.sh.mu.Lock()
+		unlock = c.sl.sh.unlock
+		if !c.sl.evicted {
+			sl = c.sl
+		}
+	case keys == nil:
 		unlock = e.lockKeys(k.key)
-	} else {
+	default:
 		unlock = e.lockKeys(keys...)
 	}
-	sl, err := e.slotLocked(k.key)
-	if err != nil {
-		unlock()
-		return err
+	if sl == nil {
+		var err error
+		if sl, err = e.slotLocked(k.key); err != nil {
+			unlock()
+			return err
+		}
 	}
 	cur := e.current(sl, k.mode)
 	if cur == nil || !cur.InFlight || cur.ClaimLSN != c.lsn {
@@ -283,12 +300,19 @@ func (c *engineClaim) write(typ byte, reply []byte, adv []wal.Advance, keys [][]
 	}
 	op := &wal.Op{}
 	finishOp(op, typ, k, c.lsn, e.o.Clock().UnixNano(), reply, adv)
-	ts, err := index.Transitions(op, 0, e.getLocked)
+	// The claim's own key is the slot in hand: spare its lookup.
+	get := func(key []byte, mode byte) (*index.Entry, error) {
+		if string(key) == string(k.key) {
+			return e.current(sl, mode), nil
+		}
+		return e.getLocked(key, mode)
+	}
+	ts, err := index.Transitions(op, 0, get)
 	if err != nil {
 		unlock()
 		return err
 	}
-	lsn, err := e.appendOp(op, ts)
+	lsn, err := e.appendOpSlot(op, ts, k.key, sl)
 	var waiters chan struct{}
 	if err == nil {
 		waiters, sl.waiters = sl.waiters, nil

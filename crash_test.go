@@ -38,13 +38,25 @@ import (
 // keep their replies, acknowledged claims are in doubt (never Absent,
 // which would let them run twice), acked, forgotten and expired-and-cleaned
 // entries stay gone.
+//
+// The "batches" workload runs the Begins, Commits, Aborts and Acks as
+// items of batches (Batch.Run, with Puts as well): one record per batch,
+// so an image holds each batch whole or not at all, never some of its
+// items.
 func TestCrashAtEverySyncPoint(t *testing.T) {
+	t.Run("calls", func(t *testing.T) { testCrashAtEverySyncPoint(t, false) })
+	t.Run("batches", func(t *testing.T) { testCrashAtEverySyncPoint(t, true) })
+}
+
+// held is a claim the crash workload has not finished yet.
+type held struct {
+	c *Claim
+	x string
+}
+
+func testCrashAtEverySyncPoint(t *testing.T, batches bool) {
 	r := newCrashRun(t)
 	rng := rand.New(rand.NewPCG(7, 7))
-	type held struct {
-		c *Claim
-		x string
-	}
 	var open []held
 	finish := func(h held, commit bool) {
 		if commit {
@@ -60,6 +72,8 @@ func TestCrashAtEverySyncPoint(t *testing.T) {
 		r.clk.Advance(time.Second)
 		x := fmt.Sprintf("k%02d", rng.IntN(crashIDs))
 		switch op := rng.IntN(20); {
+		case batches && op < 14:
+			open = r.batch(rng, open)
 		case op < 9: // Begin, sometimes with a TTL or acking another id
 			req := Request{ID: []byte(x)}
 			if rng.IntN(3) == 0 {
@@ -350,6 +364,130 @@ func (r *crashRun) begin(req Request) Result {
 		return err
 	})
 	return res
+}
+
+// crashItem is one item of a batch of the crash workload.
+type crashItem struct {
+	kind  batchKind
+	x     string
+	ttl   time.Duration
+	acked []string
+	h     held // Commit, Abort
+	reply string
+	ids   []string // Ack
+	want  Status   // Begin, Put: what the model says
+	done  string   // the reply of a Done
+}
+
+// batch runs a batch of 1-6 random items (Begin, Put, Commit and Abort of
+// held claims, Ack; items may name the same id) as one call, checks each
+// item's result against the model and returns the claims still held.
+func (r *crashRun) batch(rng *rand.Rand, open []held) []held {
+	r.t.Helper()
+	now := r.clk.Now()
+	r.mu.Lock()
+	m := r.m.clone() // the model as the items so far leave it
+	r.mu.Unlock()
+	var items []crashItem
+	var what []string
+	for n := 1 + rng.IntN(6); len(items) < n; {
+		x := fmt.Sprintf("k%02d", rng.IntN(crashIDs))
+		it := crashItem{x: x}
+		switch k := rng.IntN(10); {
+		case k < 6:
+			it.kind = bBegin
+			if k >= 3 {
+				it.kind, it.reply = bPut, fmt.Sprintf("put-%s-%d", x, r.steps)
+			}
+			if rng.IntN(3) == 0 {
+				it.ttl = time.Duration(5+rng.IntN(20)) * time.Second
+			}
+			if a := fmt.Sprintf("k%02d", rng.IntN(crashIDs)); rng.IntN(4) == 0 && a != x {
+				it.acked = []string{a}
+			}
+			en, ok := m.ids[x]
+			switch {
+			case ok && en.inFlight:
+				it.want = InFlight
+			case ok && !m.expired(en, now):
+				it.want, it.done = Done, en.reply
+			default:
+				it.want = Fresh
+				m.ack(it.acked...)
+				m.claim(x, it.ttl, now)
+				if it.kind == bPut {
+					m.commit(x, it.reply, now)
+				}
+			}
+			what = append(what, fmt.Sprintf("%v %s ttl %v acking %v", map[batchKind]string{bBegin: "begin", bPut: "put"}[it.kind], x, it.ttl, it.acked))
+		case k < 8 && len(open) > 0:
+			it.h, open = open[0], open[1:]
+			it.x = it.h.x
+			if k == 6 {
+				it.kind, it.reply = bCommit, fmt.Sprintf("late-%s-%d", it.x, r.steps)
+				m.commit(it.x, it.reply, now)
+				what = append(what, "commit "+it.x)
+			} else {
+				it.kind = bAbort
+				delete(m.ids, it.x)
+				what = append(what, "abort "+it.x)
+			}
+		default:
+			it.kind = bAck
+			it.ids = []string{x, fmt.Sprintf("k%02d", rng.IntN(crashIDs+4))}
+			m.ack(it.ids...)
+			what = append(what, fmt.Sprint("ack ", it.ids))
+		}
+		items = append(items, it)
+	}
+	after := m
+	var out []BatchResult
+	r.call("batch ["+strings.Join(what, "; ")+"]", func(m *crashModel) { *m = *after.clone() }, func() error {
+		b := r.e.NewBatch()
+		for _, it := range items {
+			switch it.kind {
+			case bBegin, bPut:
+				req := Request{ID: []byte(it.x), TTL: it.ttl}
+				for _, a := range it.acked {
+					req.Acked = append(req.Acked, []byte(a))
+				}
+				if it.kind == bBegin {
+					b.Begin(req)
+				} else {
+					b.Put(req, []byte(it.reply))
+				}
+			case bCommit:
+				b.Commit(it.h.c, []byte(it.reply))
+			case bAbort:
+				b.Abort(it.h.c)
+			case bAck:
+				b.Ack("", []byte(it.ids[0]), []byte(it.ids[1]))
+			}
+		}
+		var err error
+		if out, err = b.Run(bg); err != nil {
+			return err
+		}
+		for i, it := range items {
+			res := out[i]
+			if res.Err != nil {
+				return fmt.Errorf("item %d (%s): %v", i, what[i], res.Err)
+			}
+			if (it.kind == bBegin || it.kind == bPut) && res.Result.Status != it.want {
+				return fmt.Errorf("item %d (%s): status %v, the model says %v", i, what[i], res.Result.Status, it.want)
+			}
+			if it.want == Done && string(res.Result.Reply) != it.done {
+				return fmt.Errorf("item %d (%s): reply %q, the model says %q", i, what[i], res.Result.Reply, it.done)
+			}
+		}
+		return nil
+	})
+	for i, it := range items {
+		if it.kind == bBegin && out[i].Result.Status == Fresh {
+			open = append(open, held{out[i].Result.Claim, it.x})
+		}
+	}
+	return open
 }
 
 // expiredNow counts the entries the model has expired at now.

@@ -104,6 +104,10 @@ type shard struct {
 	// index made without the lock may be installed only if no slot of
 	// the shard was evicted meanwhile (see lockSlot).
 	gen uint64
+	// installs counts the slots put into m (guarded by mu): lockSlot
+	// skips its second probe of m when none was installed while it read
+	// the index without the lock.
+	installs uint64
 	// unlock is mu.Unlock bound once, so that lockKeys of one key does not
 	// allocate a method value per call.
 	unlock func()
@@ -112,10 +116,15 @@ type shard struct {
 // slot caches one key's entry. It is pinned (never evicted) while the entry
 // is in flight, not yet applied to the index, or waited on.
 type slot struct {
+	sh      *shard        // the shard whose map holds it (immutable)
 	e       *index.Entry  // as stored (forget marks may still apply); nil = absent
 	dirty   wal.LSN       // last change not yet applied to the index; 0 = clean
 	waiters chan struct{} // closed when the current claim finishes; nil if nobody waits
 	size    int64
+	// inFlight is e != nil && e.InFlight, kept here so that eviction
+	// decides from the slot alone (one cache line, not two).
+	inFlight bool
+	evicted  bool // dropped from sh.m by eviction (for holders of a slot pointer)
 }
 
 type counters struct {

@@ -145,9 +145,10 @@ func (e *Engine) slotLocked(key []byte) (*slot, error) {
 // installLocked puts a slot holding en, as read from the index, into sh
 // (whose lock is held) and evicts past the shard's share, never that slot.
 func (e *Engine) installLocked(sh *shard, key []byte, en *index.Entry) *slot {
-	sl := &slot{e: en, size: slotSize(key, en)}
+	sl := &slot{sh: sh, e: en, size: slotSize(key, en), inFlight: en != nil && en.InFlight}
 	k := string(key)
 	sh.m[k] = sl
+	sh.installs++
 	sh.bytes += sl.size
 	e.evictLocked(sh, k)
 	return sl
@@ -173,15 +174,17 @@ func (e *Engine) lockSlot(key []byte) (*slot, func(), error) {
 	if sl := sh.m[string(key)]; sl != nil {
 		return sl, sh.unlock, nil
 	}
-	gen := sh.gen
+	gen, installs := sh.gen, sh.installs
 	sh.mu.Unlock()
 	en, err := e.ix.Get(key)
 	if testHookUnlockedRead != nil {
 		testHookUnlockedRead(key)
 	}
 	sh.mu.Lock()
-	if sl := sh.m[string(key)]; sl != nil {
-		return sl, sh.unlock, nil
+	if sh.installs != installs { // else no slot can have appeared: m was probed above
+		if sl := sh.m[string(key)]; sl != nil {
+			return sl, sh.unlock, nil
+		}
 	}
 	if err != nil || sh.gen != gen {
 		sl, err := e.slotLocked(key)
@@ -226,10 +229,11 @@ func (e *Engine) evictLocked(sh *shard, keep string) {
 			return
 		}
 		seen++
-		if sl.dirty != 0 || sl.waiters != nil || (sl.e != nil && sl.e.InFlight) || k == keep {
+		if sl.dirty != 0 || sl.waiters != nil || sl.inFlight || k == keep {
 			continue
 		}
 		delete(sh.m, k)
+		sl.evicted = true
 		sh.gen++
 		sh.bytes -= sl.size
 	}
@@ -239,16 +243,15 @@ func (e *Engine) evictLocked(sh *shard, keep string) {
 const evictScan = 64
 
 // setLocked publishes a new entry for a slot after its record was appended.
-// The slot must be key's slot in the map: a dirty entry that is not in the
-// map would be invisible to the next caller, who would read the index.
+// The slot must be key's slot in the map (a dirty entry that is not in the
+// map would be invisible to the next caller, who would read the index): it
+// is, since its caller got it from the map under the lock it still holds.
 func (e *Engine) setLocked(key []byte, sl *slot, en *index.Entry, lsn wal.LSN) {
-	sh := e.shardOf(key)
-	if sh.m[string(key)] != sl {
-		panic(fmt.Sprintf("idem: slot of key %x is not in its shard", key)) // invariant
-	}
+	sh := sl.sh
 	sh.bytes -= sl.size
 	sl.e = en
 	sl.dirty = lsn
+	sl.inFlight = en != nil && en.InFlight
 	sl.size = slotSize(key, en)
 	sh.bytes += sl.size
 }
@@ -285,6 +288,12 @@ func (e *Engine) getLocked(key []byte, mode byte) (*index.Entry, error) {
 // publishes them to the slots. It returns the LSN; the caller still holds
 // the locks and waits for durability after releasing them.
 func (e *Engine) appendOp(op *wal.Op, ts []index.Transition) (wal.LSN, error) {
+	return e.appendOpSlot(op, ts, nil, nil)
+}
+
+// appendOpSlot is appendOp for a caller that holds key's slot sl (nil:
+// none), which spares looking it up again.
+func (e *Engine) appendOpSlot(op *wal.Op, ts []index.Transition, key []byte, sl *slot) (wal.LSN, error) {
 	// The payload is copied into the WAL's buffer by AppendWith: encode it
 	// into a pooled buffer.
 	pb := payloadPool.Get().(*[]byte)
@@ -298,7 +307,7 @@ func (e *Engine) appendOp(op *wal.Op, ts []index.Transition) (wal.LSN, error) {
 	if err != nil {
 		return 0, err
 	}
-	lsn, err := e.appendRecord(op.Type, payload, ts)
+	lsn, err := e.appendRecordSlot(op.Type, payload, ts, key, sl)
 	if err != nil {
 		return 0, err
 	}
@@ -306,12 +315,36 @@ func (e *Engine) appendOp(op *wal.Op, ts []index.Transition) (wal.LSN, error) {
 	return lsn, nil
 }
 
+// pinnedUpdate is what a record appended by appendRecord hands the
+// applier through the WAL: its index update and, for a record of one key
+// whose slot the caller passed (nearly all: claims, commits, aborts), that
+// slot, so that the applier unpins it without looking it up. A slot stays
+// in its shard's map while it is dirty, so if it still carries the
+// record's LSN when the applier comes, it is the key's slot. With slot nil
+// the applier looks the keys up.
+type pinnedUpdate struct {
+	index.Update
+	slot *slot
+}
+
 // appendRecord appends the record (kind typ, payload) whose transitions
 // ts were computed with the caller holding the locks of every key they
 // touch, stamps its LSN into them (index.Stamp) and publishes them to the
 // slots. The caller still holds the locks.
 func (e *Engine) appendRecord(typ byte, payload []byte, ts []index.Transition) (wal.LSN, error) {
-	up := &index.Update{Transitions: ts}
+	return e.appendRecordSlot(typ, payload, ts, nil, nil)
+}
+
+// appendRecordSlot is appendRecord for a caller that holds key's slot sl
+// (nil: none).
+func (e *Engine) appendRecordSlot(typ byte, payload []byte, ts []index.Transition, key []byte, sl *slot) (wal.LSN, error) {
+	up := &pinnedUpdate{Update: index.Update{Transitions: ts}}
+	// Set before the append: once appended, the record may reach the
+	// applier at any time (which then waits for the locks held here
+	// before it unpins anything). An evicted slot is no longer the key's.
+	if len(ts) == 1 && sl != nil && !sl.evicted && string(ts[0].Key) == string(key) {
+		up.slot = sl
+	}
 	lsn, err := e.w.AppendWith(typ, payload, func(lsn wal.LSN) any {
 		up.LSN = lsn
 		index.Stamp(ts, typ, lsn)
@@ -321,11 +354,17 @@ func (e *Engine) appendRecord(typ byte, payload []byte, ts []index.Transition) (
 		return 0, e.failure(err)
 	}
 	for _, t := range ts {
-		sl, err := e.slotLocked(t.Key)
-		if err != nil { // cannot happen: every key was loaded by getLocked
-			return 0, err
+		tsl := up.slot
+		if tsl == nil {
+			sh := e.shardOf(t.Key)
+			if tsl = sh.m[string(t.Key)]; tsl == nil {
+				// Clean, and evicted when a later key of its shard was
+				// loaded (a batch): its entry is t.Next now, so no index
+				// read (which could fail after the append) is needed.
+				tsl = e.installLocked(sh, t.Key, t.Next)
+			}
 		}
-		e.setLocked(t.Key, sl, t.Next, lsn)
+		e.setLocked(t.Key, tsl, t.Next, lsn)
 	}
 	return lsn, nil
 }

@@ -217,7 +217,11 @@ func (c *Client) call(ctx context.Context, write bool, fn func(ctx context.Conte
 		case <-ctx.Done():
 			t.Stop()
 		}
-		backoff = min(backoff*2, 500*time.Millisecond)
+		// Capped at 100 ms: after a failover the first request waits for
+		// the election, then at most one backoff (a 500 ms cap added up to
+		// a second: a try just before the new leader was ready, and one at
+		// a follower that did not know its address yet).
+		backoff = min(backoff*2, 100*time.Millisecond)
 	}
 }
 

@@ -42,6 +42,13 @@ type NodeOptions struct {
 	// RaftAddr and GRPCAddr (tests hand over listeners they bound).
 	RaftListener net.Listener
 	GRPCListener net.Listener
+	// Transport, when set, carries raft's messages instead of a TCP
+	// transport on RaftAddr or RaftListener (leave both empty): raft's
+	// NetworkTransport over a TLS StreamLayer, or raft.InmemTransport in
+	// tests that cut and heal links. Its LocalAddr is the node's raft
+	// address (the one Peers and joins name). The node owns it from then on:
+	// it closes it on Close when it has a Close() error method.
+	Transport raft.Transport
 	// Peers are the initial members, node id -> raft address: every node
 	// of a new cluster starts with the same list, and the cluster is
 	// bootstrapped once with it. Empty with Join set: the node joins a
@@ -64,6 +71,12 @@ type NodeOptions struct {
 	SnapshotThreshold, TrailingLogs uint64
 	// Logger receives the node's and raft's messages (default: discard).
 	Logger *slog.Logger
+
+	// walSegmentSize is raft-wal's segment size (0: its default, 64 MiB).
+	// Tests make it small so that compaction deletes whole segments:
+	// raft-wal v0.4.0 still reads entries below its first index while they
+	// are in a segment it keeps, and raft then never needs a snapshot.
+	walSegmentSize int
 }
 
 // Node is a running member of an idem cluster: raft, the state machine
@@ -74,7 +87,7 @@ type Node struct {
 	fsm    *fsm
 	logs   *raftwal.WAL
 	meta   *metadb.BoltMetaDB
-	trans  *raft.NetworkTransport
+	trans  raft.Transport
 	grpc   *grpc.Server
 	glis   net.Listener
 	log    *slog.Logger
@@ -90,8 +103,10 @@ func (o *NodeOptions) check() error {
 		return errors.New("idemcluster: NodeOptions.ID is required")
 	case o.Dir == "":
 		return errors.New("idemcluster: NodeOptions.Dir is required")
-	case o.RaftAddr == "" && o.RaftListener == nil:
+	case o.RaftAddr == "" && o.RaftListener == nil && o.Transport == nil:
 		return errors.New("idemcluster: NodeOptions.RaftAddr is required")
+	case o.Transport != nil && (o.RaftAddr != "" || o.RaftListener != nil):
+		return errors.New("idemcluster: NodeOptions: give Transport or RaftAddr/RaftListener, not both")
 	case o.GRPCAddr == "" && o.GRPCListener == nil:
 		return errors.New("idemcluster: NodeOptions.GRPCAddr is required")
 	case len(o.Peers) == 0 && o.Join == "":
@@ -156,7 +171,7 @@ func StartNode(opts *NodeOptions) (*Node, error) {
 	// open and locked: the node keeps it and closes it after the log, so a
 	// node restarted in the same process can open its directory again.
 	n.meta = &metadb.BoltMetaDB{}
-	if n.logs, err = raftwal.Open(filepath.Join(o.Dir, "raft"), raftwal.WithMetaStore(n.meta)); err != nil {
+	if n.logs, err = openWAL(&o, n.meta); err != nil {
 		return nil, fmt.Errorf("idemcluster: raft log: %w", err)
 	}
 	hl := hclog.New(&hclog.LoggerOptions{Name: "raft", Level: hclog.Warn, Output: slogWriter{n.log}})
@@ -164,13 +179,9 @@ func StartNode(opts *NodeOptions) (*Node, error) {
 	if err != nil {
 		return nil, fmt.Errorf("idemcluster: raft snapshots: %w", err)
 	}
-	rl := o.RaftListener
-	if rl == nil {
-		if rl, err = net.Listen("tcp", o.RaftAddr); err != nil {
-			return nil, fmt.Errorf("idemcluster: raft address: %w", err)
-		}
+	if n.trans, err = raftTransport(&o, hl); err != nil {
+		return nil, err
 	}
-	n.trans = raft.NewNetworkTransportWithLogger(&tcpLayer{Listener: rl}, 5, 5*time.Second, hl)
 	conf := raft.DefaultConfig()
 	conf.LocalID = raft.ServerID(o.ID)
 	conf.HeartbeatTimeout = o.HeartbeatTimeout
@@ -367,8 +378,8 @@ func (n *Node) teardown() error {
 	if n.r != nil {
 		errs = append(errs, n.r.Shutdown().Error())
 	}
-	if n.trans != nil {
-		errs = append(errs, n.trans.Close())
+	if c, ok := n.trans.(io.Closer); ok {
+		errs = append(errs, c.Close())
 	}
 	n.wg.Wait()
 	if n.logs != nil {
@@ -381,6 +392,31 @@ func (n *Node) teardown() error {
 		errs = append(errs, n.fsm.close())
 	}
 	return errors.Join(errs...)
+}
+
+// openWAL opens the node's raft log (raft-wal in Dir/raft).
+func openWAL(o *NodeOptions, meta *metadb.BoltMetaDB) (*raftwal.WAL, error) {
+	dir := filepath.Join(o.Dir, "raft")
+	if o.walSegmentSize > 0 {
+		return raftwal.Open(dir, raftwal.WithMetaStore(meta), raftwal.WithSegmentSize(o.walSegmentSize))
+	}
+	return raftwal.Open(dir, raftwal.WithMetaStore(meta))
+}
+
+// raftTransport is o.Transport, or raft's TCP transport on o.RaftListener
+// or a listener bound to o.RaftAddr.
+func raftTransport(o *NodeOptions, hl hclog.Logger) (raft.Transport, error) {
+	if o.Transport != nil {
+		return o.Transport, nil
+	}
+	rl := o.RaftListener
+	if rl == nil {
+		var err error
+		if rl, err = net.Listen("tcp", o.RaftAddr); err != nil {
+			return nil, fmt.Errorf("idemcluster: raft address: %w", err)
+		}
+	}
+	return raft.NewNetworkTransportWithLogger(&tcpLayer{Listener: rl}, 5, 5*time.Second, hl), nil
 }
 
 // tcpLayer is raft's StreamLayer over a listener the node was given.

@@ -2,6 +2,7 @@ package index
 
 import (
 	"fmt"
+	"unsafe"
 
 	"github.com/idemdb/idem/wal"
 )
@@ -25,14 +26,19 @@ type Batch struct {
 	at   map[string]int
 	out  []Transition
 	step []Transition // the transitions of the last Add
+	// last is the key of the last transition added to out (at index
+	// len(out)-1): an operation on the key the previous one changed (a
+	// Put's commit after its claim) finds it without hashing.
+	last []byte
 	// getFn is b.Get bound once (handed to the operations' transitions).
 	getFn func(key []byte, mode byte) (*Entry, error)
 }
 
 // NewBatch returns an empty batch record appended at lsn (0 when not
-// known yet: Stamp fills it in) over the state get returns.
-func NewBatch(lsn wal.LSN, get func(key []byte, mode byte) (*Entry, error)) *Batch {
-	b := &Batch{lsn: lsn, get: get, at: make(map[string]int)}
+// known yet: Stamp fills it in) over the state get returns, sized for
+// about n keys.
+func NewBatch(lsn wal.LSN, get func(key []byte, mode byte) (*Entry, error), n int) *Batch {
+	b := &Batch{lsn: lsn, get: get, at: make(map[string]int, n), out: make([]Transition, 0, n)}
 	b.getFn = b.Get
 	return b
 }
@@ -42,12 +48,16 @@ func NewBatch(lsn wal.LSN, get func(key []byte, mode byte) (*Entry, error)) *Bat
 func (b *Batch) Reset(lsn wal.LSN) {
 	b.lsn = lsn
 	clear(b.at)
-	b.out = nil
+	b.out = make([]Transition, 0, cap(b.out))
 	b.step = b.step[:0]
+	b.last = nil
 }
 
 // Get returns key's state as the operations added so far leave it.
 func (b *Batch) Get(key []byte, mode byte) (*Entry, error) {
+	if sameBytes(key, b.last) {
+		return b.out[len(b.out)-1].Next, nil
+	}
 	if i, ok := b.at[string(key)]; ok {
 		return b.out[i].Next, nil
 	}
@@ -56,9 +66,10 @@ func (b *Batch) Get(key []byte, mode byte) (*Entry, error) {
 
 // Add applies op, the next operation of the batch, and returns its own
 // transitions (valid until the next Add or Reset), as Transitions would
-// give them for op alone in that state. On an error nothing of op is
-// applied.
-func (b *Batch) Add(op *wal.Op) ([]Transition, error) {
+// give them for op alone in that state. key is the entry key of op's
+// request when the caller has it (nil: computed); it must not change
+// afterwards. On an error nothing of op is applied.
+func (b *Batch) Add(op *wal.Op, key []byte) ([]Transition, error) {
 	if !wal.InBatch(op.Type) {
 		return nil, fmt.Errorf("index: a batch cannot hold a %s record", wal.OpName(op.Type))
 	}
@@ -66,20 +77,35 @@ func (b *Batch) Add(op *wal.Op) ([]Transition, error) {
 	if claimLSN == 0 {
 		claimLSN = b.lsn // the claim made earlier in this record
 	}
-	step, err := appendTransitions(b.step[:0], op, b.lsn, claimLSN, b.getFn)
+	step, err := appendTransitions(b.step[:0], op, b.lsn, claimLSN, key, b.getFn)
 	if err != nil {
 		return nil, err
 	}
 	b.step = step
 	for _, t := range step {
+		if sameBytes(t.Key, b.last) {
+			b.out[len(b.out)-1].Next = t.Next
+			continue
+		}
 		if i, ok := b.at[string(t.Key)]; ok {
 			b.out[i].Next = t.Next
 			continue
 		}
-		b.at[string(t.Key)] = len(b.out)
+		// The map keeps the key's bytes without copying them: transition
+		// keys are never changed once made (EntryKey's, or the caller's
+		// key, which Add's contract freezes).
+		b.at[unsafe.String(unsafe.SliceData(t.Key), len(t.Key))] = len(b.out)
 		b.out = append(b.out, t)
+		b.last = t.Key
 	}
 	return step, nil
+}
+
+// sameBytes says whether a and b are the same slice (not only equal
+// bytes): keys are never changed once made, so the same slice is the
+// same key.
+func sameBytes(a, b []byte) bool {
+	return len(a) == len(b) && len(a) > 0 && unsafe.SliceData(a) == unsafe.SliceData(b)
 }
 
 // Len is the number of keys the batch changed so far.
@@ -99,5 +125,6 @@ func (b *Batch) Transitions() []Transition {
 	}
 	b.out = out
 	clear(b.at) // the indices no longer hold; Reset before the next Add
+	b.last = nil
 	return out
 }

@@ -159,22 +159,23 @@ var ErrNoClaim = errors.New("index: record does not match the current claim")
 // and its last Next.
 func Transitions(op *wal.Op, lsn wal.LSN, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, error) {
 	if op.Type == wal.OpBatch {
-		b := NewBatch(lsn, get)
+		b := NewBatch(lsn, get, len(op.Ops))
 		for i := range op.Ops {
-			if _, err := b.Add(&op.Ops[i]); err != nil {
+			if _, err := b.Add(&op.Ops[i], nil); err != nil {
 				return nil, fmt.Errorf("batch operation %d: %w", i, err)
 			}
 		}
 		return b.Transitions(), nil
 	}
-	return appendTransitions(nil, op, lsn, op.ClaimLSN, get)
+	return appendTransitions(nil, op, lsn, op.ClaimLSN, nil, get)
 }
 
 // appendTransitions appends the transitions of op, appended at lsn, to
 // out. claimLSN is the claim a commit or abort must find: op.ClaimLSN, or
 // in a batch the batch's LSN for an operation naming claim 0 (the claim
-// made earlier in the same record).
-func appendTransitions(out []Transition, op *wal.Op, lsn, claimLSN wal.LSN, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, error) {
+// made earlier in the same record). key is the entry key of op's request
+// when the caller has it (nil: computed).
+func appendTransitions(out []Transition, op *wal.Op, lsn, claimLSN wal.LSN, key []byte, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, error) {
 	// Acked ids are removed first: they name earlier requests.
 	for _, id := range op.Acked {
 		k := EntryKey(nil, op.Scope, ModeID, id)
@@ -221,7 +222,10 @@ func appendTransitions(out []Transition, op *wal.Op, lsn, claimLSN wal.LSN, get 
 	if op.Client != "" {
 		mode, ident = ModeClient, []byte(op.Client)
 	}
-	k := EntryKey(nil, op.Scope, mode, ident)
+	k := key
+	if k == nil {
+		k = EntryKey(nil, op.Scope, mode, ident)
+	}
 	var prev *Entry
 	if op.Type != wal.OpClaim || op.Flags&wal.ClaimFlagNew == 0 || mode != ModeID {
 		var err error

@@ -8,6 +8,7 @@ import (
 	iofs "io/fs"
 	"slices"
 	"strings"
+	"unsafe"
 
 	"github.com/cockroachdb/pebble/v2/objstorage/objstorageprovider"
 	"github.com/cockroachdb/pebble/v2/sstable"
@@ -39,6 +40,12 @@ type pendingSet struct {
 	last  wal.LSN
 	// count and replies as of last, for the meta rows.
 	count, replies int64
+	// The set's pendEntries and the bytes of its map keys are carved out
+	// of chunks (slab, keys) rather than allocated one by one: they all
+	// live exactly as long as the set, so per key this saves two
+	// allocations and the collector two objects to trace.
+	slab []pendEntry
+	keys []byte
 }
 
 // pendEntry is one key's change: prev is what Pebble holds (once the sets
@@ -46,6 +53,35 @@ type pendingSet struct {
 type pendEntry struct{ prev, next *Entry }
 
 func newPendingSet() *pendingSet { return &pendingSet{m: make(map[string]*pendEntry)} }
+
+// Chunk sizes of a pending set's slab (entries) and key bytes.
+const (
+	pendSlabLen  = 256
+	pendKeyChunk = 16 << 10
+)
+
+// add puts key into the set with a new pendEntry, which it returns.
+func (s *pendingSet) add(key []byte, prev *Entry) *pendEntry {
+	if len(s.slab) == cap(s.slab) {
+		s.slab = make([]pendEntry, 0, pendSlabLen)
+	}
+	s.slab = s.slab[:len(s.slab)+1]
+	p := &s.slab[len(s.slab)-1]
+	p.prev, p.next = prev, prev
+	k := ""
+	if len(key) > 0 {
+		if cap(s.keys)-len(s.keys) < len(key) {
+			s.keys = make([]byte, 0, max(pendKeyChunk, len(key)))
+		}
+		off := len(s.keys)
+		s.keys = append(s.keys, key...)
+		// The bytes are never written again: appends go past them, and a
+		// full chunk is replaced, not reused.
+		k = unsafe.String(&s.keys[off], len(key))
+	}
+	s.m[k] = p
+	return p
+}
 
 // pendingOverhead approximates the memory of one map slot and pendEntry.
 const pendingOverhead = 96
@@ -83,8 +119,7 @@ func (ix *Index) addPending(ups []*Update, ingestAt int64) error {
 		for _, t := range u.Transitions {
 			p := s.m[string(t.Key)]
 			if p == nil {
-				p = &pendEntry{prev: t.Prev, next: t.Prev}
-				s.m[string(t.Key)] = p
+				p = s.add(t.Key, t.Prev)
 				s.bytes += int64(len(t.Key)) + pendingOverhead
 			}
 			// Counts follow the key's first prev and last next, as if the

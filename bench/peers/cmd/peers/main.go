@@ -14,6 +14,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"runtime/pprof"
 	"strconv"
 	"strings"
 	"syscall"
@@ -48,7 +49,7 @@ func main() {
 
 func usage() {
 	fmt.Fprintf(os.Stderr, `usage:
-  peers run -peer NAMES -c N [-round R] [-fresh 3s] [-dup 2s] [-out FILE] [-redis ADDR -redis-pid PID] [-postgres URL -postgres-pid PID]
+  peers run -peer NAMES -c N [-round R] [-fresh 3s] [-dup 2s] [-out FILE] [-redis ADDR -redis-pid PID] [-postgres URL -postgres-pid PID] [-cpuprofile FILE]
       run each named peer (comma-separated; known: %s) on a new
       store and append its fresh and duplicate rows to FILE (CSV; stdout if none)
   peers summary -in RAW.csv [-csv OUT.csv] [-medians MEDIANS.csv] [-base PEER]
@@ -75,6 +76,7 @@ func run(args []string) error {
 	pgPID := fs.Int("postgres-pid", 0, "PostgreSQL postmaster process id (its and its backends' CPU time is counted)")
 	pgMax := fs.Int("postgres-max-conns", peers.PostgresMaxConns, "PostgreSQL pool size bound")
 	redisMax := fs.Int("redis-max-conns", peers.RedisMaxConns, "Redis pool size bound")
+	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the runs (opening and closing the stores excluded) to this `file`; with -dup 0 it covers the fresh phase only")
 	_ = fs.Parse(args)
 	peers.RedisMaxConns = *redisMax
 	if *names == "" {
@@ -102,6 +104,22 @@ func run(args []string) error {
 		header = st.Size() == 0
 		w = f
 	}
+	var prof *os.File
+	if *cpuProfile != "" {
+		if strings.Contains(*names, ",") {
+			return errors.New("run: -cpuprofile profiles one peer: name one in -peer")
+		}
+		f, err := os.Create(*cpuProfile)
+		if err != nil {
+			return err
+		}
+		prof = f
+		defer func() {
+			if err := prof.Close(); err != nil {
+				fmt.Fprintln(os.Stderr, "peers: closing the CPU profile:", err)
+			}
+		}()
+	}
 	for _, name := range strings.Split(*names, ",") {
 		name = strings.TrimSpace(name)
 		tmp, err := os.MkdirTemp(*dir, "peers-"+name+"-")
@@ -120,7 +138,7 @@ func run(args []string) error {
 				rc.ServerPIDs = []int{*pgPID}
 			}
 		}
-		rows, err := runOne(ctx, name, cfg, rc)
+		rows, err := runOne(ctx, name, cfg, rc, prof)
 		os.RemoveAll(tmp)
 		if err != nil {
 			return fmt.Errorf("peer %s, %d callers: %w", name, *conc, err)
@@ -143,14 +161,25 @@ func run(args []string) error {
 	return nil
 }
 
-func runOne(ctx context.Context, name string, cfg peers.Config, rc peers.RunConfig) ([]peers.Result, error) {
+// runOne opens the peer, runs it and closes it. With prof (-cpuprofile)
+// the CPU profile covers peers.Run only.
+func runOne(ctx context.Context, name string, cfg peers.Config, rc peers.RunConfig, prof *os.File) ([]peers.Result, error) {
 	octx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	p, err := peers.Open(octx, name, cfg)
 	cancel()
 	if err != nil {
 		return nil, err
 	}
+	if prof != nil {
+		if err := pprof.StartCPUProfile(prof); err != nil {
+			p.Close()
+			return nil, fmt.Errorf("-cpuprofile: %w", err)
+		}
+	}
 	rows, err := peers.Run(ctx, p, rc)
+	if prof != nil {
+		pprof.StopCPUProfile()
+	}
 	if cerr := p.Close(); err == nil && cerr != nil {
 		err = fmt.Errorf("close: %w", cerr)
 	}
