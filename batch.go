@@ -93,7 +93,7 @@ type batchCall struct {
 
 // batchItem is a call and what Run found out about it.
 type batchItem struct {
-	batchCall
+	*batchCall
 	k    reqKey        // Begin, Put: the request's key; Commit, Abort: the claim's
 	fp   []byte        // Begin, Put: the fingerprint as stored
 	wadv []wal.Advance // Put, Commit, Advance: the checked advances
@@ -181,7 +181,7 @@ func (b *engineBatch) Run(ctx context.Context) ([]BatchResult, error) {
 	e := b.e
 	b.items = make([]batchItem, len(b.calls))
 	for i := range b.calls {
-		b.items[i].batchCall = b.calls[i]
+		b.items[i].batchCall = &b.calls[i]
 	}
 	out := make([]BatchResult, len(b.items))
 	var set shardSet

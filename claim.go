@@ -209,7 +209,7 @@ func (e *Engine) Advance(ctx context.Context, adv ...Advance) error {
 		return err
 	}
 	op := &wal.Op{Type: wal.OpAdvance, Time: e.o.Clock().UnixNano(), Advances: wadv}
-	ts, err := index.Transitions(op, 0, e.getLocked)
+	ts, err := index.Transitions(op, 0, e.getLockedFn)
 	if err != nil {
 		unlock()
 		return err
@@ -300,7 +300,8 @@ func (c *engineClaim) write(typ byte, reply []byte, adv []wal.Advance, keys [][]
 	}
 	op := &wal.Op{}
 	finishOp(op, typ, k, c.lsn, e.o.Clock().UnixNano(), reply, adv)
-	// The claim's own key is the slot in hand: spare its lookup.
+	// The claim's own key is the slot in hand: spare hashing and probing
+	// it again (one small allocation, the closure, costs less).
 	get := func(key []byte, mode byte) (*index.Entry, error) {
 		if string(key) == string(k.key) {
 			return e.current(sl, mode), nil

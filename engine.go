@@ -60,6 +60,10 @@ type Engine struct {
 
 	seed   maphash.Seed
 	shards [numShards]shard
+	// getLockedFn is e.getLocked bound once: index.Transitions keeps its
+	// lookup function (a batch holds it), so a method value made per call
+	// would be an allocation per record.
+	getLockedFn func(key []byte, mode byte) (*index.Entry, error)
 	// mark is the newest forget mark. It is replaced only while every shard
 	// lock is held, so an operation holding one shard lock sees a mark that
 	// agrees with the log order of its own record.
@@ -152,6 +156,7 @@ func Open(dir string, opts *Options) (*Engine, error) {
 		return nil, fmt.Errorf("%w: Options.Sync: unknown mode %d (want SyncAlways, SyncInterval or SyncNever)", ErrInvalidRequest, int(o.Sync))
 	}
 	e := &Engine{o: o, dir: dir, fs: o.FS, seed: maphash.MakeSeed()}
+	e.getLockedFn = e.getLocked
 	for i := range e.shards {
 		e.shards[i].m = make(map[string]*slot)
 		e.shards[i].unlock = e.shards[i].mu.Unlock

@@ -6,6 +6,7 @@ import (
 	"slices"
 	"sync"
 	"time"
+	"unsafe"
 
 	"github.com/idemdb/idem/index"
 	"github.com/idemdb/idem/wal"
@@ -139,14 +140,21 @@ func (e *Engine) slotLocked(key []byte) (*slot, error) {
 	if err != nil {
 		return nil, wrapCorrupt(err)
 	}
-	return e.installLocked(sh, key, en), nil
+	return e.installLocked(sh, key, en, false), nil
 }
 
 // installLocked puts a slot holding en, as read from the index, into sh
 // (whose lock is held) and evicts past the shard's share, never that slot.
-func (e *Engine) installLocked(sh *shard, key []byte, en *index.Entry) *slot {
+// With keep, key's bytes become the map's key as they are (no copy): the
+// caller guarantees that they never change.
+func (e *Engine) installLocked(sh *shard, key []byte, en *index.Entry, keep bool) *slot {
 	sl := &slot{sh: sh, e: en, size: slotSize(key, en), inFlight: en != nil && en.InFlight}
-	k := string(key)
+	var k string
+	if keep && len(key) > 0 {
+		k = unsafe.String(&key[0], len(key))
+	} else {
+		k = string(key)
+	}
 	sh.m[k] = sl
 	sh.installs++
 	sh.bytes += sl.size
@@ -155,7 +163,8 @@ func (e *Engine) installLocked(sh *shard, key []byte, en *index.Entry) *slot {
 }
 
 // lockSlot locks key's shard and returns key's slot and the unlock
-// function. A slot that is not in memory is read from the index without
+// function. key (a reqKey.key, made by validate) must never change: a
+// slot installed here keeps its bytes as the map key. A slot that is not in memory is read from the index without
 // holding the shard's lock, so that a lookup that has to read the disk (a
 // duplicate of an id committed long ago, while Pebble compacts) does not
 // stall every other key of its shard behind it.
@@ -194,7 +203,7 @@ func (e *Engine) lockSlot(key []byte) (*slot, func(), error) {
 		}
 		return sl, sh.unlock, nil
 	}
-	return e.installLocked(sh, key, en), sh.unlock, nil
+	return e.installLocked(sh, key, en, true), sh.unlock, nil
 }
 
 // testHookUnlockedRead, set by tests only, runs after lockSlot read key
@@ -361,7 +370,7 @@ func (e *Engine) appendRecordSlot(typ byte, payload []byte, ts []index.Transitio
 				// Clean, and evicted when a later key of its shard was
 				// loaded (a batch): its entry is t.Next now, so no index
 				// read (which could fail after the append) is needed.
-				tsl = e.installLocked(sh, t.Key, t.Next)
+				tsl = e.installLocked(sh, t.Key, t.Next, false)
 			}
 		}
 		e.setLocked(t.Key, tsl, t.Next, lsn)

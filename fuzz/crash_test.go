@@ -46,6 +46,10 @@ func configFrom(b byte) config {
 	if b&0xc0 == 0xc0 {
 		c.syncNever = true
 	}
+	if b&0xc0 == 0x40 {
+		// opDoID2 runs a batch of requests (runner.batch) instead.
+		c.batches = true
+	}
 	if b&2 != 0 {
 		c.cacheSize = 4 << 10 // slots are evicted and reloaded from the index all the time
 		// and a 64-byte key filter (about 50 keys): false positives and
@@ -150,7 +154,13 @@ func runProgramWith(data []byte, st *counters, setup func(*runner)) (end time.Ti
 			err = r.finish(p.n(8), true, p.n(4))
 		case opAbort:
 			err = r.finish(p.n(8), false, 0)
-		case opDoID, opDoID2:
+		case opDoID2:
+			if cfg.batches {
+				err = r.batch(p)
+				break
+			}
+			fallthrough
+		case opDoID:
 			id := modelIDs[p.n(len(modelIDs))]
 			fp := fps[p.n(len(fps))]
 			b := p.next()
@@ -308,6 +318,23 @@ func crashSeeds() [][]byte {
 		op(opDoID, 0, 0, 0, 0x10).op(opDoID, 1, 1, 0, 0x10).op(opArmCrash, 0, 2, 2).op(opDoID, 2, 2, 0, 0x18).
 		op(opBeginID, 0, 3, 0).op(opArmCrash, 0, 1, 2).op(opCommit, 0, 0, 2).op(opArmCrash, 0, 3, 3).op(opCompact, 0).
 		op(opArmCrash, 0, 2, 2).op(opReopen, 0).op(opDoID, 0, 4, 0, 0x10).op(opCrashNow, 0, 3))
+	// Batches (config 0x40: opDoID2 is a batch): Begin and Put of ids and
+	// sequence numbers, the same key twice in one batch, Commit and Abort
+	// of held claims in a batch, Ack; crashes inside their fsyncs.
+	seeds = append(seeds, prog{0x40}.
+		op(opBeginID, 0, 0, 0).op(opBeginSeq, 0, 0, 0, 0).
+		// 6 items: put b (fresh), begin b (done: the put before it),
+		// commit a, put c1's next number (in flight), ack a, begin a
+		// (fresh: acked just before).
+		op(opDoID2, 0, 5, 0, 0, 1, 1, 0, 1, 0, 0, 0, 1, 0, 0, 4, 0, 0, 2,
+			0, 1, 3, 0, 0, 0, 0, 6, 1, 0, 0, 0, 0, 0).
+		op(opArmCrash, 0, 0, 2).
+		// 3 items: put s1/c (fresh), put s1/c with another fingerprint
+		// (conflict), commit c1's claim.
+		op(opDoID2, 0, 2, 1, 0, 1, 2, 2, 1, 1, 0, 1, 2, 3, 0, 4, 0, 0, 1).
+		op(opCrashNow, 0, 3).
+		// 2 items: put c1's next number twice (fresh, then done).
+		op(opDoID2, 0, 1, 0, 1, 3, 0, 0, 0, 1, 0, 1, 3, 0, 2, 0))
 	// Sync-never mode: process crashes only.
 	seeds = append(seeds, prog{0xc0}.
 		op(opDoID, 0, 0, 0, 0x10).op(opBeginSeq, 2, 1, 0, 0).op(opCrashNow, 0, 0).
@@ -337,9 +364,10 @@ func TestCrashAtEverySyncPoint(t *testing.T) {
 	// 16 KiB segments; no snapshots and 2 KiB segments; SyncNever (process
 	// crashes only); retention with 256 KiB segments; a tiny cache with
 	// 2 KiB segments; then the first two again with every applied batch
-	// ingested into the index as an sstable. Odd seeds keep half of the
-	// unsynced blocks.
-	configs := []byte{0x00, 0x0b, 0x1c, 0xc0, 0x11, 0x1a, 0x20, 0x2b}
+	// ingested into the index as an sstable; then batches (opDoID2 runs a
+	// Batch), plain and with retention, a tiny cache and every applied
+	// batch ingested. Odd seeds keep half of the unsynced blocks.
+	configs := []byte{0x00, 0x0b, 0x1c, 0xc0, 0x11, 0x1a, 0x20, 0x2b, 0x40, 0x6b}
 	for seed := uint64(1); seed <= 2*uint64(len(configs)); seed++ {
 		type image struct {
 			fs    *vfs.MemFS

@@ -121,6 +121,29 @@ func makeSample() (sample, error) {
 	if err := e.Ack(ctx, "s", []byte("id-3")); err != nil {
 		return s, err
 	}
+	// A batch record: a claim, claims and commits at once (one with a
+	// compressed reply, one with advances), the commit of a claim made
+	// before, an ack and an advance.
+	held, err := e.Begin(ctx, idem.Request{Scope: "s", ID: []byte("id-held")})
+	if err != nil {
+		return s, err
+	}
+	b := e.NewBatch()
+	b.Begin(idem.Request{Scope: "s", ID: []byte("id-b0"), Fingerprint: []byte("fp")})
+	b.Put(idem.Request{Scope: "s", ID: []byte("id-b1"), TTL: time.Hour}, bytes.Repeat([]byte("batched "), 200))
+	b.Put(idem.Request{Scope: "s", Client: "c", Seq: 5, KeepReplies: 3}, []byte("reply-c5"), idem.Advance{Scope: "f", Client: "p2", Seq: 3})
+	b.Commit(held.Claim, []byte("reply-held"))
+	b.Ack("s", []byte("id-b1"))
+	b.Advance(idem.Advance{Scope: "f", Client: "p0", Seq: 50})
+	out, err := b.Run(ctx)
+	if err != nil {
+		return s, err
+	}
+	for i, r := range out {
+		if r.Err != nil {
+			return s, fmt.Errorf("sample batch item %d: %w", i, r.Err)
+		}
+	}
 	if err := e.Forget(ctx, clk.Now().Add(-8*time.Second)); err != nil {
 		return s, err
 	}
@@ -195,12 +218,22 @@ func makeSample() (sample, error) {
 		return bytes.Clone(seg[:off])
 	}
 	s.firstSeg, s.lastSeg = trim(first), trim(last)
+	batches := 0
+	for _, fr := range s.frames {
+		if fr[16] == wal.OpBatch {
+			batches++
+		}
+	}
+	if batches == 0 {
+		return s, fmt.Errorf("the sample's last two segments hold no batch record")
+	}
 	return s, nil
 }
 
 // equalOps compares decoded operations, nil and empty byte strings alike.
 func equalOps(a, b *wal.Op) bool {
-	norm := func(o *wal.Op) wal.Op {
+	var norm func(o *wal.Op) wal.Op
+	norm = func(o *wal.Op) wal.Op {
 		c := *o
 		c.ID, c.Fingerprint, c.Reply = bytes.Clone(c.ID), bytes.Clone(c.Fingerprint), bytes.Clone(c.Reply)
 		if len(c.ID) == 0 {
@@ -215,6 +248,10 @@ func equalOps(a, b *wal.Op) bool {
 		c.Acked = nil
 		for _, a := range o.Acked {
 			c.Acked = append(c.Acked, append([]byte{}, a...))
+		}
+		c.Ops = nil
+		for i := range o.Ops {
+			c.Ops = append(c.Ops, norm(&o.Ops[i]))
 		}
 		return c
 	}
@@ -251,7 +288,7 @@ func FuzzWALDecode(f *testing.F) {
 				decodeOp(t, typ, payload)
 			}
 			if len(data) > 0 {
-				decodeOp(t, data[0]%9, data[1:])
+				decodeOp(t, data[0]%10, data[1:]) // kinds 0..9 (9: batch)
 			}
 		})
 	})

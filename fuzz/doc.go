@@ -8,7 +8,10 @@
 //     against the model on a crashable in-memory filesystem; at points the
 //     program chooses, the filesystem is crashed (between steps or inside an
 //     fsync, with or without unsynced data kept), the engine reopened and its
-//     whole observable state compared with the model.
+//     whole observable state compared with the model. Programs whose
+//     configuration byte is 0x40 (bit 6 without bit 7) run batches
+//     (Batch.Run of Begins, Puts, Commits, Aborts and Acks, which the model
+//     applies in order, atomically).
 //   - TestCrashAtEverySyncPoint: fixed programs with a crash image taken at
 //     every fsync, each image recovered and checked.
 //   - TestMaxEntriesEvictionCrash: capacity eviction under crashes.

@@ -26,12 +26,13 @@ type config struct {
 	cacheSize     int64 // 0: the default
 	ingestBytes   int64 // 0: the default
 	filterBytes   int64 // 0: the default
+	batches       bool  // opDoID2 runs a batch (Batch.Run) instead
 }
 
 func (c config) String() string {
 	return fmt.Sprintf("retention=%v lease=%v segment=%d keepSnapshots=%d syncNever=%v cache=%d",
 		c.retention, c.lease, c.segmentSize, c.keepSnapshots, c.syncNever, c.cacheSize) +
-		fmt.Sprintf(" ingest=%d filter=%d", c.ingestBytes, c.filterBytes)
+		fmt.Sprintf(" ingest=%d filter=%d batches=%v", c.ingestBytes, c.filterBytes, c.batches)
 }
 
 func (c config) options(fs vfs.FS, clk *testclock.Clock) *idem.Options {
@@ -706,5 +707,157 @@ func (r *runner) wait(scope, id string) error {
 	if got := resObs(res); got != x.obs() {
 		return violationf("wait %v: want %s, got %s", mkey{scope, modeID, id}, x.obs(), got)
 	}
+	return nil
+}
+
+// batchItem is one item of a batch step, with what the model predicts.
+type batchItem struct {
+	kind  string // begin, put, commit, abort, ack
+	k     mkey
+	seq   uint64
+	fp    []byte
+	oc    openClaim // commit, abort
+	reply []byte
+	ids   []string // ack
+	x     expect
+}
+
+// batch reads a batch of 1-6 items from p (Begin and Put of ids and of
+// sequence numbers, Commit and Abort of held claims, Ack; items may name
+// the same key and see each other in order), runs it with one Batch.Run
+// and checks every item's result. The model applies the items in order;
+// a crash inside the step may leave the state before the batch or after
+// all of it, nothing in between (one record).
+func (r *runner) batch(p *progReader) error {
+	n := 1 + p.n(6)
+	m0 := r.m.clone()
+	now := r.now()
+	var items []batchItem
+	for i := 0; i < n; i++ {
+		it := batchItem{k: mkey{scope: modelScopes[p.n(len(modelScopes))]}}
+		switch p.n(7) {
+		case 0, 1, 2, 3: // Begin or Put, of an id or of a client's number
+			kb := p.next()
+			it.kind = []string{"begin", "put"}[kb&1]
+			if kb&2 == 0 {
+				it.k.mode, it.k.ident = modeID, modelIDs[p.n(len(modelIDs))]
+			} else {
+				it.k.mode, it.k.ident = modeClient, modelClients[p.n(len(modelClients))]
+				last := r.m.clientState(it.k.scope, it.k.ident)
+				it.seq = uint64(max(int64(last)+[]int64{1, 1, 0, -1, 2, 1}[p.n(6)], 1))
+			}
+			it.fp = fps[p.n(len(fps))]
+			it.x = r.m.begin(it.k.scope, it.k.mode, it.k.ident, it.seq, it.fp, nil, now)
+			if it.kind == "put" && it.x.err == nil && it.x.status == idem.Fresh {
+				it.reply = r.reply(p.n(4))
+				r.m.commit(it.x.tok, it.reply, now)
+			}
+		case 4, 5: // Commit or Abort of a held claim
+			if len(r.open) == 0 {
+				continue
+			}
+			j := p.n(8) % len(r.open)
+			it.oc = r.open[j]
+			r.open = append(r.open[:j], r.open[j+1:]...)
+			it.k = it.oc.k
+			if p.next()&1 == 0 {
+				it.kind, it.reply = "commit", r.reply(p.n(4))
+				it.x = r.m.commit(it.oc.tok, it.reply, now)
+			} else {
+				it.kind = "abort"
+				it.x = r.m.abort(it.oc.tok)
+			}
+		default:
+			mask := p.next()
+			for j, a := range modelIDs {
+				if mask&(1<<j) != 0 {
+					it.ids = append(it.ids, a)
+				}
+			}
+			if len(it.ids) == 0 {
+				continue
+			}
+			it.kind = "ack"
+			r.m.ackIDs(it.k.scope, it.ids)
+		}
+		items = append(items, it)
+	}
+	var what []string
+	b := r.e.NewBatch()
+	for _, it := range items {
+		what = append(what, fmt.Sprintf("%s %v seq %d fp %q -> want %v", it.kind, it.k, it.seq, it.fp, it.x))
+		req := idem.Request{Scope: it.k.scope, Fingerprint: it.fp}
+		if it.k.mode == modeID {
+			req.ID = []byte(it.k.ident)
+		} else {
+			req.Client, req.Seq = it.k.ident, it.seq
+		}
+		switch it.kind {
+		case "begin":
+			b.Begin(req)
+		case "put":
+			b.Put(req, it.reply)
+		case "commit":
+			b.Commit(it.oc.c, it.reply)
+		case "abort":
+			b.Abort(it.oc.c)
+		case "ack":
+			var ids [][]byte
+			for _, id := range it.ids {
+				ids = append(ids, []byte(id))
+			}
+			b.Ack(it.k.scope, ids...)
+		}
+	}
+	r.logf("batch [%s]", strings.Join(what, "; "))
+	r.setCands(m0, r.m.clone())
+	ctx, cancel := stepCtx()
+	out, err := b.Run(ctx)
+	cancel()
+	if err != nil {
+		return fault(err, m0)
+	}
+	for i, it := range items {
+		res, err := out[i].Result, out[i].Err
+		what := fmt.Sprintf("batch item %d (%s)", i, what[i])
+		switch {
+		case it.kind == "put" && it.x.err == nil && it.x.status == idem.Fresh:
+			if err != nil {
+				if semanticErr(err) {
+					return violationf("%s: got %v", what, err)
+				}
+				return fault(err, m0, r.m.clone())
+			}
+			if res.Status != idem.Fresh || res.Claim != nil || res.LeaseUntil.UnixNano() != it.x.leaseUntil || res.Seq != it.x.seq {
+				return violationf("%s: got %s (claim %v)", what, resObs(res), res.Claim != nil)
+			}
+		case it.kind == "begin" || it.kind == "put":
+			if err := checkResult(what, it.x, res, err); err != nil {
+				return fault(err, m0, r.m.clone())
+			}
+			if it.kind == "begin" && it.x.err == nil && it.x.status == idem.Fresh {
+				r.open = append(r.open, openClaim{c: res.Claim, k: it.k, tok: it.x.tok})
+			}
+		case it.kind == "commit" || it.kind == "abort":
+			if it.x.err != nil {
+				if !errors.Is(err, it.x.err) {
+					if err == nil || semanticErr(err) {
+						return violationf("%s: got %v", what, err)
+					}
+					return fault(err, m0, r.m.clone())
+				}
+			} else if err != nil {
+				if semanticErr(err) {
+					return violationf("%s: got %v", what, err)
+				}
+				return fault(err, m0, r.m.clone())
+			}
+		default: // ack
+			if err != nil {
+				return fault(err, m0, r.m.clone())
+			}
+		}
+	}
+	r.settle()
 	return nil
 }

@@ -230,7 +230,8 @@ type writeLoad struct {
 	bad   []string            // a Done whose reply differs from the acknowledged one
 }
 
-// startWriteLoad starts n clients (owners w0..wn-1) on cc; stop ends them.
+// startWriteLoad starts n clients (owners w0..wn-1) on cc; halt (or the
+// test's end) stops them.
 func startWriteLoad(t *testing.T, cc *chaosCluster, n int) *writeLoad {
 	w := &writeLoad{stop: make(chan struct{}), acked: map[string]string{}, fresh: map[string][]string{}, done: map[string]string{}}
 	for i := range n {

@@ -13,10 +13,12 @@ import (
 
 	"github.com/idemdb/idem"
 	"github.com/idemdb/idem/idemcluster/clusterpb"
+	spb "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 )
 
@@ -34,6 +36,11 @@ type Options struct {
 	// FollowerReads lets Lookup and ClientState answer from whichever node
 	// is asked, possibly stale. Default: linearizable reads from the leader.
 	FollowerReads bool
+	// NoBatching sends every call in an RPC of its own. By default the
+	// Begin, Commit, Abort and Lookup calls that wait while earlier ones
+	// are on the wire to a node go together in one Batch RPC (each still
+	// answered, retried and bounded as its own call).
+	NoBatching bool
 	// DialOptions are added to the gRPC dial (default: plaintext).
 	DialOptions []grpc.DialOption
 	// Logger receives the client's retries (default: discard).
@@ -49,10 +56,10 @@ type Client struct {
 	addrs []string
 	log   *slog.Logger
 
-	mu     sync.Mutex
-	conns  map[string]*grpc.ClientConn
-	leader string // the address calls go to first
-	next   int    // round-robin position when no leader is known
+	mu     sync.Mutex       // guards peers, leader and next
+	peers  map[string]*peer // by gRPC address
+	leader string           // the address calls go to first
+	next   int              // round-robin position when no leader is known
 
 	st struct{ hits, misses, conflicts, collisions, gaps, already, leaseLost atomic.Uint64 }
 }
@@ -65,7 +72,7 @@ func Dial(ctx context.Context, addrs []string, opts *Options) (*Client, error) {
 	if len(addrs) == 0 {
 		return nil, errors.New("idemcluster: Dial: no address")
 	}
-	c := &Client{addrs: append([]string(nil), addrs...), conns: map[string]*grpc.ClientConn{}}
+	c := &Client{addrs: append([]string(nil), addrs...), peers: map[string]*peer{}}
 	if opts != nil {
 		c.o = *opts
 	}
@@ -81,8 +88,8 @@ func Dial(ctx context.Context, addrs []string, opts *Options) (*Client, error) {
 	if c.log == nil {
 		c.log = slog.New(slog.DiscardHandler)
 	}
-	err := c.call(ctx, false, func(ctx context.Context, addr string, cc *grpc.ClientConn) error {
-		st, err := clusterpb.NewClusterClient(cc).Status(ctx, &clusterpb.StatusRequest{})
+	err := c.call(ctx, false, func(ctx context.Context, p *peer) error {
+		st, err := p.cluster.Status(ctx, &clusterpb.StatusRequest{})
 		if err == nil && st.LeaderGrpcAddr != "" {
 			c.setLeader(st.LeaderGrpcAddr)
 		}
@@ -103,26 +110,39 @@ func (c *Client) Close() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	var errs []error
-	for a, cc := range c.conns {
-		errs = append(errs, cc.Close())
-		delete(c.conns, a)
+	for a, p := range c.peers {
+		errs = append(errs, p.cc.Close())
+		delete(c.peers, a)
 	}
 	return errors.Join(errs...)
 }
 
-func (c *Client) conn(addr string) (*grpc.ClientConn, error) {
+// peer is a node as the client reaches it: one connection (HTTP/2: every
+// call of the client to the node shares it), the service stubs, and the
+// batcher that coalesces calls into Batch RPCs.
+type peer struct {
+	addr    string
+	cc      *grpc.ClientConn
+	idem    clusterpb.IdemClient
+	cluster clusterpb.ClusterClient
+	batch   batcher
+}
+
+func (c *Client) peer(addr string) (*peer, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if cc := c.conns[addr]; cc != nil {
-		return cc, nil
+	if p := c.peers[addr]; p != nil {
+		return p, nil
 	}
 	dopts := append([]grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}, c.o.DialOptions...)
 	cc, err := grpc.NewClient(addr, dopts...)
 	if err != nil {
 		return nil, err
 	}
-	c.conns[addr] = cc
-	return cc, nil
+	p := &peer{addr: addr, cc: cc, idem: clusterpb.NewIdemClient(cc), cluster: clusterpb.NewClusterClient(cc)}
+	p.batch = batcher{idem: p.idem, timeout: c.o.AttemptTimeout, off: c.o.NoBatching}
+	c.peers[addr] = p
+	return p, nil
 }
 
 func (c *Client) setLeader(addr string) {
@@ -156,7 +176,7 @@ func (c *Client) forgetLeader(addr string) {
 // (a Begin carries its owner and token, a finish its claim), so a retry
 // after an unknown outcome is safe. A write whose outcome stayed unknown
 // when ctx ended returns ErrInDoubt.
-func (c *Client) call(ctx context.Context, write bool, fn func(ctx context.Context, addr string, cc *grpc.ClientConn) error) error {
+func (c *Client) call(ctx context.Context, write bool, fn func(ctx context.Context, p *peer) error) error {
 	backoff := 10 * time.Millisecond
 	doubt := false
 	var last error
@@ -171,12 +191,12 @@ func (c *Client) call(ctx context.Context, write bool, fn func(ctx context.Conte
 			return err
 		}
 		addr := c.target()
-		cc, err := c.conn(addr)
+		p, err := c.peer(addr)
 		if err != nil {
 			return err
 		}
 		actx, cancel := context.WithTimeout(ctx, c.o.AttemptTimeout)
-		err = fn(actx, addr, cc)
+		err = fn(actx, p)
 		cancel()
 		if err == nil {
 			return nil
@@ -259,8 +279,8 @@ func (c *Client) Begin(ctx context.Context, req idem.Request) (idem.Result, erro
 	_, _ = rand.Read(tok)
 	in := &clusterpb.BeginRequest{Request: reqToPB(req), Owner: c.o.Owner, Token: tok}
 	var out *clusterpb.BeginResponse
-	err := c.call(ctx, true, func(ctx context.Context, _ string, cc *grpc.ClientConn) (err error) {
-		out, err = clusterpb.NewIdemClient(cc).Begin(ctx, in)
+	err := c.call(ctx, true, func(ctx context.Context, p *peer) (err error) {
+		out, err = p.batch.begin(ctx, in)
 		return err
 	})
 	if err != nil {
@@ -295,8 +315,8 @@ func (b *claimBackend) Commit(ctx context.Context, reply []byte, adv []idem.Adva
 	for _, a := range adv {
 		in.Advances = append(in.Advances, &clusterpb.Advance{Scope: a.Scope, Client: a.Client, Seq: a.Seq})
 	}
-	err := b.c.call(ctx, true, func(ctx context.Context, _ string, cc *grpc.ClientConn) error {
-		_, err := clusterpb.NewIdemClient(cc).Commit(ctx, in)
+	err := b.c.call(ctx, true, func(ctx context.Context, p *peer) error {
+		_, err := p.batch.do(ctx, &clusterpb.BatchItem{Call: &clusterpb.BatchItem_Commit{Commit: in}})
 		return err
 	})
 	if errors.Is(fromStatus(err), idem.ErrLeaseLost) {
@@ -306,8 +326,9 @@ func (b *claimBackend) Commit(ctx context.Context, reply []byte, adv []idem.Adva
 }
 
 func (b *claimBackend) Abort(ctx context.Context) error {
-	err := b.c.call(ctx, true, func(ctx context.Context, _ string, cc *grpc.ClientConn) error {
-		_, err := clusterpb.NewIdemClient(cc).Abort(ctx, &clusterpb.AbortRequest{Claim: b.ref})
+	in := &clusterpb.AbortRequest{Claim: b.ref}
+	err := b.c.call(ctx, true, func(ctx context.Context, p *peer) error {
+		_, err := p.batch.do(ctx, &clusterpb.BatchItem{Call: &clusterpb.BatchItem_Abort{Abort: in}})
 		return err
 	})
 	return fromStatus(err)
@@ -316,23 +337,24 @@ func (b *claimBackend) Abort(ctx context.Context) error {
 // Lookup is idem.Engine.Lookup on the cluster (linearizable unless
 // Options.FollowerReads).
 func (c *Client) Lookup(ctx context.Context, req idem.Request) (idem.Result, error) {
-	var out *clusterpb.LookupResponse
-	err := c.call(ctx, false, func(ctx context.Context, _ string, cc *grpc.ClientConn) (err error) {
-		out, err = clusterpb.NewIdemClient(cc).Lookup(ctx, &clusterpb.LookupRequest{Request: reqToPB(req), FollowerRead: c.o.FollowerReads})
+	var out *clusterpb.Result
+	item := &clusterpb.BatchItem{Call: &clusterpb.BatchItem_Lookup{Lookup: &clusterpb.LookupRequest{Request: reqToPB(req), FollowerRead: c.o.FollowerReads}}}
+	err := c.call(ctx, false, func(ctx context.Context, p *peer) (err error) {
+		out, err = p.batch.do(ctx, item)
 		return err
 	})
 	if err != nil {
 		return idem.Result{Seq: req.Seq}, fromStatus(err)
 	}
-	return resultFromPB(out.Result), nil
+	return resultFromPB(out), nil
 }
 
 // Wait is idem.Engine.Wait on the cluster: it waits on the leader.
 func (c *Client) Wait(ctx context.Context, req idem.Request) (idem.Result, error) {
 	var out *clusterpb.WaitResponse
-	err := c.call(ctx, false, func(actx context.Context, addr string, cc *grpc.ClientConn) (err error) {
+	err := c.call(ctx, false, func(actx context.Context, p *peer) (err error) {
 		// A wait may last longer than one attempt: bound it by ctx only.
-		out, err = clusterpb.NewIdemClient(cc).Wait(ctx, &clusterpb.WaitRequest{Request: reqToPB(req)})
+		out, err = p.idem.Wait(ctx, &clusterpb.WaitRequest{Request: reqToPB(req)})
 		return err
 	})
 	if err != nil {
@@ -343,8 +365,8 @@ func (c *Client) Wait(ctx context.Context, req idem.Request) (idem.Result, error
 
 // Ack is idem.Engine.Ack on the cluster.
 func (c *Client) Ack(ctx context.Context, scope string, ids ...[]byte) error {
-	return fromStatus(c.call(ctx, true, func(ctx context.Context, _ string, cc *grpc.ClientConn) error {
-		_, err := clusterpb.NewIdemClient(cc).Ack(ctx, &clusterpb.AckRequest{Scope: scope, Ids: ids})
+	return fromStatus(c.call(ctx, true, func(ctx context.Context, p *peer) error {
+		_, err := p.idem.Ack(ctx, &clusterpb.AckRequest{Scope: scope, Ids: ids})
 		return err
 	}))
 }
@@ -355,16 +377,16 @@ func (c *Client) Advance(ctx context.Context, adv ...idem.Advance) error {
 	for _, a := range adv {
 		in.Advances = append(in.Advances, &clusterpb.Advance{Scope: a.Scope, Client: a.Client, Seq: a.Seq})
 	}
-	return fromStatus(c.call(ctx, true, func(ctx context.Context, _ string, cc *grpc.ClientConn) error {
-		_, err := clusterpb.NewIdemClient(cc).Advance(ctx, in)
+	return fromStatus(c.call(ctx, true, func(ctx context.Context, p *peer) error {
+		_, err := p.idem.Advance(ctx, in)
 		return err
 	}))
 }
 
 // Forget is idem.Engine.Forget on the cluster (an administrator's call).
 func (c *Client) Forget(ctx context.Context, before time.Time) error {
-	return fromStatus(c.call(ctx, true, func(ctx context.Context, _ string, cc *grpc.ClientConn) error {
-		_, err := clusterpb.NewIdemClient(cc).Forget(ctx, &clusterpb.ForgetRequest{Before: timestamppb.New(before)})
+	return fromStatus(c.call(ctx, true, func(ctx context.Context, p *peer) error {
+		_, err := p.idem.Forget(ctx, &clusterpb.ForgetRequest{Before: timestamppb.New(before)})
 		return err
 	}))
 }
@@ -372,8 +394,8 @@ func (c *Client) Forget(ctx context.Context, before time.Time) error {
 // ClientState is idem.Engine.ClientState on the cluster.
 func (c *Client) ClientState(ctx context.Context, scope, client string) (uint64, error) {
 	var out *clusterpb.ClientStateResponse
-	err := c.call(ctx, false, func(ctx context.Context, _ string, cc *grpc.ClientConn) (err error) {
-		out, err = clusterpb.NewIdemClient(cc).ClientState(ctx, &clusterpb.ClientStateRequest{Scope: scope, Client: client, FollowerRead: c.o.FollowerReads})
+	err := c.call(ctx, false, func(ctx context.Context, p *peer) (err error) {
+		out, err = p.idem.ClientState(ctx, &clusterpb.ClientStateRequest{Scope: scope, Client: client, FollowerRead: c.o.FollowerReads})
 		return err
 	})
 	if err != nil {
@@ -387,8 +409,8 @@ func (c *Client) ClientState(ctx context.Context, scope, client string) (uint64,
 // (same Owner), the claims its previous run left, to commit or abort.
 func (c *Client) InDoubt(ctx context.Context, scopePrefix string) ([]idem.InDoubtClaim, error) {
 	var out *clusterpb.InDoubtResponse
-	err := c.call(ctx, false, func(ctx context.Context, _ string, cc *grpc.ClientConn) (err error) {
-		out, err = clusterpb.NewIdemClient(cc).InDoubt(ctx, &clusterpb.InDoubtRequest{ScopePrefix: scopePrefix, Owner: c.o.Owner})
+	err := c.call(ctx, false, func(ctx context.Context, p *peer) (err error) {
+		out, err = p.idem.InDoubt(ctx, &clusterpb.InDoubtRequest{ScopePrefix: scopePrefix, Owner: c.o.Owner})
 		return err
 	})
 	if err != nil {
@@ -419,24 +441,180 @@ func (c *Client) Stats() idem.Stats {
 // Status is the view of the node the client reaches first.
 func (c *Client) Status(ctx context.Context) (*clusterpb.StatusResponse, error) {
 	var out *clusterpb.StatusResponse
-	err := c.call(ctx, false, func(ctx context.Context, _ string, cc *grpc.ClientConn) (err error) {
-		out, err = clusterpb.NewClusterClient(cc).Status(ctx, &clusterpb.StatusRequest{})
+	err := c.call(ctx, false, func(ctx context.Context, p *peer) (err error) {
+		out, err = p.cluster.Status(ctx, &clusterpb.StatusRequest{})
 		return err
 	})
 	return out, fromStatus(err)
 }
 
 func (c *Client) join(ctx context.Context, in *clusterpb.JoinRequest) error {
-	return fromStatus(c.call(ctx, true, func(ctx context.Context, _ string, cc *grpc.ClientConn) error {
-		_, err := clusterpb.NewClusterClient(cc).Join(ctx, in)
+	return fromStatus(c.call(ctx, true, func(ctx context.Context, p *peer) error {
+		_, err := p.cluster.Join(ctx, in)
 		return err
 	}))
 }
 
 // Remove removes a node from the cluster.
 func (c *Client) Remove(ctx context.Context, nodeID string) error {
-	return fromStatus(c.call(ctx, true, func(ctx context.Context, _ string, cc *grpc.ClientConn) error {
-		_, err := clusterpb.NewClusterClient(cc).Remove(ctx, &clusterpb.RemoveRequest{NodeId: nodeID})
+	return fromStatus(c.call(ctx, true, func(ctx context.Context, p *peer) error {
+		_, err := p.cluster.Remove(ctx, &clusterpb.RemoveRequest{NodeId: nodeID})
 		return err
 	}))
+}
+
+// maxBatchesInFlight is how many Batch RPCs a client keeps on the wire to
+// one node; calls arriving meanwhile wait and go in the next one. One:
+// measured with 64 callers on a 2-core machine (BenchmarkClusterFresh and
+// BenchmarkClusterDuplicate, 1, 2, 4 and 8 in flight), one batch on the
+// wire gave the most requests per CPU second and the most lookups per
+// second (76k/s against 16-20k/s with 2 or more: each batch's lookups
+// share one leadership round instead of waiting for the round before).
+const maxBatchesInFlight = 1
+
+// maxBatchBytes bounds the items of one Batch RPC (encoded).
+const maxBatchBytes = 1 << 20
+
+// batcher coalesces a client's concurrent calls to one node into Batch
+// RPCs. A call that finds fewer than maxBatchesInFlight batches on the
+// wire goes at once (alone, when nothing else waits: no timer delays it);
+// otherwise it waits for the next batch, which leaves as soon as one
+// returns. Each call keeps its own context: it stops waiting when its
+// attempt ends (its item may still run, as a call whose answer was lost).
+type batcher struct {
+	idem    clusterpb.IdemClient
+	timeout time.Duration // bounds each Batch RPC (Options.AttemptTimeout)
+	off     bool          // Options.NoBatching
+	unary   atomic.Bool   // the node has no Batch RPC (an older node): one call per RPC
+
+	mu       sync.Mutex   // guards queue and inflight
+	queue    []*batchCall // calls waiting for the next batch
+	inflight int          // batches on the wire
+}
+
+// batchCall is a call waiting in a batcher.
+type batchCall struct {
+	item *clusterpb.BatchItem
+	size int           // the item's encoded size
+	done chan struct{} // closed when res or err is set
+	res  *clusterpb.BatchResult
+	err  error // the Batch RPC's own error
+}
+
+// begin is Idem.Begin through the batcher.
+func (b *batcher) begin(ctx context.Context, in *clusterpb.BeginRequest) (*clusterpb.BeginResponse, error) {
+	r, err := b.do(ctx, &clusterpb.BatchItem{Call: &clusterpb.BatchItem_Begin{Begin: in}})
+	if err != nil {
+		return nil, err
+	}
+	return &clusterpb.BeginResponse{Result: r}, nil
+}
+
+// do runs item and returns its result, or its error as a gRPC status
+// error, as the item's own RPC would.
+func (b *batcher) do(ctx context.Context, item *clusterpb.BatchItem) (*clusterpb.Result, error) {
+	if b.off || b.unary.Load() {
+		return b.single(ctx, item)
+	}
+	bc := &batchCall{item: item, size: proto.Size(item), done: make(chan struct{})}
+	b.mu.Lock()
+	b.queue = append(b.queue, bc)
+	if b.inflight < maxBatchesInFlight {
+		b.inflight++
+		q := b.takeLocked()
+		b.mu.Unlock()
+		go b.send(q)
+	} else {
+		b.mu.Unlock()
+	}
+	select {
+	case <-bc.done:
+	case <-ctx.Done():
+		return nil, status.FromContextError(ctx.Err()).Err()
+	}
+	if bc.err != nil {
+		if status.Code(bc.err) == codes.Unimplemented {
+			b.unary.Store(true)
+			return b.single(ctx, item)
+		}
+		return nil, bc.err
+	}
+	if st := bc.res.Status; st != nil {
+		return nil, status.ErrorProto(toProto(st))
+	}
+	return bc.res.Result, nil
+}
+
+// takeLocked takes the next batch from the queue: the calls in order, up
+// to maxBatchBytes (at least one call), so that a batch of large replies
+// stays far below gRPC's 4 MiB message limit, which each call alone meets.
+func (b *batcher) takeLocked() []*batchCall {
+	n, size := 1, b.queue[0].size
+	for n < len(b.queue) && size+b.queue[n].size <= maxBatchBytes {
+		size += b.queue[n].size
+		n++
+	}
+	q := b.queue[:n:n]
+	if n == len(b.queue) {
+		b.queue = nil
+	} else {
+		b.queue = b.queue[n:]
+	}
+	return q
+}
+
+// send sends q, then whatever queued meanwhile, until nothing waits.
+func (b *batcher) send(q []*batchCall) {
+	for {
+		in := &clusterpb.BatchRequest{Items: make([]*clusterpb.BatchItem, len(q))}
+		for i, bc := range q {
+			in.Items[i] = bc.item
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), b.timeout)
+		out, err := b.idem.Batch(ctx, in)
+		cancel()
+		if err == nil && len(out.Results) != len(q) {
+			err = status.Errorf(codes.Internal, "idemcluster: a batch of %d calls answered with %d results", len(q), len(out.Results))
+		}
+		for i, bc := range q {
+			if err != nil {
+				bc.err = err
+			} else {
+				bc.res = out.Results[i]
+			}
+			close(bc.done)
+		}
+		b.mu.Lock()
+		if len(b.queue) == 0 {
+			b.inflight--
+			b.mu.Unlock()
+			return
+		}
+		q = b.takeLocked()
+		b.mu.Unlock()
+	}
+}
+
+// single runs item in an RPC of its own.
+func (b *batcher) single(ctx context.Context, item *clusterpb.BatchItem) (*clusterpb.Result, error) {
+	switch c := item.GetCall().(type) {
+	case *clusterpb.BatchItem_Begin:
+		r, err := b.idem.Begin(ctx, c.Begin)
+		return r.GetResult(), err
+	case *clusterpb.BatchItem_Commit:
+		_, err := b.idem.Commit(ctx, c.Commit)
+		return nil, err
+	case *clusterpb.BatchItem_Abort:
+		_, err := b.idem.Abort(ctx, c.Abort)
+		return nil, err
+	case *clusterpb.BatchItem_Lookup:
+		r, err := b.idem.Lookup(ctx, c.Lookup)
+		return r.GetResult(), err
+	}
+	return nil, status.Error(codes.InvalidArgument, "idemcluster: a batch item without a call")
+}
+
+// toProto is an item's status as the google.rpc.Status it is laid out as.
+func toProto(st *clusterpb.ItemStatus) *spb.Status {
+	return &spb.Status{Code: st.Code, Message: st.Message, Details: st.Details}
 }

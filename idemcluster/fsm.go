@@ -28,6 +28,7 @@ const (
 	cmdAdvance
 	cmdForget
 	cmdMember
+	cmdBatch // several begin, commit and abort commands in one entry (Cmds), applied in order
 )
 
 // claimKey names a request's key (not its sequence number): a scope and an
@@ -63,6 +64,7 @@ type command struct {
 	Before int64          `msgpack:"before,omitempty"`
 	Node   string         `msgpack:"node,omitempty"`
 	Addr   string         `msgpack:"addr,omitempty"`
+	Cmds   []*command     `msgpack:"cmds,omitempty"` // cmdBatch
 }
 
 // wireRequest is idem.Request as logged.
@@ -94,6 +96,7 @@ type applied struct {
 	token []byte
 	owner string
 	err   error
+	subs  []*applied // a cmdBatch entry's answers, one per command
 }
 
 // held is a claim the cluster handed out: its owner, its token and the
@@ -120,24 +123,35 @@ type finished struct {
 // fsm is the cluster's state machine: an idem engine whose clock is the
 // log's time, the table of claims handed out (with their owners and
 // tokens), the recently finished tokens and the members' gRPC addresses.
+//
+// Raft calls Apply, ApplyBatch, Snapshot and Restore on one goroutine (the
+// FSM goroutine); reads come from the gRPC handlers concurrently.
 type fsm struct {
 	dir    string
 	eopts  idem.Options
 	lease  time.Duration
-	now    atomic.Int64 // the largest AppendedAt applied (Unix ns)
-	index  atomic.Uint64
-	notify chan struct{} // closed and replaced on every apply (readers wait on it)
+	now    atomic.Int64                  // the largest AppendedAt applied (Unix ns): the engine's clock
+	index  atomic.Uint64                 // the last entry applied
+	notify atomic.Pointer[chan struct{}] // closed and replaced after every applied batch (readers wait on it)
 
-	mu       sync.RWMutex // guards e, gen, holds, finished, members against Restore
-	e        *idem.Engine
-	gen      int
-	holds    map[string]*held
-	finished map[string]finished
-	members  map[string]string // node id -> gRPC address
+	mu  sync.RWMutex // guards e and gen: Restore and close replace them (write lock); applies and reads use them (read lock)
+	e   *idem.Engine
+	gen int
+
+	// tmu guards holds, finished and members against readers on other
+	// goroutines. Only the FSM goroutine writes them (under tmu); it reads
+	// them without tmu.
+	tmu       sync.Mutex
+	holds     map[string]*held
+	finished  map[string]finished
+	members   map[string]string // node id -> gRPC address
+	lastPurge int64             // log time of the last purge of finished (FSM goroutine only)
 }
 
 func newFSM(dir string, eopts idem.Options) (*fsm, error) {
-	f := &fsm{dir: dir, eopts: eopts, notify: make(chan struct{})}
+	f := &fsm{dir: dir, eopts: eopts}
+	ch := make(chan struct{})
+	f.notify.Store(&ch)
 	if err := os.RemoveAll(dir); err != nil {
 		return nil, err
 	}
@@ -146,6 +160,9 @@ func newFSM(dir string, eopts idem.Options) (*fsm, error) {
 	}
 	f.eopts.Clock = f.clock
 	f.eopts.Sync = idem.SyncNever // the raft log is the durable copy
+	// Zero-filled segments make fsyncs cheap; an engine that never syncs
+	// only pays for writing the zeros (64 MiB per segment, on every node).
+	f.eopts.NoPreallocate = true
 	f.eopts.RelaxedClaims = true
 	f.eopts.KeepSnapshots = -1
 	f.lease = f.eopts.Lease
@@ -190,12 +207,17 @@ func (f *fsm) engine() (*idem.Engine, func(), error) {
 	return f.e, f.mu.RUnlock, nil
 }
 
+// member is the gRPC address of node id, when the members table has it.
+func (f *fsm) member(id string) string {
+	f.tmu.Lock()
+	defer f.tmu.Unlock()
+	return f.members[id]
+}
+
 // waitApplied blocks until index is applied or ctx ends.
 func (f *fsm) waitApplied(ctx context.Context, index uint64) error {
 	for {
-		f.mu.RLock()
-		ch := f.notify
-		f.mu.RUnlock()
+		ch := *f.notify.Load() // before reading index: an apply stores index, then swaps and closes
 		if f.index.Load() >= index {
 			return nil
 		}
@@ -207,40 +229,102 @@ func (f *fsm) waitApplied(ctx context.Context, index uint64) error {
 	}
 }
 
-// Apply applies one entry. Raft calls it on one goroutine.
+// applied marks index applied and wakes the readers waiting for it.
+func (f *fsm) applied(index uint64) {
+	f.index.Store(index)
+	ch := make(chan struct{})
+	close(*f.notify.Swap(&ch))
+}
+
+// Apply applies one entry (raft calls ApplyBatch; Apply is the FSM
+// interface's single form of it).
 func (f *fsm) Apply(l *raft.Log) any {
-	if t := l.AppendedAt.UnixNano(); !l.AppendedAt.IsZero() && t > f.now.Load() {
-		f.now.Store(t)
+	return f.ApplyBatch([]*raft.Log{l})[0]
+}
+
+var _ raft.BatchingFSM = (*fsm)(nil)
+
+// ApplyBatch applies a batch of committed entries (raft.BatchingFSM): the
+// claims, commits and aborts of many clients go to the engine as one
+// idem.Batch (one engine record and one pass per run), with exactly the
+// per-entry results of applying the entries one at a time.
+//
+// The answers must not depend on how raft cut the log into batches (each
+// node cuts its own), so a batch is run in segments, each equivalent to
+// its entries applied in order:
+//   - a segment's entries share one log time (the engine's clock): an
+//     entry appended later than the segment's time starts a new segment;
+//   - the table of claims and finished tokens is consulted when an entry
+//     is added to the segment, so an entry whose key (or token, or a key it
+//     advances) an earlier entry of the segment touched starts a new one;
+//   - every other command (ack, advance, forget, member) is applied alone.
+func (f *fsm) ApplyBatch(logs []*raft.Log) []any {
+	out := make([]any, len(logs))
+	if len(logs) == 0 {
+		return out
 	}
-	out := f.apply(l)
-	f.mu.Lock()
-	f.index.Store(l.Index)
-	close(f.notify)
-	f.notify = make(chan struct{})
-	f.mu.Unlock()
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	defer f.applied(logs[len(logs)-1].Index)
+	if f.e == nil {
+		for i := range out {
+			out[i] = &applied{err: idem.ErrClosed}
+		}
+		return out
+	}
+	s := &segment{f: f}
+	for i, l := range logs {
+		if t := l.AppendedAt.UnixNano(); !l.AppendedAt.IsZero() && t > f.now.Load() {
+			s.run() // the segment so far ran at the earlier time
+			f.now.Store(t)
+		}
+		if l.Type != raft.LogCommand {
+			continue
+		}
+		a := &applied{}
+		out[i] = a
+		var c command
+		if err := msgpack.Unmarshal(l.Data, &c); err != nil {
+			a.err = fmt.Errorf("%w: idemcluster: undecodable entry %d: %v", idem.ErrInvalidRequest, l.Index, err)
+			continue
+		}
+		if c.Op != cmdBatch {
+			s.command(a, &c, l.Index)
+			continue
+		}
+		a.subs = make([]*applied, len(c.Cmds))
+		for j, sub := range c.Cmds {
+			a.subs[j] = &applied{}
+			if sub == nil || sub.Op == cmdBatch {
+				a.subs[j].err = fmt.Errorf("%w: idemcluster: entry %d: command %d of a batch is empty or a batch", idem.ErrInvalidRequest, l.Index, j)
+				continue
+			}
+			s.command(a.subs[j], sub, l.Index)
+		}
+	}
+	s.run()
+	f.purgeFinished()
 	return out
 }
 
-func (f *fsm) apply(l *raft.Log) *applied {
-	if l.Type != raft.LogCommand {
-		return nil
-	}
-	var c command
-	if err := msgpack.Unmarshal(l.Data, &c); err != nil {
-		return &applied{err: fmt.Errorf("%w: idemcluster: undecodable entry %d: %v", idem.ErrInvalidRequest, l.Index, err)}
-	}
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if f.e == nil {
-		return &applied{err: idem.ErrClosed}
-	}
-	ctx := context.Background()
-	f.expireFinished()
+// command adds c to the segment (a begin, a commit, an abort) or applies
+// it alone after running the segment; its answer goes to a.
+func (s *segment) command(a *applied, c *command, index uint64) {
 	switch c.Op {
 	case cmdBegin:
-		return f.begin(ctx, &c)
+		s.begin(a, c)
 	case cmdCommit, cmdAbort:
-		return f.finish(ctx, &c)
+		s.finish(a, c)
+	default:
+		s.run()
+		*a = *s.f.applyAlone(c, index)
+	}
+}
+
+// applyAlone applies a command that does not go through a batch.
+func (f *fsm) applyAlone(c *command, index uint64) *applied {
+	ctx := context.Background()
+	switch c.Op {
 	case cmdAck:
 		return &applied{err: f.e.Ack(ctx, c.Key.Scope, c.IDs...)}
 	case cmdAdvance:
@@ -248,22 +332,41 @@ func (f *fsm) apply(l *raft.Log) *applied {
 	case cmdForget:
 		return &applied{err: f.e.Forget(ctx, time.Unix(0, c.Before))}
 	case cmdMember:
+		f.tmu.Lock()
 		if c.Addr == "" {
 			delete(f.members, c.Node)
 		} else {
 			f.members[c.Node] = c.Addr
 		}
+		f.tmu.Unlock()
 		return &applied{}
 	}
-	return &applied{err: fmt.Errorf("%w: idemcluster: unknown command %d at entry %d", idem.ErrInvalidRequest, c.Op, l.Index)}
+	return &applied{err: fmt.Errorf("%w: idemcluster: unknown command %d at entry %d", idem.ErrInvalidRequest, c.Op, index)}
 }
 
-// expireFinished drops finished tokens older than one lease of log time.
-func (f *fsm) expireFinished() {
-	if len(f.finished) < 1024 {
+// finishedOK reports the recorded outcome of token, if it finished within
+// one lease of log time (older outcomes are forgotten: a decision that
+// depends only on the log, whenever purgeFinished runs).
+func (f *fsm) finishedOK(token []byte) (finished, bool) {
+	fin, ok := f.finished[string(token)]
+	if !ok || fin.At < f.now.Load()-int64(f.lease) {
+		return finished{}, false
+	}
+	return fin, true
+}
+
+// purgeFinished drops the finished tokens older than one lease of log
+// time, at most once per tenth of a lease (finishedOK ignores them
+// already).
+func (f *fsm) purgeFinished() {
+	now := f.now.Load()
+	if len(f.finished) < 1024 || now-f.lastPurge < int64(f.lease)/10 {
 		return
 	}
-	cut := f.now.Load() - int64(f.lease)
+	f.lastPurge = now
+	cut := now - int64(f.lease)
+	f.tmu.Lock()
+	defer f.tmu.Unlock()
 	for t, fin := range f.finished {
 		if fin.At < cut {
 			delete(f.finished, t)
@@ -271,58 +374,148 @@ func (f *fsm) expireFinished() {
 	}
 }
 
-func (f *fsm) begin(ctx context.Context, c *command) *applied {
+// segment is the part of a raft batch collected into one engine batch.
+type segment struct {
+	f       *fsm
+	b       idem.Batch
+	items   []segItem
+	touched map[string]struct{} // keys and tokens of the segment's entries
+}
+
+// segItem is a command of the segment waiting for its batch item's result.
+type segItem struct {
+	a   *applied // the command's answer, set when the batch ran
+	c   *command
+	req idem.Request // begin
+	key string
+	h   *held // commit, abort
+}
+
+// touch reports whether any of names was touched by the segment so far;
+// if so it runs the segment first. Then it marks them.
+func (s *segment) touch(names ...string) {
+	if s.touched == nil {
+		s.touched = map[string]struct{}{}
+	}
+	for _, n := range names {
+		if _, ok := s.touched[n]; ok {
+			s.run()
+			s.touched = map[string]struct{}{}
+			break
+		}
+	}
+	for _, n := range names {
+		s.touched[n] = struct{}{}
+	}
+}
+
+func (s *segment) batch() idem.Batch {
+	if s.b == nil {
+		s.b = s.f.e.NewBatch()
+	}
+	return s.b
+}
+
+func (s *segment) begin(a *applied, c *command) {
+	f := s.f
 	if c.Req == nil || len(c.Token) == 0 {
-		return &applied{err: fmt.Errorf("%w: idemcluster: begin without a request or a token", idem.ErrInvalidRequest)}
+		*a = applied{err: fmt.Errorf("%w: idemcluster: begin without a request or a token", idem.ErrInvalidRequest)}
+		return
 	}
 	req := c.Req.request()
 	k := keyOf(&req).String()
+	s.touch(k, "t:"+string(c.Token))
+	ctx := context.Background()
 	// A retry of the same Begin (a lost answer, a leader change) gets its
 	// own claim back, not InFlight against itself.
 	if h := f.holds[k]; h != nil && h.Owner == c.Owner && string(h.Token) == string(c.Token) && h.Seq == req.Seq {
 		if r, err := f.e.Lookup(ctx, req); err == nil && r.Status == idem.InFlight && !r.LeaseUntil.Before(f.clock()) {
-			return &applied{res: idem.Result{Status: idem.Fresh, LeaseUntil: h.claim.LeaseUntil(), Seq: req.Seq}, token: h.Token, owner: h.Owner}
+			*a = applied{res: idem.Result{Status: idem.Fresh, LeaseUntil: h.claim.LeaseUntil(), Seq: req.Seq}, token: h.Token, owner: h.Owner}
+			return
 		}
 	}
-	if fin, ok := f.finished[string(c.Token)]; ok && fin.Committed {
+	if fin, ok := f.finishedOK(c.Token); ok && fin.Committed {
 		// The Begin's claim was committed already (the Begin's answer was
 		// lost and the owner went on): answer as a retry would.
 		r, err := f.e.Lookup(ctx, req)
-		return &applied{res: r, err: err}
+		*a = applied{res: r, err: err}
+		return
 	}
-	r, err := f.e.Begin(ctx, req)
-	if err != nil || r.Status != idem.Fresh {
-		return &applied{res: r, err: err}
-	}
-	f.holds[k] = &held{Key: keyOf(&req), Owner: c.Owner, Token: c.Token, Seq: req.Seq, Fingerprint: req.Fingerprint,
-		ClaimedAt: f.now.Load(), LeaseUntil: r.LeaseUntil.UnixNano(), claim: r.Claim}
-	r.Claim = nil
-	return &applied{res: r, token: c.Token, owner: c.Owner}
+	s.batch().Begin(req)
+	s.items = append(s.items, segItem{a: a, c: c, req: req, key: k})
 }
 
-func (f *fsm) finish(ctx context.Context, c *command) *applied {
+func (s *segment) finish(a *applied, c *command) {
+	f := s.f
 	k := c.Key.String()
+	names := append(make([]string, 0, 2+len(c.Adv)), k, "t:"+string(c.Token))
+	for _, a := range c.Adv {
+		names = append(names, claimKey{Scope: a.Scope, Client: a.Client}.String())
+	}
+	s.touch(names...)
 	h := f.holds[k]
 	if h == nil || string(h.Token) != string(c.Token) || h.Seq != c.Seq {
-		if fin, ok := f.finished[string(c.Token)]; ok && fin.Committed == (c.Op == cmdCommit) {
-			return &applied{} // a retry of a finish whose answer was lost
+		if fin, ok := f.finishedOK(c.Token); ok && fin.Committed == (c.Op == cmdCommit) {
+			*a = applied{} // a retry of a finish whose answer was lost
+			return
 		}
-		return &applied{err: fmt.Errorf("%w: idemcluster: no claim of %s with this token (taken over after its lease, or finished)", idem.ErrLeaseLost, k)}
+		*a = applied{err: fmt.Errorf("%w: idemcluster: no claim of %s with this token (taken over after its lease, or finished)", idem.ErrLeaseLost, k)}
+		return
 	}
-	var err error
 	if c.Op == cmdCommit {
-		err = h.claim.CommitAdvance(ctx, c.Reply, c.Adv...)
+		s.batch().Commit(h.claim, c.Reply, c.Adv...)
 	} else {
-		err = h.claim.Abort(ctx)
+		s.batch().Abort(h.claim)
 	}
-	if errors.Is(err, idem.ErrInvalidRequest) || errors.Is(err, idem.ErrInFlight) {
-		return &applied{err: err} // nothing written: the claim stays open
+	s.items = append(s.items, segItem{a: a, c: c, key: k, h: h})
+}
+
+// run runs the segment's batch and records its results in the tables.
+func (s *segment) run() {
+	s.touched = nil
+	if s.b == nil {
+		return
 	}
-	delete(f.holds, k)
-	if err == nil {
-		f.finished[string(c.Token)] = finished{Committed: c.Op == cmdCommit, At: f.now.Load()}
+	b, items := s.b, s.items
+	s.b, s.items = nil, nil
+	f := s.f
+	res, err := b.Run(context.Background())
+	if err == nil && len(res) != len(items) {
+		err = fmt.Errorf("idemcluster: the engine answered %d of a batch of %d", len(res), len(items))
 	}
-	return &applied{err: err}
+	if err != nil {
+		for _, it := range items {
+			*it.a = applied{err: err}
+		}
+		return
+	}
+	now := f.now.Load()
+	f.tmu.Lock()
+	defer f.tmu.Unlock()
+	for j, it := range items {
+		r, err := res[j].Result, res[j].Err
+		c := it.c
+		if c.Op == cmdBegin {
+			if err != nil || r.Status != idem.Fresh {
+				*it.a = applied{res: r, err: err}
+				continue
+			}
+			f.holds[it.key] = &held{Key: keyOf(&it.req), Owner: c.Owner, Token: c.Token, Seq: it.req.Seq, Fingerprint: it.req.Fingerprint,
+				ClaimedAt: now, LeaseUntil: r.LeaseUntil.UnixNano(), claim: r.Claim}
+			r.Claim = nil
+			*it.a = applied{res: r, token: c.Token, owner: c.Owner}
+			continue
+		}
+		if errors.Is(err, idem.ErrInvalidRequest) || errors.Is(err, idem.ErrInFlight) {
+			*it.a = applied{err: err} // nothing written: the claim stays open
+			continue
+		}
+		delete(f.holds, it.key)
+		if err == nil {
+			f.finished[string(c.Token)] = finished{Committed: c.Op == cmdCommit, At: now}
+		}
+		*it.a = applied{err: err}
+	}
 }
 
 // inDoubt lists the claims the cluster holds (every claim not yet
@@ -330,8 +523,8 @@ func (f *fsm) finish(ctx context.Context, c *command) *applied {
 // died) whose scope starts with prefix and, when owner is set, that owner
 // holds, in key order.
 func (f *fsm) inDoubt(prefix, owner string) []held {
-	f.mu.RLock()
-	defer f.mu.RUnlock()
+	f.tmu.Lock()
+	defer f.tmu.Unlock()
 	var out []held
 	for _, h := range f.holds {
 		if (owner != "" && h.Owner != owner) || !strings.HasPrefix(h.Key.Scope, prefix) {
@@ -346,13 +539,14 @@ func (f *fsm) inDoubt(prefix, owner string) []held {
 // snapshotState is what a raft snapshot carries beside the engine's image.
 type snapshotState struct {
 	Now      int64               `msgpack:"now"`
+	Index    uint64              `msgpack:"index,omitempty"` // the last entry applied (absent in snapshots of older nodes)
 	Holds    map[string]*held    `msgpack:"holds"`
 	Finished map[string]finished `msgpack:"finished"`
 	Members  map[string]string   `msgpack:"members"`
 }
 
-// Snapshot captures the state at the last applied entry (raft calls it
-// between Applies).
+// Snapshot captures the state at the last applied entry (raft calls it on
+// the FSM goroutine, between batches).
 func (f *fsm) Snapshot() (raft.FSMSnapshot, error) {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
@@ -363,7 +557,7 @@ func (f *fsm) Snapshot() (raft.FSMSnapshot, error) {
 	if err != nil {
 		return nil, err
 	}
-	st := snapshotState{Now: f.now.Load(), Holds: map[string]*held{}, Finished: map[string]finished{}, Members: map[string]string{}}
+	st := snapshotState{Now: f.now.Load(), Index: f.index.Load(), Holds: map[string]*held{}, Finished: map[string]finished{}, Members: map[string]string{}}
 	for k, h := range f.holds {
 		c := *h
 		st.Holds[k] = &c
@@ -444,6 +638,8 @@ func (f *fsm) Restore(rc io.ReadCloser) error {
 		k := claimKey{Scope: d.Scope, ID: d.ID, Client: d.Client}.String()
 		byKey[k] = d.Claim
 	}
+	f.tmu.Lock()
+	defer f.tmu.Unlock()
 	f.holds = map[string]*held{}
 	for k, h := range st.Holds {
 		if c := byKey[k]; c != nil {
@@ -458,6 +654,9 @@ func (f *fsm) Restore(rc io.ReadCloser) error {
 	f.members = st.Members
 	if f.members == nil {
 		f.members = map[string]string{}
+	}
+	if st.Index > f.index.Load() {
+		f.applied(st.Index)
 	}
 	return nil
 }

@@ -60,7 +60,8 @@ type NodeOptions struct {
 	// Engine tunes the engine under the state machine. Lease (default 1
 	// hour) must be the same on every node: leases are measured in the
 	// log's time. Clock, Sync, RelaxedClaims, KeepSnapshots and FS are the
-	// node's own and must be left zero.
+	// node's own and must be left zero; NoPreallocate is set (the engine
+	// never syncs: the raft log is the durable copy).
 	Engine idem.Options
 	// HeartbeatTimeout and ElectionTimeout tune raft (defaults 500 ms and
 	// 500 ms: a failover within about 1-2 s on a LAN or loopback).
@@ -74,10 +75,19 @@ type NodeOptions struct {
 
 	// walSegmentSize is raft-wal's segment size (0: its default, 64 MiB).
 	// Tests make it small so that compaction deletes whole segments:
-	// raft-wal v0.4.0 still reads entries below its first index while they
+	// raft-wal (v0.4.0, v0.4.1) still reads entries below its first index while they
 	// are in a segment it keeps, and raft then never needs a snapshot.
 	walSegmentSize int
 }
+
+// maxAppendEntries bounds a raft batch: the commands of one log append
+// and fsync, of one AppendEntries, and of one ApplyBatch (raft's limit is
+// 1024).
+const maxAppendEntries = 512
+
+// logCacheEntries is how many of the last log entries a node keeps in
+// memory (raft.LogCache) for replication and its own applies.
+const logCacheEntries = 1024
 
 // Node is a running member of an idem cluster: raft, the state machine
 // over an idem engine, and the gRPC services Idem and Cluster.
@@ -92,6 +102,7 @@ type Node struct {
 	glis   net.Listener
 	log    *slog.Logger
 	ready  atomic.Uint64 // the term in which this node, as leader, applied a barrier
+	reads  readRounds    // linearizable reads' shared leadership confirmations
 	stop   chan struct{}
 	wg     sync.WaitGroup
 	closed atomic.Bool
@@ -151,6 +162,7 @@ func StartNode(opts *NodeOptions) (*Node, error) {
 		lg = slog.New(slog.DiscardHandler)
 	}
 	n := &Node{o: o, log: lg.With("node", o.ID), stop: make(chan struct{})}
+	n.reads.confirm = n.confirmLeadership
 	ok := false
 	defer func() {
 		if !ok {
@@ -189,12 +201,28 @@ func StartNode(opts *NodeOptions) (*Node, error) {
 	conf.LeaderLeaseTimeout = o.HeartbeatTimeout / 2
 	conf.SnapshotThreshold = o.SnapshotThreshold
 	conf.TrailingLogs = o.TrailingLogs
+	// Group commit: the leader takes every command waiting (up to
+	// MaxAppendEntries) into one StoreLogs (one raft-wal append and one
+	// fsync) and one AppendEntries per follower (each follower appends and
+	// fsyncs it once before it answers); the FSM gets up to
+	// MaxAppendEntries committed entries per ApplyBatch. BatchApplyCh
+	// buffers the apply channel so that commands arriving while the leader
+	// syncs queue up for the next append instead of waiting one by one.
+	conf.MaxAppendEntries = maxAppendEntries
+	conf.BatchApplyCh = true
 	conf.Logger = hl
 	has, err := raft.HasExistingState(n.logs, n.logs, snaps)
 	if err != nil {
 		return nil, fmt.Errorf("idemcluster: %w", err)
 	}
-	if n.r, err = raft.NewRaft(conf, f, n.logs, n.logs, snaps, n.trans); err != nil {
+	// The cache keeps the last entries appended in memory: replication to
+	// the followers and the followers' own applies read them from it
+	// instead of reading them back from the log's files.
+	cached, err := raft.NewLogCache(logCacheEntries, n.logs)
+	if err != nil {
+		return nil, fmt.Errorf("idemcluster: raft log cache: %w", err)
+	}
+	if n.r, err = raft.NewRaft(conf, f, cached, n.logs, snaps, n.trans); err != nil {
 		return nil, fmt.Errorf("idemcluster: raft: %w", err)
 	}
 	if !has && len(o.Peers) > 0 {
@@ -299,9 +327,7 @@ func (n *Node) leaderAddr() string {
 	if id == "" {
 		return ""
 	}
-	n.fsm.mu.RLock()
-	defer n.fsm.mu.RUnlock()
-	return n.fsm.members[string(id)]
+	return n.fsm.member(string(id))
 }
 
 // apply appends a command and returns what the state machine made of it.
@@ -337,9 +363,32 @@ func (n *Node) apply(ctx context.Context, c *command) (*applied, error) {
 	return a, nil
 }
 
+// applyAll appends cmds as one entry (one cmdBatch, or the command itself
+// when alone) and returns the state machine's answer to each.
+func (n *Node) applyAll(ctx context.Context, cmds []*command) ([]*applied, error) {
+	if len(cmds) == 1 {
+		a, err := n.apply(ctx, cmds[0])
+		return []*applied{a}, err
+	}
+	a, err := n.apply(ctx, &command{Op: cmdBatch, Cmds: cmds})
+	if err != nil {
+		return nil, err
+	}
+	if len(a.subs) != len(cmds) {
+		if a.err != nil {
+			return nil, a.err
+		}
+		return nil, fmt.Errorf("idemcluster: a batch entry of %d commands applied with %d answers", len(cmds), len(a.subs))
+	}
+	return a.subs, nil
+}
+
 // readIndex makes a read linearizable: the node must be a ready leader,
 // confirm its leadership with a majority after taking the commit index,
-// and have applied up to that index.
+// and have applied up to that index. The confirmation is shared: one
+// round (readRounds) serves every read that arrived before it started, as
+// etcd batches its ReadIndex requests; each read then waits until the
+// commit index its round took is applied.
 func (n *Node) readIndex(ctx context.Context, followerRead bool) error {
 	if followerRead {
 		return nil
@@ -347,11 +396,83 @@ func (n *Node) readIndex(ctx context.Context, followerRead bool) error {
 	if !n.IsLeader() {
 		return &errNotLeader{leader: n.leaderAddr()}
 	}
-	ci := n.r.CommitIndex()
-	if err := n.r.VerifyLeader().Error(); err != nil {
-		return &errNotLeader{leader: n.leaderAddr()}
+	r := n.reads.join()
+	select {
+	case <-r.done:
+	case <-ctx.Done():
+		return ctx.Err()
 	}
-	return n.fsm.waitApplied(ctx, ci)
+	if r.err != nil {
+		return r.err
+	}
+	return n.fsm.waitApplied(ctx, r.index)
+}
+
+// confirmLeadership is one read round: it takes the commit index, then
+// confirms with a majority (raft.VerifyLeader) that the node is still the
+// leader of the term in which it became ready, so that no other leader
+// can have committed anything the index does not cover.
+func (n *Node) confirmLeadership() (uint64, error) {
+	term := n.ready.Load()
+	if n.r.State() != raft.Leader || n.r.CurrentTerm() != term {
+		return 0, &errNotLeader{leader: n.leaderAddr()}
+	}
+	ci := n.r.CommitIndex()
+	if err := n.r.VerifyLeader().Error(); err != nil || n.r.CurrentTerm() != term {
+		return 0, &errNotLeader{leader: n.leaderAddr()}
+	}
+	return ci, nil
+}
+
+// readRound is one leadership confirmation shared by the reads that
+// joined it.
+type readRound struct {
+	done  chan struct{} // closed when index and err are set
+	index uint64        // the commit index taken before the confirmation
+	err   error
+}
+
+// readRounds runs one confirmation at a time. Reads that arrive while one
+// runs join the next, which starts when the running one ends: a read is
+// never served by a round that started before it arrived.
+type readRounds struct {
+	confirm func() (uint64, error)
+
+	mu      sync.Mutex // guards next and running
+	next    *readRound // the round collecting reads, not started
+	running bool       // a goroutine is running rounds
+}
+
+// join returns the round that will serve a read arriving now.
+func (rr *readRounds) join() *readRound {
+	rr.mu.Lock()
+	defer rr.mu.Unlock()
+	if rr.next == nil {
+		rr.next = &readRound{done: make(chan struct{})}
+	}
+	r := rr.next
+	if !rr.running {
+		rr.running = true
+		go rr.run()
+	}
+	return r
+}
+
+// run runs rounds while reads are waiting, then exits.
+func (rr *readRounds) run() {
+	for {
+		rr.mu.Lock()
+		r := rr.next
+		rr.next = nil
+		if r == nil {
+			rr.running = false
+			rr.mu.Unlock()
+			return
+		}
+		rr.mu.Unlock()
+		r.index, r.err = rr.confirm()
+		close(r.done)
+	}
 }
 
 // Close shuts the node down cleanly: a leader hands leadership over first.

@@ -414,13 +414,13 @@ func TestClusterLinearizableUnderPartitions(t *testing.T) {
 // history is not linearizable (the last ten of them).
 func explain(model porcupine.Model, hist []porcupine.Operation) string {
 	for _, part := range model.Partition(hist) {
-		if porcupine.CheckOperations(model, part) {
+		if porcupine.CheckOperationsTimeout(model, part, 10*time.Second) != porcupine.Illegal {
 			continue
 		}
 		sort.Slice(part, func(i, j int) bool { return part[i].Call < part[j].Call })
 		end := len(part)
 		for i := 1; i < len(part); i++ {
-			if !porcupine.CheckOperations(model, part[:i]) {
+			if porcupine.CheckOperationsTimeout(model, part[:i], 10*time.Second) == porcupine.Illegal {
 				end = i
 				break
 			}

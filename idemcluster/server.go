@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/hashicorp/raft"
 	"github.com/idemdb/idem"
 	"github.com/idemdb/idem/idemcluster/clusterpb"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 )
@@ -59,11 +61,29 @@ func resultToPB(r idem.Result) *clusterpb.Result {
 }
 
 func (s *server) Begin(ctx context.Context, in *clusterpb.BeginRequest) (*clusterpb.BeginResponse, error) {
-	req, err := reqFromPB(in.Request)
+	req, c, err := beginCmd(in)
 	if err != nil {
 		return nil, toStatus(err)
 	}
-	a, err := s.n.apply(ctx, &command{Op: cmdBegin, Req: toWire(req), Owner: in.Owner, Token: in.Token})
+	if r, ok := s.committed(ctx, req); ok {
+		return &clusterpb.BeginResponse{Result: resultToPB(r)}, nil
+	}
+	a, err := s.n.apply(ctx, c)
+	return beginAnswer(req, a, err)
+}
+
+// beginCmd is a Begin's request and its command.
+func beginCmd(in *clusterpb.BeginRequest) (idem.Request, *command, error) {
+	req, err := reqFromPB(in.Request)
+	if err != nil {
+		return req, nil, err
+	}
+	return req, &command{Op: cmdBegin, Req: toWire(req), Owner: in.Owner, Token: in.Token}, nil
+}
+
+// beginAnswer is the answer to a Begin whose command was applied (a) or
+// not (err).
+func beginAnswer(req idem.Request, a *applied, err error) (*clusterpb.BeginResponse, error) {
 	if err == nil {
 		err = a.err
 	}
@@ -77,6 +97,38 @@ func (s *server) Begin(ctx context.Context, in *clusterpb.BeginRequest) (*cluste
 	return &clusterpb.BeginResponse{Result: res}, nil
 }
 
+// committed answers a Begin of a committed request (a duplicate) as a
+// linearizable read, without a raft entry: Begin writes nothing for a Done
+// request (unless it acknowledges replies: req.Acked), so the answer is
+// the one the entry would have given. The leader's own state is asked
+// first, so a new request pays no leadership round; a Done there is
+// confirmed by a read round and asked again (it may have expired since).
+// ok false: take the write path, which gives every other answer.
+func (s *server) committed(ctx context.Context, req idem.Request) (idem.Result, bool) {
+	if _, ok := s.localDone(ctx, req); !ok {
+		return idem.Result{}, false
+	}
+	if err := s.n.readIndex(ctx, false); err != nil {
+		return idem.Result{}, false
+	}
+	return s.localDone(ctx, req)
+}
+
+// localDone is what a Begin of req would find in this node's state, when
+// it is a ready leader and that is Done (req acknowledges no replies).
+func (s *server) localDone(ctx context.Context, req idem.Request) (idem.Result, bool) {
+	if len(req.Acked) > 0 || !s.n.IsLeader() {
+		return idem.Result{}, false
+	}
+	e, done, err := s.n.fsm.engine()
+	if err != nil {
+		return idem.Result{}, false
+	}
+	defer done()
+	r, err := e.Lookup(ctx, req)
+	return r, err == nil && r.Status == idem.Done
+}
+
 func claimCmd(op byte, c *clusterpb.ClaimRef) (*command, error) {
 	if c == nil || len(c.Token) == 0 {
 		return nil, fmt.Errorf("%w: no claim or no token", idem.ErrInvalidRequest)
@@ -85,9 +137,17 @@ func claimCmd(op byte, c *clusterpb.ClaimRef) (*command, error) {
 }
 
 func (s *server) Commit(ctx context.Context, in *clusterpb.CommitRequest) (*clusterpb.CommitResponse, error) {
-	c, err := claimCmd(cmdCommit, in.Claim)
+	c, err := commitCmd(in)
 	if err != nil {
 		return nil, toStatus(err)
+	}
+	return &clusterpb.CommitResponse{}, s.write(ctx, c)
+}
+
+func commitCmd(in *clusterpb.CommitRequest) (*command, error) {
+	c, err := claimCmd(cmdCommit, in.Claim)
+	if err != nil {
+		return nil, err
 	}
 	c.Reply = in.Reply
 	if c.Reply == nil {
@@ -96,7 +156,7 @@ func (s *server) Commit(ctx context.Context, in *clusterpb.CommitRequest) (*clus
 	for _, a := range in.Advances {
 		c.Adv = append(c.Adv, idem.Advance{Scope: a.Scope, Client: a.Client, Seq: a.Seq})
 	}
-	return &clusterpb.CommitResponse{}, s.write(ctx, c)
+	return c, nil
 }
 
 func (s *server) Abort(ctx context.Context, in *clusterpb.AbortRequest) (*clusterpb.AbortResponse, error) {
@@ -188,6 +248,105 @@ func (s *server) Wait(ctx context.Context, in *clusterpb.WaitRequest) (*clusterp
 	}
 }
 
+// Batch runs a client's coalesced calls, each answered as its own call
+// would be, in the items' order. The writes (Begins that this node does
+// not find Done, Commits, Aborts) go to the log as one entry (cmdBatch:
+// one append, one replication round, applied in order in one engine
+// batch); the reads and the Begins of committed ids run concurrently as
+// their own calls (the reads share a leadership round).
+func (s *server) Batch(ctx context.Context, in *clusterpb.BatchRequest) (*clusterpb.BatchResponse, error) {
+	out := &clusterpb.BatchResponse{Results: make([]*clusterpb.BatchResult, len(in.Items))}
+	var (
+		wg     sync.WaitGroup
+		cmds   []*command
+		writes []int // the items of cmds, in order
+		reqs   []idem.Request
+	)
+	for i, it := range in.Items {
+		var (
+			c   *command
+			req idem.Request
+			err error
+		)
+		switch call := it.GetCall().(type) {
+		case *clusterpb.BatchItem_Begin:
+			if req, c, err = beginCmd(call.Begin); err == nil {
+				if _, done := s.localDone(ctx, req); done {
+					c = nil // a duplicate: answered as a read
+				}
+			}
+		case *clusterpb.BatchItem_Commit:
+			c, err = commitCmd(call.Commit)
+		case *clusterpb.BatchItem_Abort:
+			c, err = claimCmd(cmdAbort, call.Abort.GetClaim())
+		}
+		switch {
+		case err != nil:
+			out.Results[i] = itemResult(nil, toStatus(err))
+		case c != nil:
+			cmds, writes, reqs = append(cmds, c), append(writes, i), append(reqs, req)
+		default:
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				out.Results[i] = s.item(ctx, it)
+			}()
+		}
+	}
+	if len(cmds) > 0 {
+		as, aerr := s.n.applyAll(ctx, cmds)
+		for j, i := range writes {
+			a, err := &applied{err: aerr}, aerr
+			if aerr == nil {
+				a, err = as[j], as[j].err
+			}
+			if cmds[j].Op == cmdBegin {
+				r, err := beginAnswer(reqs[j], a, nil)
+				out.Results[i] = itemResult(r.GetResult(), err)
+				continue
+			}
+			out.Results[i] = itemResult(nil, toStatus(err))
+		}
+	}
+	wg.Wait()
+	return out, nil
+}
+
+// itemResult is an item's answer: its result, or its error as a status.
+func itemResult(res *clusterpb.Result, err error) *clusterpb.BatchResult {
+	out := &clusterpb.BatchResult{Result: res}
+	if err != nil {
+		st := status.Convert(err).Proto()
+		out.Status = &clusterpb.ItemStatus{Code: st.Code, Message: st.Message, Details: st.Details}
+	}
+	return out
+}
+
+// item runs one item of a Batch.
+func (s *server) item(ctx context.Context, it *clusterpb.BatchItem) *clusterpb.BatchResult {
+	out := &clusterpb.BatchResult{}
+	var err error
+	switch c := it.GetCall().(type) {
+	case *clusterpb.BatchItem_Begin:
+		var r *clusterpb.BeginResponse
+		if r, err = s.Begin(ctx, c.Begin); r != nil {
+			out.Result = r.Result
+		}
+	case *clusterpb.BatchItem_Commit:
+		_, err = s.Commit(ctx, c.Commit)
+	case *clusterpb.BatchItem_Abort:
+		_, err = s.Abort(ctx, c.Abort)
+	case *clusterpb.BatchItem_Lookup:
+		var r *clusterpb.LookupResponse
+		if r, err = s.Lookup(ctx, c.Lookup); r != nil {
+			out.Result = r.Result
+		}
+	default:
+		err = toStatus(fmt.Errorf("%w: a batch item without a call", idem.ErrInvalidRequest))
+	}
+	return itemResult(out.Result, err)
+}
+
 func (s *server) ClientState(ctx context.Context, in *clusterpb.ClientStateRequest) (*clusterpb.ClientStateResponse, error) {
 	var out *clusterpb.ClientStateResponse
 	err := s.read(ctx, in.FollowerRead, func(e *idem.Engine) error {
@@ -218,11 +377,9 @@ func (s *server) members() ([]*clusterpb.Member, error) {
 		return nil, err
 	}
 	_, leader := s.n.r.LeaderWithID()
-	s.n.fsm.mu.RLock()
-	defer s.n.fsm.mu.RUnlock()
 	var out []*clusterpb.Member
 	for _, sv := range f.Configuration().Servers {
-		out = append(out, &clusterpb.Member{NodeId: string(sv.ID), RaftAddr: string(sv.Address), GrpcAddr: s.n.fsm.members[string(sv.ID)],
+		out = append(out, &clusterpb.Member{NodeId: string(sv.ID), RaftAddr: string(sv.Address), GrpcAddr: s.n.fsm.member(string(sv.ID)),
 			Voter: sv.Suffrage == raft.Voter, Leader: sv.ID == leader})
 	}
 	return out, nil

@@ -43,6 +43,9 @@ type clusterOpts struct {
 	// the test controls (tcpNet), instead of the in-memory transport. A
 	// node stopped over TCP is not started again.
 	tcp bool
+	// plainApps: every node's application is the plain counterFSM (by
+	// default every second node's is a raft.BatchingFSM).
+	plainApps bool
 }
 
 type cluster struct {
@@ -65,6 +68,10 @@ func raftConfig(id raft.ServerID, o clusterOpts) *raft.Config {
 	c.ElectionTimeout = c.HeartbeatTimeout
 	c.LeaderLeaseTimeout = c.HeartbeatTimeout * 2 / 3
 	c.CommitTimeout = 2 * time.Millisecond
+	// Batches: the leader takes up to MaxAppendEntries waiting applies in
+	// one append, and the FSM gets what was committed together in one
+	// ApplyBatch.
+	c.BatchApplyCh = true
 	c.SnapshotInterval = 200 * time.Millisecond
 	c.SnapshotThreshold = o.snapshotThreshold
 	if c.SnapshotThreshold == 0 {
@@ -154,7 +161,13 @@ func (c *cluster) start(nd *tnode) {
 		if c.o.engine != nil {
 			eo = *c.o.engine
 		}
-		w, err = Wrap(app, &Options{Dir: nd.dir, Engine: eo})
+		// Every second node's application is a raft.BatchingFSM, so that
+		// replicas applying through both paths must end equal.
+		var wrapped raft.FSM = app
+		if !c.o.plainApps && nd.id[len(nd.id)-1]%2 == 0 {
+			wrapped = &batchingCounter{counterFSM: app}
+		}
+		w, err = Wrap(wrapped, &Options{Dir: nd.dir, Engine: eo})
 		if err != nil {
 			c.t.Fatal(err)
 		}

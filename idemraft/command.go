@@ -16,9 +16,18 @@ import (
 // own entries pass through untouched unless they begin with exactly this.
 const commandMagic = "\xc1idemraf"
 
+// The kind byte after commandMagic. These values are frozen: a log holds
+// entries written by every earlier version, and a reader refuses a kind it
+// does not know (ErrInvalidCommand, the same on every replica) rather than
+// guess at its body.
 const (
-	kindCommand byte = 1
-	kindForget  byte = 2
+	kindCommand byte = 1 // a request without a reply window: wireCommand
+	kindForget  byte = 2 // the administrator's tombstone: Unix ns
+	// kindWindowCommand is a request with a reply window
+	// (Request.KeepReplies, KeepRepliesFor): wireWindowCommand. Command
+	// writes it only when a window is given, so that entries without one
+	// stay readable by an idemraft from before it.
+	kindWindowCommand byte = 3
 )
 
 // MaxCommandSize bounds a log entry built by Command (64 MiB), far above
@@ -42,9 +51,9 @@ var (
 )
 
 // wireCommand is the body of a command entry: a msgpack array, which the
-// decoder accepts only with exactly these fields, so a field cannot simply
-// be appended: a new form needs a new kind byte (see docs/design.md,
-// "idemraft").
+// decoder (decodeRequest, which reads these fields in this order) accepts
+// only with exactly these fields, so a field cannot simply be appended: a
+// new form needs a new kind byte (see docs/design.md, "idemraft").
 type wireCommand struct {
 	_msgpack    struct{} `msgpack:",as_array"`
 	Scope       string
@@ -57,28 +66,61 @@ type wireCommand struct {
 	Op          []byte
 }
 
+// wireWindowCommand is the body of a kindWindowCommand entry: the fields
+// of wireCommand, then the reply window. As for wireCommand, the decoder
+// takes exactly these fields.
+type wireWindowCommand struct {
+	_msgpack       struct{} `msgpack:",as_array"`
+	Scope          string
+	ID             []byte
+	Client         string
+	Seq            uint64
+	Fingerprint    []byte
+	Acked          [][]byte
+	TTL            int64 // nanoseconds
+	Op             []byte
+	KeepReplies    int64
+	KeepRepliesFor int64 // nanoseconds
+}
+
 // Command returns the data of a raft log entry that carries req (id or
-// client and sequence number, scope, fingerprint, acked ids, TTL) and the
+// client and sequence number, scope, fingerprint, acked ids, TTL, and in
+// sequence mode the reply window KeepReplies and KeepRepliesFor) and the
 // application's operation op. Submit it with raft's Apply; the wrapped
 // FSM's Apply receives op as Log.Data the first time the request is
 // applied, and never again.
 //
 // It refuses requests the engine would refuse whatever its state (neither
-// or both of ID and Client/Seq), so a malformed request never costs a log
-// append.
+// or both of ID and Client/Seq, a reply window out of range or with an
+// ID), so a malformed request never costs a log append.
+//
+// A request with a reply window is written with a kind of entry of its own
+// (docs/design.md, "idemraft"), which an idemraft from before it refuses
+// (ErrInvalidCommand) rather than apply without the window: upgrade every
+// node before clients send windows.
 func Command(req idem.Request, op []byte) ([]byte, error) {
 	if err := checkRequest(req); err != nil {
 		return nil, err
 	}
-	c := wireCommand{
-		Scope: req.Scope, ID: req.ID, Client: req.Client, Seq: req.Seq,
-		Fingerprint: req.Fingerprint, Acked: req.Acked, TTL: int64(req.TTL), Op: op,
-	}
 	var buf bytes.Buffer
 	buf.Grow(len(commandMagic) + 1 + len(op) + len(req.ID) + 64)
 	buf.WriteString(commandMagic)
-	buf.WriteByte(kindCommand)
-	if err := msgpack.NewEncoder(&buf).Encode(&c); err != nil {
+	var body any
+	if req.KeepReplies == 0 && req.KeepRepliesFor == 0 {
+		buf.WriteByte(kindCommand)
+		body = &wireCommand{
+			Scope: req.Scope, ID: req.ID, Client: req.Client, Seq: req.Seq,
+			Fingerprint: req.Fingerprint, Acked: req.Acked, TTL: int64(req.TTL), Op: op,
+		}
+	} else {
+		buf.WriteByte(kindWindowCommand)
+		body = &wireWindowCommand{
+			Scope: req.Scope, ID: req.ID, Client: req.Client, Seq: req.Seq,
+			Fingerprint: req.Fingerprint, Acked: req.Acked, TTL: int64(req.TTL), Op: op,
+			KeepReplies: int64(req.KeepReplies), KeepRepliesFor: int64(req.KeepRepliesFor),
+		}
+	}
+	if err := msgpack.NewEncoder(&buf).Encode(body); err != nil {
 		return nil, fmt.Errorf("idemraft: encode command: %w", err)
 	}
 	if buf.Len() > MaxCommandSize {
@@ -99,6 +141,12 @@ func checkRequest(req idem.Request) error {
 		return fmt.Errorf("%w: sequence mode needs both Client and Seq (>= 1)", idem.ErrInvalidRequest)
 	case req.TTL < 0:
 		return fmt.Errorf("%w: negative TTL", idem.ErrInvalidRequest)
+	case (req.KeepReplies != 0 || req.KeepRepliesFor != 0) && !hasSeq:
+		return fmt.Errorf("%w: KeepReplies and KeepRepliesFor apply to sequence mode (Client and Seq) only", idem.ErrInvalidRequest)
+	case req.KeepReplies < 0 || req.KeepReplies > idem.MaxKeepReplies:
+		return fmt.Errorf("%w: KeepReplies %d out of range 0..%d", idem.ErrInvalidRequest, req.KeepReplies, idem.MaxKeepReplies)
+	case req.KeepRepliesFor < 0:
+		return fmt.Errorf("%w: negative KeepRepliesFor", idem.ErrInvalidRequest)
 	}
 	return nil
 }
@@ -140,17 +188,15 @@ func decodeCommand(data []byte) (decoded, error) {
 	kind := data[len(commandMagic)]
 	body := data[len(commandMagic)+1:]
 	switch kind {
-	case kindCommand:
-		var c wireCommand
-		if err := unmarshalStrict(body, &c); err != nil {
+	case kindCommand, kindWindowCommand:
+		req, op, err := decodeRequest(body, kind == kindWindowCommand)
+		if err != nil {
 			return decoded{}, fmt.Errorf("%w: %v", ErrInvalidCommand, err)
 		}
-		req := idem.Request{Scope: c.Scope, ID: c.ID, Client: c.Client, Seq: c.Seq, Fingerprint: c.Fingerprint, Acked: c.Acked}
-		req.TTL = time.Duration(c.TTL)
 		if err := checkRequest(req); err != nil {
 			return decoded{}, fmt.Errorf("%w: %v", ErrInvalidCommand, err)
 		}
-		return decoded{kind: kind, req: req, op: c.Op}, nil
+		return decoded{kind: kind, req: req, op: op}, nil
 	case kindForget:
 		var ns int64
 		if err := unmarshalStrict(body, &ns); err != nil {
@@ -160,6 +206,85 @@ func decodeCommand(data []byte) (decoded, error) {
 	default:
 		return decoded{}, fmt.Errorf("%w: unknown kind %d (written by a newer idemraft?)", ErrInvalidCommand, kind)
 	}
+}
+
+// decodeRequest reads the body of a request command: the array of
+// wireCommand's fields, with window wireWindowCommand's, exactly that
+// many, each read with the decoder call msgpack.Unmarshal makes for its
+// type, and nothing after (FuzzDecodeCommand checks the round trip). It
+// runs once per command on raft's FSM goroutine, so it does without
+// Unmarshal's reflection.
+func decodeRequest(body []byte, window bool) (req idem.Request, op []byte, err error) {
+	defer func() {
+		if r := recover(); r != nil { // the decoder must never take a replica down
+			err = fmt.Errorf("decoder panic: %v", r)
+		}
+	}()
+	r := bytes.NewReader(body)
+	d := msgpack.GetDecoder()
+	defer msgpack.PutDecoder(d)
+	d.Reset(r)
+	want := 8
+	if window {
+		want = 10
+	}
+	n, err := d.DecodeArrayLen()
+	if err == nil && n != want {
+		err = fmt.Errorf("an array of %d fields, want %d", n, want)
+	}
+	str := func(s *string) {
+		if err == nil {
+			*s, err = d.DecodeString()
+		}
+	}
+	bin := func(b *[]byte) {
+		if err == nil {
+			*b, err = d.DecodeBytes()
+		}
+	}
+	i64 := func(v *int64) {
+		if err == nil {
+			*v, err = d.DecodeInt64()
+		}
+	}
+	str(&req.Scope)
+	bin(&req.ID)
+	str(&req.Client)
+	if err == nil {
+		req.Seq, err = d.DecodeUint64()
+	}
+	bin(&req.Fingerprint)
+	if err == nil {
+		var k int
+		if k, err = d.DecodeArrayLen(); err == nil && k > r.Len() { // each id takes a byte at least
+			err = fmt.Errorf("%d acked ids in %d bytes", k, r.Len())
+		}
+		if k > 0 && err == nil {
+			req.Acked = make([][]byte, k)
+			for j := range req.Acked {
+				bin(&req.Acked[j])
+			}
+		}
+	}
+	var ttl, keep, keepFor int64
+	i64(&ttl)
+	bin(&op)
+	if window {
+		i64(&keep)
+		i64(&keepFor)
+		if err == nil && (keep < 0 || keep > idem.MaxKeepReplies) {
+			err = fmt.Errorf("KeepReplies %d out of range 0..%d", keep, idem.MaxKeepReplies)
+		}
+	}
+	if err == nil && r.Len() != 0 {
+		err = fmt.Errorf("%d trailing bytes", r.Len())
+	}
+	if err != nil {
+		return idem.Request{}, nil, err
+	}
+	req.TTL = time.Duration(ttl)
+	req.KeepReplies, req.KeepRepliesFor = int(keep), time.Duration(keepFor)
+	return req, op, nil
 }
 
 // unmarshalStrict decodes exactly one msgpack value filling all of b.

@@ -26,7 +26,7 @@
 // # Applying a command
 //
 // The wrapped FSM's Apply runs on raft's FSM goroutine, one entry at a
-// time. For a Command entry it calls the engine's Begin with the request;
+// time (see Batches for ApplyBatch). For a Command entry it calls the engine's Begin with the request;
 // a new request runs the application's Apply with the operation as
 // Log.Data (index, term, type and times of the original entry), and the
 // result ([]byte, a string, nil or an error) is committed as the request's
@@ -36,8 +36,11 @@
 // was applied) run once. Acked ids are removed in the same Apply. In
 // sequence mode (Client and Seq) the engine's rules and errors apply:
 // *idem.SequenceGapError, *idem.AlreadyCommittedError, idem.ErrConflict come
-// back in Response.Err. Entries that are not commands (their data does not
-// start with the command prefix) go to the application untouched.
+// back in Response.Err, and the client's reply window (Request.KeepReplies,
+// KeepRepliesFor) travels in the entry, so a retry of an older number
+// inside it gets that number's reply. Entries that are not commands (their
+// data does not start with the command prefix) go to the application
+// untouched.
 //
 // An error returned by the application is committed as the reply, not
 // aborted: the operation ran (a deterministic FSM fails the same way on
@@ -47,14 +50,41 @@
 // No claim stays open across entries, so a request is never "in flight"
 // between Applies, and nothing is ever in doubt after a crash.
 //
+// # Batches
+//
+// *FSM is a raft.BatchingFSM: raft hands ApplyBatch the entries committed
+// together (set raft.Config.BatchApplyCh so that the leader appends, and
+// the FSMs apply, many requests at once). ApplyBatch looks each command's
+// request up in the dedup set (the engine's Lookup, which answers exactly
+// what Begin would), gives the application the new requests' operations
+// and the entries that are not commands in log order (in one ApplyBatch
+// call if the application implements raft.BatchingFSM, else one Apply per
+// entry; configuration changes go to its ApplyBatch, or its
+// StoreConfiguration), and writes the new requests' replies in one engine
+// batch (idem.Batch.Put, claim and commit in one step): one record for the
+// batch instead of two per request. Every entry gets what Apply would give
+// it, whatever the batch boundaries, which differ between the leader and
+// the followers: the batch is taken in runs, and a run ends before a
+// command that names a key a new request of the run writes (its id or
+// client, or an id it acks: a second append of a request in one batch is
+// answered as a duplicate of the first), before a command whose log time
+// differs from the new requests' (each request is committed at its own
+// entry's log time, to the millisecond), and at a ForgetCommand. The engine is the FSM's alone and
+// only the FSM writes to it, so nothing changes between the lookup and the
+// write.
+//
 // # Time
 //
 // Every time decision (commit time, per-request TTL and Retention expiry,
 // the forget tombstone, leases) is made with the engine clock
 // (idem.Options.Clock), and idemraft gives the engine a clock that returns
-// the AppendedAt of the entry being applied: the largest AppendedAt seen
-// so far, so that a new leader whose clock is behind never moves it back.
-// Its value is part of the snapshot. Every replica therefore sees the
+// the log time of the entry being applied: its AppendedAt rounded down to
+// the millisecond, or the largest log time seen so far if that is later,
+// so that a new leader whose clock is behind never moves it back. Its
+// value is part of the snapshot. (The millisecond lets the entries raft
+// appended within one millisecond share a time, so that ApplyBatch
+// commits them in one engine record; expiries, forgets and reply windows
+// are therefore decided to the millisecond.) Every replica therefore sees the
 // same times after the same entries and keeps the same set; the local
 // clock decides nothing. (Raft calls Apply, Snapshot and Restore from one
 // goroutine; the clock is an atomic so that the engine's background work

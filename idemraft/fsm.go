@@ -52,11 +52,12 @@ type Options struct {
 // FSM wraps an application's raft.FSM with exactly-once handling of
 // Command entries. It implements raft.FSM and raft.ConfigurationStore.
 type FSM struct {
-	app    raft.FSM
-	dir    string
-	eopts  idem.Options
-	logger *slog.Logger
-	lock   io.Closer
+	app      raft.FSM
+	batchApp raft.BatchingFSM // app, when it implements raft.BatchingFSM
+	dir      string
+	eopts    idem.Options
+	logger   *slog.Logger
+	lock     io.Closer
 
 	// mu guards cur and closed: Apply, Snapshot and Lookup read them,
 	// Restore and Close change them.
@@ -69,7 +70,7 @@ type FSM struct {
 	refMu sync.Mutex
 	live  int // generations not yet closed
 
-	now       atomic.Int64 // the clock: max AppendedAt so far (Unix ns)
+	now       atomic.Int64 // the clock: max log time so far (Unix ns; see logTime)
 	lastIndex atomic.Uint64
 	failed    atomic.Pointer[error]
 
@@ -116,6 +117,7 @@ func Wrap(fsm raft.FSM, opts *Options) (*FSM, error) {
 		return nil, fmt.Errorf("idemraft: Wrap %s: %w (another FSM of this process has it; Close it first)", dir, idem.ErrLocked)
 	}
 	f := &FSM{app: fsm, dir: dir}
+	f.batchApp, _ = fsm.(raft.BatchingFSM)
 	ok := false
 	defer func() {
 		if !ok {
@@ -180,7 +182,7 @@ func checkEngineOptions(o *idem.Options) error {
 	case o.FS != nil:
 		return bad("FS", fmt.Sprintf("%T", o.FS), "idemraft's directory is on the operating system's file system")
 	case o.Clock != nil:
-		return bad("Clock", "a func", "idemraft's clock is the AppendedAt of the entry being applied, the same on every replica")
+		return bad("Clock", "a func", "idemraft's clock is the log time of the entry being applied (its AppendedAt), the same on every replica")
 	case o.Sync != idem.SyncAlways: // the zero value: unset
 		return bad("Sync", o.Sync, "idemraft uses idem.SyncInterval (the raft log is what makes an entry durable)")
 	case o.RelaxedClaims:
@@ -295,18 +297,32 @@ func (f *FSM) release(g *generation) {
 	}
 }
 
-// clock is the engine's Options.Clock: the time of the entry being
-// applied (the largest AppendedAt seen so far, so it never goes back).
+// clock is the engine's Options.Clock: the log time of the entry being
+// applied (the largest seen so far, so it never goes back).
 func (f *FSM) clock() time.Time { return time.Unix(0, f.now.Load()) }
 
-// tick advances the clock to the entry's AppendedAt. Apply runs on raft's
+// clockResolution is the resolution of the log clock: an entry's log time
+// is its AppendedAt rounded down to the millisecond. Replicas must agree
+// on it (it decides expiries and forgets), so it is frozen. It makes the
+// entries of a batch that raft appended within one millisecond share a
+// time, so that ApplyBatch commits them in one engine record (a record has
+// one time; see ApplyBatch).
+const clockResolution = time.Millisecond
+
+// logTime is the entry's log time (Unix ns), or 0 if it has none.
+func logTime(l *raft.Log) int64 {
+	if l.AppendedAt.IsZero() {
+		return 0
+	}
+	return l.AppendedAt.Truncate(clockResolution).UnixNano()
+}
+
+// tick advances the clock to the entry's log time. Apply runs on raft's
 // FSM goroutine only, so the load and store do not race with each other;
 // the atomic is for readers (the engine's background work, Lookup).
 func (f *FSM) tick(l *raft.Log) {
-	if !l.AppendedAt.IsZero() {
-		if t := l.AppendedAt.UnixNano(); t > f.now.Load() {
-			f.now.Store(t)
-		}
+	if t := logTime(l); t > f.now.Load() {
+		f.now.Store(t)
 	}
 }
 
@@ -379,39 +395,45 @@ func (f *FSM) applyEntry(l *raft.Log, d decoded, derr error) any {
 		return &Response{}
 	}
 	res, err := e.Begin(ctx, d.req)
-	if err != nil {
-		if requestError(err) {
-			f.refused.Add(1)
-			return &Response{Err: err}
-		}
-		return &Response{Err: f.fail(l.Index, err)}
-	}
-	switch res.Status {
-	case idem.Done:
-		env, err := decodeEnvelope(res.Reply)
-		if err != nil {
-			return &Response{Err: f.fail(l.Index, err)}
-		}
-		f.duplicates.Add(1)
-		return env.response(true)
-	case idem.Fresh:
-	default:
-		// Claims never outlive an Apply, so nothing can be in flight.
-		return &Response{Err: f.fail(l.Index, fmt.Errorf("unexpected %v for a request (a claim outlived its Apply)", res.Status))}
+	if resp := f.answered(l.Index, res, err); resp != nil {
+		return resp
 	}
 	entry := *l
 	entry.Data = d.op
 	out := f.app.Apply(&entry)
 	env, resp := resultEnvelope(out, f.eopts.MaxReplySize)
-	b, err := encodeEnvelope(env)
-	if err == nil {
-		err = res.Claim.Commit(ctx, b)
-	}
-	if err != nil {
+	if err := res.Claim.Commit(ctx, encodeEnvelope(env)); err != nil {
 		return &Response{Err: f.fail(l.Index, err)}
 	}
 	f.applied.Add(1)
 	return resp
+}
+
+// answered is the Response to a command that does not run, from what the
+// engine's Begin (or Lookup) said of its request: the stored reply
+// (Done), or the engine's refusal. It returns nil for a new request
+// (Begin's Fresh, Lookup's Absent); an error of this node stops the FSM.
+func (f *FSM) answered(idx uint64, res idem.Result, err error) *Response {
+	if err != nil {
+		if requestError(err) {
+			f.refused.Add(1)
+			return &Response{Err: err}
+		}
+		return &Response{Err: f.fail(idx, err)}
+	}
+	switch res.Status {
+	case idem.Fresh, idem.Absent:
+		return nil
+	case idem.Done:
+		env, err := decodeEnvelope(res.Reply)
+		if err != nil {
+			return &Response{Err: f.fail(idx, err)}
+		}
+		f.duplicates.Add(1)
+		return env.response(true)
+	}
+	// Claims never outlive an Apply (or ApplyBatch), so nothing can be in flight.
+	return &Response{Err: f.fail(idx, fmt.Errorf("unexpected %v for a request (a claim outlived its Apply)", res.Status))}
 }
 
 // requestError reports whether err is the engine's answer to the request

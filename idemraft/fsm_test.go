@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"io"
 	"math/rand/v2"
 	"os"
@@ -210,8 +211,15 @@ func TestTimeIsTheLogs(t *testing.T) {
 	if got := fd.f.Stats().Time; !got.Equal(fd.at) {
 		t.Fatalf("clock %v, want the entry's %v", got, fd.at)
 	}
+	// Log time is to the millisecond (what lets ApplyBatch commit a batch
+	// in one engine record).
+	fd.at = fd.at.Add(1500 * time.Microsecond)
+	fd.apply([]byte("noise"))
+	if got, want := fd.f.Stats().Time, fd.at.Add(-500*time.Microsecond); !got.Equal(want) {
+		t.Fatalf("clock %v, want %v (the entry's AppendedAt %v to the millisecond)", got, want, fd.at)
+	}
 	// A leader whose clock is behind appends an entry: the clock holds.
-	high := fd.at
+	high := fd.at.Add(-500 * time.Microsecond)
 	fd.at = t0.Add(-time.Hour)
 	fd.apply([]byte("noise"))
 	if got := fd.f.Stats().Time; !got.Equal(high) {
@@ -498,6 +506,11 @@ func TestCommandValidation(t *testing.T) {
 		{ID: []byte("a"), Client: "c", Seq: 1},
 		{Client: "c"},
 		{Seq: 3},
+		{ID: []byte("a"), KeepReplies: 2},
+		{ID: []byte("a"), KeepRepliesFor: time.Second},
+		{Client: "c", Seq: 1, KeepReplies: -1},
+		{Client: "c", Seq: 1, KeepReplies: idem.MaxKeepReplies + 1},
+		{Client: "c", Seq: 1, KeepRepliesFor: -time.Second},
 	} {
 		if _, err := Command(req, nil); !errors.Is(err, idem.ErrInvalidRequest) {
 			t.Errorf("Command(%+v): %v", req, err)
@@ -547,5 +560,68 @@ func TestTTLUsesLogTime(t *testing.T) {
 	}
 	if _, err := Command(idem.Request{ID: []byte("x"), TTL: -time.Second}, nil); !errors.Is(err, idem.ErrInvalidRequest) {
 		t.Fatalf("negative TTL: %v", err)
+	}
+}
+
+// TestReplyWindowThroughCommand: a client's reply window (KeepReplies,
+// KeepRepliesFor) travels in its command entry, so a retry of an older
+// sequence number inside the window gets that number's own reply, through
+// Apply and ApplyBatch alike, and one outside it by count or by log time
+// is already committed. Entries without a window keep the first kind, which
+// idemraft versions from before the window read; the window's kind cannot
+// be read as the first one.
+func TestReplyWindowThroughCommand(t *testing.T) {
+	for _, batch := range []bool{false, true} {
+		app := newCounterFSM()
+		fd := &feeder{t: t, f: wrapT(t, app, t.TempDir()), at: t0}
+		send := func(seq uint64, keep int, keepFor time.Duration) *Response {
+			c, err := Command(idem.Request{Client: "w", Seq: seq, KeepReplies: keep, KeepRepliesFor: keepFor},
+				encodeOp(counterOp{ID: fmt.Sprint("w", seq), Key: "k", Delta: 1}))
+			if err != nil {
+				t.Fatal(err)
+			}
+			fd.idx++
+			fd.at = fd.at.Add(time.Millisecond)
+			l := &raft.Log{Index: fd.idx, Term: 1, Type: raft.LogCommand, Data: c, AppendedAt: fd.at}
+			if batch {
+				return fd.f.ApplyBatch([]*raft.Log{l})[0].(*Response)
+			}
+			return fd.f.Apply(l).(*Response)
+		}
+		for seq := uint64(1); seq <= 4; seq++ {
+			if v := val(t, send(seq, 3, 0)); v != int64(seq) {
+				t.Fatalf("batch %v: seq %d gave %d", batch, seq, v)
+			}
+		}
+		// 2, 3 and 4 are kept: 2 gets its own reply; 1 fell out of the window.
+		if r := send(2, 3, 0); !r.Duplicate || val(t, r) != 2 {
+			t.Fatalf("batch %v: retry of seq 2 inside the window: %+v", batch, r)
+		}
+		if r := send(1, 3, 0); !errors.Is(r.Err, idem.ErrAlreadyCommitted) {
+			t.Fatalf("batch %v: retry of seq 1 outside the window: %+v", batch, r)
+		}
+		// By age: 5 is kept 3 ms of log time after its commit (at 6 ms from
+		// 2 ms later), then not.
+		send(5, 3, 3*time.Millisecond)
+		send(6, 3, 3*time.Millisecond)
+		if r := send(5, 3, 0); !r.Duplicate || val(t, r) != 5 {
+			t.Fatalf("batch %v: retry of seq 5 within its age: %+v", batch, r)
+		}
+		fd.at = fd.at.Add(10 * time.Millisecond)
+		if r := send(5, 3, 0); !errors.Is(r.Err, idem.ErrAlreadyCommitted) {
+			t.Fatalf("batch %v: retry of seq 5 after its age: %+v", batch, r)
+		}
+		if got := app.state().Applied; len(got) != 6 {
+			t.Fatalf("batch %v: applied %v", batch, got)
+		}
+	}
+	plain, _ := Command(idem.Request{Client: "w", Seq: 1}, nil)
+	window, _ := Command(idem.Request{Client: "w", Seq: 1, KeepReplies: 2}, nil)
+	if plain[len(commandMagic)] != kindCommand || window[len(commandMagic)] != kindWindowCommand {
+		t.Fatalf("kinds %d and %d, want %d without a window and %d with one", plain[len(commandMagic)], window[len(commandMagic)], kindCommand, kindWindowCommand)
+	}
+	window[len(commandMagic)] = kindCommand
+	if _, err := decodeCommand(window); !errors.Is(err, ErrInvalidCommand) {
+		t.Fatalf("a window command read as the first kind: %v, want ErrInvalidCommand", err)
 	}
 }

@@ -177,3 +177,27 @@ func TestOldEnvelopesInSnapshots(t *testing.T) {
 		}
 	}
 }
+
+// TestEnvelopeEncoding: encodeEnvelope writes the bytes msgpack.Marshal
+// writes for the envelope struct, at every length boundary of msgpack's
+// bin and str formats, and they decode back.
+func TestEnvelopeEncoding(t *testing.T) {
+	for _, kind := range []int{replyBytes, replyNil, replyAppError, replyTooLarge, replyUnsupported} {
+		for _, n := range []int{-1, 0, 1, 31, 32, 255, 256, 65535, 65536, 70000} {
+			env := envelope{Kind: kind}
+			if n >= 0 {
+				env.Reply = bytes.Repeat([]byte{'r'}, n)
+				env.Msg = strings.Repeat("m", n)
+			}
+			got := encodeEnvelope(env)
+			want, _ := msgpack.Marshal(&env)
+			if !bytes.Equal(got, want) {
+				t.Fatalf("kind %d, %d bytes: %x..., msgpack writes %x...", kind, n, got[:min(len(got), 8)], want[:min(len(want), 8)])
+			}
+			back, err := decodeEnvelope(got)
+			if err != nil || back.Kind != kind || !bytes.Equal(back.Reply, env.Reply) || back.Msg != env.Msg {
+				t.Fatalf("kind %d, %d bytes: decoded %v %v", kind, n, back.Kind, err)
+			}
+		}
+	}
+}

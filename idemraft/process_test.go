@@ -84,6 +84,7 @@ func nodeMain(id raft.ServerID, dir, peers string) error {
 	conf.SnapshotThreshold = 100
 	conf.SnapshotInterval = 300 * time.Millisecond
 	conf.TrailingLogs = 50
+	conf.BatchApplyCh = true
 	conf.Logger = logger
 	store, err := raftboltdb.New(raftboltdb.Options{Path: filepath.Join(dir, "raft.db")})
 	if err != nil {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 
 	"github.com/idemdb/idem"
+	"github.com/idemdb/idem/internal/msgp"
 	"github.com/vmihailenco/msgpack/v5"
 )
 
@@ -122,8 +123,16 @@ func (env *envelope) response(dup bool) *Response {
 	return r
 }
 
-func encodeEnvelope(env envelope) ([]byte, error) {
-	return msgpack.Marshal(&env)
+// encodeEnvelope writes env exactly as msgpack.Marshal writes the struct
+// (TestEnvelopeEncoding), appending with internal/msgp rather than through
+// the library's reflection: it runs once per new request on raft's FSM
+// goroutine.
+func encodeEnvelope(env envelope) []byte {
+	b := make([]byte, 0, 3+5+len(env.Reply)+5+len(env.Msg))
+	b = msgp.AppendArrayLen(b, envelopeFields)
+	b = msgp.AppendInt(b, int64(env.Kind))
+	b = msgp.AppendBytes(b, env.Reply)
+	return msgp.AppendString(b, env.Msg)
 }
 
 // decodeEnvelope reads an envelope: the 3 elements written now, and any

@@ -124,3 +124,37 @@ func (s *counterSnap) Persist(sink raft.SnapshotSink) error {
 }
 
 func (s *counterSnap) Release() {}
+
+// batchingCounter is counterFSM as a raft.BatchingFSM: ApplyBatch applies
+// each command entry with Apply, counts configuration changes, and with
+// record set keeps a copy of the entries of every call.
+type batchingCounter struct {
+	*counterFSM
+	record bool
+
+	bmu     sync.Mutex   // guards the fields below
+	calls   [][]raft.Log // with record: the entries of each ApplyBatch call
+	configs int          // configuration changes received
+}
+
+func (b *batchingCounter) ApplyBatch(logs []*raft.Log) []any {
+	out := make([]any, len(logs))
+	var rec []raft.Log
+	b.bmu.Lock()
+	defer b.bmu.Unlock()
+	for i, l := range logs {
+		if b.record {
+			rec = append(rec, *l)
+		}
+		switch l.Type {
+		case raft.LogCommand:
+			out[i] = b.Apply(l)
+		case raft.LogConfiguration:
+			b.configs++
+		}
+	}
+	if b.record {
+		b.calls = append(b.calls, rec)
+	}
+	return out
+}

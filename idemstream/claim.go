@@ -12,8 +12,18 @@ import (
 // eventRequest is the claim request of ev in scope: the event id, the
 // payload's fingerprint (unless noFingerprint) and the TTL.
 func eventRequest(scope string, ev *Event, noFingerprint bool, ttl time.Duration) idem.Request {
+	return eventRequestFP(scope, ev, noFingerprint, ttl, nil)
+}
+
+// eventRequestFP is eventRequest with the fingerprint from fps (a
+// batch's), or its own allocation when fps is nil.
+func eventRequestFP(scope string, ev *Event, noFingerprint bool, ttl time.Duration, fps *fingerprints) idem.Request {
 	req := idem.Request{Scope: scope, ID: ev.ID, TTL: ttl}
-	if !noFingerprint {
+	switch {
+	case noFingerprint:
+	case fps != nil:
+		req.Fingerprint = fps.of(ev.Payload)
+	default:
 		req.Fingerprint = fingerprint(ev.Payload)
 	}
 	return req
@@ -31,6 +41,13 @@ func eventRequest(scope string, ev *Event, noFingerprint bool, ttl time.Duration
 // who names the component in errors ("sink \"ledger\"").
 func claimEvent(ctx context.Context, st idem.Store, req idem.Request, who string, ev *Event) (*idem.Claim, Outcome, error) {
 	res, err := st.Begin(ctx, req)
+	return classifyEvent(res, err, req.Scope, who, ev)
+}
+
+// classifyEvent is claimEvent's classification of a Begin's (or a batch
+// item's, or a Lookup's: Absent is then the event to run, with no claim)
+// answer for ev in scope.
+func classifyEvent(res idem.Result, err error, scope, who string, ev *Event) (*idem.Claim, Outcome, error) {
 	if err != nil {
 		if errors.Is(err, idem.ErrConflict) {
 			return nil, Outcome{}, fmt.Errorf("%w: %s, event %q (partition %q, offset %d)", ErrConflict, who, ev.ID, ev.Partition, ev.Offset)
@@ -38,10 +55,10 @@ func claimEvent(ctx context.Context, st idem.Store, req idem.Request, who string
 		return nil, Outcome{}, fmt.Errorf("idemstream: %s: claiming event %q: %w", who, ev.ID, err)
 	}
 	switch res.Status {
-	case idem.Fresh:
+	case idem.Fresh, idem.Absent:
 		return res.Claim, Outcome{ExpiresAt: res.ExpiresAt}, nil
 	case idem.Done:
-		rec, err := decodeEventRecord(req.Scope, ev.ID, res.Reply)
+		rec, err := decodeEventRecord(scope, ev.ID, res.Reply)
 		if err != nil {
 			return nil, Outcome{}, err
 		}

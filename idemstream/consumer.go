@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -54,15 +53,19 @@ type ConsumeOptions struct {
 	// BatchSize is the most deliveries fetched at once (default 128). For
 	// ConsumeTwoPhase a batch is one checkpoint.
 	BatchSize int
-	// Concurrency is how many events of a batch Consume applies at once
-	// (default BatchSize: all of them; their engine records share group
-	// commits, so the batch costs about two fsyncs).
+	// Concurrency is how many handlers of a batch Consume runs at once
+	// (default BatchSize: all of them). The batch's claims are one
+	// engine record and its commits another (on a store with batches),
+	// so a batch costs two fsyncs whatever its size.
 	Concurrency int
 	// Logger receives handler failures (the event is not acknowledged, so
 	// the broker redelivers it) and source errors. Default: discard.
 	Logger *slog.Logger
 	// OnBatch, if set, is called after each batch has been acknowledged,
-	// with the outcomes of its deliveries (in fetch order).
+	// with the outcomes of its deliveries (in fetch order). Calls come one
+	// at a time, in batch order, but Consume makes them from the goroutine
+	// that settles the batch, possibly while the next batch is fetched
+	// and run.
 	OnBatch func(msgs []Message, outs []Outcome)
 	// MaxDeliveries bounds the deliveries of an event whose processing
 	// keeps failing (its handler, or its Invoke in a checkpoint, returns
@@ -121,9 +124,12 @@ func fatal(err error) bool {
 
 // Consume moves events from src through sink with h until ctx ends (it
 // then returns ctx's error) or a fatal error (engine closed or failed).
-// For each batch: every delivery is applied (concurrently; each commit
-// raises its partition's frontier in the same record), and only then are
-// the committed deliveries acknowledged. A delivery whose handler failed,
+// For each batch: the deliveries are claimed together (one record when
+// the store is an idem.Batcher, one request each otherwise), their
+// handlers run (up to Concurrency at once), their commits (each raising
+// its partition's frontier) are written together, and only then are the
+// committed deliveries acknowledged. The commits and acks of a batch
+// overlap with the fetch, claims and handlers of the next one. A delivery whose handler failed,
 // or that is Busy, is not acknowledged: the broker redelivers it.
 //
 // opts nil means the defaults; a configuration error is returned at once.
@@ -136,32 +142,52 @@ func Consume(ctx context.Context, src Source, sink *Sink, h Handler, opts *Consu
 }
 
 func consume(ctx context.Context, src Source, sink *Sink, h Handler, opts ConsumeOptions) error {
-	return fetchBatches(ctx, src, opts, func(msgs []Message, _ *backoff) error {
-		outs := make([]Outcome, len(msgs))
-		errs := make([]error, len(msgs))
-		var wg sync.WaitGroup
-		sem := make(chan struct{}, opts.Concurrency)
+	// Two batches overlap: batch n's commits are written, and its
+	// deliveries then settled, by a goroutine while batch n+1 is fetched,
+	// claimed and run, so that the commit record of one and the claim
+	// record of the next share an fsync. At most one batch is finishing:
+	// batch n+1's commits start after batch n is settled (OnBatch calls
+	// stay in order).
+	var finishing chan error
+	wait := func() error {
+		if finishing == nil {
+			return nil
+		}
+		err := <-finishing
+		finishing = nil
+		return err
+	}
+	err := fetchBatches(ctx, src, opts, func(msgs []Message, _ *backoff) error {
+		evs := make([]Event, len(msgs))
 		for i := range msgs {
-			sem <- struct{}{}
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				defer func() { <-sem }()
-				outs[i], errs[i] = sink.Apply(ctx, msgs[i].Event, h)
-			}()
+			evs[i] = msgs[i].Event
 		}
-		wg.Wait()
-		for i, err := range errs {
-			if err == nil {
-				continue
-			}
-			if fatal(err) {
-				return err
-			}
-			outs[i] = Outcome{Status: Failed, Err: err}
+		sb := sink.startBatch(ctx, evs, h, opts.Concurrency)
+		if err := wait(); err != nil {
+			_, _ = sb.finish() // its effects ran: commit them
+			return err
 		}
-		return ackBatch(ctx, msgs, outs, opts, &sink.poison, func() error { return sink.hookAt(windowBeforeAck, nil) })
+		finishing = make(chan error, 1)
+		go func(done chan<- error) {
+			outs, errs := sb.finish()
+			for i, err := range errs {
+				if err == nil {
+					continue
+				}
+				if fatal(err) {
+					done <- err
+					return
+				}
+				outs[i] = Outcome{Status: Failed, Err: err}
+			}
+			done <- ackBatch(ctx, msgs, outs, opts, &sink.poison, func() error { return sink.hookAt(windowBeforeAck, nil) })
+		}(finishing)
+		return nil
 	})
+	if werr := wait(); werr != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)) {
+		return werr
+	}
+	return err
 }
 
 // ConsumeTwoPhase moves events from src into tp's sink, one checkpoint per
@@ -250,7 +276,7 @@ func ackBatch(ctx context.Context, msgs []Message, outs []Outcome, opts ConsumeO
 			return err
 		}
 	}
-	var wg sync.WaitGroup
+	todo := make([]int, 0, len(outs))
 	for i, o := range outs {
 		switch {
 		case o.Status.Ackable() && msgs[i].Ack != nil:
@@ -258,13 +284,13 @@ func ackBatch(ctx context.Context, msgs []Message, outs []Outcome, opts ConsumeO
 		default:
 			continue
 		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			settle(ctx, &msgs[i], o, opts, pc)
-		}()
+		todo = append(todo, i)
 	}
-	wg.Wait()
+	// Acks are network calls for a broker: a few at once.
+	parallelN(len(todo), 64, func(n int) {
+		i := todo[n]
+		settle(ctx, &msgs[i], outs[i], opts, pc)
+	})
 	if opts.OnBatch != nil {
 		opts.OnBatch(msgs, outs)
 	}

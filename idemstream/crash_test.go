@@ -45,108 +45,111 @@ func runUntilAcked(ctx context.Context, b *memBroker, run func(ctx context.Conte
 // replay the stored result. A crash during recovery is tested too.
 func TestSinkCrashWindows(t *testing.T) {
 	windows := []window{windowAfterClaim, windowAfterEffect, windowAfterCommit, windowBeforeAck, windowDuringRecovery}
-	for _, win := range windows {
-		for _, at := range []int{1, 5} {
-			t.Run(fmt.Sprintf("%s/%d", win, at), func(t *testing.T) {
-				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-				defer cancel()
-				w := newWorld()
-				evs := makeEvents(60, 3, 10)
-				b := newMemBroker(w, evs)
-				l := newLedger(w)
-				crashAt := win
-				if win == windowDuringRecovery {
-					crashAt = windowAfterEffect // leaves events in doubt for recovery
-				}
-				var hits atomic.Int32
-				hook := func(got window, ev *Event) error {
-					if got == crashAt && hits.Add(1) == int32(at) {
-						return w.crash()
+	for _, path := range storePaths {
+		for _, win := range windows {
+			for _, at := range []int{1, 5} {
+				t.Run(fmt.Sprintf("%s/%s/%d", path.name, win, at), func(t *testing.T) {
+					ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+					defer cancel()
+					w := newWorld()
+					w.oneAtATime = path.oneAtATime
+					evs := makeEvents(60, 3, 10)
+					b := newMemBroker(w, evs)
+					l := newLedger(w)
+					crashAt := win
+					if win == windowDuringRecovery {
+						crashAt = windowAfterEffect // leaves events in doubt for recovery
 					}
-					return nil
-				}
-				e := openEngine(t, w.mem, nil)
-				s, err := NewSink(ctx, e, "ledger", &SinkOptions{Recover: l.recoverFn})
-				if err != nil {
-					t.Fatal(err)
-				}
-				s.hook = hook
-				err = runUntilAcked(ctx, b, func(ctx context.Context, o ConsumeOptions) error {
-					return Consume(ctx, b, s, l.handler, &o)
-				})
-				if !w.crashed {
-					t.Fatalf("the crash at %s never happened (consumer returned %v)", crashAt, err)
-				}
-				s.Close()
-				e.Close()
-				// The crash image: each partition's frontier is exactly its
-				// highest committed offset, before recovery and after it.
-				w.restart()
-				e = openEngine(t, w.mem, nil)
-				checkFrontierExact(t, e, "ledger", evs)
-				if win != windowDuringRecovery { // that one crashes in the recovery below
-					s, err = NewSink(ctx, e, "ledger", &SinkOptions{Recover: l.recoverFn})
-					if err != nil {
-						t.Fatal(err)
-					}
-					checkFrontierExact(t, e, "ledger", evs)
-					s.Close()
-				}
-				e.Close()
-				if win == windowDuringRecovery {
-					// Crash again in the middle of recovery's decisions.
-					w.restart()
-					e = openEngine(t, w.mem, nil)
-					if len(mustInDoubt(t, e)) == 0 {
-						t.Fatal("no event in doubt after a crash after the effect")
-					}
-					var n atomic.Int32
-					_, err := newSinkWithHook(ctx, e, "ledger", &SinkOptions{Recover: l.recoverFn}, func(got window, _ *Event) error {
-						if got == windowDuringRecovery && n.Add(1) == 1 {
+					var hits atomic.Int32
+					hook := func(got window, ev *Event) error {
+						if got == crashAt && hits.Add(1) == int32(at) {
 							return w.crash()
 						}
 						return nil
-					})
-					if !errors.Is(err, errCrashed) {
-						t.Fatalf("recovery did not crash: %v", err)
 					}
+					e := openEngine(t, w.mem, nil)
+					s, err := NewSink(ctx, w.store(e), "ledger", &SinkOptions{Recover: l.recoverFn})
+					if err != nil {
+						t.Fatal(err)
+					}
+					s.hook = hook
+					err = runUntilAcked(ctx, b, func(ctx context.Context, o ConsumeOptions) error {
+						return Consume(ctx, b, s, l.handler, &o)
+					})
+					if !w.crashed {
+						t.Fatalf("the crash at %s never happened (consumer returned %v)", crashAt, err)
+					}
+					s.Close()
 					e.Close()
+					// The crash image: each partition's frontier is exactly its
+					// highest committed offset, before recovery and after it.
 					w.restart()
 					e = openEngine(t, w.mem, nil)
 					checkFrontierExact(t, e, "ledger", evs)
+					if win != windowDuringRecovery { // that one crashes in the recovery below
+						s, err = NewSink(ctx, w.store(e), "ledger", &SinkOptions{Recover: l.recoverFn})
+						if err != nil {
+							t.Fatal(err)
+						}
+						checkFrontierExact(t, e, "ledger", evs)
+						s.Close()
+					}
 					e.Close()
-				}
-				w.restart()
-				e = openEngine(t, w.mem, nil)
-				defer e.Close()
-				s, err = NewSink(ctx, e, "ledger", &SinkOptions{Recover: l.recoverFn})
-				if err != nil {
-					t.Fatal(err)
-				}
-				if left := mustInDoubt(t, e); len(left) != 0 {
-					t.Fatalf("%d claims still in doubt after recovery", len(left))
-				}
-				if err := runUntilAcked(ctx, b, func(ctx context.Context, o ConsumeOptions) error {
-					return Consume(ctx, b, s, l.handler, &o)
-				}); err != nil {
-					t.Fatal(err)
-				}
-				checkExactlyOnce(t, l.applied, evs)
-				for p, want := range maxOffsets(evs) {
-					if got, ok, err := s.Frontier(p); err != nil || got != want || !ok {
-						t.Fatalf("frontier of %s: %d %v %v, want %d", p, got, ok, err, want)
+					if win == windowDuringRecovery {
+						// Crash again in the middle of recovery's decisions.
+						w.restart()
+						e = openEngine(t, w.mem, nil)
+						if len(mustInDoubt(t, e)) == 0 {
+							t.Fatal("no event in doubt after a crash after the effect")
+						}
+						var n atomic.Int32
+						_, err := newSinkWithHook(ctx, w.store(e), "ledger", &SinkOptions{Recover: l.recoverFn}, func(got window, _ *Event) error {
+							if got == windowDuringRecovery && n.Add(1) == 1 {
+								return w.crash()
+							}
+							return nil
+						})
+						if !errors.Is(err, errCrashed) {
+							t.Fatalf("recovery did not crash: %v", err)
+						}
+						e.Close()
+						w.restart()
+						e = openEngine(t, w.mem, nil)
+						checkFrontierExact(t, e, "ledger", evs)
+						e.Close()
 					}
-				}
-				// Every event redelivered now replays the ledger's result.
-				for _, ev := range evs[:10] {
-					out, err := s.Apply(ctx, ev, l.handler)
-					if err != nil || out.Status != Replayed || string(out.Result) != l.results[string(ev.ID)] {
-						t.Fatalf("redelivery of %s: %+v %v (ledger says %q)", ev.ID, out, err, l.results[string(ev.ID)])
+					w.restart()
+					e = openEngine(t, w.mem, nil)
+					defer e.Close()
+					s, err = NewSink(ctx, w.store(e), "ledger", &SinkOptions{Recover: l.recoverFn})
+					if err != nil {
+						t.Fatal(err)
 					}
-				}
-				checkExactlyOnce(t, l.applied, evs)
-				t.Logf("deliveries %d, acks %d, recovered %+v", b.deliveries, b.acks, s.Stats())
-			})
+					if left := mustInDoubt(t, e); len(left) != 0 {
+						t.Fatalf("%d claims still in doubt after recovery", len(left))
+					}
+					if err := runUntilAcked(ctx, b, func(ctx context.Context, o ConsumeOptions) error {
+						return Consume(ctx, b, s, l.handler, &o)
+					}); err != nil {
+						t.Fatal(err)
+					}
+					checkExactlyOnce(t, l.applied, evs)
+					for p, want := range maxOffsets(evs) {
+						if got, ok, err := s.Frontier(p); err != nil || got != want || !ok {
+							t.Fatalf("frontier of %s: %d %v %v, want %d", p, got, ok, err, want)
+						}
+					}
+					// Every event redelivered now replays the ledger's result.
+					for _, ev := range evs[:10] {
+						out, err := s.Apply(ctx, ev, l.handler)
+						if err != nil || out.Status != Replayed || string(out.Result) != l.results[string(ev.ID)] {
+							t.Fatalf("redelivery of %s: %+v %v (ledger says %q)", ev.ID, out, err, l.results[string(ev.ID)])
+						}
+					}
+					checkExactlyOnce(t, l.applied, evs)
+					t.Logf("deliveries %d, acks %d, recovered %+v", b.deliveries, b.acks, s.Stats())
+				})
+			}
 		}
 	}
 }

@@ -23,7 +23,16 @@
 // Sink.Apply claims the event id in idem (durably), runs the handler,
 // and commits one record holding the handler's result, the event's
 // partition and offset, and its outbox messages (a small msgpack
-// envelope), so that one Claim.Commit makes them durable together. A
+// envelope), so that one Claim.Commit makes them durable together.
+// Consume does the same for a whole fetched batch with two records when
+// the store implements idem.Batcher (an *idem.Engine): one batch claims
+// every event, the handlers run, and one batch commits the events that
+// ran (each commit with its frontier advance), releases those whose
+// handler failed and advances the frontier past replayed deliveries. A
+// store without batches (an idemcluster client) gets the same items one
+// request at a time; the outcome of each event is the same. The claims
+// are durable before any handler runs, as Apply's: a crash before the
+// second batch leaves them in doubt, resolved as below. A
 // redelivery of a committed id returns the stored result (Replayed) and
 // runs nothing; a redelivery while the first delivery still runs is Busy
 // (do not ack it); a redelivery with another payload is ErrConflict (the
@@ -58,27 +67,52 @@
 //
 // TwoPhase coordinates a TwoPhaseCommitSink (BeginTransaction,
 // Invoke, PreCommit, Commit, Abort, RecoverAndCommit, RecoverAndAbort)
-// with idem as its log. Checkpoint k runs: claim every event of the batch
-// (redeliveries of committed events are Replayed, events in progress
-// elsewhere Busy); record the opening of k with the transaction handle;
-// Invoke each new event; PreCommit; record the checkpoint (the
-// pre-committed handle, the event ids and the frontier: "state + offsets
-// + txn handle"); Commit; record that the sink committed; commit the
-// events' claims; and only then may the consumer ack the batch.
+// with idem as its log. Checkpoint k runs: look every event of the batch
+// up (redeliveries of committed events are Replayed, events in progress
+// elsewhere Busy; nothing is written); BeginTransaction; record the
+// opening of k with the transaction handle (record 1, written while the
+// new events are invoked, durable before PreCommit); Invoke each new
+// event; PreCommit; record the checkpoint (record 2: the pre-committed
+// handle, the event ids and the frontier, "state + offsets + txn
+// handle", raising the frontier, and every new event committed by a Put,
+// in one batch); Commit; and only then may the consumer ack the batch.
+// Two records per checkpoint, whatever its size.
 // Transaction handles are serialized with msgpack, bounded
 // (TwoPhaseOptions.MaxHandleSize) and sealed (magic, version, length,
 // CRC-32C); a record that fails validation stops recovery with
 // ErrCorruptRecord instead of committing garbage.
 //
 // Recovery (NewTwoPhase) reads the last checkpoint: if its record with the
-// handle is durable and the sink's commit is not recorded, it calls
-// RecoverAndCommit (which must be idempotent) and records the commit; if
-// only its opening is durable, it calls RecoverAndAbort; a checkpoint
-// begun without a durable handle is aborted through CheckpointAborter if
-// the sink implements it. Events left in doubt are committed if the
-// recovered checkpoint lists them, and released otherwise, so that their
-// redelivery runs them in a later checkpoint. A crash during recovery is
-// recovered the same way (every step is idempotent).
+// handle is durable and the sink's commit is not recorded (the commit is
+// recorded by recovery only), it calls RecoverAndCommit (which must be
+// idempotent), puts every event the record lists that is not committed,
+// and records the commit; if only its opening is durable, it calls
+// RecoverAndAbort; a checkpoint begun without a durable handle is aborted
+// through CheckpointAborter if the sink implements it. Events left in
+// doubt (claims of a store without batches, or of earlier versions) are
+// committed if the recovered checkpoint lists them, and released
+// otherwise, so that their redelivery runs them in a later checkpoint. A
+// crash during recovery is recovered the same way (every step is
+// idempotent).
+//
+// Why a crash anywhere is still exactly once: an event is committed in
+// idem (its redeliveries replay) exactly when the record of its
+// checkpoint is durable, because both are in one batch, which a store
+// with batches writes as one record (all or nothing). Before that record
+// the transaction is at most pre-committed and recovery aborts it (from
+// the opening record, or by checkpoint id when even the opening is not
+// durable), so the events run again when redelivered; after it, recovery
+// commits the transaction (again, idempotently) and the events replay.
+// The sink's own two-phase commit makes the effect durable, so the event
+// needs no claim of its own before it runs: one coordinator per name and
+// store is the only writer of its event scope, so an event looked up
+// absent is still absent when its checkpoint is recorded. A store without
+// batches writes the checkpoint record first and the events after it: a
+// crash in between leaves events the record lists but idem does not hold,
+// and recovery puts them (with their fingerprints, from the record)
+// before anything is acknowledged. The frontier's advances are part of
+// the checkpoint record's own item, so the frontier is never ahead of or
+// behind a checkpoint.
 //
 // # Outbox (Outbox)
 //
@@ -138,10 +172,22 @@
 //
 // # Records
 //
-//	scope "idemstream/<sink>"            id = event id -> envelope [version, result, partition, offset, checkpoint, outbox]
-//	scope "idemstream.frontier/<sink>"   client "p:<partition>": its number is the frontier (raised by the event commits)
+//	scope "idemstream/<sink>"            id = event id -> envelope {version, result, partition, offset, checkpoint, outbox}
+//	scope "idemstream.frontier/<sink>"   client "p:<partition>": its number is the frontier (raised by the event commits,
+//	                                     and by each two-phase checkpoint record)
 //	scope "idemstream.2pc/<name>"        client "ckpt", seq k -> sealed {k, handle, frontier}
-//	                                     id "c/<k>" -> sealed {k, handle, event ids, frontier}
-//	                                     id "d/<k>" / "a/<k>" -> sealed {k, frontier} (sink committed / aborted)
+//	                                     id "c/<k>" -> sealed {k, handle, event ids, event fingerprints, frontier}
+//	                                     id "d/<k>" / "a/<k>" -> sealed {k, frontier} (committed by recovery / aborted)
 //	scope "idemstream.outbox/<outbox>"   id = msgpack [sink, event id, index] (in flight while pending)
+//
+// What each batch holds (one engine record each on a store with batches;
+// in this order, one request at a time, on a store without):
+//
+//	sink, per fetched batch    1: Begin of every event
+//	                           2: Commit of each event that ran (its envelope, with Advance p:<partition> to its offset),
+//	                              Abort of each whose handler failed, Advance past replayed deliveries above the frontier
+//	two-phase, per checkpoint  1: Put client "ckpt" seq k (the opening); Ack of c/<k-1>, d/<k-1>, a/<k-1>
+//	                           2: Put c/<k> with the Advances of the frontier; Put of each new event (envelope with
+//	                              checkpoint k, partition, offset)
+//	                           (an abort: Put a/<k>; recovery: Puts of listed events missing, then Put d/<k>)
 package idemstream

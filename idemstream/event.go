@@ -55,6 +55,21 @@ func fingerprint(payload []byte) []byte {
 	return s[:]
 }
 
+// fingerprints hands out the fingerprints of a batch's events from one
+// allocation.
+type fingerprints struct{ buf []byte }
+
+func (f *fingerprints) of(payload []byte) []byte {
+	if len(f.buf) < sha256.Size {
+		f.buf = make([]byte, 64*sha256.Size)
+	}
+	s := sha256.Sum256(payload)
+	fp := f.buf[:sha256.Size:sha256.Size]
+	copy(fp, s[:])
+	f.buf = f.buf[sha256.Size:]
+	return fp
+}
+
 // OutboxMessage is a side effect recorded in idem together with the event's
 // dedup entry and delivered later by an Outbox's dispatcher.
 type OutboxMessage struct {
@@ -207,6 +222,56 @@ const eventRecordVersion = 1
 func encodeEventRecord(r *eventRecord) ([]byte, error) {
 	r.Version = eventRecordVersion
 	return msgpack.Marshal(r)
+}
+
+// eventRecordEncoder encodes event records without an outbox (a result,
+// a position, a checkpoint) byte for byte as encodeEventRecord does
+// (TestEventRecordEncoder), without reflection and into shared chunks: no
+// allocation per event. The slices it returns stay valid (a full chunk is
+// left to them, never reused). Not safe for concurrent use.
+type eventRecordEncoder struct{ buf []byte }
+
+// eventRecordOverhead bounds what an event record without an outbox adds
+// to its result and partition.
+const eventRecordOverhead = 96
+
+func (e *eventRecordEncoder) encode(result []byte, checkpoint uint64, partition string, offset uint64) []byte {
+	need := eventRecordOverhead + len(partition) + len(result)
+	if cap(e.buf)-len(e.buf) < need {
+		e.buf = make([]byte, 0, max(16<<10, need))
+	}
+	start := len(e.buf)
+	// msgpack.Marshal's encoding of the struct (a map by field name;
+	// the version is eventRecordVersion, 1).
+	b := append(e.buf, "\x86\xa7Version\xcc\x01\xa6Result"...)
+	switch n := len(result); {
+	case result == nil:
+		b = append(b, 0xc0)
+	case n < 256:
+		b = append(b, 0xc4, byte(n))
+	case n <= 0xffff:
+		b = binary.BigEndian.AppendUint16(append(b, 0xc5), uint16(n))
+	default:
+		b = binary.BigEndian.AppendUint32(append(b, 0xc6), uint32(n))
+	}
+	b = append(b, result...)
+	b = append(b, "\xa9Partition"...)
+	switch n := len(partition); {
+	case n < 32:
+		b = append(b, 0xa0|byte(n))
+	case n < 256:
+		b = append(b, 0xd9, byte(n))
+	case n <= 0xffff:
+		b = binary.BigEndian.AppendUint16(append(b, 0xda), uint16(n))
+	default:
+		b = binary.BigEndian.AppendUint32(append(b, 0xdb), uint32(n))
+	}
+	b = append(b, partition...)
+	b = binary.BigEndian.AppendUint64(append(b, "\xa6Offset\xcf"...), offset)
+	b = binary.BigEndian.AppendUint64(append(b, "\xaaCheckpoint\xcf"...), checkpoint)
+	b = append(b, "\xa6Outbox\xc0"...)
+	e.buf = b
+	return b[start:len(b):len(b)]
 }
 
 func decodeEventRecord(scope string, id, b []byte) (*eventRecord, error) {

@@ -27,7 +27,25 @@ type world struct {
 	clone   *vfs.MemFS
 	crashes int
 	dead    chan struct{} // closed by crash
+	// oneAtATime: the process's store hides the engine's idem.Batcher, so
+	// that the sinks run their batches one request at a time.
+	oneAtATime bool
 }
+
+// store is the process's store over e.
+func (w *world) store(e *idem.Engine) idem.Store {
+	if w.oneAtATime {
+		return &oneAtATime{e}
+	}
+	return e
+}
+
+// storePaths are the two ways the sinks write: batches of a Batcher, and
+// one request at a time.
+var storePaths = []struct {
+	name       string
+	oneAtATime bool
+}{{"batch", false}, {"one-at-a-time", true}}
 
 func newWorld() *world { return &world{mem: vfs.NewCrashableMem(), dead: make(chan struct{})} }
 

@@ -2,6 +2,7 @@ package idemstream
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -490,3 +491,323 @@ func (s *Sink) Frontier(partition string) (offset uint64, ok bool, err error) {
 }
 
 func discardLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
+
+// applyBatch is Apply for a batch of events (Consume's path): the
+// events are claimed in one batch (one record on a Batcher), the
+// handler runs for the fresh ones (up to conc at once), and their
+// commits, each raising its partition's frontier as Apply's does, go
+// with the releases of the failed ones and the frontier advances of
+// replayed ones in a second batch. It returns each event's outcome or
+// error, as Apply would have.
+func (s *Sink) applyBatch(ctx context.Context, evs []Event, h Handler, conc int) ([]Outcome, []error) {
+	return s.startBatch(ctx, evs, h, conc).finish()
+}
+
+// sinkBatch is a batch of applyBatch between its two steps: claimed, its
+// handlers run, its commits not written.
+type sinkBatch struct {
+	s        *Sink
+	ctx      context.Context
+	evs      []Event
+	outs     []Outcome
+	errs     []error
+	fresh    []freshEvent
+	replayed []int
+	finished bool // nothing left to write (the claims failed)
+}
+
+// freshEvent is a claimed event of a sinkBatch.
+type freshEvent struct {
+	i     int
+	claim *idem.Claim
+	rec   []byte
+	eff   Effect
+	state runState
+}
+
+// startBatch is applyBatch's first step: the claims, and the handlers of
+// the fresh events.
+func (s *Sink) startBatch(ctx context.Context, evs []Event, h Handler, conc int) *sinkBatch {
+	outs := make([]Outcome, len(evs))
+	errs := make([]error, len(evs))
+	sb := &sinkBatch{s: s, ctx: ctx, evs: evs, outs: outs, errs: errs}
+	if s.closed.Load() {
+		for i := range errs {
+			errs[i] = ErrClosed
+		}
+		sb.finished = true
+		return sb
+	}
+	who := s.who()
+	claims := newBatch(s.st)
+	items := make([]int, 0, len(evs)) // batch item -> event
+	var fps fingerprints
+	for i := range evs {
+		if err := evs[i].validate(); err != nil {
+			errs[i] = err
+			continue
+		}
+		claims.Begin(eventRequestFP(s.scope, &evs[i], s.opts.NoFingerprint, s.opts.TTL, &fps))
+		items = append(items, i)
+	}
+	res, err := claims.Run(ctx)
+	if err != nil {
+		for _, i := range items {
+			errs[i] = fmt.Errorf("idemstream: %s: claiming event %q: %w", who, evs[i].ID, err)
+		}
+		s.countFailed(errs)
+		sb.finished = true
+		return sb
+	}
+	// Classify. fresh lists the events to run, with their claims.
+	var fresh []freshEvent
+	var replayed []int
+	for j, i := range items {
+		c, o, err := classifyEvent(res[j].Result, res[j].Err, s.scope, who, &evs[i])
+		switch {
+		case err != nil:
+			errs[i] = err
+		case c != nil:
+			outs[i] = o
+			fresh = append(fresh, freshEvent{i: i, claim: c})
+		case o.Status == Replayed:
+			outs[i] = o
+			replayed = append(replayed, i)
+		default:
+			outs[i] = o
+			s.busy.Add(1)
+		}
+	}
+	// Run the effects.
+	parallelN(len(fresh), conc, func(n int) {
+		r := &fresh[n]
+		ev := &evs[r.i]
+		returned := false
+		defer func() {
+			if !returned {
+				_ = r.claim.Abort(ctx) // h panicked: release, as Apply does; the panic goes on
+			}
+		}()
+		s.runEffect(ctx, ev, h, &r.state, &r.rec, &r.eff, &errs[r.i])
+		returned = true
+	})
+	sb.fresh, sb.replayed = fresh, replayed
+	return sb
+}
+
+// finish is applyBatch's second step: the commits (with their frontier),
+// the releases and the advances past replayed events, in one batch; then
+// each event's outcome or error.
+func (sb *sinkBatch) finish() ([]Outcome, []error) {
+	if sb.finished {
+		return sb.outs, sb.errs
+	}
+	sb.finished = true
+	s, ctx, evs, outs, errs, fresh, replayed := sb.s, sb.ctx, sb.evs, sb.outs, sb.errs, sb.fresh, sb.replayed
+	who := s.who()
+	// Finish: commits (with their frontier), releases, and the advances
+	// past replayed deliveries, in one batch.
+	fin := newBatch(s.st)
+	var finItems []*freshEvent
+	var enc eventRecordEncoder
+	for n := range fresh {
+		r := &fresh[n]
+		ev := &evs[r.i]
+		switch r.state {
+		case runCommit:
+			if r.rec == nil {
+				r.rec = enc.encode(r.eff.Result, 0, ev.Partition, ev.Offset)
+			}
+			if ev.Offset != 0 {
+				fin.Commit(r.claim, r.rec, idem.Advance{Scope: s.fscope, Client: frontierClient(ev.Partition), Seq: ev.Offset})
+			} else {
+				fin.Commit(r.claim, r.rec)
+			}
+		case runAbort:
+			fin.Abort(r.claim)
+		default:
+			continue
+		}
+		finItems = append(finItems, r)
+	}
+	adv, advErr := s.replayedAdvances(ctx, evs, replayed)
+	if len(adv) > 0 {
+		fin.Advance(adv...)
+	}
+	var finRes []idem.BatchResult
+	var err error
+	if fin.Len() > 0 {
+		// Once an effect has run, its commit is written whatever ctx says.
+		finRes, err = fin.Run(context.WithoutCancel(ctx))
+	}
+	for n, r := range finItems {
+		ev := &evs[r.i]
+		if r.state != runCommit {
+			continue
+		}
+		cerr := err
+		if cerr == nil {
+			cerr = finRes[n].Err
+		}
+		if cerr != nil {
+			errs[r.i] = fmt.Errorf("idemstream: %s: committing event %q: %w", who, ev.ID, cerr)
+			continue
+		}
+		if ev.Offset != 0 {
+			s.frontierWrites.Add(1)
+		}
+		if err := s.hookAt(windowAfterCommit, ev); err != nil {
+			errs[r.i] = err
+			continue
+		}
+		if len(r.eff.Outbox) > 0 {
+			if err := s.opts.Outbox.register(ctx, s.name, ev.ID, r.eff.Outbox); err != nil {
+				errs[r.i] = err
+				continue
+			}
+		}
+		s.applied.Add(1)
+		outs[r.i] = Outcome{Status: Applied, Result: r.eff.Result, Partition: ev.Partition, Offset: ev.Offset, ExpiresAt: outs[r.i].ExpiresAt}
+	}
+	if len(adv) > 0 {
+		if err == nil {
+			err = finRes[len(finRes)-1].Err
+		}
+		if err == nil {
+			s.frontierWrites.Add(uint64(len(adv)))
+		} else {
+			advErr = fmt.Errorf("idemstream: %s: advancing the frontier past replayed events: %w", who, err)
+		}
+	}
+	for _, i := range replayed {
+		o := &outs[i]
+		if advErr != nil && evs[i].Offset != 0 {
+			errs[i] = advErr
+			continue
+		}
+		if len(o.outbox) > 0 {
+			// As Apply: register again (idempotent).
+			if s.opts.Outbox == nil {
+				errs[i] = fmt.Errorf("idemstream: %s: event %q has outbox messages and the sink has no Outbox", who, evs[i].ID)
+				continue
+			}
+			if err := s.opts.Outbox.register(ctx, s.name, evs[i].ID, o.outbox); err != nil {
+				errs[i] = err
+				continue
+			}
+			o.outbox = nil
+		}
+		s.replayed.Add(1)
+	}
+	s.countFailed(errs)
+	return outs, errs
+}
+
+// runEffect runs h for a claimed event of applyBatch and says what to do
+// with its claim (state), its record, its effect, or its error.
+func (s *Sink) runEffect(ctx context.Context, ev *Event, h Handler, state *runState, rec *[]byte, eff *Effect, errp *error) {
+	*state = runAbort
+	if err := s.hookAt(windowAfterClaim, ev); err != nil {
+		*state, *errp = runLeave, err // a simulated crash leaves the claim in doubt
+		return
+	}
+	e, err := h(ctx, *ev)
+	if err != nil {
+		*errp = fmt.Errorf("idemstream: %s: event %q (partition %q, offset %d): %w", s.who(), ev.ID, ev.Partition, ev.Offset, err)
+		return
+	}
+	if len(e.Outbox) > 0 && s.opts.Outbox == nil {
+		*errp = fmt.Errorf("idemstream: %s: event %q: the handler returned outbox messages and the sink has no Outbox", s.who(), ev.ID)
+		return
+	}
+	if len(e.Outbox) > 0 || len(e.Result)+len(ev.Partition)+eventRecordOverhead > s.opts.MaxRecordSize {
+		// Else applyBatch encodes it, without reflection.
+		*rec, err = s.encode(&eventRecord{Result: e.Result, Partition: ev.Partition, Offset: ev.Offset, Outbox: e.Outbox}, ev.ID)
+		if err != nil {
+			*errp = err
+			return
+		}
+	}
+	if err := s.hookAt(windowAfterEffect, ev); err != nil {
+		*state, *errp = runLeave, err
+		return
+	}
+	*eff, *state = e, runCommit
+}
+
+// runState is what applyBatch does with a fresh event's claim.
+type runState uint8
+
+const (
+	runAbort  runState = iota // the handler failed (or panicked): release
+	runCommit                 // the effect ran: commit
+	runLeave                  // a simulated crash: leave it in doubt
+)
+
+func (s *Sink) who() string { return fmt.Sprintf("sink %q", s.name) }
+
+// countFailed counts the events that failed after their claim was asked
+// for (as Apply counts them: an invalid event is not counted).
+func (s *Sink) countFailed(errs []error) {
+	for _, err := range errs {
+		if err != nil && !errors.Is(err, ErrInvalidEvent) {
+			s.failed.Add(1)
+		}
+	}
+}
+
+// replayedAdvances are the advances that move each partition's frontier
+// past the replayed deliveries found above it (advanceReplayed for a
+// batch): nothing for a plain redelivery.
+func (s *Sink) replayedAdvances(ctx context.Context, evs []Event, replayed []int) ([]idem.Advance, error) {
+	var top map[string]uint64
+	for _, i := range replayed {
+		if ev := &evs[i]; ev.Offset > top[ev.Partition] {
+			if top == nil {
+				top = map[string]uint64{}
+			}
+			top[ev.Partition] = ev.Offset
+		}
+	}
+	var adv []idem.Advance
+	for p, off := range top {
+		n, err := s.st.ClientState(ctx, s.fscope, frontierClient(p))
+		if err != nil {
+			return nil, fmt.Errorf("idemstream: %s: reading the frontier of partition %q: %w", s.who(), p, err)
+		}
+		if n < off {
+			adv = append(adv, idem.Advance{Scope: s.fscope, Client: frontierClient(p), Seq: off})
+		}
+	}
+	return adv, nil
+}
+
+// parallelN runs fn(0..n-1) on up to conc goroutines (inline when one
+// suffices).
+func parallelN(n, conc int, fn func(int)) {
+	if conc > n {
+		conc = n
+	}
+	if conc <= 1 {
+		for i := 0; i < n; i++ {
+			fn(i)
+		}
+		return
+	}
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	for g := 0; g < conc; g++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				i := int(next.Add(1)) - 1
+				if i >= n {
+					return
+				}
+				fn(i)
+			}
+		}()
+	}
+	wg.Wait()
+}

@@ -288,8 +288,9 @@ func (c cancellingSink) PreCommit(ctx context.Context, t *ledgerTxn) error {
 
 // TestCancelledBeforeCommit: the caller's ctx ends after the effect ran and
 // before the commit. The commit is written all the same (a Claim's finish
-// does not depend on ctx; no context.WithoutCancel in idemstream), so the
-// event is Done, not stranded in flight: its redelivery replays.
+// does not depend on ctx, and a batch of finishes runs with
+// context.WithoutCancel: Batch.Run refuses an ended ctx), so the event is
+// Done, not stranded in flight: its redelivery replays.
 func TestCancelledBeforeCommit(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
@@ -315,6 +316,23 @@ func TestCancelledBeforeCommit(t *testing.T) {
 	if out, err := s.Apply(ctx, ev, nil); err != nil || out.Status != Replayed || string(out.Result) != "r" {
 		t.Fatalf("redelivery: %+v %v", out, err)
 	}
+	// Consume's batches: the same, for a batch whose ctx ends while its
+	// effects run (the batch of commits is written all the same).
+	bctx, bcancel := context.WithCancel(ctx)
+	bevs := makeEvents(6, 2, 0)
+	var ran atomic.Int32
+	outs, errs := s.applyBatch(bctx, bevs, func(context.Context, Event) (Effect, error) {
+		if ran.Add(1) == 3 {
+			bcancel()
+		}
+		return Effect{Result: []byte("r")}, nil
+	}, 1)
+	for i := range bevs {
+		res, err := e.Lookup(ctx, idem.Request{Scope: sinkScope("s"), ID: bevs[i].ID})
+		if errs[i] != nil || outs[i].Status != Applied || err != nil || res.Status != idem.Done {
+			t.Fatalf("batch event %s with ctx cancelled before the commit: %+v %v, stored %v %v", bevs[i].ID, outs[i], errs[i], res.Status, err)
+		}
+	}
 
 	l := newTxnLedger(w)
 	tctx, tcancel := context.WithCancel(ctx)
@@ -323,7 +341,7 @@ func TestCancelledBeforeCommit(t *testing.T) {
 		t.Fatal(err)
 	}
 	evs := makeEvents(5, 1, 0)
-	outs, err := tp.Checkpoint(tctx, evs)
+	outs, err = tp.Checkpoint(tctx, evs)
 	if err != nil {
 		t.Fatalf("checkpoint with ctx cancelled in PreCommit: %v", err)
 	}

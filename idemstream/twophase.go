@@ -20,15 +20,17 @@ import (
 // after a crash the coordinator hands the recovered value to
 // RecoverAndCommit or RecoverAndAbort.
 //
-// The coordinator calls, for checkpoint k: BeginTransaction(k), Invoke for
-// each new event, PreCommit, then records the checkpoint with the handle,
-// then Commit, then records that the sink committed, and only then lets
-// the source acknowledge the events. Abort is called when a step before the
+// The coordinator calls, for checkpoint k: BeginTransaction(k) (and
+// records the handle while the events are invoked), Invoke for each new
+// event, PreCommit, then records the checkpoint with the handle and the
+// events in one record, then Commit, and only then lets the source
+// acknowledge the events. Abort is called when a step before the
 // checkpoint record fails.
 //
-// RecoverAndCommit must be idempotent: it may be called for a transaction
-// that Commit already committed (a crash between the sink's commit and
-// its record), and again if the recovery itself crashes. RecoverAndAbort
+// RecoverAndCommit must be idempotent: it is called for the last recorded
+// checkpoint at every recovery, whether or not Commit committed it (its
+// commit is recorded by recovery only, so that a checkpoint costs two
+// records), and again if the recovery itself crashes. RecoverAndAbort
 // likewise for a transaction that may already be aborted, or that the
 // sink never saw pre-committed.
 type TwoPhaseCommitSink[Txn any] interface {
@@ -45,10 +47,11 @@ type TwoPhaseCommitSink[Txn any] interface {
 // whose transactions can be found by checkpoint id (as Kafka's
 // transactional ids are). A crash between BeginTransaction and the durable
 // record of its handle leaves a transaction the coordinator has no handle
-// for; recovery then calls AbortCheckpoint with its id. Without it such a
-// transaction is left to the sink (it was never pre-committed, so nothing
-// of it is visible; a sink expires it as Kafka does after
-// transaction.timeout.ms).
+// for; recovery therefore calls AbortCheckpoint with the id after the last
+// recorded checkpoint's, every time (it must do nothing when no
+// transaction of that id exists). Without it such a transaction is left
+// to the sink (it was never pre-committed, so nothing of it is visible; a
+// sink expires it as Kafka does after transaction.timeout.ms).
 type CheckpointAborter interface {
 	AbortCheckpoint(ctx context.Context, checkpointID uint64) error
 }
@@ -79,15 +82,18 @@ type RecoveryReport struct {
 	// LastCheckpoint is the last checkpoint opened before the restart.
 	LastCheckpoint uint64
 	// Action: "none", "committed" (the checkpoint record was durable:
-	// RecoverAndCommit), "aborted" (it was not: RecoverAndAbort),
-	// "finished" (it was already committed or aborted and recorded).
+	// RecoverAndCommit, whether or not the sink had committed it before
+	// the restart), "aborted" (it was not: RecoverAndAbort), "finished"
+	// (its outcome was recorded already: an earlier recovery, or an
+	// aborted checkpoint).
 	Action string
 	// EventsCommitted and EventsReleased count the events left in doubt
 	// that recovery committed (part of the recovered checkpoint) or
 	// released (they run again in a later checkpoint when redelivered).
 	EventsCommitted, EventsReleased int
-	// OrphanAborted: a transaction begun without a durable handle was
-	// aborted through CheckpointAborter.
+	// OrphanAborted: the sink implements CheckpointAborter, and recovery
+	// called AbortCheckpoint(LastCheckpoint+1) for a transaction that may
+	// have been begun without a durable handle.
 	OrphanAborted bool
 }
 
@@ -95,19 +101,25 @@ type RecoveryReport struct {
 // as its durable log. One checkpoint runs at a time.
 //
 // Records (scope "idemstream.2pc/<name>"): sequence client "ckpt", number k,
-// holds checkpoint k's handle as begun (and the frontier so far); id
-// "c/<k>" holds the pre-committed handle, the event ids and the frontier
-// (the checkpoint); "d/<k>" and "a/<k>" record that the sink committed or
-// aborted it. Each event of the batch is claimed in the sink's event scope
-// before it is invoked and committed after "d/<k>", so redeliveries of it
-// are replayed, and a crash in between leaves it in doubt for recovery to
-// settle with its checkpoint. All records are sealed (version, length,
-// CRC-32C) and checked when read back.
+// holds checkpoint k's handle as begun (and the frontier so far), written
+// with the removal of checkpoint k-1's records; id "c/<k>" holds the
+// pre-committed handle, the event ids and fingerprints and the frontier
+// (the checkpoint), and is written in one batch with the frontier's
+// advances and a Put (claim and commit at once) of every event of the
+// checkpoint in the sink's event scope, so that the events are committed
+// (their redeliveries replay) exactly when the checkpoint is recorded;
+// "d/<k>" and "a/<k>" record that recovery committed it, or that it was
+// aborted. Two records per checkpoint on a store with batches, whatever
+// its size; the package doc says why a crash anywhere is still exactly
+// once. All records are sealed (version, length, CRC-32C) and checked when
+// read back.
 type TwoPhase[Txn any] struct {
 	st     idem.Store
 	name   string
 	scope  string // coordinator records
 	escope string // events
+	fscope string // frontier clients
+	who    string // for errors: two-phase "<name>"
 	sink   TwoPhaseCommitSink[Txn]
 	opts   TwoPhaseOptions
 	log    *slog.Logger
@@ -121,19 +133,20 @@ type TwoPhase[Txn any] struct {
 	closed     bool
 }
 
+// unfinishedCheckpoint is a recorded checkpoint whose sink commit has not
+// succeeded yet.
 type unfinishedCheckpoint struct {
 	k        uint64
 	txn      any // the Txn of the coordinator
-	handle   []byte
-	claims   []*eventClaim
 	frontier map[string]uint64
-	stage    int // 1: checkpoint recorded, sink not committed; 2: sink committed, not recorded
+	tried    bool // Commit was called: retry with RecoverAndCommit
 }
 
+// eventClaim is a distinct event of a checkpoint's batch.
 type eventClaim struct {
-	ev    Event
-	claim *idem.Claim
-	idx   []int // positions in the batch (a batch may repeat an id)
+	ev  Event
+	req idem.Request // its request (id, fingerprint, TTL)
+	idx []int        // positions in the batch (a batch may repeat an id)
 }
 
 type openRecord struct {
@@ -143,10 +156,16 @@ type openRecord struct {
 }
 
 type checkpointRecord struct {
-	K        uint64            `msgpack:"k"`
-	Handle   []byte            `msgpack:"h"`
-	Events   [][]byte          `msgpack:"e"`
-	Frontier map[string]uint64 `msgpack:"f"`
+	K      uint64   `msgpack:"k"`
+	Handle []byte   `msgpack:"h"`
+	Events [][]byte `msgpack:"e"`
+	// Fingerprints are the events' (SHA-256 of the payload, in the order
+	// of Events; absent with NoFingerprint and in records of versions
+	// that claimed events one by one): recovery puts a listed event that
+	// a store without batches did not commit with the request its
+	// redeliveries will make.
+	Fingerprints [][]byte          `msgpack:"p,omitempty"`
+	Frontier     map[string]uint64 `msgpack:"f"`
 }
 
 type markerRecord struct {
@@ -206,7 +225,7 @@ func NewTwoPhase[Txn any](ctx context.Context, st idem.Store, name string, sink 
 
 // newTwoPhase is the coordinator of checked options, before recovery.
 func newTwoPhase[Txn any](st idem.Store, name string, sink TwoPhaseCommitSink[Txn], opts TwoPhaseOptions) *TwoPhase[Txn] {
-	t := &TwoPhase[Txn]{st: st, name: name, scope: twoPhaseScope(name), escope: sinkScope(name), sink: sink, opts: opts, log: opts.Logger, frontier: map[string]uint64{}}
+	t := &TwoPhase[Txn]{st: st, name: name, scope: twoPhaseScope(name), escope: sinkScope(name), fscope: frontierScope(name), who: fmt.Sprintf("two-phase %q", name), sink: sink, opts: opts, log: opts.Logger, frontier: map[string]uint64{}}
 	if t.log == nil {
 		t.log = discardLogger()
 	}
@@ -290,27 +309,43 @@ func (t *TwoPhase[Txn]) decodeHandle(h []byte, k uint64) (Txn, error) {
 	return txn, nil
 }
 
-// record commits a sealed record under id (claiming it first, or with the
-// given in-doubt claim).
+// record writes a sealed record under id: a Put, or the commit of the
+// given claim that a crash left in doubt (a Put split by a store without
+// batches).
 func (t *TwoPhase[Txn]) record(ctx context.Context, id []byte, v any, c *idem.Claim) error {
 	b, err := seal(v, maxSealedBytes)
 	if err != nil {
 		return fmt.Errorf("idemstream: two-phase %q: record %s: %w", t.name, id, err)
 	}
-	if c == nil {
-		res, err := t.begin(ctx, idem.Request{Scope: t.scope, ID: id})
-		if err != nil {
-			return fmt.Errorf("idemstream: two-phase %q: record %s: %w", t.name, id, err)
-		}
-		if res.Status != idem.Fresh {
-			return fmt.Errorf("idemstream: two-phase %q: record %s is already %v", t.name, id, res.Status)
-		}
-		c = res.Claim
+	if c != nil {
+		err = c.Commit(ctx, b)
+	} else {
+		err = t.put(ctx, idem.Request{Scope: t.scope, ID: id}, b)
 	}
-	if err := c.Commit(ctx, b); err != nil {
+	if err != nil {
 		return fmt.Errorf("idemstream: two-phase %q: record %s: %w", t.name, id, err)
 	}
 	return nil
+}
+
+// put writes one record with a Put (claim and commit at once): new, or
+// an error.
+func (t *TwoPhase[Txn]) put(ctx context.Context, req idem.Request, b []byte) error {
+	bt := newBatch(t.st)
+	bt.Put(req, b)
+	res, err := bt.Run(context.WithoutCancel(ctx))
+	if err == nil {
+		err = putErr(res[0])
+	}
+	return err
+}
+
+// putErr is the error of a Put item that must write a new record.
+func putErr(r idem.BatchResult) error {
+	if r.Err == nil && r.Result.Status != idem.Fresh {
+		return fmt.Errorf("already %v", r.Result.Status)
+	}
+	return r.Err
 }
 
 // read returns the sealed record id into v (false if absent).
@@ -344,6 +379,8 @@ func (t *TwoPhase[Txn]) recover(ctx context.Context) (RecoveryReport, error) {
 	}
 	rep.LastCheckpoint = k
 	t.last = k
+	// Claims in doubt are the halves of Puts that a store without batches
+	// wrote as a claim and a commit (or claims of an earlier version).
 	events := map[string]*idem.Claim{}
 	markers := map[string]*idem.Claim{}
 	for _, d := range evDoubts {
@@ -352,16 +389,10 @@ func (t *TwoPhase[Txn]) recover(ctx context.Context) (RecoveryReport, error) {
 	for _, d := range doubts {
 		switch {
 		case d.Client == ckptClient:
-			// Checkpoint d.Seq was being opened: its handle never
-			// became durable.
+			// The opening of checkpoint d.Seq never became durable (its
+			// transaction is aborted below, as k+1's).
 			if err := d.Claim.Abort(ctx); err != nil {
 				return rep, fmt.Errorf("idemstream: two-phase %q: releasing the open of checkpoint %d: %w", t.name, d.Seq, err)
-			}
-			if a, ok := any(t.sink).(CheckpointAborter); ok {
-				if err := a.AbortCheckpoint(ctx, d.Seq); err != nil {
-					return rep, fmt.Errorf("idemstream: two-phase %q: aborting checkpoint %d begun without a handle: %w", t.name, d.Seq, err)
-				}
-				rep.OrphanAborted = true
 			}
 			t.log.Info("idemstream: checkpoint begun without a durable handle", "name", t.name, "checkpoint", d.Seq)
 		case len(d.ID) > 2 && d.ID[0] == 'c':
@@ -373,20 +404,16 @@ func (t *TwoPhase[Txn]) recover(ctx context.Context) (RecoveryReport, error) {
 			markers[string(d.ID)] = d.Claim
 		}
 	}
-	// committedEvents lists the events of the last checkpoint if it is
-	// committed; the frontier is that of the last finished checkpoint.
-	var committedEvents map[string]bool
-	finish := func(commit bool, frontier map[string]uint64, listed [][]byte) {
-		if commit {
-			committedEvents = map[string]bool{}
-			for _, id := range listed {
-				committedEvents[string(id)] = true
-			}
+	// A transaction may have been begun for checkpoint k+1 without its
+	// opening record becoming durable: nothing of it was recorded, so it
+	// is aborted by its id when the sink can do that.
+	if a, ok := any(t.sink).(CheckpointAborter); ok {
+		if err := a.AbortCheckpoint(ctx, k+1); err != nil {
+			return rep, fmt.Errorf("idemstream: two-phase %q: aborting checkpoint %d, which has no durable handle: %w", t.name, k+1, err)
 		}
-		if frontier != nil {
-			t.frontier = frontier
-		}
+		rep.OrphanAborted = true
 	}
+	var ckpt checkpointRecord // the last checkpoint if it is committed
 	if k > 0 {
 		var open openRecord
 		hasOpen := false
@@ -404,7 +431,6 @@ func (t *TwoPhase[Txn]) recover(ctx context.Context) (RecoveryReport, error) {
 			return rep, fmt.Errorf("idemstream: two-phase %q: checkpoint %d's opening record: %w", t.name, k, err)
 		}
 		var done, aborted markerRecord
-		var ckpt checkpointRecord
 		hasDone, err := t.read(ckptID("d", k), &done)
 		if err != nil {
 			return rep, err
@@ -420,19 +446,29 @@ func (t *TwoPhase[Txn]) recover(ctx context.Context) (RecoveryReport, error) {
 		if hasCkpt && ckpt.K != k || hasOpen && open.K != k {
 			return rep, fmt.Errorf("%w: two-phase %q: records of checkpoint %d name checkpoint %d/%d", ErrCorruptRecord, t.name, k, ckpt.K, open.K)
 		}
+		if hasCkpt && ckpt.Fingerprints != nil && len(ckpt.Fingerprints) != len(ckpt.Events) {
+			return rep, fmt.Errorf("%w: two-phase %q: checkpoint %d lists %d events and %d fingerprints", ErrCorruptRecord, t.name, k, len(ckpt.Events), len(ckpt.Fingerprints))
+		}
 		switch {
 		case hasDone:
 			rep.Action = "finished"
 			if !hasCkpt {
 				return rep, fmt.Errorf("%w: two-phase %q: checkpoint %d is marked committed but its record is missing", ErrCorruptRecord, t.name, k)
 			}
-			finish(true, done.Frontier, ckpt.Events)
+			if err := t.settleEvents(ctx, k, &ckpt, events, &rep); err != nil {
+				return rep, err
+			}
+			t.frontier = done.Frontier
 		case hasAborted:
 			rep.Action = "finished"
-			finish(false, aborted.Frontier, nil)
+			if err := t.settleEvents(ctx, k, nil, events, &rep); err != nil {
+				return rep, err
+			}
+			t.frontier = aborted.Frontier
 		case hasCkpt:
 			// The checkpoint with the handle is durable: the sink must
-			// commit it (again: RecoverAndCommit is idempotent).
+			// commit it (again: RecoverAndCommit is idempotent; the sink's
+			// commit of the last checkpoint is recorded only here).
 			txn, err := t.decodeHandle(ckpt.Handle, k)
 			if err != nil {
 				return rep, err
@@ -443,12 +479,15 @@ func (t *TwoPhase[Txn]) recover(ctx context.Context) (RecoveryReport, error) {
 			if err := t.hookAt(windowDuringRecovery, k); err != nil {
 				return rep, err
 			}
+			if err := t.settleEvents(ctx, k, &ckpt, events, &rep); err != nil {
+				return rep, err
+			}
 			if err := t.record(ctx, ckptID("d", k), &markerRecord{K: k, Frontier: ckpt.Frontier}, markers[string(ckptID("d", k))]); err != nil {
 				return rep, err
 			}
 			rep.Action = "committed"
 			t.log.Info("idemstream: recovered and committed checkpoint", "name", t.name, "checkpoint", k, "events", len(ckpt.Events))
-			finish(true, ckpt.Frontier, ckpt.Events)
+			t.frontier = ckpt.Frontier
 		case hasOpen:
 			txn, err := t.decodeHandle(open.Handle, k)
 			if err != nil {
@@ -460,77 +499,88 @@ func (t *TwoPhase[Txn]) recover(ctx context.Context) (RecoveryReport, error) {
 			if err := t.hookAt(windowDuringRecovery, k); err != nil {
 				return rep, err
 			}
+			if err := t.settleEvents(ctx, k, nil, events, &rep); err != nil {
+				return rep, err
+			}
 			if err := t.record(ctx, ckptID("a", k), &markerRecord{K: k, Frontier: open.Frontier}, markers[string(ckptID("a", k))]); err != nil {
 				return rep, err
 			}
 			rep.Action = "aborted"
 			t.log.Info("idemstream: recovered and aborted checkpoint (not recorded before the crash)", "name", t.name, "checkpoint", k)
-			finish(false, open.Frontier, nil)
+			t.frontier = open.Frontier
 		default:
 			return rep, fmt.Errorf("%w: two-phase %q: checkpoint %d has no record", ErrCorruptRecord, t.name, k)
 		}
-	}
-	// Settle the events left in doubt: those of a committed checkpoint
-	// are committed, every other one is released (its transaction was
-	// aborted or it never reached one) and runs again when redelivered.
-	var toCommit, toAbort []func() error
-	for id, c := range events {
-		if committedEvents[id] {
-			rec := &eventRecord{Checkpoint: k}
-			b, err := encodeEventRecord(rec)
-			if err != nil {
-				return rep, err
-			}
-			toCommit = append(toCommit, func() error { return c.Commit(ctx, b) })
-			rep.EventsCommitted++
-		} else {
-			toAbort = append(toAbort, func() error { return c.Abort(ctx) })
-			rep.EventsReleased++
+		if t.frontier == nil {
+			t.frontier = map[string]uint64{}
 		}
+	} else if err := t.settleEvents(ctx, 0, nil, events, &rep); err != nil {
+		return rep, err
 	}
-	if err := parallel(append(toCommit, toAbort...)); err != nil {
-		return rep, fmt.Errorf("idemstream: two-phase %q: settling in-doubt events: %w", t.name, err)
-	}
-	t.dropPrevious(ctx, k)
 	return rep, nil
 }
 
-// parallel runs fns with up to 256 goroutines (so that their engine
-// records share group commits) and returns the first error.
-func parallel(fns []func() error) error {
-	if len(fns) == 1 {
-		return fns[0]()
+// settleEvents makes the events of checkpoint k committed in idem when
+// ckpt (its record) is given: each is put (claimed and committed at
+// once) unless it is committed already, and a claim of it left in doubt
+// is committed. Every other event claim left in doubt is released: its
+// transaction was aborted or it never reached one, and it runs again when
+// redelivered. An atomic batch commits a checkpoint's events in its
+// record; this completes what a store without batches (one request at a
+// time) may have left half done, and claims of earlier versions.
+func (t *TwoPhase[Txn]) settleEvents(ctx context.Context, k uint64, ckpt *checkpointRecord, inDoubt map[string]*idem.Claim, rep *RecoveryReport) error {
+	b := newBatch(t.st)
+	rec, err := encodeEventRecord(&eventRecord{Checkpoint: k})
+	if err != nil {
+		return err
 	}
-	var (
-		wg    sync.WaitGroup
-		mu    sync.Mutex
-		first error
-	)
-	sem := make(chan struct{}, 256)
-	for _, fn := range fns {
-		sem <- struct{}{}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			defer func() { <-sem }()
-			if err := fn(); err != nil {
-				mu.Lock()
-				if first == nil {
-					first = err
-				}
-				mu.Unlock()
+	puts := 0
+	if ckpt != nil {
+		for n, id := range ckpt.Events {
+			if c := inDoubt[string(id)]; c != nil {
+				delete(inDoubt, string(id))
+				b.Commit(c, rec)
+				rep.EventsCommitted++
+				continue
 			}
-		}()
+			req := idem.Request{Scope: t.escope, ID: id, TTL: t.opts.TTL}
+			if ckpt.Fingerprints != nil {
+				req.Fingerprint = ckpt.Fingerprints[n]
+			}
+			b.Put(req, rec)
+			puts++
+		}
 	}
-	wg.Wait()
-	return first
+	for _, c := range inDoubt {
+		b.Abort(c)
+		rep.EventsReleased++
+	}
+	if b.Len() == 0 {
+		return nil
+	}
+	res, err := b.Run(context.WithoutCancel(ctx))
+	if err == nil {
+		for _, r := range res {
+			if r.Err != nil {
+				err = r.Err
+				break
+			}
+			if puts > 0 && r.Result.Status == idem.Fresh && r.Result.Claim == nil {
+				rep.EventsCommitted++
+			}
+		}
+	}
+	if err != nil {
+		return fmt.Errorf("idemstream: two-phase %q: settling the events of checkpoint %d: %w", t.name, k, err)
+	}
+	return nil
 }
 
 // Checkpoint runs one checkpoint over a batch of events: each event is
-// claimed (a redelivery of a committed one is Replayed, one in progress
-// elsewhere is Busy), the new ones are invoked into a transaction begun
-// for the checkpoint, which is pre-committed, recorded with its handle,
-// committed, and recorded as committed; then the events are committed.
+// looked up (a redelivery of a committed one is Replayed, one in progress
+// elsewhere Busy), the new ones are invoked into a transaction begun for
+// the checkpoint, which is pre-committed, recorded with its handle, the
+// events and the frontier (one record), and committed.
 // Acknowledge to the source exactly the events whose Outcome is Ackable,
 // after Checkpoint returns. On an error nothing of the batch is
 // acknowledgeable: the events run again, in a later checkpoint, when
@@ -549,37 +599,46 @@ func (t *TwoPhase[Txn]) Checkpoint(ctx context.Context, events []Event) ([]Outco
 			return nil, err
 		}
 	}
-	outs, fresh, err := t.claimBatch(ctx, events)
+	outs, fresh, err := t.lookupBatch(ctx, events)
 	if err != nil || len(fresh) == 0 {
 		return outs, err
 	}
-	releaseAll := func() { t.release(ctx, fresh) }
 	// The sink's calls get ctx; the coordinator's records are written even
-	// if ctx ends meanwhile (t.begin), so that a shutdown finishes or
-	// aborts the checkpoint in progress rather than leaving its outcome
-	// unknown.
-	// Open checkpoint k: its handle is durable before any Invoke.
+	// if ctx ends meanwhile, so that a shutdown finishes or aborts the
+	// checkpoint in progress rather than leaving its outcome unknown.
 	k := t.last + 1
-	res, err := t.begin(ctx, idem.Request{Scope: t.scope, Client: ckptClient, Seq: k})
-	if err != nil || res.Status != idem.Fresh {
-		releaseAll()
-		if err == nil {
-			err = fmt.Errorf("status %v", res.Status)
-		}
-		return nil, fmt.Errorf("idemstream: two-phase %q: opening checkpoint %d: %w", t.name, k, err)
-	}
-	openClaim := res.Claim
-	t.last = k
 	txn, err := t.sink.BeginTransaction(ctx, k)
 	if err != nil {
-		_ = openClaim.Abort(ctx)
-		t.last = k - 1
-		releaseAll()
 		return nil, fmt.Errorf("idemstream: two-phase %q: BeginTransaction(%d): %w", t.name, k, err)
 	}
 	frontier := make(map[string]uint64, len(t.frontier)+1)
 	for p, o := range t.frontier {
 		frontier[p] = o
+	}
+	handle, err := t.encodeHandle(txn)
+	var open []byte
+	if err == nil {
+		open, err = seal(&openRecord{K: k, Handle: handle, Frontier: t.frontier}, maxSealedBytes)
+	}
+	if err != nil {
+		_ = t.sink.Abort(context.WithoutCancel(ctx), txn)
+		return nil, fmt.Errorf("idemstream: two-phase %q: recording checkpoint %d's transaction: %w", t.name, k, err)
+	}
+	// Open checkpoint k: its handle is recorded while the events are
+	// invoked, and durable before PreCommit (a crash before leaves a
+	// transaction that recovery aborts by checkpoint id, or from this
+	// record).
+	opened := make(chan error, 1)
+	go func() { opened <- t.open(ctx, k, open) }()
+	t.last = k
+	waitOpen := func() error {
+		if err := <-opened; err != nil {
+			// Whether the opening is durable is unknown: recovery decides.
+			_ = t.sink.Abort(context.WithoutCancel(ctx), txn)
+			t.closed = true
+			return fmt.Errorf("%w: two-phase %q: recording checkpoint %d's transaction: %v", ErrNeedsRecovery, t.name, k, err)
+		}
+		return nil
 	}
 	abortTxn := func(cause error) error {
 		// The sink's Abort must run to the end even on a shutdown (it is
@@ -587,39 +646,27 @@ func (t *TwoPhase[Txn]) Checkpoint(ctx context.Context, events []Event) ([]Outco
 		if err := t.sink.Abort(context.WithoutCancel(ctx), txn); err != nil {
 			t.log.Warn("idemstream: sink abort failed", "name", t.name, "checkpoint", k, "err", err)
 		}
-		releaseAll()
 		if err := t.record(ctx, ckptID("a", k), &markerRecord{K: k, Frontier: t.frontier}, nil); err != nil {
 			// Without the record, recovery must settle checkpoint k
 			// (from its opening record) before another one opens.
 			t.closed = true
 			return fmt.Errorf("%w: %v (and recording the abort: %v)", ErrNeedsRecovery, cause, err)
 		}
-		t.dropPrevious(ctx, k)
 		return cause
 	}
-	handle, err := t.encodeHandle(txn)
-	if err == nil {
-		var b []byte
-		b, err = seal(&openRecord{K: k, Handle: handle, Frontier: frontier}, maxSealedBytes)
-		if err == nil {
-			err = openClaim.Commit(ctx, b)
-		}
-	}
-	if err != nil {
-		_ = openClaim.Abort(ctx)
-		_ = t.sink.Abort(context.WithoutCancel(ctx), txn)
-		releaseAll()
-		t.last = k - 1
-		return nil, fmt.Errorf("idemstream: two-phase %q: recording checkpoint %d's transaction: %w", t.name, k, err)
-	}
-
 	for _, c := range fresh {
 		if err := t.sink.Invoke(ctx, txn, c.ev); err != nil {
+			if err := waitOpen(); err != nil {
+				return nil, err
+			}
 			return nil, abortTxn(fmt.Errorf("idemstream: two-phase %q: checkpoint %d: Invoke: %w", t.name, k, &EventError{ID: c.ev.ID, Err: err}))
 		}
 		if c.ev.Offset > frontier[c.ev.Partition] {
 			frontier[c.ev.Partition] = c.ev.Offset
 		}
+	}
+	if err := waitOpen(); err != nil {
+		return nil, err
 	}
 	if err := t.hookAt(windowBeforePreCommit, k); err != nil {
 		return nil, err
@@ -630,27 +677,17 @@ func (t *TwoPhase[Txn]) Checkpoint(ctx context.Context, events []Event) ([]Outco
 	if err := t.hookAt(windowAfterPreCommit, k); err != nil {
 		return nil, err
 	}
-	// The checkpoint: pre-committed handle, events, frontier.
+	// The checkpoint, in one record: the pre-committed handle, the event
+	// ids (and fingerprints) and the frontier, with the frontier's
+	// advances, then every event committed (Put).
 	handle, err = t.encodeHandle(txn)
 	if err != nil {
 		return nil, abortTxn(err)
 	}
-	ids := make([][]byte, len(fresh))
-	for j, c := range fresh {
-		ids[j] = c.ev.ID
-	}
-	b, err := seal(&checkpointRecord{K: k, Handle: handle, Events: ids, Frontier: frontier}, maxSealedBytes)
-	if err != nil {
-		return nil, abortTxn(fmt.Errorf("idemstream: two-phase %q: checkpoint %d: %w", t.name, k, err))
-	}
-	res, err = t.begin(ctx, idem.Request{Scope: t.scope, ID: ckptID("c", k)})
-	if err != nil || res.Status != idem.Fresh {
-		if err == nil {
-			err = fmt.Errorf("status %v", res.Status)
+	if err := t.recordCheckpoint(ctx, k, handle, fresh, frontier); err != nil {
+		if errors.Is(err, ErrTooLarge) {
+			return nil, abortTxn(err)
 		}
-		return nil, abortTxn(fmt.Errorf("idemstream: two-phase %q: recording checkpoint %d: %w", t.name, k, err))
-	}
-	if err := res.Claim.Commit(ctx, b); err != nil {
 		// Whether the record is durable is unknown: only recovery may
 		// decide between commit and abort now.
 		t.closed = true
@@ -659,7 +696,7 @@ func (t *TwoPhase[Txn]) Checkpoint(ctx context.Context, events []Event) ([]Outco
 	if err := t.hookAt(windowAfterCheckpoint, k); err != nil {
 		return nil, err
 	}
-	t.unfinished = &unfinishedCheckpoint{k: k, txn: txn, handle: handle, claims: fresh, frontier: frontier, stage: 1}
+	t.unfinished = &unfinishedCheckpoint{k: k, txn: txn, frontier: frontier}
 	if err := t.finishUnfinished(ctx); err != nil {
 		return nil, err
 	}
@@ -674,18 +711,93 @@ func (t *TwoPhase[Txn]) Checkpoint(ctx context.Context, events []Event) ([]Outco
 	return outs, nil
 }
 
-// claimBatch claims every distinct event id of the batch (concurrently,
-// so that the claims share group commits) and classifies each as
-// claimEvent does: the outcomes of the events not to run (Replayed, Busy,
-// Failed for an invalid event, a conflict or a corrupt record) and the
-// fresh claims, one per distinct id. A store error releases the fresh
-// claims and fails the batch.
-func (t *TwoPhase[Txn]) claimBatch(ctx context.Context, events []Event) ([]Outcome, []*eventClaim, error) {
+// open records the opening of checkpoint k (its sequence number, with the
+// transaction handle) and drops the records of checkpoint k-1, which
+// recovery no longer reads, in one batch (the opening first: a store
+// without batches may stop between the two).
+func (t *TwoPhase[Txn]) open(ctx context.Context, k uint64, rec []byte) error {
+	b := newBatch(t.st)
+	b.Put(idem.Request{Scope: t.scope, Client: ckptClient, Seq: k}, rec)
+	if k > 1 {
+		b.Ack(t.scope, ckptID("c", k-1), ckptID("d", k-1), ckptID("a", k-1))
+	}
+	res, err := b.Run(context.WithoutCancel(ctx))
+	if err != nil {
+		return err
+	}
+	if err := putErr(res[0]); err != nil {
+		return err
+	}
+	if len(res) > 1 && res[1].Err != nil {
+		t.log.Warn("idemstream: dropping the previous checkpoint's records failed", "name", t.name, "checkpoint", k-1, "err", res[1].Err)
+	}
+	return nil
+}
+
+// recordCheckpoint writes checkpoint k in one batch: first the checkpoint
+// record "c/<k>" (handle, event ids and fingerprints, frontier) raising
+// the frontier clients in the same item, then a Put of each event. On a
+// Batcher it is one record; a store without batches may stop after the
+// checkpoint record, and recovery puts the events it lists.
+func (t *TwoPhase[Txn]) recordCheckpoint(ctx context.Context, k uint64, handle []byte, fresh []*eventClaim, frontier map[string]uint64) error {
+	ids := make([][]byte, len(fresh))
+	var fps [][]byte
+	if !t.opts.NoFingerprint {
+		fps = make([][]byte, len(fresh))
+	}
+	for j, c := range fresh {
+		ids[j] = c.ev.ID
+		if fps != nil {
+			fps[j] = c.req.Fingerprint
+		}
+	}
+	rec, err := seal(&checkpointRecord{K: k, Handle: handle, Events: ids, Fingerprints: fps, Frontier: frontier}, maxSealedBytes)
+	if err != nil {
+		return fmt.Errorf("idemstream: two-phase %q: checkpoint %d: %w", t.name, k, err)
+	}
+	var adv []idem.Advance
+	for p, o := range frontier {
+		if o > t.frontier[p] {
+			adv = append(adv, idem.Advance{Scope: t.fscope, Client: frontierClient(p), Seq: o})
+		}
+	}
+	b := newBatch(t.st)
+	b.Put(idem.Request{Scope: t.scope, ID: ckptID("c", k)}, rec, adv...)
+	var enc eventRecordEncoder
+	for _, c := range fresh {
+		b.Put(c.req, enc.encode(nil, k, c.ev.Partition, c.ev.Offset))
+	}
+	res, err := b.Run(context.WithoutCancel(ctx))
+	if err != nil {
+		return err
+	}
+	for j := range res {
+		if err := putErr(res[j]); err != nil {
+			if j == 0 {
+				return fmt.Errorf("checkpoint record: %w", err)
+			}
+			return fmt.Errorf("event %q: %w", fresh[j-1].ev.ID, err)
+		}
+	}
+	return nil
+}
+
+// lookupBatch looks up every distinct event id of the batch and classifies
+// each as claimEvent does, without writing anything: the outcomes of the
+// events not to run (Replayed, Busy, Failed for an invalid event, a
+// conflict or a corrupt record) and the fresh events, one per distinct id.
+// Only this coordinator commits in its event scope (one per name and
+// store), so an event absent here is still absent when the checkpoint is
+// recorded.
+func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event) ([]Outcome, []*eventClaim, error) {
 	outs := make([]Outcome, len(events))
-	byID := map[string]*eventClaim{}
-	var order []*eventClaim
+	byID := make(map[string]*eventClaim, len(events))
+	order := make([]*eventClaim, 0, len(events))
+	all := make([]eventClaim, len(events))
+	idx := make([]int, len(events))
+	var fps fingerprints
 	for i := range events {
-		ev := events[i]
+		ev := &events[i]
 		if err := ev.validate(); err != nil {
 			outs[i] = Outcome{Status: Failed, Err: err, Partition: ev.Partition, Offset: ev.Offset}
 			continue
@@ -694,34 +806,43 @@ func (t *TwoPhase[Txn]) claimBatch(ctx context.Context, events []Event) ([]Outco
 			c.idx = append(c.idx, i)
 			continue
 		}
-		c := &eventClaim{ev: ev, idx: []int{i}}
+		c := &all[i]
+		idx[i] = i
+		*c = eventClaim{ev: *ev, idx: idx[i : i+1 : i+1]} // a repeat appends to a copy
 		byID[string(ev.ID)] = c
 		order = append(order, c)
 	}
-	who := fmt.Sprintf("two-phase %q", t.name)
 	res := make([]Outcome, len(order))
 	errs := make([]error, len(order))
-	fns := make([]func() error, len(order))
-	for j, c := range order {
-		fns[j] = func() error {
-			req := eventRequest(t.escope, &c.ev, t.opts.NoFingerprint, t.opts.TTL)
-			c.claim, res[j], errs[j] = claimEvent(ctx, t.st, req, who, &c.ev)
-			return nil
-		}
+	fresh := make([]bool, len(order))
+	lookup := func(j int) {
+		c := order[j]
+		r, err := t.st.Lookup(ctx, c.req)
+		var claim *idem.Claim
+		claim, res[j], errs[j] = classifyEvent(r, err, t.escope, t.who, &c.ev)
+		fresh[j] = errs[j] == nil && claim == nil && r.Status == idem.Absent
 	}
-	_ = parallel(fns)
-	var fresh []*eventClaim
-	var storeErr error
+	for _, c := range order {
+		c.req = eventRequestFP(t.escope, &c.ev, t.opts.NoFingerprint, t.opts.TTL, &fps)
+	}
+	if _, ok := t.st.(idem.Batcher); ok {
+		// An embedded engine answers from memory: no goroutines.
+		for j := range order {
+			lookup(j)
+		}
+	} else {
+		parallelN(len(order), 64, lookup)
+	}
+	var out []*eventClaim
 	for j, c := range order {
 		o := res[j]
 		switch err := errs[j]; {
 		case errors.Is(err, ErrConflict) || errors.Is(err, ErrCorruptRecord):
 			o = Outcome{Status: Failed, Err: err, Partition: c.ev.Partition, Offset: c.ev.Offset}
 		case err != nil:
-			storeErr = err
-			continue
-		case c.claim != nil:
-			fresh = append(fresh, c)
+			return nil, nil, err
+		case fresh[j]:
+			out = append(out, c)
 			continue
 		}
 		o.outbox = nil
@@ -729,101 +850,46 @@ func (t *TwoPhase[Txn]) claimBatch(ctx context.Context, events []Event) ([]Outco
 			outs[i] = o
 		}
 	}
-	if storeErr != nil {
-		t.release(ctx, fresh)
-		return nil, nil, storeErr
-	}
-	return outs, fresh, nil
-}
-
-// release aborts the fresh claims of a checkpoint that does not go on.
-func (t *TwoPhase[Txn]) release(ctx context.Context, fresh []*eventClaim) {
-	fns := make([]func() error, len(fresh))
-	for j, c := range fresh {
-		fns[j] = func() error { return c.claim.Abort(ctx) }
-	}
-	_ = parallel(fns)
-}
-
-// begin claims a coordinator record. It is taken even when ctx has ended:
-// once a checkpoint has started, its records (open, checkpoint, commit or
-// abort mark) must be written, never refused half way. Their Commit and
-// Abort need no such help: a claim's finish is written whatever ctx says.
-func (t *TwoPhase[Txn]) begin(ctx context.Context, req idem.Request) (idem.Result, error) {
-	return t.st.Begin(context.WithoutCancel(ctx), req)
+	return outs, out, nil
 }
 
 // finishUnfinished commits the sink's transaction of a recorded checkpoint
-// (retrying), records it, commits its events and drops the previous
-// checkpoint's records.
+// (retrying). Its events are committed in idem already (with the
+// checkpoint record); that the sink committed is recorded only by
+// recovery ("d/<k>"): until the next checkpoint opens, a crash makes
+// recovery call RecoverAndCommit, which is idempotent.
 func (t *TwoPhase[Txn]) finishUnfinished(ctx context.Context) error {
 	u := t.unfinished
 	txn := u.txn.(Txn)
-	if u.stage == 1 {
-		var err error
-		pause := 50 * time.Millisecond
-		for try := 0; try <= t.opts.CommitRetries; try++ {
-			if try > 0 {
-				select {
-				case <-time.After(pause):
-				case <-ctx.Done():
-					return fmt.Errorf("idemstream: two-phase %q: committing checkpoint %d: %w (last error: %v)", t.name, u.k, ctx.Err(), err)
-				}
-				pause *= 2
-				err = t.sink.RecoverAndCommit(ctx, txn)
-			} else {
-				err = t.sink.Commit(ctx, txn)
+	var err error
+	pause := 50 * time.Millisecond
+	for try := 0; try <= t.opts.CommitRetries; try++ {
+		if try > 0 {
+			select {
+			case <-time.After(pause):
+			case <-ctx.Done():
+				return fmt.Errorf("idemstream: two-phase %q: committing checkpoint %d: %w (last error: %v)", t.name, u.k, ctx.Err(), err)
 			}
-			if err == nil {
-				break
-			}
-			t.log.Warn("idemstream: sink commit of a recorded checkpoint failed; retrying", "name", t.name, "checkpoint", u.k, "err", err)
+			pause *= 2
+			err = t.sink.RecoverAndCommit(ctx, txn)
+		} else if u.tried {
+			err = t.sink.RecoverAndCommit(ctx, txn)
+		} else {
+			err = t.sink.Commit(ctx, txn)
 		}
-		if err != nil {
-			return fmt.Errorf("idemstream: two-phase %q: the sink's commit of recorded checkpoint %d keeps failing (the next Checkpoint or recovery retries it): %w", t.name, u.k, err)
+		if err == nil {
+			break
 		}
-		if err := t.hookAt(windowAfterSinkCommit, u.k); err != nil {
-			return err
-		}
-		u.stage = 2
+		t.log.Warn("idemstream: sink commit of a recorded checkpoint failed; retrying", "name", t.name, "checkpoint", u.k, "err", err)
 	}
-	if err := t.record(ctx, ckptID("d", u.k), &markerRecord{K: u.k, Frontier: u.frontier}, nil); err != nil {
-		t.closed = true
-		return fmt.Errorf("%w: %v", ErrNeedsRecovery, err)
-	}
-	rec, err := encodeEventRecord(&eventRecord{Checkpoint: u.k})
+	u.tried = true
 	if err != nil {
+		return fmt.Errorf("idemstream: two-phase %q: the sink's commit of recorded checkpoint %d keeps failing (the next Checkpoint or recovery retries it): %w", t.name, u.k, err)
+	}
+	if err := t.hookAt(windowAfterSinkCommit, u.k); err != nil {
 		return err
-	}
-	fns := make([]func() error, 0, len(u.claims))
-	for _, c := range u.claims {
-		b := rec
-		if c.ev.Offset != 0 || c.ev.Partition != "" {
-			b, err = encodeEventRecord(&eventRecord{Checkpoint: u.k, Partition: c.ev.Partition, Offset: c.ev.Offset})
-			if err != nil {
-				return err
-			}
-		}
-		fns = append(fns, func() error { return c.claim.Commit(ctx, b) })
-	}
-	if err := parallel(fns); err != nil {
-		t.closed = true
-		return fmt.Errorf("%w: two-phase %q: committing the events of checkpoint %d: %v", ErrNeedsRecovery, t.name, u.k, err)
 	}
 	t.frontier = u.frontier
 	t.unfinished = nil
-	t.dropPrevious(ctx, u.k)
 	return nil
-}
-
-// dropPrevious removes the records of checkpoint k-1 once k is finished:
-// recovery only ever reads the last checkpoint's.
-func (t *TwoPhase[Txn]) dropPrevious(ctx context.Context, k uint64) {
-	if k <= 1 {
-		return
-	}
-	prev := k - 1
-	if err := t.st.Ack(ctx, t.scope, ckptID("c", prev), ckptID("d", prev), ckptID("a", prev)); err != nil {
-		t.log.Warn("idemstream: dropping the previous checkpoint's records failed", "name", t.name, "checkpoint", prev, "err", err)
-	}
 }

@@ -192,15 +192,16 @@ func (l *txnLedger) check(t *testing.T) {
 func newTwoPhaseWithHook(t *testing.T, ctx context.Context, w *world, l *txnLedger, hook func(window, uint64) error) (*TwoPhase[*ledgerTxn], RecoveryReport, error) {
 	e := openEngine(t, w.mem, nil)
 	t.Cleanup(func() { e.Close() })
+	st := w.store(e)
 	// The hook is in place before recovery runs.
-	if err := takeName(e, "sink", "tx"); err != nil {
+	if err := takeName(st, "sink", "tx"); err != nil {
 		return nil, RecoveryReport{}, err
 	}
-	tp := newTwoPhase[*ledgerTxn](e, "tx", l, TwoPhaseOptions{MaxHandleSize: 64 << 10, CommitRetries: 3})
+	tp := newTwoPhase[*ledgerTxn](st, "tx", l, TwoPhaseOptions{MaxHandleSize: 64 << 10, CommitRetries: 3})
 	tp.hook = hook
 	rep, err := tp.recover(ctx)
 	if err != nil {
-		releaseName(e, "sink", "tx")
+		releaseName(st, "sink", "tx")
 		e.Close()
 		return nil, rep, err
 	}
@@ -226,81 +227,87 @@ func TestTwoPhaseCrashWindows(t *testing.T) {
 		{windowAfterPreCommit, "", "aborted"},
 		{windowAfterCheckpoint, "", "committed"},
 		{windowAfterSinkCommit, "", "committed"},
-		{windowBeforeAck, "", "finished"},
+		// The sink's commit of the last checkpoint is recorded only by
+		// recovery: RecoverAndCommit again (idempotent; the ledger
+		// counts a second visible commit as a violation).
+		{windowBeforeAck, "", "committed"},
 		{windowAfterCheckpoint, windowDuringRecovery, "committed"},
 		{windowBeforePreCommit, windowDuringRecovery, "aborted"},
 	}
-	for _, c := range cases {
-		for _, at := range []uint64{1, 4} {
-			name := fmt.Sprintf("%s/ckpt%d", c.crash, at)
-			if c.recovery != "" {
-				name = fmt.Sprintf("%s+%s/ckpt%d", c.crash, c.recovery, at)
-			}
-			t.Run(name, func(t *testing.T) {
-				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-				defer cancel()
-				w := newWorld()
-				evs := makeEvents(80, 3, 12)
-				b := newMemBroker(w, evs)
-				l := newTxnLedger(w)
-				tp, _, err := newTwoPhaseWithHook(t, ctx, w, l, func(got window, k uint64) error {
-					if got == c.crash && k == at {
-						return w.crash()
-					}
-					return nil
-				})
-				if err != nil {
-					t.Fatal(err)
-				}
-				err = runUntilAcked(ctx, b, func(ctx context.Context, o ConsumeOptions) error {
-					return ConsumeTwoPhase(ctx, b, tp, &o)
-				})
-				if !w.crashed {
-					t.Fatalf("no crash at %s (consumer: %v)", c.crash, err)
-				}
+	for _, path := range storePaths {
+		for _, c := range cases {
+			for _, at := range []uint64{1, 4} {
+				name := fmt.Sprintf("%s/%s/ckpt%d", path.name, c.crash, at)
 				if c.recovery != "" {
-					w.restart()
-					var n atomic.Int32
-					_, _, err := newTwoPhaseWithHook(t, ctx, w, l, func(got window, k uint64) error {
-						if got == c.recovery && n.Add(1) == 1 {
+					name = fmt.Sprintf("%s/%s+%s/ckpt%d", path.name, c.crash, c.recovery, at)
+				}
+				t.Run(name, func(t *testing.T) {
+					ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+					defer cancel()
+					w := newWorld()
+					w.oneAtATime = path.oneAtATime
+					evs := makeEvents(80, 3, 12)
+					b := newMemBroker(w, evs)
+					l := newTxnLedger(w)
+					tp, _, err := newTwoPhaseWithHook(t, ctx, w, l, func(got window, k uint64) error {
+						if got == c.crash && k == at {
 							return w.crash()
 						}
 						return nil
 					})
-					if !errors.Is(err, errCrashed) {
-						t.Fatalf("recovery did not crash: %v", err)
+					if err != nil {
+						t.Fatal(err)
 					}
-				}
-				w.restart()
-				tp, rep, err := newTwoPhaseWithHook(t, ctx, w, l, nil)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if rep.LastCheckpoint != at || rep.Action != c.wantAction {
-					t.Fatalf("recovery %+v, want checkpoint %d %s", rep, at, c.wantAction)
-				}
-				if left := mustInDoubt(t, tp.st); len(left) != 0 {
-					t.Fatalf("%d claims in doubt after recovery", len(left))
-				}
-				if err := runUntilAcked(ctx, b, func(ctx context.Context, o ConsumeOptions) error {
-					return ConsumeTwoPhase(ctx, b, tp, &o)
-				}); err != nil {
-					t.Fatal(err)
-				}
-				l.check(t)
-				checkExactlyOnce(t, l.committed, evs)
-				// The frontier is the highest offset a checkpoint committed:
-				// at least every original event's, at most the stream's end
-				// (a redelivered duplicate that is only replayed does not
-				// move it).
-				lo, hi := maxOffsets(evs[:80]), maxOffsets(evs)
-				for p := range hi {
-					if got, ok := tp.Frontier(p); !ok || got < lo[p] || got > hi[p] {
-						t.Fatalf("frontier of %s: %d, want %d..%d", p, got, lo[p], hi[p])
+					err = runUntilAcked(ctx, b, func(ctx context.Context, o ConsumeOptions) error {
+						return ConsumeTwoPhase(ctx, b, tp, &o)
+					})
+					if !w.crashed {
+						t.Fatalf("no crash at %s (consumer: %v)", c.crash, err)
 					}
-				}
-				t.Logf("recovery %+v; checkpoints %d, deliveries %d", rep, tp.LastCheckpoint(), b.deliveries)
-			})
+					if c.recovery != "" {
+						w.restart()
+						var n atomic.Int32
+						_, _, err := newTwoPhaseWithHook(t, ctx, w, l, func(got window, k uint64) error {
+							if got == c.recovery && n.Add(1) == 1 {
+								return w.crash()
+							}
+							return nil
+						})
+						if !errors.Is(err, errCrashed) {
+							t.Fatalf("recovery did not crash: %v", err)
+						}
+					}
+					w.restart()
+					tp, rep, err := newTwoPhaseWithHook(t, ctx, w, l, nil)
+					if err != nil {
+						t.Fatal(err)
+					}
+					if rep.LastCheckpoint != at || rep.Action != c.wantAction {
+						t.Fatalf("recovery %+v, want checkpoint %d %s", rep, at, c.wantAction)
+					}
+					if left := mustInDoubt(t, tp.st); len(left) != 0 {
+						t.Fatalf("%d claims in doubt after recovery", len(left))
+					}
+					if err := runUntilAcked(ctx, b, func(ctx context.Context, o ConsumeOptions) error {
+						return ConsumeTwoPhase(ctx, b, tp, &o)
+					}); err != nil {
+						t.Fatal(err)
+					}
+					l.check(t)
+					checkExactlyOnce(t, l.committed, evs)
+					// The frontier is the highest offset a checkpoint committed:
+					// at least every original event's, at most the stream's end
+					// (a redelivered duplicate that is only replayed does not
+					// move it).
+					lo, hi := maxOffsets(evs[:80]), maxOffsets(evs)
+					for p := range hi {
+						if got, ok := tp.Frontier(p); !ok || got < lo[p] || got > hi[p] {
+							t.Fatalf("frontier of %s: %d, want %d..%d", p, got, lo[p], hi[p])
+						}
+					}
+					t.Logf("recovery %+v; checkpoints %d, deliveries %d", rep, tp.LastCheckpoint(), b.deliveries)
+				})
+			}
 		}
 	}
 }
@@ -421,12 +428,13 @@ func TestTwoPhaseRecordsBounded(t *testing.T) {
 		}
 	}
 	for k := uint64(1); k <= 5; k++ {
+		// "d/<k>" is written by recovery only.
 		for _, kind := range []string{"c", "d"} {
 			res, err := e.Lookup(context.Background(), idem.Request{Scope: twoPhaseScope("tx"), ID: ckptID(kind, k)})
 			if err != nil {
 				t.Fatal(err)
 			}
-			if want := k == 5; (res.Status == idem.Done) != want {
+			if want := k == 5 && kind == "c"; (res.Status == idem.Done) != want {
 				t.Fatalf("record %s/%d: %v, kept %v", kind, k, res.Status, want)
 			}
 		}

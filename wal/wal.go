@@ -781,13 +781,26 @@ func (w *WAL) Close() error {
 // A channel is only replaced once closed, so a flush that nobody waits for
 // allocates nothing.
 func (w *WAL) endFlushLocked() {
+	if c := w.detachFlushLocked(); c != nil {
+		close(c)
+	}
+}
+
+// detachFlushLocked is endFlushLocked without the wake-up: it returns the
+// channel of the waiters to wake (nil if none), which the caller closes
+// once it released w.mu. Closing readies every waiter, one by one (up to
+// one per caller: hundreds), and appenders and new waiters need w.mu
+// meanwhile. No waiter can register on the returned channel any more.
+func (w *WAL) detachFlushLocked() chan struct{} {
 	w.mu.inFlush = false
 	w.fl.woken = w.mu.curWaiters
-	if w.mu.curWaiters > 0 {
-		close(w.mu.curC)
-		w.mu.curC = make(chan struct{})
-		w.mu.curWaiters = 0
+	if w.mu.curWaiters == 0 {
+		return nil
 	}
+	c := w.mu.curC
+	w.mu.curC = make(chan struct{})
+	w.mu.curWaiters = 0
+	return c
 }
 
 // notifyAllLocked wakes every waiter (failure, Close). w.mu must be held.
@@ -975,8 +988,11 @@ func (w *WAL) flush() (exit bool) {
 	}
 	if wrote || doSync {
 		w.mu.Lock()
-		w.endFlushLocked()
+		woken := w.detachFlushLocked()
 		w.mu.Unlock()
+		if woken != nil {
+			close(woken)
+		}
 	}
 	if doSync && len(w.fl.unsynced) > 0 {
 		w.opts.OnSynced(w.fl.unsynced)

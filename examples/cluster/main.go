@@ -35,6 +35,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/idemdb/idem"
 	"github.com/idemdb/idem/idemcluster"
 	"github.com/idemdb/idem/idemhttp"
 )
@@ -66,7 +67,7 @@ func main() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	srv := &http.Server{Handler: a.routes(), ReadHeaderTimeout: 10 * time.Second}
+	srv := &http.Server{Handler: a.routes(a.c), ReadHeaderTimeout: 10 * time.Second}
 	go func() {
 		<-ctx.Done()
 		shut, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -98,9 +99,13 @@ type app struct {
 	c     *idemcluster.Client
 	owner string
 
-	mu   sync.Mutex // guards file, made, done, byKey
+	mu   sync.Mutex // guards file, failed, made, done, byKey
 	file *os.File   // the effects log (O_APPEND), fsynced after every transfer
-	made int        // transfers numbered so far (the ids' n)
+	// failed is the effects log's first write or fsync error: the log is
+	// not written again (what is on disk after a failed fsync is
+	// unknown), every later transfer is refused until a restart reads it.
+	failed error
+	made   int // transfers numbered so far (the ids' n)
 	// done are the transfers in the log, in order, and byKey indexes them
 	// by key: read at start (for the keys in doubt), kept up to date.
 	done  []transfer
@@ -112,10 +117,12 @@ type app struct {
 func options() *idemhttp.Options {
 	return &idemhttp.Options{
 		RequireKey: true, // a transfer without a key would not be safe to retry
-		// A 5xx of this handler may follow its effect (the line may be on
-		// disk when its fsync failed): it is stored and replayed, the
-		// transfer never runs twice for a key.
-		NoEffect: func(int) bool { return false },
+		// The handler's 503 comes before any effect (the effects log
+		// failed earlier): the key is released, a retry may go to another
+		// replica. Its 500 may follow the effect (the line may be on disk
+		// when its fsync failed): it is stored and replayed, so the
+		// transfer never runs twice for the key.
+		NoEffect: func(status int) bool { return status == http.StatusServiceUnavailable },
 	}
 }
 
@@ -202,8 +209,10 @@ func reply(t transfer) *idemhttp.StoredResponse {
 	return &idemhttp.StoredResponse{Status: http.StatusCreated, Header: http.Header{"Content-Type": {"application/json"}}, Body: append(b, '\n')}
 }
 
-func (a *app) routes() http.Handler {
-	mw, err := idemhttp.Middleware(a.c, options())
+// routes are the API over store (the cluster's client; the tests of the
+// handler alone give an embedded engine).
+func (a *app) routes(store idem.Store) http.Handler {
+	mw, err := idemhttp.Middleware(store, options())
 	if err != nil {
 		panic(err) // options() is fixed: a failure here is a bug
 	}
@@ -227,16 +236,23 @@ func (a *app) transfer(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	a.mu.Lock()
+	if a.failed != nil {
+		a.mu.Unlock()
+		writeJSON(w, http.StatusServiceUnavailable, map[string]string{"error": "this replica's effects log failed: no transfer made, retry on another replica"})
+		return
+	}
 	t := transfer{ID: fmt.Sprintf("%s-%d", a.owner, a.made+1), Key: r.Header.Get(idemhttp.HeaderKey), From: in.From, To: in.To, Amount: in.Amount}
 	line, _ := json.Marshal(t)
 	_, err := a.file.Write(append(line, '\n'))
 	if err == nil {
 		err = a.file.Sync()
 	}
-	a.made++ // the line may be on disk even after an error: its id is used
+	a.made++
 	if err == nil {
 		a.byKey[t.Key] = len(a.done)
 		a.done = append(a.done, t)
+	} else {
+		a.failed = err
 	}
 	a.mu.Unlock()
 	if err != nil {

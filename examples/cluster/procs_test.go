@@ -52,6 +52,9 @@ func binaries(t *testing.T) (idemBin, appBin string) {
 	if testing.Short() {
 		t.Skip("builds cmd/idem and the example, and runs them as processes")
 	}
+	if _, err := exec.LookPath("go"); err != nil {
+		t.Skip("the go command is not on PATH: cannot build cmd/idem and the example")
+	}
 	build.once.Do(func() {
 		if build.dir, build.err = os.MkdirTemp("", "idem-cluster-example-"); build.err != nil {
 			return
@@ -59,7 +62,9 @@ func binaries(t *testing.T) (idemBin, appBin string) {
 		build.idem, build.app = filepath.Join(build.dir, "idem"), filepath.Join(build.dir, "cluster")
 		t0 := time.Now()
 		// One go build for both: they link in parallel.
-		out, err := exec.Command("go", "build", "-tags", "crashhook", "-o", build.dir+string(filepath.Separator), "github.com/idemdb/idem/cmd/idem", ".").CombinedOutput()
+		ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+		defer cancel()
+		out, err := exec.CommandContext(ctx, "go", "build", "-tags", "crashhook", "-o", build.dir+string(filepath.Separator), "github.com/idemdb/idem/cmd/idem", ".").CombinedOutput()
 		if err != nil {
 			build.err = fmt.Errorf("go build: %v\n%s", err, out)
 			return

@@ -20,6 +20,7 @@ package clusterpb
 import (
 	protoreflect "google.golang.org/protobuf/reflect/protoreflect"
 	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
+	anypb "google.golang.org/protobuf/types/known/anypb"
 	durationpb "google.golang.org/protobuf/types/known/durationpb"
 	timestamppb "google.golang.org/protobuf/types/known/timestamppb"
 	reflect "reflect"
@@ -1419,6 +1420,330 @@ func (*ForgetResponse) Descriptor() ([]byte, []int) {
 	return file_cluster_proto_rawDescGZIP(), []int{24}
 }
 
+// BatchRequest carries concurrent calls of one client in one message (a
+// client coalesces the calls that wait while its earlier batches are on
+// the wire). The items are independent: the node runs them concurrently,
+// as it runs separate calls, and answers each as its own call would be.
+type BatchRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Items         []*BatchItem           `protobuf:"bytes,1,rep,name=items,proto3" json:"items,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BatchRequest) Reset() {
+	*x = BatchRequest{}
+	mi := &file_cluster_proto_msgTypes[25]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BatchRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BatchRequest) ProtoMessage() {}
+
+func (x *BatchRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_cluster_proto_msgTypes[25]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BatchRequest.ProtoReflect.Descriptor instead.
+func (*BatchRequest) Descriptor() ([]byte, []int) {
+	return file_cluster_proto_rawDescGZIP(), []int{25}
+}
+
+func (x *BatchRequest) GetItems() []*BatchItem {
+	if x != nil {
+		return x.Items
+	}
+	return nil
+}
+
+type BatchItem struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Call:
+	//
+	//	*BatchItem_Begin
+	//	*BatchItem_Commit
+	//	*BatchItem_Abort
+	//	*BatchItem_Lookup
+	Call          isBatchItem_Call `protobuf_oneof:"call"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BatchItem) Reset() {
+	*x = BatchItem{}
+	mi := &file_cluster_proto_msgTypes[26]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BatchItem) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BatchItem) ProtoMessage() {}
+
+func (x *BatchItem) ProtoReflect() protoreflect.Message {
+	mi := &file_cluster_proto_msgTypes[26]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BatchItem.ProtoReflect.Descriptor instead.
+func (*BatchItem) Descriptor() ([]byte, []int) {
+	return file_cluster_proto_rawDescGZIP(), []int{26}
+}
+
+func (x *BatchItem) GetCall() isBatchItem_Call {
+	if x != nil {
+		return x.Call
+	}
+	return nil
+}
+
+func (x *BatchItem) GetBegin() *BeginRequest {
+	if x != nil {
+		if x, ok := x.Call.(*BatchItem_Begin); ok {
+			return x.Begin
+		}
+	}
+	return nil
+}
+
+func (x *BatchItem) GetCommit() *CommitRequest {
+	if x != nil {
+		if x, ok := x.Call.(*BatchItem_Commit); ok {
+			return x.Commit
+		}
+	}
+	return nil
+}
+
+func (x *BatchItem) GetAbort() *AbortRequest {
+	if x != nil {
+		if x, ok := x.Call.(*BatchItem_Abort); ok {
+			return x.Abort
+		}
+	}
+	return nil
+}
+
+func (x *BatchItem) GetLookup() *LookupRequest {
+	if x != nil {
+		if x, ok := x.Call.(*BatchItem_Lookup); ok {
+			return x.Lookup
+		}
+	}
+	return nil
+}
+
+type isBatchItem_Call interface {
+	isBatchItem_Call()
+}
+
+type BatchItem_Begin struct {
+	Begin *BeginRequest `protobuf:"bytes,1,opt,name=begin,proto3,oneof"`
+}
+
+type BatchItem_Commit struct {
+	Commit *CommitRequest `protobuf:"bytes,2,opt,name=commit,proto3,oneof"`
+}
+
+type BatchItem_Abort struct {
+	Abort *AbortRequest `protobuf:"bytes,3,opt,name=abort,proto3,oneof"`
+}
+
+type BatchItem_Lookup struct {
+	Lookup *LookupRequest `protobuf:"bytes,4,opt,name=lookup,proto3,oneof"`
+}
+
+func (*BatchItem_Begin) isBatchItem_Call() {}
+
+func (*BatchItem_Commit) isBatchItem_Call() {}
+
+func (*BatchItem_Abort) isBatchItem_Call() {}
+
+func (*BatchItem_Lookup) isBatchItem_Call() {}
+
+// BatchResponse has one result per item, in the items' order.
+type BatchResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Results       []*BatchResult         `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BatchResponse) Reset() {
+	*x = BatchResponse{}
+	mi := &file_cluster_proto_msgTypes[27]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BatchResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BatchResponse) ProtoMessage() {}
+
+func (x *BatchResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_cluster_proto_msgTypes[27]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BatchResponse.ProtoReflect.Descriptor instead.
+func (*BatchResponse) Descriptor() ([]byte, []int) {
+	return file_cluster_proto_rawDescGZIP(), []int{27}
+}
+
+func (x *BatchResponse) GetResults() []*BatchResult {
+	if x != nil {
+		return x.Results
+	}
+	return nil
+}
+
+// BatchResult is an item's answer: its error (absent: OK) and, for a
+// Begin or a Lookup, its result.
+type BatchResult struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Status        *ItemStatus            `protobuf:"bytes,1,opt,name=status,proto3" json:"status,omitempty"`
+	Result        *Result                `protobuf:"bytes,2,opt,name=result,proto3" json:"result,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BatchResult) Reset() {
+	*x = BatchResult{}
+	mi := &file_cluster_proto_msgTypes[28]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BatchResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BatchResult) ProtoMessage() {}
+
+func (x *BatchResult) ProtoReflect() protoreflect.Message {
+	mi := &file_cluster_proto_msgTypes[28]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BatchResult.ProtoReflect.Descriptor instead.
+func (*BatchResult) Descriptor() ([]byte, []int) {
+	return file_cluster_proto_rawDescGZIP(), []int{28}
+}
+
+func (x *BatchResult) GetStatus() *ItemStatus {
+	if x != nil {
+		return x.Status
+	}
+	return nil
+}
+
+func (x *BatchResult) GetResult() *Result {
+	if x != nil {
+		return x.Result
+	}
+	return nil
+}
+
+// ItemStatus is an item's error, laid out as google.rpc.Status (the same
+// fields and numbers, so it decodes as one): a gRPC code, the message, and
+// the details (a google.rpc.ErrorInfo as for a single call).
+type ItemStatus struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Code          int32                  `protobuf:"varint,1,opt,name=code,proto3" json:"code,omitempty"`
+	Message       string                 `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
+	Details       []*anypb.Any           `protobuf:"bytes,3,rep,name=details,proto3" json:"details,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ItemStatus) Reset() {
+	*x = ItemStatus{}
+	mi := &file_cluster_proto_msgTypes[29]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ItemStatus) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ItemStatus) ProtoMessage() {}
+
+func (x *ItemStatus) ProtoReflect() protoreflect.Message {
+	mi := &file_cluster_proto_msgTypes[29]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ItemStatus.ProtoReflect.Descriptor instead.
+func (*ItemStatus) Descriptor() ([]byte, []int) {
+	return file_cluster_proto_rawDescGZIP(), []int{29}
+}
+
+func (x *ItemStatus) GetCode() int32 {
+	if x != nil {
+		return x.Code
+	}
+	return 0
+}
+
+func (x *ItemStatus) GetMessage() string {
+	if x != nil {
+		return x.Message
+	}
+	return ""
+}
+
+func (x *ItemStatus) GetDetails() []*anypb.Any {
+	if x != nil {
+		return x.Details
+	}
+	return nil
+}
+
 type Member struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	NodeId        string                 `protobuf:"bytes,1,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
@@ -1432,7 +1757,7 @@ type Member struct {
 
 func (x *Member) Reset() {
 	*x = Member{}
-	mi := &file_cluster_proto_msgTypes[25]
+	mi := &file_cluster_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1444,7 +1769,7 @@ func (x *Member) String() string {
 func (*Member) ProtoMessage() {}
 
 func (x *Member) ProtoReflect() protoreflect.Message {
-	mi := &file_cluster_proto_msgTypes[25]
+	mi := &file_cluster_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1457,7 +1782,7 @@ func (x *Member) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Member.ProtoReflect.Descriptor instead.
 func (*Member) Descriptor() ([]byte, []int) {
-	return file_cluster_proto_rawDescGZIP(), []int{25}
+	return file_cluster_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *Member) GetNodeId() string {
@@ -1506,7 +1831,7 @@ type JoinRequest struct {
 
 func (x *JoinRequest) Reset() {
 	*x = JoinRequest{}
-	mi := &file_cluster_proto_msgTypes[26]
+	mi := &file_cluster_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1518,7 +1843,7 @@ func (x *JoinRequest) String() string {
 func (*JoinRequest) ProtoMessage() {}
 
 func (x *JoinRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_cluster_proto_msgTypes[26]
+	mi := &file_cluster_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1531,7 +1856,7 @@ func (x *JoinRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JoinRequest.ProtoReflect.Descriptor instead.
 func (*JoinRequest) Descriptor() ([]byte, []int) {
-	return file_cluster_proto_rawDescGZIP(), []int{26}
+	return file_cluster_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *JoinRequest) GetNodeId() string {
@@ -1564,7 +1889,7 @@ type JoinResponse struct {
 
 func (x *JoinResponse) Reset() {
 	*x = JoinResponse{}
-	mi := &file_cluster_proto_msgTypes[27]
+	mi := &file_cluster_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1576,7 +1901,7 @@ func (x *JoinResponse) String() string {
 func (*JoinResponse) ProtoMessage() {}
 
 func (x *JoinResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_cluster_proto_msgTypes[27]
+	mi := &file_cluster_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1589,7 +1914,7 @@ func (x *JoinResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JoinResponse.ProtoReflect.Descriptor instead.
 func (*JoinResponse) Descriptor() ([]byte, []int) {
-	return file_cluster_proto_rawDescGZIP(), []int{27}
+	return file_cluster_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *JoinResponse) GetMembers() []*Member {
@@ -1608,7 +1933,7 @@ type RemoveRequest struct {
 
 func (x *RemoveRequest) Reset() {
 	*x = RemoveRequest{}
-	mi := &file_cluster_proto_msgTypes[28]
+	mi := &file_cluster_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1620,7 +1945,7 @@ func (x *RemoveRequest) String() string {
 func (*RemoveRequest) ProtoMessage() {}
 
 func (x *RemoveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_cluster_proto_msgTypes[28]
+	mi := &file_cluster_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1633,7 +1958,7 @@ func (x *RemoveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveRequest.ProtoReflect.Descriptor instead.
 func (*RemoveRequest) Descriptor() ([]byte, []int) {
-	return file_cluster_proto_rawDescGZIP(), []int{28}
+	return file_cluster_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *RemoveRequest) GetNodeId() string {
@@ -1652,7 +1977,7 @@ type RemoveResponse struct {
 
 func (x *RemoveResponse) Reset() {
 	*x = RemoveResponse{}
-	mi := &file_cluster_proto_msgTypes[29]
+	mi := &file_cluster_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1664,7 +1989,7 @@ func (x *RemoveResponse) String() string {
 func (*RemoveResponse) ProtoMessage() {}
 
 func (x *RemoveResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_cluster_proto_msgTypes[29]
+	mi := &file_cluster_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1677,7 +2002,7 @@ func (x *RemoveResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveResponse.ProtoReflect.Descriptor instead.
 func (*RemoveResponse) Descriptor() ([]byte, []int) {
-	return file_cluster_proto_rawDescGZIP(), []int{29}
+	return file_cluster_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *RemoveResponse) GetMembers() []*Member {
@@ -1695,7 +2020,7 @@ type StatusRequest struct {
 
 func (x *StatusRequest) Reset() {
 	*x = StatusRequest{}
-	mi := &file_cluster_proto_msgTypes[30]
+	mi := &file_cluster_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1707,7 +2032,7 @@ func (x *StatusRequest) String() string {
 func (*StatusRequest) ProtoMessage() {}
 
 func (x *StatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_cluster_proto_msgTypes[30]
+	mi := &file_cluster_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1720,7 +2045,7 @@ func (x *StatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusRequest.ProtoReflect.Descriptor instead.
 func (*StatusRequest) Descriptor() ([]byte, []int) {
-	return file_cluster_proto_rawDescGZIP(), []int{30}
+	return file_cluster_proto_rawDescGZIP(), []int{35}
 }
 
 type StatusResponse struct {
@@ -1738,7 +2063,7 @@ type StatusResponse struct {
 
 func (x *StatusResponse) Reset() {
 	*x = StatusResponse{}
-	mi := &file_cluster_proto_msgTypes[31]
+	mi := &file_cluster_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1750,7 +2075,7 @@ func (x *StatusResponse) String() string {
 func (*StatusResponse) ProtoMessage() {}
 
 func (x *StatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_cluster_proto_msgTypes[31]
+	mi := &file_cluster_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1763,7 +2088,7 @@ func (x *StatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusResponse.ProtoReflect.Descriptor instead.
 func (*StatusResponse) Descriptor() ([]byte, []int) {
-	return file_cluster_proto_rawDescGZIP(), []int{31}
+	return file_cluster_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *StatusResponse) GetNodeId() string {
@@ -1819,7 +2144,7 @@ var File_cluster_proto protoreflect.FileDescriptor
 
 const file_cluster_proto_rawDesc = "" +
 	"\n" +
-	"\rcluster.proto\x12\x0fidem.cluster.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa6\x02\n" +
+	"\rcluster.proto\x12\x0fidem.cluster.v1\x1a\x19google/protobuf/any.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa6\x02\n" +
 	"\aRequest\x12\x14\n" +
 	"\x05scope\x18\x01 \x01(\tR\x05scope\x12\x0e\n" +
 	"\x02id\x18\x02 \x01(\fR\x02id\x12\x16\n" +
@@ -1902,7 +2227,25 @@ const file_cluster_proto_rawDesc = "" +
 	"\x06claims\x18\x01 \x03(\v2\x1d.idem.cluster.v1.InDoubtClaimR\x06claims\"C\n" +
 	"\rForgetRequest\x122\n" +
 	"\x06before\x18\x01 \x01(\v2\x1a.google.protobuf.TimestampR\x06before\"\x10\n" +
-	"\x0eForgetResponse\"\x89\x01\n" +
+	"\x0eForgetResponse\"@\n" +
+	"\fBatchRequest\x120\n" +
+	"\x05items\x18\x01 \x03(\v2\x1a.idem.cluster.v1.BatchItemR\x05items\"\xf5\x01\n" +
+	"\tBatchItem\x125\n" +
+	"\x05begin\x18\x01 \x01(\v2\x1d.idem.cluster.v1.BeginRequestH\x00R\x05begin\x128\n" +
+	"\x06commit\x18\x02 \x01(\v2\x1e.idem.cluster.v1.CommitRequestH\x00R\x06commit\x125\n" +
+	"\x05abort\x18\x03 \x01(\v2\x1d.idem.cluster.v1.AbortRequestH\x00R\x05abort\x128\n" +
+	"\x06lookup\x18\x04 \x01(\v2\x1e.idem.cluster.v1.LookupRequestH\x00R\x06lookupB\x06\n" +
+	"\x04call\"G\n" +
+	"\rBatchResponse\x126\n" +
+	"\aresults\x18\x01 \x03(\v2\x1c.idem.cluster.v1.BatchResultR\aresults\"s\n" +
+	"\vBatchResult\x123\n" +
+	"\x06status\x18\x01 \x01(\v2\x1b.idem.cluster.v1.ItemStatusR\x06status\x12/\n" +
+	"\x06result\x18\x02 \x01(\v2\x17.idem.cluster.v1.ResultR\x06result\"j\n" +
+	"\n" +
+	"ItemStatus\x12\x12\n" +
+	"\x04code\x18\x01 \x01(\x05R\x04code\x12\x18\n" +
+	"\amessage\x18\x02 \x01(\tR\amessage\x12.\n" +
+	"\adetails\x18\x03 \x03(\v2\x14.google.protobuf.AnyR\adetails\"\x89\x01\n" +
 	"\x06Member\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12\x1b\n" +
 	"\traft_addr\x18\x02 \x01(\tR\braftAddr\x12\x1b\n" +
@@ -1933,7 +2276,7 @@ const file_cluster_proto_rawDesc = "" +
 	"\rSTATUS_ABSENT\x10\x00\x12\x10\n" +
 	"\fSTATUS_FRESH\x10\x01\x12\x0f\n" +
 	"\vSTATUS_DONE\x10\x02\x12\x14\n" +
-	"\x10STATUS_IN_FLIGHT\x10\x032\xf4\x05\n" +
+	"\x10STATUS_IN_FLIGHT\x10\x032\xbc\x06\n" +
 	"\x04Idem\x12F\n" +
 	"\x05Begin\x12\x1d.idem.cluster.v1.BeginRequest\x1a\x1e.idem.cluster.v1.BeginResponse\x12I\n" +
 	"\x06Commit\x12\x1e.idem.cluster.v1.CommitRequest\x1a\x1f.idem.cluster.v1.CommitResponse\x12F\n" +
@@ -1944,7 +2287,8 @@ const file_cluster_proto_rawDesc = "" +
 	"\aAdvance\x12\x1f.idem.cluster.v1.AdvanceRequest\x1a .idem.cluster.v1.AdvanceResponse\x12X\n" +
 	"\vClientState\x12#.idem.cluster.v1.ClientStateRequest\x1a$.idem.cluster.v1.ClientStateResponse\x12L\n" +
 	"\aInDoubt\x12\x1f.idem.cluster.v1.InDoubtRequest\x1a .idem.cluster.v1.InDoubtResponse\x12I\n" +
-	"\x06Forget\x12\x1e.idem.cluster.v1.ForgetRequest\x1a\x1f.idem.cluster.v1.ForgetResponse2\xe4\x01\n" +
+	"\x06Forget\x12\x1e.idem.cluster.v1.ForgetRequest\x1a\x1f.idem.cluster.v1.ForgetResponse\x12F\n" +
+	"\x05Batch\x12\x1d.idem.cluster.v1.BatchRequest\x1a\x1e.idem.cluster.v1.BatchResponse2\xe4\x01\n" +
 	"\aCluster\x12C\n" +
 	"\x04Join\x12\x1c.idem.cluster.v1.JoinRequest\x1a\x1d.idem.cluster.v1.JoinResponse\x12I\n" +
 	"\x06Remove\x12\x1e.idem.cluster.v1.RemoveRequest\x1a\x1f.idem.cluster.v1.RemoveResponse\x12I\n" +
@@ -1963,7 +2307,7 @@ func file_cluster_proto_rawDescGZIP() []byte {
 }
 
 var file_cluster_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_cluster_proto_msgTypes = make([]protoimpl.MessageInfo, 32)
+var file_cluster_proto_msgTypes = make([]protoimpl.MessageInfo, 37)
 var file_cluster_proto_goTypes = []any{
 	(Status)(0),                   // 0: idem.cluster.v1.Status
 	(*Request)(nil),               // 1: idem.cluster.v1.Request
@@ -1991,24 +2335,30 @@ var file_cluster_proto_goTypes = []any{
 	(*InDoubtResponse)(nil),       // 23: idem.cluster.v1.InDoubtResponse
 	(*ForgetRequest)(nil),         // 24: idem.cluster.v1.ForgetRequest
 	(*ForgetResponse)(nil),        // 25: idem.cluster.v1.ForgetResponse
-	(*Member)(nil),                // 26: idem.cluster.v1.Member
-	(*JoinRequest)(nil),           // 27: idem.cluster.v1.JoinRequest
-	(*JoinResponse)(nil),          // 28: idem.cluster.v1.JoinResponse
-	(*RemoveRequest)(nil),         // 29: idem.cluster.v1.RemoveRequest
-	(*RemoveResponse)(nil),        // 30: idem.cluster.v1.RemoveResponse
-	(*StatusRequest)(nil),         // 31: idem.cluster.v1.StatusRequest
-	(*StatusResponse)(nil),        // 32: idem.cluster.v1.StatusResponse
-	(*durationpb.Duration)(nil),   // 33: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil), // 34: google.protobuf.Timestamp
+	(*BatchRequest)(nil),          // 26: idem.cluster.v1.BatchRequest
+	(*BatchItem)(nil),             // 27: idem.cluster.v1.BatchItem
+	(*BatchResponse)(nil),         // 28: idem.cluster.v1.BatchResponse
+	(*BatchResult)(nil),           // 29: idem.cluster.v1.BatchResult
+	(*ItemStatus)(nil),            // 30: idem.cluster.v1.ItemStatus
+	(*Member)(nil),                // 31: idem.cluster.v1.Member
+	(*JoinRequest)(nil),           // 32: idem.cluster.v1.JoinRequest
+	(*JoinResponse)(nil),          // 33: idem.cluster.v1.JoinResponse
+	(*RemoveRequest)(nil),         // 34: idem.cluster.v1.RemoveRequest
+	(*RemoveResponse)(nil),        // 35: idem.cluster.v1.RemoveResponse
+	(*StatusRequest)(nil),         // 36: idem.cluster.v1.StatusRequest
+	(*StatusResponse)(nil),        // 37: idem.cluster.v1.StatusResponse
+	(*durationpb.Duration)(nil),   // 38: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil), // 39: google.protobuf.Timestamp
+	(*anypb.Any)(nil),             // 40: google.protobuf.Any
 }
 var file_cluster_proto_depIdxs = []int32{
-	33, // 0: idem.cluster.v1.Request.ttl:type_name -> google.protobuf.Duration
-	33, // 1: idem.cluster.v1.Request.keep_replies_for:type_name -> google.protobuf.Duration
+	38, // 0: idem.cluster.v1.Request.ttl:type_name -> google.protobuf.Duration
+	38, // 1: idem.cluster.v1.Request.keep_replies_for:type_name -> google.protobuf.Duration
 	0,  // 2: idem.cluster.v1.Result.status:type_name -> idem.cluster.v1.Status
 	2,  // 3: idem.cluster.v1.Result.claim:type_name -> idem.cluster.v1.ClaimRef
-	34, // 4: idem.cluster.v1.Result.lease_until:type_name -> google.protobuf.Timestamp
-	34, // 5: idem.cluster.v1.Result.committed_at:type_name -> google.protobuf.Timestamp
-	34, // 6: idem.cluster.v1.Result.expires_at:type_name -> google.protobuf.Timestamp
+	39, // 4: idem.cluster.v1.Result.lease_until:type_name -> google.protobuf.Timestamp
+	39, // 5: idem.cluster.v1.Result.committed_at:type_name -> google.protobuf.Timestamp
+	39, // 6: idem.cluster.v1.Result.expires_at:type_name -> google.protobuf.Timestamp
 	1,  // 7: idem.cluster.v1.BeginRequest.request:type_name -> idem.cluster.v1.Request
 	3,  // 8: idem.cluster.v1.BeginResponse.result:type_name -> idem.cluster.v1.Result
 	2,  // 9: idem.cluster.v1.CommitRequest.claim:type_name -> idem.cluster.v1.ClaimRef
@@ -2020,44 +2370,55 @@ var file_cluster_proto_depIdxs = []int32{
 	3,  // 15: idem.cluster.v1.WaitResponse.result:type_name -> idem.cluster.v1.Result
 	4,  // 16: idem.cluster.v1.AdvanceRequest.advances:type_name -> idem.cluster.v1.Advance
 	2,  // 17: idem.cluster.v1.InDoubtClaim.claim:type_name -> idem.cluster.v1.ClaimRef
-	34, // 18: idem.cluster.v1.InDoubtClaim.claimed_at:type_name -> google.protobuf.Timestamp
-	34, // 19: idem.cluster.v1.InDoubtClaim.lease_until:type_name -> google.protobuf.Timestamp
+	39, // 18: idem.cluster.v1.InDoubtClaim.claimed_at:type_name -> google.protobuf.Timestamp
+	39, // 19: idem.cluster.v1.InDoubtClaim.lease_until:type_name -> google.protobuf.Timestamp
 	22, // 20: idem.cluster.v1.InDoubtResponse.claims:type_name -> idem.cluster.v1.InDoubtClaim
-	34, // 21: idem.cluster.v1.ForgetRequest.before:type_name -> google.protobuf.Timestamp
-	26, // 22: idem.cluster.v1.JoinResponse.members:type_name -> idem.cluster.v1.Member
-	26, // 23: idem.cluster.v1.RemoveResponse.members:type_name -> idem.cluster.v1.Member
-	26, // 24: idem.cluster.v1.StatusResponse.members:type_name -> idem.cluster.v1.Member
-	5,  // 25: idem.cluster.v1.Idem.Begin:input_type -> idem.cluster.v1.BeginRequest
-	7,  // 26: idem.cluster.v1.Idem.Commit:input_type -> idem.cluster.v1.CommitRequest
-	9,  // 27: idem.cluster.v1.Idem.Abort:input_type -> idem.cluster.v1.AbortRequest
-	11, // 28: idem.cluster.v1.Idem.Lookup:input_type -> idem.cluster.v1.LookupRequest
-	13, // 29: idem.cluster.v1.Idem.Wait:input_type -> idem.cluster.v1.WaitRequest
-	15, // 30: idem.cluster.v1.Idem.Ack:input_type -> idem.cluster.v1.AckRequest
-	17, // 31: idem.cluster.v1.Idem.Advance:input_type -> idem.cluster.v1.AdvanceRequest
-	19, // 32: idem.cluster.v1.Idem.ClientState:input_type -> idem.cluster.v1.ClientStateRequest
-	21, // 33: idem.cluster.v1.Idem.InDoubt:input_type -> idem.cluster.v1.InDoubtRequest
-	24, // 34: idem.cluster.v1.Idem.Forget:input_type -> idem.cluster.v1.ForgetRequest
-	27, // 35: idem.cluster.v1.Cluster.Join:input_type -> idem.cluster.v1.JoinRequest
-	29, // 36: idem.cluster.v1.Cluster.Remove:input_type -> idem.cluster.v1.RemoveRequest
-	31, // 37: idem.cluster.v1.Cluster.Status:input_type -> idem.cluster.v1.StatusRequest
-	6,  // 38: idem.cluster.v1.Idem.Begin:output_type -> idem.cluster.v1.BeginResponse
-	8,  // 39: idem.cluster.v1.Idem.Commit:output_type -> idem.cluster.v1.CommitResponse
-	10, // 40: idem.cluster.v1.Idem.Abort:output_type -> idem.cluster.v1.AbortResponse
-	12, // 41: idem.cluster.v1.Idem.Lookup:output_type -> idem.cluster.v1.LookupResponse
-	14, // 42: idem.cluster.v1.Idem.Wait:output_type -> idem.cluster.v1.WaitResponse
-	16, // 43: idem.cluster.v1.Idem.Ack:output_type -> idem.cluster.v1.AckResponse
-	18, // 44: idem.cluster.v1.Idem.Advance:output_type -> idem.cluster.v1.AdvanceResponse
-	20, // 45: idem.cluster.v1.Idem.ClientState:output_type -> idem.cluster.v1.ClientStateResponse
-	23, // 46: idem.cluster.v1.Idem.InDoubt:output_type -> idem.cluster.v1.InDoubtResponse
-	25, // 47: idem.cluster.v1.Idem.Forget:output_type -> idem.cluster.v1.ForgetResponse
-	28, // 48: idem.cluster.v1.Cluster.Join:output_type -> idem.cluster.v1.JoinResponse
-	30, // 49: idem.cluster.v1.Cluster.Remove:output_type -> idem.cluster.v1.RemoveResponse
-	32, // 50: idem.cluster.v1.Cluster.Status:output_type -> idem.cluster.v1.StatusResponse
-	38, // [38:51] is the sub-list for method output_type
-	25, // [25:38] is the sub-list for method input_type
-	25, // [25:25] is the sub-list for extension type_name
-	25, // [25:25] is the sub-list for extension extendee
-	0,  // [0:25] is the sub-list for field type_name
+	39, // 21: idem.cluster.v1.ForgetRequest.before:type_name -> google.protobuf.Timestamp
+	27, // 22: idem.cluster.v1.BatchRequest.items:type_name -> idem.cluster.v1.BatchItem
+	5,  // 23: idem.cluster.v1.BatchItem.begin:type_name -> idem.cluster.v1.BeginRequest
+	7,  // 24: idem.cluster.v1.BatchItem.commit:type_name -> idem.cluster.v1.CommitRequest
+	9,  // 25: idem.cluster.v1.BatchItem.abort:type_name -> idem.cluster.v1.AbortRequest
+	11, // 26: idem.cluster.v1.BatchItem.lookup:type_name -> idem.cluster.v1.LookupRequest
+	29, // 27: idem.cluster.v1.BatchResponse.results:type_name -> idem.cluster.v1.BatchResult
+	30, // 28: idem.cluster.v1.BatchResult.status:type_name -> idem.cluster.v1.ItemStatus
+	3,  // 29: idem.cluster.v1.BatchResult.result:type_name -> idem.cluster.v1.Result
+	40, // 30: idem.cluster.v1.ItemStatus.details:type_name -> google.protobuf.Any
+	31, // 31: idem.cluster.v1.JoinResponse.members:type_name -> idem.cluster.v1.Member
+	31, // 32: idem.cluster.v1.RemoveResponse.members:type_name -> idem.cluster.v1.Member
+	31, // 33: idem.cluster.v1.StatusResponse.members:type_name -> idem.cluster.v1.Member
+	5,  // 34: idem.cluster.v1.Idem.Begin:input_type -> idem.cluster.v1.BeginRequest
+	7,  // 35: idem.cluster.v1.Idem.Commit:input_type -> idem.cluster.v1.CommitRequest
+	9,  // 36: idem.cluster.v1.Idem.Abort:input_type -> idem.cluster.v1.AbortRequest
+	11, // 37: idem.cluster.v1.Idem.Lookup:input_type -> idem.cluster.v1.LookupRequest
+	13, // 38: idem.cluster.v1.Idem.Wait:input_type -> idem.cluster.v1.WaitRequest
+	15, // 39: idem.cluster.v1.Idem.Ack:input_type -> idem.cluster.v1.AckRequest
+	17, // 40: idem.cluster.v1.Idem.Advance:input_type -> idem.cluster.v1.AdvanceRequest
+	19, // 41: idem.cluster.v1.Idem.ClientState:input_type -> idem.cluster.v1.ClientStateRequest
+	21, // 42: idem.cluster.v1.Idem.InDoubt:input_type -> idem.cluster.v1.InDoubtRequest
+	24, // 43: idem.cluster.v1.Idem.Forget:input_type -> idem.cluster.v1.ForgetRequest
+	26, // 44: idem.cluster.v1.Idem.Batch:input_type -> idem.cluster.v1.BatchRequest
+	32, // 45: idem.cluster.v1.Cluster.Join:input_type -> idem.cluster.v1.JoinRequest
+	34, // 46: idem.cluster.v1.Cluster.Remove:input_type -> idem.cluster.v1.RemoveRequest
+	36, // 47: idem.cluster.v1.Cluster.Status:input_type -> idem.cluster.v1.StatusRequest
+	6,  // 48: idem.cluster.v1.Idem.Begin:output_type -> idem.cluster.v1.BeginResponse
+	8,  // 49: idem.cluster.v1.Idem.Commit:output_type -> idem.cluster.v1.CommitResponse
+	10, // 50: idem.cluster.v1.Idem.Abort:output_type -> idem.cluster.v1.AbortResponse
+	12, // 51: idem.cluster.v1.Idem.Lookup:output_type -> idem.cluster.v1.LookupResponse
+	14, // 52: idem.cluster.v1.Idem.Wait:output_type -> idem.cluster.v1.WaitResponse
+	16, // 53: idem.cluster.v1.Idem.Ack:output_type -> idem.cluster.v1.AckResponse
+	18, // 54: idem.cluster.v1.Idem.Advance:output_type -> idem.cluster.v1.AdvanceResponse
+	20, // 55: idem.cluster.v1.Idem.ClientState:output_type -> idem.cluster.v1.ClientStateResponse
+	23, // 56: idem.cluster.v1.Idem.InDoubt:output_type -> idem.cluster.v1.InDoubtResponse
+	25, // 57: idem.cluster.v1.Idem.Forget:output_type -> idem.cluster.v1.ForgetResponse
+	28, // 58: idem.cluster.v1.Idem.Batch:output_type -> idem.cluster.v1.BatchResponse
+	33, // 59: idem.cluster.v1.Cluster.Join:output_type -> idem.cluster.v1.JoinResponse
+	35, // 60: idem.cluster.v1.Cluster.Remove:output_type -> idem.cluster.v1.RemoveResponse
+	37, // 61: idem.cluster.v1.Cluster.Status:output_type -> idem.cluster.v1.StatusResponse
+	48, // [48:62] is the sub-list for method output_type
+	34, // [34:48] is the sub-list for method input_type
+	34, // [34:34] is the sub-list for extension type_name
+	34, // [34:34] is the sub-list for extension extendee
+	0,  // [0:34] is the sub-list for field type_name
 }
 
 func init() { file_cluster_proto_init() }
@@ -2065,13 +2426,19 @@ func file_cluster_proto_init() {
 	if File_cluster_proto != nil {
 		return
 	}
+	file_cluster_proto_msgTypes[26].OneofWrappers = []any{
+		(*BatchItem_Begin)(nil),
+		(*BatchItem_Commit)(nil),
+		(*BatchItem_Abort)(nil),
+		(*BatchItem_Lookup)(nil),
+	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_cluster_proto_rawDesc), len(file_cluster_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   32,
+			NumMessages:   37,
 			NumExtensions: 0,
 			NumServices:   2,
 		},

@@ -40,6 +40,7 @@ const (
 	Idem_ClientState_FullMethodName = "/idem.cluster.v1.Idem/ClientState"
 	Idem_InDoubt_FullMethodName     = "/idem.cluster.v1.Idem/InDoubt"
 	Idem_Forget_FullMethodName      = "/idem.cluster.v1.Idem/Forget"
+	Idem_Batch_FullMethodName       = "/idem.cluster.v1.Idem/Batch"
 )
 
 // IdemClient is the client API for Idem service.
@@ -58,6 +59,9 @@ type IdemClient interface {
 	ClientState(ctx context.Context, in *ClientStateRequest, opts ...grpc.CallOption) (*ClientStateResponse, error)
 	InDoubt(ctx context.Context, in *InDoubtRequest, opts ...grpc.CallOption) (*InDoubtResponse, error)
 	Forget(ctx context.Context, in *ForgetRequest, opts ...grpc.CallOption) (*ForgetResponse, error)
+	// Batch runs several Begin, Commit, Abort and Lookup calls in one
+	// round trip (see BatchRequest).
+	Batch(ctx context.Context, in *BatchRequest, opts ...grpc.CallOption) (*BatchResponse, error)
 }
 
 type idemClient struct {
@@ -168,6 +172,16 @@ func (c *idemClient) Forget(ctx context.Context, in *ForgetRequest, opts ...grpc
 	return out, nil
 }
 
+func (c *idemClient) Batch(ctx context.Context, in *BatchRequest, opts ...grpc.CallOption) (*BatchResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(BatchResponse)
+	err := c.cc.Invoke(ctx, Idem_Batch_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // IdemServer is the server API for Idem service.
 // All implementations must embed UnimplementedIdemServer
 // for forward compatibility.
@@ -184,6 +198,9 @@ type IdemServer interface {
 	ClientState(context.Context, *ClientStateRequest) (*ClientStateResponse, error)
 	InDoubt(context.Context, *InDoubtRequest) (*InDoubtResponse, error)
 	Forget(context.Context, *ForgetRequest) (*ForgetResponse, error)
+	// Batch runs several Begin, Commit, Abort and Lookup calls in one
+	// round trip (see BatchRequest).
+	Batch(context.Context, *BatchRequest) (*BatchResponse, error)
 	mustEmbedUnimplementedIdemServer()
 }
 
@@ -223,6 +240,9 @@ func (UnimplementedIdemServer) InDoubt(context.Context, *InDoubtRequest) (*InDou
 }
 func (UnimplementedIdemServer) Forget(context.Context, *ForgetRequest) (*ForgetResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Forget not implemented")
+}
+func (UnimplementedIdemServer) Batch(context.Context, *BatchRequest) (*BatchResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Batch not implemented")
 }
 func (UnimplementedIdemServer) mustEmbedUnimplementedIdemServer() {}
 func (UnimplementedIdemServer) testEmbeddedByValue()              {}
@@ -425,6 +445,24 @@ func _Idem_Forget_Handler(srv interface{}, ctx context.Context, dec func(interfa
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Idem_Batch_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(BatchRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(IdemServer).Batch(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Idem_Batch_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(IdemServer).Batch(ctx, req.(*BatchRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Idem_ServiceDesc is the grpc.ServiceDesc for Idem service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -471,6 +509,10 @@ var Idem_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Forget",
 			Handler:    _Idem_Forget_Handler,
+		},
+		{
+			MethodName: "Batch",
+			Handler:    _Idem_Batch_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},
