@@ -27,6 +27,11 @@ func BenchmarkBatchPut(b *testing.B) {
 	} {
 		b.Run(c.name, func(b *testing.B) { benchBatchPut(b, c.o, 1024) })
 	}
+	// Each Put advances its partition's offset (a client per partition,
+	// 4 partitions), as idemstream's sink does.
+	b.Run("SyncNever+RelaxedClaims+advance", func(b *testing.B) {
+		benchBatchPut(b, Options{Sync: SyncNever, RelaxedClaims: true}, -1024)
+	})
 	// The same items, one Engine.Do each (a claim and a commit record),
 	// from one goroutine: what batching saves per item.
 	b.Run("singly-SyncNever+RelaxedClaims", func(b *testing.B) {
@@ -34,8 +39,11 @@ func BenchmarkBatchPut(b *testing.B) {
 	})
 }
 
-// benchBatchPut puts b.N new ids per at a time (0: one Do each).
+// benchBatchPut puts b.N new ids per at a time (0: one Do each; below 0:
+// -per at a time, each advancing a partition's offset).
 func benchBatchPut(b *testing.B, o Options, per int) {
+	advance := per < 0
+	per = max(per, -per)
 	e, err := Open(b.TempDir(), &o)
 	if err != nil {
 		b.Fatal(err)
@@ -58,7 +66,12 @@ func benchBatchPut(b *testing.B, o Options, per int) {
 	for done := 0; done < b.N && per > 0; {
 		n := min(per, b.N-done)
 		bt := e.NewBatch()
-		for _, x := range ids[done : done+n] {
+		for j, x := range ids[done : done+n] {
+			if advance {
+				off := uint64(done + j + 1)
+				bt.Put(Request{ID: x}, benchReply, Advance{Scope: "stream", Client: partitions[off%4], Seq: off})
+				continue
+			}
 			bt.Put(Request{ID: x}, benchReply)
 		}
 		out, err := bt.Run(bg)
@@ -84,3 +97,5 @@ func cpuTime(b *testing.B) time.Duration {
 	}
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
+
+var partitions = []string{"p0", "p1", "p2", "p3"}

@@ -134,10 +134,10 @@ func (e *Engine) checkAdvances(adv []Advance, own []byte) ([]wal.Advance, [][]by
 		return nil, nil, invalid("%d advances exceed %d", len(adv), maxAdvances)
 	}
 	keys := make([][]byte, 0, len(adv)+1)
-	seen := make(map[string]bool, len(adv)+1)
+	var seen index.KeySet
 	if own != nil {
 		keys = append(keys, own)
-		seen[string(own)] = true
+		seen.Add(own)
 	}
 	wadv := make([]wal.Advance, len(adv))
 	for i, a := range adv {
@@ -148,10 +148,9 @@ func (e *Engine) checkAdvances(adv []Advance, own []byte) ([]wal.Advance, [][]by
 			return nil, nil, invalid("advance %d: client %q to sequence number 0 (numbers start at 1)", i, a.Client)
 		}
 		k := index.EntryKey(nil, a.Scope, index.ModeClient, []byte(a.Client))
-		if seen[string(k)] {
+		if !seen.Add(k) {
 			return nil, nil, invalid("advance %d: client %q in scope %q is named twice or is the committed key", i, a.Client, a.Scope)
 		}
-		seen[string(k)] = true
 		keys = append(keys, k)
 		wadv[i] = wal.Advance{Scope: a.Scope, Client: a.Client, Seq: a.Seq}
 	}

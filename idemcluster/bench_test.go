@@ -53,7 +53,21 @@ func BenchmarkClusterDuplicate(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer c.Close()
-	benchDuplicate(b, c)
+	benchDuplicate(b, c, c.Lookup)
+}
+
+// BenchmarkClusterDuplicateBegin is BenchmarkClusterDuplicate with Begin
+// (what a retried request sends): a Begin of a committed id is answered
+// as a linearizable read, with no log entry.
+func BenchmarkClusterDuplicateBegin(b *testing.B) {
+	tc := newTestCluster(b, 3)
+	ctx := context.Background()
+	c, err := Dial(ctx, tc.addrs, &Options{Owner: "bench"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer c.Close()
+	benchDuplicate(b, c, c.Begin)
 }
 
 // BenchmarkEngineDuplicate is BenchmarkClusterDuplicate on an embedded
@@ -64,11 +78,12 @@ func BenchmarkEngineDuplicate(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer e.Close()
-	benchDuplicate(b, e)
+	benchDuplicate(b, e, e.Lookup)
 }
 
-// benchDuplicate commits dupIDs ids, then looks them up.
-func benchDuplicate(b *testing.B, s idem.Store) {
+// benchDuplicate commits dupIDs ids, then asks for them with op (Lookup
+// or Begin).
+func benchDuplicate(b *testing.B, s idem.Store, op func(context.Context, idem.Request) (idem.Result, error)) {
 	const dupIDs = 1024
 	ctx := context.Background()
 	var wg sync.WaitGroup
@@ -92,9 +107,9 @@ func benchDuplicate(b *testing.B, s idem.Store) {
 	b.RunParallel(func(pb *testing.PB) {
 		for pb.Next() {
 			id := fmt.Sprintf("d-%d", n.Add(1)%dupIDs)
-			r, err := s.Lookup(ctx, idem.Request{ID: []byte(id)})
+			r, err := op(ctx, idem.Request{ID: []byte(id)})
 			if err != nil || r.Status != idem.Done {
-				b.Errorf("lookup %s: %+v %v", id, r, err)
+				b.Errorf("duplicate %s: %+v %v", id, r, err)
 				return
 			}
 		}

@@ -118,9 +118,20 @@ func (cb *countBatches) intercept(ctx context.Context, method string, req, reply
 		return status.Error(codes.Unimplemented, "unknown method Batch")
 	}
 	if cb.n.Add(1) == 1 && cb.hold != nil {
-		<-cb.hold
+		select {
+		case <-cb.hold:
+		case <-ctx.Done(): // the batch's own timeout: a test that failed before releasing it
+			return ctx.Err()
+		}
 	}
 	return invoker(ctx, method, req, reply, cc, opts...)
+}
+
+// queuedCalls is how many calls wait in p's batcher.
+func queuedCalls(p *peer) int {
+	p.batch.mu.Lock()
+	defer p.batch.mu.Unlock()
+	return len(p.batch.queue)
 }
 
 // Calls that wait while a batch is on the wire go together in the next
@@ -159,19 +170,12 @@ func TestClientCoalescesCalls(t *testing.T) {
 	}
 	wg.Add(1)
 	go lookup(0)
-	for cb.n.Load() == 0 { // the first batch is on the wire (held)
-		time.Sleep(time.Millisecond)
-	}
+	eventually(t, 30*time.Second, "the first batch on the wire", func() bool { return cb.n.Load() > 0 })
 	for i := 1; i < 32; i++ {
 		wg.Add(1)
 		go lookup(i)
 	}
-	for queued := 0; queued < 31; {
-		p.batch.mu.Lock()
-		queued = len(p.batch.queue)
-		p.batch.mu.Unlock()
-		time.Sleep(time.Millisecond)
-	}
+	eventually(t, 30*time.Second, "31 lookups queued", func() bool { return queuedCalls(p) == 31 })
 	close(cb.hold)
 	wg.Wait()
 	close(errs)
@@ -192,7 +196,8 @@ func TestClientCoalescesCalls(t *testing.T) {
 	}
 }
 
-// A node without the Batch RPC (an older node) gets the calls one by one.
+// A node without the Batch RPC (an older node) gets the calls one by one,
+// and so does every node with Options.NoBatching.
 func TestClientWithoutBatchRPC(t *testing.T) {
 	tc := newTestCluster(t, 3)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
@@ -213,6 +218,19 @@ func TestClientWithoutBatchRPC(t *testing.T) {
 	}
 	if n := cb.one.Load(); n != 2 {
 		t.Fatalf("%d Lookup RPCs, want 2", n)
+	}
+	// Options.NoBatching: one RPC per call, no Batch at all.
+	nb := &countBatches{}
+	c2, err := Dial(ctx, tc.addrs, &Options{Owner: "app", NoBatching: true, DialOptions: []grpc.DialOption{grpc.WithUnaryInterceptor(nb.intercept)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c2.Close()
+	if r, err := c2.Lookup(ctx, idem.Request{ID: []byte("a")}); err != nil || r.Status != idem.Done {
+		t.Fatalf("lookup without batching: %+v %v", r, err)
+	}
+	if b, one := nb.n.Load(), nb.one.Load(); b != 0 || one != 1 {
+		t.Fatalf("NoBatching: %d Batch and %d Lookup RPCs, want 0 and 1", b, one)
 	}
 }
 
@@ -359,9 +377,7 @@ func TestClientBatchesOfLargeReplies(t *testing.T) {
 		_, err := c.Lookup(ctx, idem.Request{ID: []byte("big-0")})
 		errs <- err
 	}()
-	for cb.n.Load() == 0 {
-		time.Sleep(time.Millisecond)
-	}
+	eventually(t, 30*time.Second, "the first batch on the wire", func() bool { return cb.n.Load() > 0 })
 	for i, cl := range claims {
 		wg.Add(1)
 		go func() {
@@ -371,12 +387,7 @@ func TestClientBatchesOfLargeReplies(t *testing.T) {
 			}
 		}()
 	}
-	for queued := 0; queued < n; {
-		p.batch.mu.Lock()
-		queued = len(p.batch.queue)
-		p.batch.mu.Unlock()
-		time.Sleep(time.Millisecond)
-	}
+	eventually(t, 30*time.Second, "the commits queued", func() bool { return queuedCalls(p) == n })
 	close(cb.hold)
 	wg.Wait()
 	close(errs)

@@ -3,12 +3,14 @@ package idemcluster
 import (
 	"bufio"
 	"context"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
 	"os"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -39,11 +41,26 @@ type claimKey struct {
 	Client string `msgpack:"c,omitempty"`
 }
 
+// String is the key's name in the claims table (and in snapshots, which
+// hold the table: the format is frozen): "c<len(scope)>:<scope>/<client>"
+// or "i<len(scope)>:<scope>/<id in lowercase hex>".
 func (k claimKey) String() string {
+	b := make([]byte, 0, 8+len(k.Scope)+len(k.Client)+2*len(k.ID))
 	if k.Client != "" {
-		return fmt.Sprintf("c%d:%s/%s", len(k.Scope), k.Scope, k.Client)
+		b = append(b, 'c')
+	} else {
+		b = append(b, 'i')
 	}
-	return fmt.Sprintf("i%d:%s/%x", len(k.Scope), k.Scope, k.ID)
+	b = strconv.AppendInt(b, int64(len(k.Scope)), 10)
+	b = append(b, ':')
+	b = append(b, k.Scope...)
+	b = append(b, '/')
+	if k.Client != "" {
+		b = append(b, k.Client...)
+	} else {
+		b = hex.AppendEncode(b, k.ID)
+	}
+	return string(b)
 }
 
 func keyOf(r *idem.Request) claimKey {
@@ -399,8 +416,7 @@ func (s *segment) touch(names ...string) {
 	}
 	for _, n := range names {
 		if _, ok := s.touched[n]; ok {
-			s.run()
-			s.touched = map[string]struct{}{}
+			s.run() // clears touched
 			break
 		}
 	}
@@ -472,7 +488,7 @@ func (s *segment) finish(a *applied, c *command) {
 
 // run runs the segment's batch and records its results in the tables.
 func (s *segment) run() {
-	s.touched = nil
+	clear(s.touched)
 	if s.b == nil {
 		return
 	}

@@ -268,3 +268,20 @@ func TestRaftBatchIsOneEngineRecord(t *testing.T) {
 		}
 	}
 }
+
+// The claims table's key names are frozen (snapshots hold the table).
+func TestClaimKeyNames(t *testing.T) {
+	for _, c := range []struct {
+		k    claimKey
+		want string
+	}{
+		{claimKey{Scope: "orders", ID: []byte{0x01, 0xab, 'z'}}, "i6:orders/01ab7a"},
+		{claimKey{ID: []byte("x")}, "i0:/78"},
+		{claimKey{Scope: "l", Client: "p/q"}, "c1:l/p/q"},
+		{claimKey{Scope: "a:b/c", ID: nil}, "i5:a:b/c/"},
+	} {
+		if got := c.k.String(); got != c.want {
+			t.Errorf("%+v: %q, want %q", c.k, got, c.want)
+		}
+	}
+}

@@ -404,16 +404,15 @@ var ErrBadAdvance = errors.New("index: advance cannot apply")
 // sequence keys (an advance is not a request of the client: it ends the
 // reply window); one already at or past seq is unchanged (no transition).
 func advanceTransitions(out []Transition, op *wal.Op, lsn wal.LSN, committed []byte, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, error) {
-	seen := make(map[string]bool, len(op.Advances)+1)
+	var seen KeySet
 	if committed != nil {
-		seen[string(committed)] = true
+		seen.Add(committed)
 	}
 	for _, a := range op.Advances {
 		k := EntryKey(nil, a.Scope, ModeClient, []byte(a.Client))
-		if a.Client == "" || a.Seq == 0 || seen[string(k)] {
+		if a.Client == "" || a.Seq == 0 || !seen.Add(k) {
 			return nil, fmt.Errorf("%w: %s at LSN %d: advance of client %q in scope %q to %d (empty, zero, repeated or the committed key)", ErrBadAdvance, wal.OpName(op.Type), lsn, a.Client, a.Scope, a.Seq)
 		}
-		seen[string(k)] = true
 		prev, err := get(k, ModeClient)
 		if err != nil {
 			return nil, err
