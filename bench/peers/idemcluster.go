@@ -26,9 +26,10 @@ import (
 //
 // Per request, as idem.Do does it: a Begin (Fresh: this caller claimed
 // it; Done: the stored reply; InFlight: another caller runs it); run; a
-// Commit of the reply. In the duplicate phase (Phased) a Lookup comes
-// first, and the Begin only if the id is Absent: a Lookup is a read,
-// where a Begin may be a raft entry even when it finds the request done.
+// Commit of the reply. In the duplicate phase (Phased) a Lookup (a
+// linearizable read) comes first, and the Begin only if the id is Absent,
+// as for etcd. (A Begin of a committed id is answered as a read too since
+// the cluster's batch path; before, it was a raft entry.)
 type idemclusterPeer struct {
 	nodes      []*idemcluster.Node
 	c          *idemcluster.Client
