@@ -1,6 +1,7 @@
 package idem
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -14,6 +15,10 @@ import (
 // Claim is the ownership of one request handed out by a Fresh Begin (or by
 // InDoubt after a restart). Exactly one of Commit, CommitAdvance or Abort
 // should be called; a second one returns ErrLeaseLost and writes nothing.
+// The exception is a finish whose outcome is unknown (an error matching
+// ErrInDoubt, from a store across a network): the same finish may then be
+// called again (the store answers it with the recorded outcome), and the
+// other one is refused with ErrInvalidRequest.
 //
 // The contract, for every Store: once a claim exists, Commit and Abort
 // always write their record, whatever ctx says; ctx may only bound how
@@ -28,6 +33,7 @@ type Claim struct {
 	ec         engineClaim
 	leaseUntil time.Time
 	finished   atomic.Bool
+	doubt      atomic.Uint32 // the finish whose outcome is unknown (doubtCommit, doubtAbort), 0: none
 }
 
 // engineClaim is the Engine's backend of a claim, kept inside Claim so
@@ -69,8 +75,18 @@ func (c *Claim) Abort(ctx context.Context) error {
 
 // finish runs the one finish a claim gets. A finish that wrote nothing
 // because the request was refused (ErrInvalidRequest, ErrInFlight) leaves
-// the claim open.
+// the claim open. A finish whose outcome is unknown (ErrInDoubt, from a
+// store across a network) may be retried, as the same finish only: the
+// claim then accepts that finish again (the backend answers a retry with
+// the recorded outcome) and refuses the other one.
 func (c *Claim) finish(ctx context.Context, abort bool, reply []byte, adv []Advance) error {
+	kind := uint32(doubtCommit)
+	if abort {
+		kind = doubtAbort
+	}
+	if d := c.doubt.Load(); d != 0 && d != kind {
+		return fmt.Errorf("%w: the claim's %s is in doubt: retry it (the other finish cannot follow it)", ErrInvalidRequest, doubtName(d))
+	}
 	if c.finished.Swap(true) {
 		return fmt.Errorf("%w: the claim was already committed or aborted", ErrLeaseLost)
 	}
@@ -88,10 +104,29 @@ func (c *Claim) finish(ctx context.Context, abort bool, reply []byte, adv []Adva
 	default:
 		err = c.b.Commit(ctx, reply, adv)
 	}
-	if err != nil && (errors.Is(err, ErrInvalidRequest) || errors.Is(err, ErrInFlight)) {
+	switch {
+	case err == nil:
+		c.doubt.Store(0)
+	case errors.Is(err, ErrInDoubt):
+		c.doubt.Store(kind)
+		c.finished.Store(false)
+	case errors.Is(err, ErrInvalidRequest) || errors.Is(err, ErrInFlight):
 		c.finished.Store(false)
 	}
 	return err
+}
+
+// The finish a claim's doubt is about (Claim.doubt).
+const (
+	doubtCommit = 1
+	doubtAbort  = 2
+)
+
+func doubtName(d uint32) string {
+	if d == doubtAbort {
+		return "abort"
+	}
+	return "commit"
 }
 
 // Advance names a sequence-mode client (Scope, Client) whose last
@@ -329,8 +364,11 @@ func (c *engineClaim) write(typ byte, reply []byte, adv []wal.Advance, keys [][]
 }
 
 // finishOp fills op with the commit, commit-advance or abort (typ) of the
-// claim claimLSN of key k, at time now (unix ns).
+// claim claimLSN of key k, at time now (unix ns). The reply is copied:
+// the entry keeps it (in the table, then in the index), and the caller's
+// buffer is the caller's again once Commit returns.
 func finishOp(op *wal.Op, typ byte, k reqKey, claimLSN wal.LSN, now int64, reply []byte, adv []wal.Advance) {
+	reply = bytes.Clone(reply)
 	*op = wal.Op{Type: typ, Scope: k.scope, ClaimLSN: claimLSN, Time: now, Reply: reply, Advances: adv}
 	if k.mode == index.ModeID {
 		op.ID = k.ident

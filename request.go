@@ -91,7 +91,10 @@ const MaxKeepReplies = 100_000
 // Result is the outcome of Begin, Wait and Lookup.
 type Result struct {
 	Status Status
-	// Reply is the stored reply when Status is Done.
+	// Reply is the stored reply when Status is Done. It is the engine's
+	// own copy, shared with every caller that gets it: read it, do not
+	// modify it (copy it first). The reply given to Commit is copied, so
+	// the caller's buffer is free again once Commit returns.
 	Reply []byte
 	// Claim is set when Status is Fresh: commit or abort it.
 	Claim *Claim

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -56,10 +57,16 @@ type Client struct {
 	addrs []string
 	log   *slog.Logger
 
-	mu     sync.Mutex       // guards peers, leader and next
-	peers  map[string]*peer // by gRPC address
-	leader string           // the address calls go to first
-	next   int              // round-robin position when no leader is known
+	mu      sync.Mutex       // guards peers, leader, next, closing and closed
+	peers   map[string]*peer // by gRPC address
+	leader  string           // the address calls go to first
+	next    int              // round-robin position when no leader is known
+	closing bool             // Close began: no claim finish starts
+	closed  bool             // Close closed the connections: no call dials again
+
+	// finishing counts the claim finishes being sent (Close waits for
+	// them); Add only under mu while !closing.
+	finishing sync.WaitGroup
 
 	st struct{ hits, misses, conflicts, collisions, gaps, already, leaseLost atomic.Uint64 }
 }
@@ -105,10 +112,18 @@ func Dial(ctx context.Context, addrs []string, opts *Options) (*Client, error) {
 // Owner is the client's owner identity.
 func (c *Client) Owner() string { return c.o.Owner }
 
-// Close closes the client's connections.
+// Close closes the client's connections. It first waits for the claim
+// finishes still being sent whose callers stopped waiting (each bounded
+// by finishTimeout, see claimBackend), so that a finish the caller was
+// told is in doubt is not dropped by Close.
 func (c *Client) Close() error {
 	c.mu.Lock()
+	c.closing = true
+	c.mu.Unlock()
+	c.finishing.Wait()
+	c.mu.Lock()
 	defer c.mu.Unlock()
+	c.closed = true
 	var errs []error
 	for a, p := range c.peers {
 		errs = append(errs, p.cc.Close())
@@ -133,6 +148,9 @@ func (c *Client) peer(addr string) (*peer, error) {
 	defer c.mu.Unlock()
 	if p := c.peers[addr]; p != nil {
 		return p, nil
+	}
+	if c.closed {
+		return nil, fmt.Errorf("idemcluster: %w: the client is closed", idem.ErrClosed)
 	}
 	dopts := append([]grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}, c.o.DialOptions...)
 	cc, err := grpc.NewClient(addr, dopts...)
@@ -175,7 +193,9 @@ func (c *Client) forgetLeader(addr string) {
 // retried until ctx ends. Every request the client sends is idempotent
 // (a Begin carries its owner and token, a finish its claim), so a retry
 // after an unknown outcome is safe. A write whose outcome stayed unknown
-// when ctx ended returns ErrInDoubt.
+// when ctx ended returns ErrInDoubt: one that failed after it may have
+// reached a node, or whose attempt ctx's end cut short; only a write
+// known not to have left (errNotSent) returns ctx's error alone.
 func (c *Client) call(ctx context.Context, write bool, fn func(ctx context.Context, p *peer) error) error {
 	backoff := 10 * time.Millisecond
 	doubt := false
@@ -193,6 +213,9 @@ func (c *Client) call(ctx context.Context, write bool, fn func(ctx context.Conte
 		addr := c.target()
 		p, err := c.peer(addr)
 		if err != nil {
+			if write && doubt {
+				return fmt.Errorf("%w: %w (last: %v)", idem.ErrInDoubt, err, last)
+			}
 			return err
 		}
 		actx, cancel := context.WithTimeout(ctx, c.o.AttemptTimeout)
@@ -214,6 +237,10 @@ func (c *Client) call(ctx context.Context, write bool, fn func(ctx context.Conte
 		case errors.Is(e, idem.ErrInDoubt), errors.Is(e, idem.ErrClosed):
 			doubt = true
 			c.forgetLeader(addr)
+		case errors.Is(err, errNotSent): // still queued when its attempt ended: retry
+			if ctx.Err() != nil {
+				continue // the loop's top reports ctx's end
+			}
 		default:
 			st, ok := status.FromError(err)
 			if !ok {
@@ -221,10 +248,12 @@ func (c *Client) call(ctx context.Context, write bool, fn func(ctx context.Conte
 			}
 			switch st.Code() {
 			case codes.Unavailable, codes.DeadlineExceeded, codes.Canceled, codes.Internal, codes.Unknown:
+				// The request may have reached the node, also when ctx
+				// ended while its answer was on the way.
+				doubt = true
 				if ctx.Err() != nil && st.Code() != codes.Unavailable {
-					continue // the loop's top reports ctx's end
+					continue // ctx cut the attempt short; the loop's top reports it
 				}
-				doubt = true // the request may have reached the leader
 				c.forgetLeader(addr)
 			default:
 				return e // the engine's answer
@@ -315,23 +344,65 @@ func (b *claimBackend) Commit(ctx context.Context, reply []byte, adv []idem.Adva
 	for _, a := range adv {
 		in.Advances = append(in.Advances, &clusterpb.Advance{Scope: a.Scope, Client: a.Client, Seq: a.Seq})
 	}
-	err := b.c.call(ctx, true, func(ctx context.Context, p *peer) error {
-		_, err := p.batch.do(ctx, &clusterpb.BatchItem{Call: &clusterpb.BatchItem_Commit{Commit: in}})
-		return err
-	})
-	if errors.Is(fromStatus(err), idem.ErrLeaseLost) {
+	err := b.finish(ctx, &clusterpb.BatchItem{Call: &clusterpb.BatchItem_Commit{Commit: in}})
+	if errors.Is(err, idem.ErrLeaseLost) {
 		b.c.st.leaseLost.Add(1)
 	}
-	return fromStatus(err)
+	return err
 }
 
 func (b *claimBackend) Abort(ctx context.Context) error {
-	in := &clusterpb.AbortRequest{Claim: b.ref}
-	err := b.c.call(ctx, true, func(ctx context.Context, p *peer) error {
-		_, err := p.batch.do(ctx, &clusterpb.BatchItem{Call: &clusterpb.BatchItem_Abort{Abort: in}})
+	return b.finish(ctx, &clusterpb.BatchItem{Call: &clusterpb.BatchItem_Abort{Abort: &clusterpb.AbortRequest{Claim: b.ref}}})
+}
+
+// finishTimeout bounds how long a claim's finish is sent, retries
+// included, when its caller's ctx ends sooner: a few failovers.
+const finishTimeout = 30 * time.Second
+
+// finish sends a claim's commit or abort (item) as idem.Claim's contract
+// asks: once called, the finish is sent whatever ctx says, and ctx bounds
+// only the caller's wait. So it runs on a context of its own (ctx's
+// values without its end, bounded by finishTimeout or by ctx's deadline
+// when that is later), and a caller whose ctx ends first gets an error
+// matching idem.ErrInDoubt while the finish goes on. A finish names the
+// claim's token, so sending it again (the claim InDoubt lists) gets the
+// recorded outcome.
+func (b *claimBackend) finish(ctx context.Context, item *clusterpb.BatchItem) error {
+	c := b.c
+	send := func(ctx context.Context) error {
+		return fromStatus(c.call(ctx, true, func(actx context.Context, p *peer) error {
+			_, err := p.batch.do(actx, item)
+			return err
+		}))
+	}
+	if ctx.Done() == nil { // ctx never ends: the caller waits for the outcome
+		return send(ctx)
+	}
+	c.mu.Lock()
+	if c.closing {
+		c.mu.Unlock()
+		return fmt.Errorf("idemcluster: %w: the client is closed", idem.ErrClosed)
+	}
+	c.finishing.Add(1)
+	c.mu.Unlock()
+	bound := finishTimeout
+	if d, ok := ctx.Deadline(); ok {
+		bound = max(bound, time.Until(d))
+	}
+	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), bound)
+	done := make(chan error, 1)
+	go func() {
+		defer c.finishing.Done()
+		defer cancel()
+		done <- send(fctx)
+	}()
+	select {
+	case err := <-done:
 		return err
-	})
-	return fromStatus(err)
+	case <-ctx.Done():
+		return fmt.Errorf("%w: idemcluster: the claim's finish was still being sent when ctx ended (%w); it goes on for up to %v",
+			idem.ErrInDoubt, ctx.Err(), bound.Round(time.Second))
+	}
 }
 
 // Lookup is idem.Engine.Lookup on the cluster (linearizable unless
@@ -530,6 +601,9 @@ func (b *batcher) do(ctx context.Context, item *clusterpb.BatchItem) (*clusterpb
 	select {
 	case <-bc.done:
 	case <-ctx.Done():
+		if b.unqueue(bc) {
+			return nil, fmt.Errorf("%w: %w", errNotSent, status.FromContextError(ctx.Err()).Err())
+		}
 		return nil, status.FromContextError(ctx.Err()).Err()
 	}
 	if bc.err != nil {
@@ -543,6 +617,25 @@ func (b *batcher) do(ctx context.Context, item *clusterpb.BatchItem) (*clusterpb
 		return nil, status.ErrorProto(toProto(st))
 	}
 	return bc.res.Result, nil
+}
+
+// errNotSent is a call taken out of its batcher's queue when its ctx
+// ended: it never left, so a write has no outcome to doubt.
+var errNotSent = errors.New("idemcluster: not sent (the call was still queued for the next batch)")
+
+// unqueue takes bc out of the queue and reports whether it was there: a
+// call whose ctx ends while it waits for the next batch is not sent
+// (TestQueuedBeginWithEndedContextIsNotSent). Left there, a Begin would be
+// sent later and claim its key with a token nobody holds.
+func (b *batcher) unqueue(bc *batchCall) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	i := slices.Index(b.queue, bc)
+	if i < 0 {
+		return false
+	}
+	b.queue = slices.Delete(b.queue, i, i+1)
+	return true
 }
 
 // takeLocked takes the next batch from the queue: the calls in order, up

@@ -21,5 +21,7 @@
 // confirms its leadership with a majority, and has applied everything
 // committed before the read) unless Options.FollowerReads.
 //
-// docs/design.md, "The idem cluster", is the design.
+// idemcluster/README.md shows how to run the nodes, use the cluster from
+// Go and from other languages (a grpcurl session) and change its members
+// (`idem cluster`); docs/design.md, "The idem cluster", is the design.
 package idemcluster

@@ -96,6 +96,7 @@ type Node struct {
 	r      *raft.Raft
 	fsm    *fsm
 	logs   *raftwal.WAL
+	logc   raft.LogStore // logs through raft's cache (confirmLeadership reads entry types)
 	meta   *metadb.BoltMetaDB
 	trans  raft.Transport
 	grpc   *grpc.Server
@@ -179,9 +180,12 @@ func StartNode(opts *NodeOptions) (*Node, error) {
 		return nil, fmt.Errorf("idemcluster: engine: %w", err)
 	}
 	n.fsm = f
-	// raft-wal v0.4.0's Close leaves its metadata store (a bbolt file)
-	// open and locked: the node keeps it and closes it after the log, so a
-	// node restarted in the same process can open its directory again.
+	// The node keeps the log's metadata store (a bbolt file, locked while
+	// open) to close it itself: raft-wal v0.4.1's Close closes it (v0.4.0's
+	// left it open), after which the node's Close of it does nothing, but
+	// Open returns its errors (a log it cannot recover) with the store left
+	// open, and the node must still release it so that a node restarted in
+	// the same process can open its directory again.
 	n.meta = &metadb.BoltMetaDB{}
 	if n.logs, err = openWAL(&o, n.meta); err != nil {
 		return nil, fmt.Errorf("idemcluster: raft log: %w", err)
@@ -222,6 +226,7 @@ func StartNode(opts *NodeOptions) (*Node, error) {
 	if err != nil {
 		return nil, fmt.Errorf("idemcluster: raft log cache: %w", err)
 	}
+	n.logc = cached
 	if n.r, err = raft.NewRaft(conf, f, cached, n.logs, snaps, n.trans); err != nil {
 		return nil, fmt.Errorf("idemcluster: raft: %w", err)
 	}
@@ -385,7 +390,8 @@ func (n *Node) applyAll(ctx context.Context, cmds []*command) ([]*applied, error
 
 // readIndex makes a read linearizable: the node must be a ready leader,
 // confirm its leadership with a majority after taking the commit index,
-// and have applied up to that index. The confirmation is shared: one
+// and have applied up to that index (the entries of it the state machine
+// gets: fsmIndexAt). The confirmation is shared: one
 // round (readRounds) serves every read that arrived before it started, as
 // etcd batches its ReadIndex requests; each read then waits until the
 // commit index its round took is applied.
@@ -421,14 +427,44 @@ func (n *Node) confirmLeadership() (uint64, error) {
 	if err := n.r.VerifyLeader().Error(); err != nil || n.r.CurrentTerm() != term {
 		return 0, &errNotLeader{leader: n.leaderAddr()}
 	}
-	return ci, nil
+	return n.fsmIndexAt(ci)
+}
+
+// fsmIndexAt is the index the state machine has applied once it reflects
+// every entry up to index: the last entry at or below index that raft
+// hands it. Raft (v1.8) gives a BatchingFSM only command and
+// configuration entries; a no-op (a new term's first entry) or a barrier
+// never reaches it, and its AppliedIndex counts entries handed to the
+// FSM goroutine, not applied. So when such an entry is the last committed
+// one, the state machine's index stays below the commit index until the
+// next command, and a read waiting for the commit index would wait for
+// that (TestReadAfterBarrierAnswers). The search stops at the state
+// machine's index, or at an entry no longer in the log (compacted: a
+// snapshot of the state machine, or one restored into it, covers it). It
+// is short: a ready leader has applied a command of its own term (its
+// member entry, watchLeadership), so it never goes below that.
+func (n *Node) fsmIndexAt(index uint64) (uint64, error) {
+	applied := n.fsm.index.Load()
+	for ; index > applied; index-- {
+		var l raft.Log
+		if err := n.logc.GetLog(index, &l); err != nil {
+			if errors.Is(err, raft.ErrLogNotFound) {
+				return applied, nil
+			}
+			return 0, fmt.Errorf("idemcluster: read round: raft log entry %d: %w", index, err)
+		}
+		if l.Type == raft.LogCommand || l.Type == raft.LogConfiguration {
+			return index, nil
+		}
+	}
+	return index, nil
 }
 
 // readRound is one leadership confirmation shared by the reads that
 // joined it.
 type readRound struct {
 	done  chan struct{} // closed when index and err are set
-	index uint64        // the commit index taken before the confirmation
+	index uint64        // what the state machine must have applied: the commit index taken before the confirmation, less the entries it never gets (fsmIndexAt)
 	err   error
 }
 

@@ -1,13 +1,11 @@
 package idemcluster
 
 import (
-	"bufio"
 	"context"
 	"fmt"
-	"net"
-	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"syscall"
 	"testing"
@@ -15,8 +13,10 @@ import (
 
 	"github.com/idemdb/idem"
 	"github.com/idemdb/idem/idemcluster/clusterpb"
+	"github.com/idemdb/idem/internal/proctest"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 )
 
 // buildIdem builds cmd/idem for the process tests.
@@ -34,65 +34,31 @@ func buildIdem(t *testing.T) string {
 	return bin
 }
 
-// freeAddr returns a loopback address that was free a moment ago (the
-// node process binds it itself).
-func freeAddr(t *testing.T) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().String()
-}
+// upLine is the line `idem serve` prints once its node is up.
+var upLine = regexp.MustCompile(`idem serve: node \S+ up: `)
 
+// procNode is one `idem serve` process of a procCluster.
 type procNode struct {
-	id, dir, raft, grpc string
-	cmd                 *exec.Cmd
+	id, raft, grpc string
+	p              *proctest.Proc
 }
 
+// procCluster is three `idem serve` processes on loopback, on addresses
+// below the ephemeral port range (proctest.FreeAddrs: a node restarted on
+// its addresses finds them free).
 type procCluster struct {
-	t     *testing.T
-	bin   string
-	peers string
 	nodes map[string]*procNode
 }
 
-func (pc *procCluster) start(n *procNode) {
-	pc.t.Helper()
-	cmd := exec.Command(pc.bin, "serve", "--node-id", n.id, "--dir", n.dir, "--raft-addr", n.raft, "--grpc-addr", n.grpc, "--peers", pc.peers)
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		pc.t.Fatal(err)
-	}
-	cmd.Stderr = os.Stderr
-	if err := cmd.Start(); err != nil {
-		pc.t.Fatal(err)
-	}
-	up := make(chan string, 1)
-	go func() {
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			if strings.Contains(sc.Text(), " up: ") {
-				up <- sc.Text()
-			}
-		}
-	}()
-	select {
-	case <-up:
-	case <-time.After(30 * time.Second):
-		cmd.Process.Kill()
-		pc.t.Fatalf("node %s did not come up", n.id)
-	}
-	n.cmd = cmd
-}
+func (pc *procCluster) start(ctx context.Context, n *procNode) { n.p.Start(ctx, upLine) }
 
+// kill sends sig to node id; for SIGKILL it returns once the process exited.
 func (pc *procCluster) kill(id string, sig syscall.Signal) {
-	n := pc.nodes[id]
-	_ = n.cmd.Process.Signal(sig)
 	if sig == syscall.SIGKILL {
-		_ = n.cmd.Wait()
+		pc.nodes[id].p.Kill(sig)
+		return
 	}
+	pc.nodes[id].p.Signal(sig)
 }
 
 func (pc *procCluster) addrs() []string {
@@ -103,42 +69,42 @@ func (pc *procCluster) addrs() []string {
 	return out
 }
 
-func newProcCluster(t *testing.T) *procCluster {
-	pc := &procCluster{t: t, bin: buildIdem(t), nodes: map[string]*procNode{}}
+func newProcCluster(ctx context.Context, t *testing.T) *procCluster {
+	bin := buildIdem(t)
+	pc := &procCluster{nodes: map[string]*procNode{}}
 	dir := t.TempDir()
+	addrs := proctest.FreeAddrs(t, 6)
 	var peers []string
-	for _, id := range []string{"n1", "n2", "n3"} {
-		n := &procNode{id: id, dir: filepath.Join(dir, id), raft: freeAddr(t), grpc: freeAddr(t)}
+	for i, id := range []string{"n1", "n2", "n3"} {
+		n := &procNode{id: id, raft: addrs[2*i], grpc: addrs[2*i+1]}
 		pc.nodes[id] = n
 		peers = append(peers, id+"="+n.raft)
 	}
-	pc.peers = strings.Join(peers, ",")
 	for _, id := range []string{"n1", "n2", "n3"} {
-		pc.start(pc.nodes[id])
+		n := pc.nodes[id]
+		n.p = proctest.New(t, dir, id, nil, bin, "serve", "--node-id", id, "--dir", filepath.Join(dir, id),
+			"--raft-addr", n.raft, "--grpc-addr", n.grpc, "--peers", strings.Join(peers, ","))
 	}
-	t.Cleanup(func() {
-		for _, n := range pc.nodes {
-			if n.cmd != nil && n.cmd.ProcessState == nil {
-				_ = n.cmd.Process.Signal(syscall.SIGCONT)
-				_ = n.cmd.Process.Kill()
-				_ = n.cmd.Wait()
-			}
-		}
-	})
+	for _, id := range []string{"n1", "n2", "n3"} {
+		pc.start(ctx, pc.nodes[id])
+	}
 	return pc
 }
 
+// leaderOf is the leader the node c reaches names (polled until one does).
 func leaderOf(ctx context.Context, t *testing.T, c *Client) string {
 	t.Helper()
-	for ctx.Err() == nil {
+	for {
 		st, err := c.Status(ctx)
 		if err == nil && st.LeaderId != "" {
 			return st.LeaderId
 		}
-		time.Sleep(50 * time.Millisecond)
+		select {
+		case <-ctx.Done():
+			t.Fatalf("no leader: %v", ctx.Err())
+		case <-time.After(20 * time.Millisecond): // polling the node's state
+		}
 	}
-	t.Fatal("no leader")
-	return ""
 }
 
 // TestServeProcessesSIGKILL runs three `idem serve` processes, kills the
@@ -148,9 +114,9 @@ func TestServeProcessesSIGKILL(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds cmd/idem and runs three processes")
 	}
-	pc := newProcCluster(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
+	pc := newProcCluster(ctx, t)
 	c, err := Dial(ctx, pc.addrs(), &Options{Owner: "proc-test", AttemptTimeout: 2 * time.Second})
 	if err != nil {
 		t.Fatal(err)
@@ -175,7 +141,7 @@ func TestServeProcessesSIGKILL(t *testing.T) {
 		}
 		l := leaderOf(ctx, t, c)
 		pc.kill(l, syscall.SIGKILL)
-		pc.start(pc.nodes[l])
+		pc.start(ctx, pc.nodes[l])
 	}
 	for id, want := range acked {
 		r, err := c.Begin(ctx, idem.Request{Scope: "p", ID: []byte(id)})
@@ -189,15 +155,19 @@ func TestServeProcessesSIGKILL(t *testing.T) {
 }
 
 // TestServeDeposedLeaderAnswersNothingStale pauses the leader with SIGSTOP
-// past the election timeout, commits a new id through the new leader, and
-// resumes the old one: asked directly, it must not say the id is absent.
+// until the two others have elected a leader and committed a new id
+// without it, then asks it directly (no leader following) about that id,
+// and for a fresh claim on it, before continuing it: the requests wait in
+// its socket (a stats handler says when each was handed to the
+// connection) and are the first it reads when it runs again. It must not
+// answer from its stale state (say the id is absent, or hand it out).
 func TestServeDeposedLeaderAnswersNothingStale(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds cmd/idem and runs three processes")
 	}
-	pc := newProcCluster(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
+	pc := newProcCluster(ctx, t)
 	c, err := Dial(ctx, pc.addrs(), &Options{Owner: "stop-test", AttemptTimeout: 2 * time.Second})
 	if err != nil {
 		t.Fatal(err)
@@ -207,8 +177,21 @@ func TestServeDeposedLeaderAnswersNothingStale(t *testing.T) {
 		t.Fatal(err)
 	}
 	old := leaderOf(ctx, t, c)
+	// A connection of its own to the old leader, made before the pause.
+	const probes = 8
+	sent := proctest.NewSentCounter(probes + 1)
+	cc, err := grpc.NewClient(pc.nodes[old].grpc, grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithStatsHandler(sent))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cc.Close()
+	if _, err := clusterpb.NewClusterClient(cc).Status(ctx, &clusterpb.StatusRequest{}); err != nil {
+		t.Fatal(err)
+	}
+	sent.Drain() // the Status request's own message
 	pc.kill(old, syscall.SIGSTOP)
-	// A new leader among the others commits "after".
+	// A new leader among the others commits "after" (Do returns once one
+	// is elected: the old one is paused past the election timeout).
 	var others []string
 	for id, n := range pc.nodes {
 		if id != old {
@@ -223,24 +206,56 @@ func TestServeDeposedLeaderAnswersNothingStale(t *testing.T) {
 	if _, err := idem.Do(ctx, c2, idem.Request{ID: []byte("after")}, func(context.Context) ([]byte, error) { return []byte("a"), nil }); err != nil {
 		t.Fatal(err)
 	}
-	pc.kill(old, syscall.SIGCONT)
-	// Ask the old leader itself, with no redirect following: it must not
-	// answer from its stale state.
-	cc, err := grpc.NewClient(pc.nodes[old].grpc, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cc.Close()
 	ic := clusterpb.NewIdemClient(cc)
-	for i := range 20 {
-		actx, acancel := context.WithTimeout(ctx, 2*time.Second)
-		out, err := ic.Lookup(actx, &clusterpb.LookupRequest{Request: &clusterpb.Request{Id: []byte("after")}})
-		acancel()
-		if err == nil && out.Result.Status != clusterpb.Status_STATUS_DONE {
-			t.Fatalf("attempt %d: the resumed old leader answered %v for an id committed while it was paused", i, out.Result.Status)
-		}
-		time.Sleep(25 * time.Millisecond)
+	answers := make(chan string, probes) // "stale: ..." is a failure
+	for i := range probes {
+		go func() {
+			actx, acancel := context.WithTimeout(ctx, 10*time.Second)
+			defer acancel()
+			req := &clusterpb.Request{Id: []byte("after")}
+			var st clusterpb.Status
+			var err error
+			what := "Lookup"
+			if i == 0 { // a claim on the id committed while it was paused
+				what = "Begin"
+				var out *clusterpb.BeginResponse
+				if out, err = ic.Begin(actx, &clusterpb.BeginRequest{Request: req, Owner: "stale-probe", Token: []byte("stale-probe-token")}); err == nil {
+					st = out.Result.Status
+				}
+			} else {
+				var out *clusterpb.LookupResponse
+				if out, err = ic.Lookup(actx, &clusterpb.LookupRequest{Request: req}); err == nil {
+					st = out.Result.Status
+				}
+			}
+			switch {
+			case err != nil:
+				answers <- fmt.Sprintf("%s: %v", what, status.Code(err))
+			case st != clusterpb.Status_STATUS_DONE:
+				answers <- fmt.Sprintf("stale: %s answered %v", what, st)
+			default:
+				answers <- what + ": done"
+			}
+		}()
 	}
+	for range probes {
+		select {
+		case <-sent.C:
+		case <-ctx.Done():
+			t.Fatalf("the requests to the paused leader were not sent: %v", ctx.Err())
+		}
+	}
+	pc.kill(old, syscall.SIGCONT)
+	said := map[string]int{}
+	for range probes {
+		a := <-answers
+		if strings.HasPrefix(a, "stale: ") {
+			t.Errorf("the deposed leader %s, continued, answered from its stale state: %s (for an id committed while it was paused)", old, a)
+			continue
+		}
+		said[a]++
+	}
+	t.Logf("asked before SIGCONT, the deposed leader %s answered %v", old, said)
 	if r, err := c.Lookup(ctx, idem.Request{ID: []byte("after")}); err != nil || r.Status != idem.Done {
 		t.Fatalf("lookup through the cluster: %+v %v", r, err)
 	}

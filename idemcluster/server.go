@@ -4,12 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
 	"github.com/hashicorp/raft"
 	"github.com/idemdb/idem"
 	"github.com/idemdb/idem/idemcluster/clusterpb"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -407,6 +409,31 @@ func (s *server) Join(ctx context.Context, in *clusterpb.JoinRequest) (*clusterp
 func (s *server) Remove(ctx context.Context, in *clusterpb.RemoveRequest) (*clusterpb.RemoveResponse, error) {
 	if !s.n.IsLeader() {
 		return nil, toStatus(&errNotLeader{leader: s.n.leaderAddr()})
+	}
+	// Refuse what raft would accept silently (an unknown id: nothing
+	// changes) or fail on with an error a client retries (the last voter):
+	// both are the caller's mistake, answered at once.
+	cf := s.n.r.GetConfiguration()
+	if err := cf.Error(); err != nil {
+		return nil, toStatus(fmt.Errorf("idemcluster: remove %s: reading the configuration: %w", in.NodeId, err))
+	}
+	var found, voter bool
+	var voters int
+	var ids []string
+	for _, srv := range cf.Configuration().Servers {
+		ids = append(ids, string(srv.ID))
+		if srv.Suffrage == raft.Voter {
+			voters++
+		}
+		if string(srv.ID) == in.NodeId {
+			found, voter = true, srv.Suffrage == raft.Voter
+		}
+	}
+	if !found {
+		return nil, status.Errorf(codes.NotFound, "idemcluster: remove %q: no such member (members: %s)", in.NodeId, strings.Join(ids, ", "))
+	}
+	if voter && voters == 1 {
+		return nil, status.Errorf(codes.FailedPrecondition, "idemcluster: remove %q: it is the last voter (a cluster needs one)", in.NodeId)
 	}
 	if err := s.n.r.RemoveServer(raft.ServerID(in.NodeId), 0, 30*time.Second).Error(); err != nil {
 		return nil, toStatus(fmt.Errorf("idemcluster: remove %s: %w", in.NodeId, err))

@@ -248,7 +248,8 @@
 //     "positions.hint" with the last 32 such positions (magic "IDEMWPOS",
 //     version, count, then segment first LSN, frame offset and LSN per
 //     entry, CRC-32C; written to a temporary file, fsynced, renamed, the
-//     directory fsynced; skipped while the previous write is still going).
+//     directory fsynced; positions made while a write runs are written
+//     right after it, the newest ring only).
 //     Open takes the hint with the highest LSN at or below after+1 in that
 //     segment whose frame is valid and carries that LSN, and reads on from
 //     there. Every hint names a frame that was fsynced before the hint was

@@ -462,6 +462,10 @@ func TestReopenAfterCrashStartsNearApplied(t *testing.T) {
 	o.SegmentSize = 4 << 20
 	w, _ := mustOpen(t, o, 0, nil)
 	appendWait(t, w, 20000, 50)
+	// The hints that the last fsyncs recorded are written by a goroutine
+	// of their own: wait for it (on a loaded machine it may still be
+	// writing, and the image would then hold older hints only).
+	w.pos.wg.Wait()
 	crashed := mem.CrashClone(vfs.CrashCloneCfg{})
 	_ = w.Close()
 	const after = 19000

@@ -224,8 +224,16 @@ type WAL struct {
 		// the last entry, waiting for an fsync to cover it.
 		positions []position
 		cand      position
-		sinceLast int64         // bytes written since the last entry
-		posDone   chan struct{} // closed when the background write of the file ends
+		sinceLast int64 // bytes written since the last entry
+	}
+
+	// pos hands the position hints to the goroutine that writes
+	// positions.hint, so that the flusher never waits for that file.
+	pos struct {
+		mu      sync.Mutex
+		pending []position // the newest ring not yet written (nil: none); guarded by mu
+		writing bool       // a writer goroutine runs; guarded by mu
+		wg      sync.WaitGroup
 	}
 
 	segMu sync.Mutex
@@ -731,9 +739,7 @@ func (w *WAL) Close() error {
 	w.mu.Unlock()
 	w.wake()
 	<-w.doneC
-	if w.fl.posDone != nil {
-		<-w.fl.posDone
-	}
+	w.pos.wg.Wait()
 	if w.fl.prepC != nil {
 		if err := w.awaitPrep(); err != nil {
 			// Only the spare file is affected; the next Open replaces it.
@@ -1035,22 +1041,36 @@ func (w *WAL) recordPosition() {
 		w.fl.positions = slices.Delete(w.fl.positions, 0, 1)
 	}
 	w.fl.positions = append(w.fl.positions, p)
-	if w.fl.posDone != nil {
-		select {
-		case <-w.fl.posDone:
-		default:
-			return // the previous write is still going: the next entry writes this one too
+	w.pos.mu.Lock()
+	defer w.pos.mu.Unlock()
+	w.pos.pending = slices.Clone(w.fl.positions)
+	if w.pos.writing {
+		return // the running writer writes this ring after its current one
+	}
+	w.pos.writing = true
+	w.pos.wg.Add(1)
+	go w.writePositionsLoop()
+}
+
+// writePositionsLoop writes the newest pending ring of position hints
+// until none is left, so that the last hints recorded are on disk soon
+// after the fsync that covers them, not only when a later one comes.
+func (w *WAL) writePositionsLoop() {
+	defer w.pos.wg.Done()
+	for {
+		w.pos.mu.Lock()
+		ps := w.pos.pending
+		w.pos.pending = nil
+		if ps == nil {
+			w.pos.writing = false
+			w.pos.mu.Unlock()
+			return
+		}
+		w.pos.mu.Unlock()
+		if err := writePositions(w.opts.FS, w.opts.Dir, ps); err != nil {
+			w.logger.Warn("wal: writing position hints (Open after a crash reads more of the segment)", "error", err)
 		}
 	}
-	done := make(chan struct{})
-	w.fl.posDone = done
-	ps, fs, dir, logger := slices.Clone(w.fl.positions), w.opts.FS, w.opts.Dir, w.logger
-	go func() {
-		defer close(done)
-		if err := writePositions(fs, dir, ps); err != nil {
-			logger.Warn("wal: writing position hints (Open after a crash reads more of the segment)", "error", err)
-		}
-	}()
 }
 
 // recycle keeps the buffers just taken for the next swap, unless a huge

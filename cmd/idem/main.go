@@ -10,6 +10,7 @@
 //	idem restore F <dir>           build a new directory from a snapshot
 //	idem bench                     fresh and duplicate throughput and latency
 //	idem serve --node-id ...       run a node of an idem cluster
+//	idem cluster status --addr A   a running cluster's members and leader (also remove, forget)
 //
 // dump, stats and verify are read-only: they never take the engine's lock
 // and never write into the directory, so they work while an application has
@@ -64,7 +65,7 @@ type command struct {
 var commands []*command
 
 func init() {
-	commands = []*command{demoCmd, dumpCmd, statsCmd, verifyCmd, forgetCmd, compactCmd, snapshotCmd, restoreCmd, benchCmd, scaleCmd, serveCmd}
+	commands = []*command{demoCmd, dumpCmd, statsCmd, verifyCmd, forgetCmd, compactCmd, snapshotCmd, restoreCmd, benchCmd, scaleCmd, serveCmd, clusterCmd}
 }
 
 func lookupCommand(name string) *command {

@@ -19,9 +19,9 @@ import (
 	"github.com/idemdb/idem/idemcluster"
 	"github.com/idemdb/idem/idemcluster/clusterpb"
 	"github.com/idemdb/idem/idemhttp"
+	"github.com/idemdb/idem/internal/proctest"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
-	"google.golang.org/grpc/stats"
 	"google.golang.org/grpc/status"
 )
 
@@ -198,7 +198,7 @@ func TestFleet(t *testing.T) {
 	if r, err := a.post(ctx, hc, crashKey, crashBody); err == nil {
 		t.Fatalf("%s via a: answered %v, want the process to die after the effect", crashKey, r)
 	}
-	if st := a.p.waitExit(ctx); st.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
+	if st := a.p.WaitExit(ctx); st.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
 		t.Fatalf("replica a ended with %v, want SIGKILL", st)
 	}
 	if r, err := b.post(ctx, hc, crashKey, crashBody); err != nil || r.code != http.StatusConflict || !bytes.Contains(r.body, []byte(idemhttp.CodeProcessing)) {
@@ -310,7 +310,7 @@ func killLeader(ctx context.Context, t *testing.T, tc *testCluster, i int, probe
 		}
 		elected <- -1
 	}()
-	lead.p.kill(syscall.SIGKILL)
+	lead.p.Kill(syscall.SIGKILL)
 	probe(fmt.Sprintf("probe-%d", i))
 	gap := time.Since(t0)
 	next := tc.leader(ctx, lead)
@@ -338,7 +338,7 @@ func pauseLeader(ctx context.Context, t *testing.T, tc *testCluster, transfer fu
 	// A connection of its own, whose stats handler says when each request
 	// has been handed to the connection: the requests are queued to the
 	// paused process before it is continued.
-	sent := &sentCounter{ch: make(chan struct{}, pausedTransfers+1)}
+	sent := proctest.NewSentCounter(pausedTransfers + 1)
 	cc, err := grpc.NewClient(lead.grpc, grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithStatsHandler(sent))
 	if err != nil {
 		t.Fatal(err)
@@ -347,10 +347,8 @@ func pauseLeader(ctx context.Context, t *testing.T, tc *testCluster, transfer fu
 	if _, err := clusterpb.NewClusterClient(cc).Status(ctx, &clusterpb.StatusRequest{}); err != nil {
 		t.Fatal(err) // connected before the pause
 	}
-	for len(sent.ch) > 0 { // the Status request's own message
-		<-sent.ch
-	}
-	lead.p.signal(syscall.SIGSTOP)
+	sent.Drain() // the Status request's own message
+	lead.p.Signal(syscall.SIGSTOP)
 	next := tc.leader(ctx, lead) // elected without it: it is paused longer than the election timeout
 	var keys []string
 	for j := range pausedTransfers {
@@ -394,12 +392,12 @@ func pauseLeader(ctx context.Context, t *testing.T, tc *testCluster, transfer fu
 	}
 	for range keys {
 		select {
-		case <-sent.ch:
+		case <-sent.C:
 		case <-ctx.Done():
 			t.Fatalf("the requests to the paused leader were not sent: %v", ctx.Err())
 		}
 	}
-	lead.p.signal(syscall.SIGCONT)
+	lead.p.Signal(syscall.SIGCONT)
 	said := map[string]int{}
 	for range keys {
 		a := <-answers
@@ -412,19 +410,3 @@ func pauseLeader(ctx context.Context, t *testing.T, tc *testCluster, transfer fu
 	tc.caughtUp(ctx, lead)
 	t.Logf("pause: leader %s stopped; %s elected, %d transfers made; asked before SIGCONT, %s answered %v; caught up", lead.id, next.id, len(keys), lead.id, said)
 }
-
-// sentCounter is a stats.Handler that reports each request message handed
-// to the connection.
-type sentCounter struct{ ch chan struct{} }
-
-func (s *sentCounter) TagRPC(ctx context.Context, _ *stats.RPCTagInfo) context.Context { return ctx }
-func (s *sentCounter) HandleRPC(_ context.Context, st stats.RPCStats) {
-	if p, ok := st.(*stats.OutPayload); ok && p.Client {
-		select {
-		case s.ch <- struct{}{}:
-		default:
-		}
-	}
-}
-func (s *sentCounter) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.Context { return ctx }
-func (s *sentCounter) HandleConn(context.Context, stats.ConnStats)                       {}

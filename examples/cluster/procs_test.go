@@ -1,33 +1,30 @@
 package main
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
 	"io"
-	"math/rand/v2"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
-	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/idemdb/idem/idemcluster/clusterpb"
+	"github.com/idemdb/idem/internal/proctest"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 )
 
 // The tests of this package run the example as its users do: `idem serve`
-// nodes and replicas of the application as OS processes on loopback,
+// nodes and replicas of the application as OS processes on loopback
+// (internal/proctest: their addresses, the processes, the stats handler),
 // built once (without -race, whatever the test binary is built with) into
 // a directory removed when the tests end.
 
@@ -77,166 +74,16 @@ func binaries(t *testing.T) (idemBin, appBin string) {
 	return build.idem, build.app
 }
 
-// proc is a process the test started (and may start again with the same
-// arguments); its stderr goes to a log file kept in the test's directory
-// and shown when the test fails.
-type proc struct {
-	t      *testing.T
-	name   string
-	args   []string
-	env    []string
-	logf   *os.File
-	cmd    *exec.Cmd
-	exited chan struct{} // closed when the running process has exited
-}
-
-func newProc(t *testing.T, logDir, name string, env []string, bin string, args ...string) *proc {
-	f, err := os.OpenFile(filepath.Join(logDir, name+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := &proc{t: t, name: name, args: append([]string{bin}, args...), env: env, logf: f}
-	t.Cleanup(func() {
-		p.kill(syscall.SIGKILL)
-		if t.Failed() {
-			if b, err := os.ReadFile(f.Name()); err == nil && len(b) > 0 {
-				if len(b) > 3000 {
-					b = b[len(b)-3000:]
-				}
-				t.Logf("stderr of %s (the end):\n%s", name, b)
-			}
-		}
-		f.Close()
-	})
-	return p
-}
-
-// start starts the process and waits for the stdout line matching ready;
-// it returns the line's submatches.
-func (p *proc) start(ctx context.Context, ready *regexp.Regexp) []string {
-	p.t.Helper()
-	cmd := exec.Command(p.args[0], p.args[1:]...)
-	cmd.Env = append(os.Environ(), p.env...)
-	cmd.Stderr = p.logf
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		p.t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		p.t.Fatalf("starting %s: %v", p.name, err)
-	}
-	p.cmd, p.exited = cmd, make(chan struct{})
-	found := make(chan []string, 1)
-	go func() {
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			if m := ready.FindStringSubmatch(sc.Text()); m != nil {
-				select {
-				case found <- m:
-				default:
-				}
-			}
-		}
-		// stdout is closed: the process exited (or closed it); reap it.
-		_ = cmd.Wait()
-		close(p.exited)
-	}()
-	select {
-	case m := <-found:
-		return m
-	case <-p.exited:
-		p.t.Fatalf("%s exited before it was ready: %v", p.name, cmd.ProcessState)
-	case <-ctx.Done():
-		p.t.Fatalf("%s: not ready: %v", p.name, ctx.Err())
-	}
-	return nil
-}
-
-// running reports whether the process is started and has not exited.
-func (p *proc) running() bool {
-	if p.cmd == nil {
-		return false
-	}
-	select {
-	case <-p.exited:
-		return false
-	default:
-		return true
-	}
-}
-
-// signal sends sig; for SIGKILL it returns once the process is reaped.
-func (p *proc) signal(sig syscall.Signal) {
-	if !p.running() {
-		return
-	}
-	_ = p.cmd.Process.Signal(sig)
-}
-
-func (p *proc) kill(sig syscall.Signal) {
-	if !p.running() {
-		return
-	}
-	if sig == syscall.SIGKILL {
-		_ = p.cmd.Process.Signal(syscall.SIGCONT) // a stopped process dies only when continued
-	}
-	_ = p.cmd.Process.Signal(sig)
-	<-p.exited
-}
-
-// waitExit waits for the process to exit by itself.
-func (p *proc) waitExit(ctx context.Context) *os.ProcessState {
-	p.t.Helper()
-	select {
-	case <-p.exited:
-		return p.cmd.ProcessState
-	case <-ctx.Done():
-		p.t.Fatalf("%s did not exit: %v", p.name, ctx.Err())
-		return nil
-	}
-}
-
-// freeAddrs are n loopback addresses that were free a moment ago: the
-// nodes bind their addresses themselves (and again after each restart),
-// since --peers must name them before any node starts. The ports are
-// taken below the kernel's range of ephemeral ports, so that no outgoing
-// connection nor any ":0" listener (of this test or another process) can
-// take one while its node is down, and are held until all n are found,
-// so that they differ.
-func freeAddrs(t *testing.T, n int) []string {
-	t.Helper()
-	lo := 32768 // Linux's default start of the ephemeral range
-	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range"); err == nil {
-		if f := strings.Fields(string(b)); len(f) == 2 {
-			if p, err := strconv.Atoi(f[0]); err == nil && p > 12000 {
-				lo = p
-			}
-		}
-	}
-	var out []string
-	for try := 0; len(out) < n; try++ {
-		if try == 1000 {
-			t.Fatalf("found %d free ports below %d, want %d", len(out), lo, n)
-		}
-		addr := net.JoinHostPort("127.0.0.1", strconv.Itoa(10000+rand.IntN(lo-10000)))
-		if l, err := net.Listen("tcp", addr); err == nil {
-			defer l.Close()
-			out = append(out, addr)
-		}
-	}
-	return out
-}
-
 // node is one `idem serve` process of a testCluster.
 type node struct {
 	id, raft, grpc string
-	p              *proc
+	p              *proctest.Proc
 	cc             *grpc.ClientConn // to this node only (no leader following)
 }
 
 var upLine = regexp.MustCompile(`idem serve: node \S+ up: `)
 
-func (n *node) start(ctx context.Context) { n.p.start(ctx, upLine) }
+func (n *node) start(ctx context.Context) { n.p.Start(ctx, upLine) }
 
 // status is the node's own view (State, LeaderId, AppliedIndex), asked of
 // it directly.
@@ -256,14 +103,14 @@ func startCluster(ctx context.Context, t *testing.T, idemBin, dir string) *testC
 	t.Helper()
 	tc := &testCluster{t: t}
 	var peers []string
-	addrs := freeAddrs(t, 6)
+	addrs := proctest.FreeAddrs(t, 6)
 	for i := 1; i <= 3; i++ {
 		n := &node{id: fmt.Sprintf("n%d", i), raft: addrs[2*i-2], grpc: addrs[2*i-1]}
 		peers = append(peers, n.id+"="+n.raft)
 		tc.nodes = append(tc.nodes, n)
 	}
 	for _, n := range tc.nodes {
-		n.p = newProc(t, dir, n.id, nil, idemBin, "serve", "--node-id", n.id, "--dir", filepath.Join(dir, n.id),
+		n.p = proctest.New(t, dir, n.id, nil, idemBin, "serve", "--node-id", n.id, "--dir", filepath.Join(dir, n.id),
 			"--raft-addr", n.raft, "--grpc-addr", n.grpc, "--peers", strings.Join(peers, ","))
 		cc, err := grpc.NewClient(n.grpc, grpc.WithTransportCredentials(insecure.NewCredentials()))
 		if err != nil {
@@ -296,7 +143,7 @@ func (tc *testCluster) leader(ctx context.Context, skip *node) *node {
 		agree := true
 		var ids []string
 		for _, n := range tc.nodes {
-			if n == skip || !n.p.running() {
+			if n == skip || !n.p.Running() {
 				continue
 			}
 			st, err := n.status(ctx)
@@ -352,20 +199,20 @@ func (tc *testCluster) caughtUp(ctx context.Context, n *node) {
 type replica struct {
 	owner, url string
 	effects    string
-	p          *proc
+	p          *proctest.Proc
 }
 
 var servingLine = regexp.MustCompile(`serving on (http://\S+) \(keys in doubt at start: (\d+) committed, (\d+) released\)`)
 
 func newReplica(t *testing.T, appBin, dir, owner, nodes string, env ...string) *replica {
 	r := &replica{owner: owner, effects: filepath.Join(dir, owner+".jsonl")}
-	r.p = newProc(t, dir, owner, env, appBin, "-addr", "127.0.0.1:0", "-owner", owner, "-effects", r.effects, "-cluster", nodes)
+	r.p = proctest.New(t, dir, owner, env, appBin, "-addr", "127.0.0.1:0", "-owner", owner, "-effects", r.effects, "-cluster", nodes)
 	return r
 }
 
 // start starts the replica and returns what it settled at start.
 func (r *replica) start(ctx context.Context) (committed, released string) {
-	m := r.p.start(ctx, servingLine)
+	m := r.p.Start(ctx, servingLine)
 	r.url = m[1]
 	return m[2], m[3]
 }

@@ -67,7 +67,7 @@ func TestREADME(t *testing.T) {
 	if lead == nil {
 		t.Fatalf("GET /cluster names no node as leader: %+v", st)
 	}
-	lead.p.kill(syscall.SIGKILL)
+	lead.p.Kill(syscall.SIGKILL)
 	// The answer to t-1001 was lost, say: retried through b, it is
 	// answered (by the new leader) with the same bytes; a new transfer
 	// goes through a.
