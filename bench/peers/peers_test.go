@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -97,52 +98,112 @@ func TestExactlyOneClaims(t *testing.T) {
 			defer p.Close()
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
-			for round := range 5 {
-				id := []byte(fmt.Sprintf("id-%015d", round))
-				want := []byte("reply " + strconv.Itoa(round))
-				var (
-					mu             sync.Mutex
-					ran, inflight  int
-					wg             sync.WaitGroup
-					start          = make(chan struct{})
-					freshN, replyN int
-				)
-				for range 16 {
-					wg.Add(1)
-					go func() {
-						defer wg.Done()
-						<-start
-						got, fresh, err := p.Do(ctx, id, func() []byte {
-							mu.Lock()
-							ran++
-							mu.Unlock()
-							time.Sleep(5 * time.Millisecond)
-							return want
-						})
-						mu.Lock()
-						defer mu.Unlock()
-						switch {
-						case errors.Is(err, ErrInFlight):
-							inflight++
-						case err != nil:
-							t.Errorf("Do: %v", err)
-						case !bytes.Equal(got, want):
-							t.Errorf("reply %q, want %q", got, want)
-						case fresh:
-							freshN++
-						default:
-							replyN++
-						}
-					}()
+			checkExactlyOne(ctx, t, p, "id-")
+		})
+	}
+}
+
+// checkExactlyOne races 16 callers on each of 5 new ids (prefix and a
+// number): exactly one runs it; every other one gets the committed reply
+// or is told the id is in flight; afterwards everyone gets the reply.
+func checkExactlyOne(ctx context.Context, t *testing.T, p Peer, prefix string) {
+	t.Helper()
+	for round := range 5 {
+		id := []byte(fmt.Sprintf("%s%015d", prefix, round))
+		want := []byte("reply " + strconv.Itoa(round))
+		var (
+			mu             sync.Mutex
+			ran, inflight  int
+			wg             sync.WaitGroup
+			start          = make(chan struct{})
+			freshN, replyN int
+		)
+		for range 16 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				<-start
+				got, fresh, err := p.Do(ctx, id, func() []byte {
+					mu.Lock()
+					ran++
+					mu.Unlock()
+					time.Sleep(5 * time.Millisecond)
+					return want
+				})
+				mu.Lock()
+				defer mu.Unlock()
+				switch {
+				case errors.Is(err, ErrInFlight):
+					inflight++
+				case err != nil:
+					t.Errorf("Do: %v", err)
+				case !bytes.Equal(got, want):
+					t.Errorf("reply %q, want %q", got, want)
+				case fresh:
+					freshN++
+				default:
+					replyN++
 				}
-				close(start)
-				wg.Wait()
-				if ran != 1 || freshN != 1 || freshN+replyN+inflight != 16 {
-					t.Fatalf("id %s: ran %d times, %d fresh, %d replies, %d in flight", id, ran, freshN, replyN, inflight)
+			}()
+		}
+		close(start)
+		wg.Wait()
+		if ran != 1 || freshN != 1 || freshN+replyN+inflight != 16 {
+			t.Fatalf("id %s: ran %d times, %d fresh, %d replies, %d in flight", id, ran, freshN, replyN, inflight)
+		}
+		got, fresh, err := p.Do(ctx, id, func() []byte { t.Error("ran again"); return nil })
+		if err != nil || fresh || !bytes.Equal(got, want) {
+			t.Fatalf("after: %q fresh=%v err=%v", got, fresh, err)
+		}
+	}
+}
+
+// TestClusterPeers starts each cluster peer (three idem cluster nodes,
+// three etcd members, in this process on loopback), runs the harness on
+// it for a fraction of a second, races callers on new ids in both orders
+// of operations (claim first, read first), closes it, and checks that
+// nothing it started still listens.
+func TestClusterPeers(t *testing.T) {
+	for _, name := range []string{"idemcluster", "etcd"} {
+		t.Run(name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+			defer cancel()
+			p := openPeer(t, name, Config{Concurrency: 16, Dir: t.TempDir()})
+			closed := false
+			defer func() {
+				if !closed {
+					p.Close()
 				}
-				got, fresh, err := p.Do(ctx, id, func() []byte { t.Error("ran again"); return nil })
-				if err != nil || fresh || !bytes.Equal(got, want) {
-					t.Fatalf("after: %q fresh=%v err=%v", got, fresh, err)
+			}()
+			addrs := p.(interface{ listening() []string }).listening()
+			if len(addrs) != 2*ClusterMembers {
+				t.Fatalf("listening on %v, want %d addresses (peer and client per member)", addrs, 2*ClusterMembers)
+			}
+			rows, err := Run(ctx, p, RunConfig{Concurrency: 4, Fresh: 300 * time.Millisecond, Duplicate: 200 * time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(rows) != 2 {
+				t.Fatalf("%d phases, want 2: %+v", len(rows), rows)
+			}
+			for _, r := range rows {
+				if r.Requests == 0 || r.Errors != 0 {
+					t.Errorf("%s: %d requests, %d errors (first: %s)", r.Phase, r.Requests, r.Errors, r.FirstError)
+				}
+			}
+			// Both orders of operations, each on new ids.
+			for _, fresh := range []bool{true, false} {
+				p.(Phased).Phase(fresh)
+				checkExactlyOne(ctx, t, p, fmt.Sprintf("claim-first=%v/", fresh))
+			}
+			closed = true
+			if err := p.Close(); err != nil {
+				t.Fatalf("close: %v", err)
+			}
+			for _, a := range addrs {
+				if c, err := net.DialTimeout("tcp", a, time.Second); err == nil {
+					c.Close()
+					t.Errorf("%s still accepts connections after Close", a)
 				}
 			}
 		})
@@ -210,8 +271,9 @@ func TestFileSegments(t *testing.T) {
 	}
 }
 
-// TestSummary: ratios are taken against idem in the same round,
-// concurrency and phase; medians and the CSV round trip keep them.
+// TestSummary: ratios are taken against the base peer in the same round,
+// concurrency and phase; the CSV round trip keeps them (in a column named
+// for the base) and medians take them over the rounds.
 func TestSummary(t *testing.T) {
 	var rows []Result
 	for round := 1; round <= 3; round++ {
@@ -223,20 +285,27 @@ func TestSummary(t *testing.T) {
 			rows = append(rows, Result{Round: round, Peer: peer, Concurrency: 64, Phase: "fresh", Requests: 10, PerSec: v, P50us: float64(round)})
 		}
 	}
+	SetRatios(rows, "pebble")
 	var buf bytes.Buffer
-	if err := WriteCSV(&buf, rows, true); err != nil {
+	if err := WriteCSV(&buf, rows, true, "pebble"); err != nil {
 		t.Fatal(err)
+	}
+	if h, _, _ := strings.Cut(buf.String(), "\n"); !strings.Contains(h, ",ratio_to_pebble,") {
+		t.Fatalf("header %q has no ratio_to_pebble column", h)
 	}
 	back, err := ReadCSV(&buf)
 	if err != nil {
 		t.Fatal(err)
 	}
-	SetRatios(back)
+	if back[0].Peer != "idem" || back[0].Ratio != 2 || back[1].Ratio != 1 {
+		t.Fatalf("ratios to pebble read back: %+v", back[:2])
+	}
+	SetRatios(back, "idem")
 	ms := Medians(back)
 	if len(ms) != 2 || ms[0].Peer != "idem" || ms[1].Peer != "pebble" {
 		t.Fatalf("medians %+v", ms)
 	}
-	if ms[1].PerSec != 1000 || ms[1].Ratio != 0.5 || ms[1].MinPerSec != 500 || ms[1].MaxPerSec != 1500 || ms[1].P50us != 2 {
+	if ms[1].PerSec != 1000 || ms[1].Ratio != 0.5 || ms[1].BaseOver != 2 || ms[1].MinPerSec != 500 || ms[1].MaxPerSec != 1500 || ms[1].P50us != 2 {
 		t.Fatalf("pebble medians %+v", ms[1])
 	}
 	if _, err := ReadCSV(bytes.NewBufferString("a,b\n1,2\n")); err == nil {

@@ -9,10 +9,14 @@ import (
 	"strings"
 )
 
-// Header is the CSV header of results (one row per phase of a run).
-var Header = []string{"date", "round", "peer", "concurrency", "phase", "requests", "errors",
-	"seconds", "req_per_s", "p50_us", "p99_us", "p999_us", "max_us",
-	"client_cpu_s", "server_cpu_s", "cpu_us_per_req", "ratio_to_idem", "first_error"}
+// Header is the CSV header of results (one row per phase of a run), with
+// the ratio's column named for the peer the ratios are taken to
+// ("ratio_to_idem").
+func Header(base string) []string {
+	return []string{"date", "round", "peer", "concurrency", "phase", "requests", "errors",
+		"seconds", "req_per_s", "p50_us", "p99_us", "p999_us", "max_us",
+		"client_cpu_s", "server_cpu_s", "cpu_us_per_req", "ratio_to_" + base, "first_error"}
+}
 
 func f64(v float64, prec int) string { return strconv.FormatFloat(v, 'f', prec, 64) }
 
@@ -28,11 +32,12 @@ func (r *Result) Record() []string {
 		f64(r.ClientCPU, 3), f64(r.ServerCPU, 3), f64(r.CPUusPerReq, 2), ratio, r.FirstError}
 }
 
-// WriteCSV writes rows, with the header if header is true.
-func WriteCSV(w io.Writer, rows []Result, header bool) error {
+// WriteCSV writes rows, with the header if header is true; their Ratio is
+// to the peer base (see SetRatios).
+func WriteCSV(w io.Writer, rows []Result, header bool, base string) error {
 	cw := csv.NewWriter(w)
 	if header {
-		if err := cw.Write(Header); err != nil {
+		if err := cw.Write(Header(base)); err != nil {
 			return err
 		}
 	}
@@ -46,7 +51,8 @@ func WriteCSV(w io.Writer, rows []Result, header bool) error {
 }
 
 // ReadCSV reads rows written by WriteCSV (columns found by their header
-// name, so that columns may be added later).
+// name, so that columns may be added later; the ratio is read from the
+// column whose name starts with "ratio_to_").
 func ReadCSV(r io.Reader) ([]Result, error) {
 	cr := csv.NewReader(r)
 	cr.FieldsPerRecord = -1
@@ -59,10 +65,13 @@ func ReadCSV(r io.Reader) ([]Result, error) {
 	}
 	col := map[string]int{}
 	for i, h := range recs[0] {
+		if strings.HasPrefix(h, "ratio_to_") {
+			h = "ratio"
+		}
 		col[h] = i
 	}
-	for _, h := range Header {
-		if _, ok := col[h]; !ok && h != "ratio_to_idem" && h != "first_error" {
+	for _, h := range Header("") {
+		if _, ok := col[h]; !ok && h != "ratio_to_" && h != "first_error" {
 			return nil, fmt.Errorf("CSV header has no column %q", h)
 		}
 	}
@@ -92,7 +101,7 @@ func ReadCSV(r io.Reader) ([]Result, error) {
 			Requests: uint64(num("requests")), Errors: uint64(num("errors")), Seconds: num("seconds"),
 			PerSec: num("req_per_s"), P50us: num("p50_us"), P99us: num("p99_us"), P999us: num("p999_us"),
 			MaxUs: num("max_us"), ClientCPU: num("client_cpu_s"), ServerCPU: num("server_cpu_s"),
-			CPUusPerReq: num("cpu_us_per_req"), Ratio: num("ratio_to_idem"), FirstError: get("first_error")}
+			CPUusPerReq: num("cpu_us_per_req"), Ratio: num("ratio"), FirstError: get("first_error")}
 		if perr != nil {
 			return nil, perr
 		}
@@ -101,23 +110,23 @@ func ReadCSV(r io.Reader) ([]Result, error) {
 	return out, nil
 }
 
-// SetRatios sets every row's Ratio to its throughput over idem's in the
-// same round, concurrency and phase (0 where idem has no such row).
-func SetRatios(rows []Result) {
+// SetRatios sets every row's Ratio to its throughput over the peer base's
+// in the same round, concurrency and phase (0 where base has no such row).
+func SetRatios(rows []Result, base string) {
 	type key struct {
 		round, conc int
 		phase       string
 	}
-	base := map[key]float64{}
+	ref := map[key]float64{}
 	for _, r := range rows {
-		if r.Peer == "idem" {
-			base[key{r.Round, r.Concurrency, r.Phase}] = r.PerSec
+		if r.Peer == base {
+			ref[key{r.Round, r.Concurrency, r.Phase}] = r.PerSec
 		}
 	}
 	for i := range rows {
 		r := &rows[i]
 		r.Ratio = 0
-		if b := base[key{r.Round, r.Concurrency, r.Phase}]; b > 0 {
+		if b := ref[key{r.Round, r.Concurrency, r.Phase}]; b > 0 {
 			r.Ratio = r.PerSec / b
 		}
 	}
@@ -137,7 +146,11 @@ type Median struct {
 	P99us       float64
 	P999us      float64
 	CPUusPerReq float64
-	Ratio       float64 // median of the per-round ratios to idem
+	Ratio       float64 // median of the per-round ratios to the base peer
+	// BaseOver is the median of the per-round ratios the other way: the
+	// base peer's requests/s over this one's (with an even number of
+	// rounds it is not exactly 1/Ratio).
+	BaseOver float64
 }
 
 // Medians groups rows (with Ratio set) by peer, concurrency and phase, in
@@ -194,6 +207,12 @@ func Medians(rows []Result) []Median {
 			P999us:      col(func(r *Result) float64 { return r.P999us }),
 			CPUusPerReq: col(func(r *Result) float64 { return r.CPUusPerReq }),
 			Ratio:       col(func(r *Result) float64 { return r.Ratio }),
+			BaseOver: col(func(r *Result) float64 {
+				if r.Ratio <= 0 {
+					return 0
+				}
+				return 1 / r.Ratio
+			}),
 		}
 		m.MinPerSec, m.MaxPerSec = g[0].PerSec, g[0].PerSec
 		for _, r := range g {
@@ -219,13 +238,15 @@ func median(vs []float64) float64 {
 }
 
 // MedianHeader is the CSV header of WriteMediansCSV.
-var MedianHeader = []string{"peer", "concurrency", "phase", "rounds", "errors", "req_per_s_median",
-	"req_per_s_min", "req_per_s_max", "p50_us", "p99_us", "p999_us", "cpu_us_per_req", "ratio_to_idem"}
+func MedianHeader(base string) []string {
+	return []string{"peer", "concurrency", "phase", "rounds", "errors", "req_per_s_median",
+		"req_per_s_min", "req_per_s_max", "p50_us", "p99_us", "p999_us", "cpu_us_per_req", "ratio_to_" + base}
+}
 
-// WriteMediansCSV writes medians as CSV.
-func WriteMediansCSV(w io.Writer, ms []Median) error {
+// WriteMediansCSV writes medians as CSV (their ratios are to base).
+func WriteMediansCSV(w io.Writer, ms []Median, base string) error {
 	cw := csv.NewWriter(w)
-	if err := cw.Write(MedianHeader); err != nil {
+	if err := cw.Write(MedianHeader(base)); err != nil {
 		return err
 	}
 	for _, m := range ms {
@@ -245,9 +266,11 @@ func WriteMediansCSV(w io.Writer, ms []Median) error {
 
 // WriteMarkdown writes the medians as markdown tables: for each phase a
 // summary (a row per peer, a column per concurrency: requests/s and the
-// ratio to idem), then the details (a row per peer and concurrency).
-func WriteMarkdown(w io.Writer, ms []Median) error {
-	writePivot(w, ms)
+// ratio to the peer base), then the details (a row per peer and
+// concurrency).
+func WriteMarkdown(w io.Writer, ms []Median, base string) error {
+	writePivot(w, ms, base)
+	writeBaseOver(w, ms, base)
 	for _, phase := range []string{"fresh", "duplicate"} {
 		var rows []Median
 		for _, m := range ms {
@@ -259,7 +282,7 @@ func WriteMarkdown(w io.Writer, ms []Median) error {
 			continue
 		}
 		fmt.Fprintf(w, "\n%s requests, medians over %d round(s):\n\n", strings.ToUpper(phase[:1])+phase[1:], rows[0].Rounds)
-		fmt.Fprintln(w, "| peer | callers | req/s (min - max) | ratio to idem | p50 | p99 | p99.9 | CPU µs/req |")
+		fmt.Fprintf(w, "| peer | callers | req/s (min - max) | ratio to %s | p50 | p99 | p99.9 | CPU µs/req |\n", base)
 		fmt.Fprintln(w, "|---|---:|---:|---:|---:|---:|---:|---:|")
 		for _, m := range rows {
 			ratio := "-"
@@ -278,9 +301,9 @@ func WriteMarkdown(w io.Writer, ms []Median) error {
 	return nil
 }
 
-// writePivot writes, per phase, requests/s (ratio to idem) with a row per
+// writePivot writes, per phase, requests/s (ratio to base) with a row per
 // peer and a column per concurrency.
-func writePivot(w io.Writer, ms []Median) {
+func writePivot(w io.Writer, ms []Median, base string) {
 	for _, phase := range []string{"fresh", "duplicate"} {
 		var concs []int
 		var names []string
@@ -303,7 +326,7 @@ func writePivot(w io.Writer, ms []Median) {
 		}
 		slices.Sort(concs)
 		title := map[string]string{"fresh": "Fresh requests/s", "duplicate": "Duplicate hits/s"}[phase]
-		fmt.Fprintf(w, "\n%s, median (ratio to idem), by concurrent callers:\n\n| peer |", title)
+		fmt.Fprintf(w, "\n%s, median (ratio to %s), by concurrent callers:\n\n| peer |", title, base)
 		for _, c := range concs {
 			fmt.Fprintf(w, " %d |", c)
 		}
@@ -319,10 +342,58 @@ func writePivot(w io.Writer, ms []Median) {
 				switch {
 				case !ok:
 					fmt.Fprint(w, " - |")
-				case n == "idem" || m.Ratio == 0:
+				case n == base || m.Ratio == 0:
 					fmt.Fprintf(w, " %s |", group(m.PerSec))
 				default:
 					fmt.Fprintf(w, " %s (%s) |", group(m.PerSec), ratioStr(m.Ratio))
+				}
+			}
+			fmt.Fprintln(w)
+		}
+	}
+}
+
+// writeBaseOver writes, per phase, the base peer's requests/s over each
+// other peer's (the median of the per-round ratios), a row per peer and a
+// column per concurrency: how many times faster (or slower) the base is.
+func writeBaseOver(w io.Writer, ms []Median, base string) {
+	fmt.Fprintf(w, "\n%s's requests/s over each peer's (median of the per-round ratios), by concurrent callers:\n\n", base)
+	var concs []int
+	for _, m := range ms {
+		if !slices.Contains(concs, m.Concurrency) {
+			concs = append(concs, m.Concurrency)
+		}
+	}
+	slices.Sort(concs)
+	fmt.Fprint(w, "| peer | phase |")
+	for _, c := range concs {
+		fmt.Fprintf(w, " %d |", c)
+	}
+	fmt.Fprint(w, "\n|---|---|")
+	for range concs {
+		fmt.Fprint(w, "---:|")
+	}
+	fmt.Fprintln(w)
+	for _, phase := range []string{"fresh", "duplicate"} {
+		var names []string
+		cell := map[string]map[int]float64{}
+		for _, m := range ms {
+			if m.Phase != phase || m.Peer == base || m.BaseOver <= 0 {
+				continue
+			}
+			if cell[m.Peer] == nil {
+				cell[m.Peer] = map[int]float64{}
+				names = append(names, m.Peer)
+			}
+			cell[m.Peer][m.Concurrency] = m.BaseOver
+		}
+		for _, n := range names {
+			fmt.Fprintf(w, "| %s | %s |", n, phase)
+			for _, c := range concs {
+				if v, ok := cell[n][c]; ok {
+					fmt.Fprintf(w, " %s |", ratioStr(v))
+				} else {
+					fmt.Fprint(w, " - |")
 				}
 			}
 			fmt.Fprintln(w)

@@ -67,6 +67,9 @@ func Run(ctx context.Context, p Peer, cfg RunConfig) ([]Result, error) {
 	reply := make([]byte, ReplySize)
 	_, _ = crand.Read(reply)
 	ids := make([][][]byte, cfg.Concurrency)
+	if ph, ok := p.(Phased); ok {
+		ph.Phase(true)
+	}
 	fresh := phase(ctx, "fresh", cfg, cfg.Fresh, func(w int, rng *rand.ChaCha8) error {
 		id := make([]byte, IDSize)
 		_, _ = rng.Read(id)
@@ -93,6 +96,9 @@ func Run(ctx context.Context, p Peer, cfg RunConfig) ([]Result, error) {
 	}
 	if s, ok := p.(Settler); ok {
 		s.Settle(ctx)
+	}
+	if ph, ok := p.(Phased); ok {
+		ph.Phase(false)
 	}
 	dup := phase(ctx, "duplicate", cfg, cfg.Duplicate, func(w int, rng *rand.ChaCha8) error {
 		id := all[rng.Uint64()%uint64(len(all))]

@@ -2,18 +2,27 @@
 # Runs the exactly-once job on idem and on every peer (Pebble, bbolt,
 # SQLite, Redis, PostgreSQL, the file-append limit), several rounds at
 # several concurrencies, and writes the figures as CSV plus the chart.
+# SET=shared runs the shared stores a fleet of processes uses instead: the
+# idem cluster (3 nodes), etcd (3 members), Redis and PostgreSQL, with the
+# embedded engine for reference.
 #
 #   bash bench/peers/run.sh                      # the full run (~14 min on 2 cores)
+#   SET=shared bash bench/peers/run.sh           # the shared stores (~8 min)
 #   ROUNDS=1 CALLERS="1 64" FRESH=500ms DUP=300ms OUT=/tmp/smoke bash bench/peers/run.sh
 #
 # Settings (environment):
+#   SET      "embedded" (default) or "shared": the defaults of PEERS,
+#            CALLERS, NAME and BASE below
 #   ROUNDS   rounds (default 5); every round runs every peer at every concurrency
-#   CALLERS  concurrent callers (default "1 8 64 512")
+#   CALLERS  concurrent callers (default "1 8 64 512"; shared: "8 64 512")
 #   FRESH    length of each fresh phase (default 3s)
 #   DUP      length of each duplicate phase (default 2s)
-#   PEERS    peers to run (default "idem pebble bbolt sqlite redis postgres file")
-#   OUT      where peers.csv, peers-medians.csv, peers.md, peers-env.txt and
-#            peers.svg go (default: the repository's docs/)
+#   PEERS    peers to run (default "idem pebble bbolt sqlite redis postgres
+#            file"; shared: "idemcluster etcd redis postgres idem")
+#   NAME     the output files' name (default peers; shared: peers-shared)
+#   BASE     the peer the ratios are taken to (default idem; shared: idemcluster)
+#   OUT      where NAME.csv, NAME-medians.csv, NAME.md, NAME-env.txt and
+#            NAME.svg go (default: the repository's docs/)
 #   WORKDIR  parent of the temporary directory holding every store and the
 #            servers' data (default /var/tmp: a disk, unlike a tmpfs /tmp)
 #
@@ -25,11 +34,39 @@ set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)
+# The command as given (the settings set in the environment), for the
+# figures' record.
+given=""
+for v in SET ROUNDS CALLERS FRESH DUP PEERS NAME BASE; do
+	if [[ -n ${!v:-} ]]; then
+		case ${!v} in
+		*[!A-Za-z0-9._-]*) given+="$v=\"${!v}\" " ;;
+		*) given+="$v=${!v} " ;;
+		esac
+	fi
+done
+SET=${SET:-embedded}
+case $SET in
+embedded)
+	CALLERS=${CALLERS:-"1 8 64 512"}
+	PEERS=${PEERS:-"idem pebble bbolt sqlite redis postgres file"}
+	NAME=${NAME:-peers}
+	BASE=${BASE:-idem}
+	;;
+shared)
+	CALLERS=${CALLERS:-"8 64 512"}
+	PEERS=${PEERS:-"idemcluster etcd redis postgres idem"}
+	NAME=${NAME:-peers-shared}
+	BASE=${BASE:-idemcluster}
+	;;
+*)
+	echo "SET=$SET: want embedded or shared" >&2
+	exit 2
+	;;
+esac
 ROUNDS=${ROUNDS:-5}
-CALLERS=${CALLERS:-"1 8 64 512"}
 FRESH=${FRESH:-3s}
 DUP=${DUP:-2s}
-PEERS=${PEERS:-"idem pebble bbolt sqlite redis postgres file"}
 OUT=${OUT:-$root/docs}
 WORKDIR=${WORKDIR:-/var/tmp}
 
@@ -172,8 +209,11 @@ fi
 	echo "go: $(go version | awk '{print $3}')"
 	wants redis && echo "redis: $(redis-server --version | sed 's/.*v=\([^ ]*\).*/\1/') appendonly yes, appendfsync always, save ''"
 	wants postgres && echo "postgres: $("$pgbin/postgres" --version | awk '{print $3}') synchronous_commit=on fsync=on shared_buffers=256MB max_connections=600"
+	wants idemcluster && echo "idemcluster: 3 nodes in the harness's process on loopback, one idemcluster.Client (linearizable reads)"
+	wants etcd && echo "etcd: $(cd "$here" && go list -m -f '{{.Version}}' go.etcd.io/etcd/server/v3) 3 members embedded in the harness's process on loopback (defaults), one client on the 3 endpoints"
 	echo "rounds: $ROUNDS; callers: $CALLERS; fresh phase: $FRESH; duplicate phase: $DUP"
 	echo "peers: $PEERS"
+	echo "command: ${given}bash bench/peers/run.sh"
 	echo "load average before the run: $(cut -d' ' -f1-3 /proc/loadavg)"
 } >"$work/env.txt"
 cat "$work/env.txt" >&2
@@ -201,8 +241,8 @@ done
 log "runs took $(($(date +%s) - start)) s"
 echo "load average after the run: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$work/env.txt"
 
-"$bin" summary -in "$raw" -csv "$OUT/peers.csv" -medians "$OUT/peers-medians.csv" >"$OUT/peers.md"
-cp "$work/env.txt" "$OUT/peers-env.txt"
-cat "$OUT/peers.md"
-(cd "$here" && go run ./cmd/chart -in "$OUT/peers.csv" -env "$OUT/peers-env.txt" -out "$OUT/peers.svg")
-log "wrote $OUT/peers.csv, peers-medians.csv, peers.md, peers-env.txt, peers.svg"
+"$bin" summary -in "$raw" -base "$BASE" -csv "$OUT/$NAME.csv" -medians "$OUT/$NAME-medians.csv" >"$OUT/$NAME.md"
+cp "$work/env.txt" "$OUT/$NAME-env.txt"
+cat "$OUT/$NAME.md"
+(cd "$here" && go run ./cmd/chart -in "$OUT/$NAME.csv" -env "$OUT/$NAME-env.txt" -out "$OUT/$NAME.svg")
+log "wrote $OUT/$NAME.csv, $NAME-medians.csv, $NAME.md, $NAME-env.txt, $NAME.svg"

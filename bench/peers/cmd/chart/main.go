@@ -1,9 +1,11 @@
 // Command chart draws the peers benchmark (the CSV written by `peers
 // summary`) as an SVG: fresh requests/s and duplicate hits/s of every peer
 // against the number of concurrent callers, medians over the rounds, both
-// axes logarithmic.
+// axes logarithmic. The same command draws the embedded stores' run
+// (docs/peers.svg) and the shared stores' (docs/peers-shared.svg).
 //
 //	go run ./cmd/chart -in ../../docs/peers.csv -env ../../docs/peers-env.txt -out ../../docs/peers.svg
+//	go run ./cmd/chart -in ../../docs/peers-shared.csv -env ../../docs/peers-shared-env.txt -out ../../docs/peers-shared.svg
 //
 // An -out ending in .png writes a PNG instead (to look at it where no SVG
 // viewer is at hand).
@@ -57,23 +59,27 @@ type lineStyle struct {
 }
 
 var styles = map[string]lineStyle{
-	"idem":     {color.RGBA{0xd6, 0x27, 0x28, 0xff}, 2.5, nil, draw.CircleGlyph{}},
-	"pebble":   {color.RGBA{0x1f, 0x77, 0xb4, 0xff}, 1.5, nil, draw.SquareGlyph{}},
-	"bbolt":    {color.RGBA{0x2c, 0xa0, 0x2c, 0xff}, 1.5, nil, draw.TriangleGlyph{}},
-	"sqlite":   {color.RGBA{0x94, 0x67, 0xbd, 0xff}, 1.5, nil, draw.PyramidGlyph{}},
-	"redis":    {color.RGBA{0xff, 0x7f, 0x0e, 0xff}, 1.5, nil, draw.BoxGlyph{}},
-	"postgres": {color.RGBA{0x8c, 0x56, 0x4b, 0xff}, 1.5, nil, draw.CrossGlyph{}},
-	"file":     {color.RGBA{0x60, 0x60, 0x60, 0xff}, 1.5, []vg.Length{vg.Points(5), vg.Points(3)}, draw.RingGlyph{}},
+	"idem":        {color.RGBA{0xd6, 0x27, 0x28, 0xff}, 2.5, nil, draw.CircleGlyph{}},
+	"idemcluster": {color.RGBA{0x7b, 0x10, 0x50, 0xff}, 2.5, nil, draw.RingGlyph{}},
+	"etcd":        {color.RGBA{0x17, 0xbe, 0xcf, 0xff}, 1.5, nil, draw.SquareGlyph{}},
+	"pebble":      {color.RGBA{0x1f, 0x77, 0xb4, 0xff}, 1.5, nil, draw.SquareGlyph{}},
+	"bbolt":       {color.RGBA{0x2c, 0xa0, 0x2c, 0xff}, 1.5, nil, draw.TriangleGlyph{}},
+	"sqlite":      {color.RGBA{0x94, 0x67, 0xbd, 0xff}, 1.5, nil, draw.PyramidGlyph{}},
+	"redis":       {color.RGBA{0xff, 0x7f, 0x0e, 0xff}, 1.5, nil, draw.BoxGlyph{}},
+	"postgres":    {color.RGBA{0x8c, 0x56, 0x4b, 0xff}, 1.5, nil, draw.CrossGlyph{}},
+	"file":        {color.RGBA{0x60, 0x60, 0x60, 0xff}, 1.5, []vg.Length{vg.Points(5), vg.Points(3)}, draw.RingGlyph{}},
 }
 
 var legendNames = map[string]string{
-	"idem":     "idem",
-	"pebble":   "Pebble (direct)",
-	"bbolt":    "bbolt",
-	"sqlite":   "SQLite (WAL, FULL)",
-	"redis":    "Redis (fsync always)",
-	"postgres": "PostgreSQL (sync commit)",
-	"file":     "append + fdatasync (limit)",
+	"idem":        "idem (embedded)",
+	"idemcluster": "idem cluster (3 nodes)",
+	"etcd":        "etcd (3 members)",
+	"pebble":      "Pebble (direct)",
+	"bbolt":       "bbolt",
+	"sqlite":      "SQLite (WAL, FULL)",
+	"redis":       "Redis (fsync always)",
+	"postgres":    "PostgreSQL (sync commit)",
+	"file":        "append + fdatasync (limit)",
 }
 
 func draw2(in, envPath, out string) error {
@@ -92,7 +98,6 @@ func draw2(in, envPath, out string) error {
 	if len(rows) == 0 {
 		return fmt.Errorf("%s: no rows", in)
 	}
-	peers.SetRatios(rows)
 	ms := peers.Medians(rows)
 	rounds := 0
 	for _, m := range ms {
@@ -120,16 +125,27 @@ func draw2(in, envPath, out string) error {
 	if rounds == 1 {
 		plural = ""
 	}
-	caption := fmt.Sprintf("Median of %d round%s; 16-byte random ids, 128-byte replies; every peer waits for the disk (fsync) before going on.", rounds, plural)
+	caption := fmt.Sprintf("Median of %d round%s; 16-byte random ids, 128-byte replies; every peer waits for the disk (fsync) before going on", rounds, plural)
+	if slices.ContainsFunc(ms, func(m peers.Median) bool { return m.Peer == "idemcluster" || m.Peer == "etcd" }) {
+		caption += "; a cluster (3 members in one process, one disk) for a majority's"
+	}
+	caption += "."
 	if envPath != "" {
-		date, machine, err := readEnv(envPath)
+		env, err := readEnv(envPath)
 		if err != nil {
 			return err
 		}
-		caption += "\nMeasured " + date + " on " + machine + ". Regenerate: bash bench/peers/run.sh"
+		if env.command == "" {
+			env.command = "bash bench/peers/run.sh"
+		}
+		caption += "\nMeasured " + env.date + " on " + env.machine
+		if env.loadBefore != "" && env.loadAfter != "" {
+			caption += "; load average " + env.loadBefore + " before the run, " + env.loadAfter + " after"
+		}
+		caption += ".\nRegenerate: " + env.command
 	}
 
-	const w, h = 26 * vg.Centimeter, 12 * vg.Centimeter
+	const w, h = 26 * vg.Centimeter, 12.4 * vg.Centimeter
 	var c vg.CanvasWriterTo
 	switch {
 	case strings.HasSuffix(out, ".svg"):
@@ -141,7 +157,7 @@ func draw2(in, envPath, out string) error {
 	}
 	dc := draw.New(c)
 	dc.FillPolygon(color.White, []vg.Point{{X: dc.Min.X, Y: dc.Min.Y}, {X: dc.Max.X, Y: dc.Min.Y}, {X: dc.Max.X, Y: dc.Max.Y}, {X: dc.Min.X, Y: dc.Max.Y}})
-	const captionH = 1.2 * vg.Centimeter
+	const captionH = 1.6 * vg.Centimeter
 	charts := draw.Crop(dc, 0, 0, captionH, 0)
 	tiles := draw.Tiles{Rows: 1, Cols: len(panels), PadX: vg.Centimeter, PadTop: vg.Points(6), PadBottom: vg.Points(4), PadLeft: vg.Points(4), PadRight: vg.Points(8)}
 	cs := plot.Align([][]*plot.Plot{panels}, tiles, charts)
@@ -270,12 +286,19 @@ func si(v float64) string {
 	return fmt.Sprintf("%g", v)
 }
 
-// readEnv returns the date (its day) and the machine line of run.sh's
-// peers-env.txt.
-func readEnv(path string) (date, machine string, err error) {
+// runEnv is what the chart shows of run.sh's peers-env.txt.
+type runEnv struct {
+	date, machine         string // the day; cores, CPU, memory, kernel, file system
+	command               string // empty if the file has none
+	loadBefore, loadAfter string // 1-minute load averages, empty if none
+}
+
+// readEnv reads run.sh's peers-env.txt.
+func readEnv(path string) (runEnv, error) {
+	var e runEnv
 	f, err := os.Open(path)
 	if err != nil {
-		return "", "", err
+		return e, err
 	}
 	defer f.Close()
 	sc := bufio.NewScanner(f)
@@ -284,21 +307,27 @@ func readEnv(path string) (date, machine string, err error) {
 		switch {
 		case !ok:
 		case k == "date":
-			date, _, _ = strings.Cut(v, "T")
+			e.date, _, _ = strings.Cut(v, "T")
 		case k == "machine":
-			machine = v
+			e.machine = v
+		case k == "command":
+			e.command = v
 		case k == "stores":
 			fs, _, _ := strings.Cut(v, " on ")
 			if fs != "" {
-				machine += ", stores on " + fs
+				e.machine += ", stores on " + fs
 			}
+		case k == "load average before the run":
+			e.loadBefore, _, _ = strings.Cut(v, " ")
+		case k == "load average after the run":
+			e.loadAfter, _, _ = strings.Cut(v, " ")
 		}
 	}
 	if err := sc.Err(); err != nil {
-		return "", "", err
+		return e, err
 	}
-	if date == "" || machine == "" {
-		return "", "", fmt.Errorf("%s: no date: or machine: line", path)
+	if e.date == "" || e.machine == "" {
+		return e, fmt.Errorf("%s: no date: or machine: line", path)
 	}
-	return date, machine, nil
+	return e, nil
 }

@@ -2,7 +2,7 @@
 // writes the figures as CSV; bench/peers/run.sh drives it (see README.md).
 //
 //	peers run -peer idem -c 64 -round 1 -out raw.csv
-//	peers summary -in raw.csv -csv ../../docs/peers.csv -medians ../../docs/peers-medians.csv
+//	peers summary -in raw.csv -csv ../../docs/peers.csv -medians ../../docs/peers-medians.csv [-base idem]
 //	peers freeport
 package main
 
@@ -52,9 +52,9 @@ func usage() {
   peers run -peer NAMES -c N [-round R] [-fresh 3s] [-dup 2s] [-out FILE] [-redis ADDR -redis-pid PID] [-postgres URL -postgres-pid PID] [-cpuprofile FILE]
       run each named peer (comma-separated; known: %s) on a new
       store and append its fresh and duplicate rows to FILE (CSV; stdout if none)
-  peers summary -in RAW.csv [-csv OUT.csv] [-medians MEDIANS.csv]
-      add each row's ratio to idem (same round, callers, phase), write medians,
-      print markdown tables
+  peers summary -in RAW.csv [-csv OUT.csv] [-medians MEDIANS.csv] [-base PEER]
+      add each row's ratio to PEER's (default idem; same round, callers, phase),
+      write medians, print markdown tables
   peers freeport
       print a free TCP port on 127.0.0.1
 `, strings.Join(peers.Names, ","))
@@ -153,7 +153,7 @@ func run(args []string) error {
 			}
 			fmt.Fprintln(os.Stderr)
 		}
-		if err := peers.WriteCSV(w, rows, header); err != nil {
+		if err := peers.WriteCSV(w, rows, header, "idem"); err != nil {
 			return err
 		}
 		header = false
@@ -189,8 +189,9 @@ func runOne(ctx context.Context, name string, cfg peers.Config, rc peers.RunConf
 func summary(args []string) error {
 	fs := flag.NewFlagSet("summary", flag.ExitOnError)
 	in := fs.String("in", "", "raw CSV written by run")
-	outCSV := fs.String("csv", "", "write the rows with their ratios to idem to this CSV `file`")
+	outCSV := fs.String("csv", "", "write the rows with their ratios to the base peer to this CSV `file`")
 	outMed := fs.String("medians", "", "write the medians to this CSV `file`")
+	base := fs.String("base", "idem", "the `peer` whose requests/s the ratios are taken to")
 	_ = fs.Parse(args)
 	if *in == "" {
 		return errors.New("summary: -in is required")
@@ -204,7 +205,7 @@ func summary(args []string) error {
 	if err != nil {
 		return fmt.Errorf("%s: %w", *in, err)
 	}
-	peers.SetRatios(rows)
+	peers.SetRatios(rows, *base)
 	write := func(path string, fn func(*os.File) error) error {
 		if path == "" {
 			return nil
@@ -219,14 +220,14 @@ func summary(args []string) error {
 		}
 		return f.Close()
 	}
-	if err := write(*outCSV, func(f *os.File) error { return peers.WriteCSV(f, rows, true) }); err != nil {
+	if err := write(*outCSV, func(f *os.File) error { return peers.WriteCSV(f, rows, true, *base) }); err != nil {
 		return err
 	}
 	ms := peers.Medians(rows)
-	if err := write(*outMed, func(f *os.File) error { return peers.WriteMediansCSV(f, ms) }); err != nil {
+	if err := write(*outMed, func(f *os.File) error { return peers.WriteMediansCSV(f, ms, *base) }); err != nil {
 		return err
 	}
-	return peers.WriteMarkdown(os.Stdout, ms)
+	return peers.WriteMarkdown(os.Stdout, ms, *base)
 }
 
 func freeport() error {
