@@ -138,7 +138,7 @@ func BenchmarkFSMApplyBatch(b *testing.B) {
 // dedup engine's: Begin and Commit of fresh ids one after another, with
 // the options idemraft uses (what raft's single FSM goroutine does).
 func BenchmarkEngineSequential(b *testing.B) {
-	e, err := idem.Open(b.TempDir(), &idem.Options{Sync: idem.SyncInterval, SyncInterval: time.Second, RelaxedClaims: true})
+	e, err := idem.Open(b.TempDir(), &idem.Options{Sync: idem.SyncNever, NoPreallocate: true, RelaxedClaims: true})
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -31,12 +31,12 @@ type Options struct {
 	// or the parts it is shared among: CacheSize, IndexCacheSize,
 	// IndexIngestBytes, IndexFilterBytes), SegmentSize, CompactInterval,
 	// CompactWALBytes, MaxIDLen, MaxReplySize, Retention, CleanupInterval,
-	// SyncInterval, Logger. Every replica must use the same Retention,
+	// NoPreallocate, Logger. Every replica must use the same Retention,
 	// MaxIDLen and MaxReplySize, since they decide replies.
 	//
 	// idemraft sets Clock (the time of the entry being applied), Sync
-	// (idem.SyncInterval; SyncInterval defaults to 1 s), RelaxedClaims (on)
-	// and KeepSnapshots (none) itself: the dedup set is derived state that
+	// (idem.SyncNever, so SyncInterval has no use), NoPreallocate (on),
+	// RelaxedClaims (on) and KeepSnapshots (none) itself: the dedup set is derived state that
 	// raft rebuilds, so fsyncs protect nothing (see the package
 	// documentation). Wrap refuses them when set, with an error naming the
 	// field, rather than ignore them. MaxEntries must be zero: capacity
@@ -144,15 +144,14 @@ func Wrap(fsm raft.FSM, opts *Options) (*FSM, error) {
 	}
 	f.eopts = opts.Engine
 	f.eopts.Clock = f.clock
-	// No fsync is needed (see the package documentation), but the engine
-	// keeps entries pinned in memory until their WAL record is fsynced, and
-	// only then moves them into its index: SyncNever would hold a whole WAL
-	// segment's worth in memory. A background fsync every second keeps
-	// memory bounded, and the index work in large cheap batches.
-	f.eopts.Sync = idem.SyncInterval
-	if f.eopts.SyncInterval <= 0 {
-		f.eopts.SyncInterval = time.Second
-	}
+	// No fsync is needed (see the package documentation): SyncNever, as in
+	// idemcluster. The engine still fsyncs after every MemoryBudget/128 of
+	// log (2 MiB by default), which bounds what it holds in memory until
+	// its record is fsynced. No preallocation: zero-filling 64 MiB per
+	// segment only speeds up fsyncs, and cost every node 64 MiB of disk
+	// writes at each Wrap and Restore.
+	f.eopts.Sync = idem.SyncNever
+	f.eopts.NoPreallocate = true
 	f.eopts.RelaxedClaims = true
 	f.eopts.KeepSnapshots = 0 // no on-disk snapshots: raft's are the copies
 	if f.eopts.Logger == nil {
@@ -184,7 +183,9 @@ func checkEngineOptions(o *idem.Options) error {
 	case o.Clock != nil:
 		return bad("Clock", "a func", "idemraft's clock is the log time of the entry being applied (its AppendedAt), the same on every replica")
 	case o.Sync != idem.SyncAlways: // the zero value: unset
-		return bad("Sync", o.Sync, "idemraft uses idem.SyncInterval (the raft log is what makes an entry durable)")
+		return bad("Sync", o.Sync, "idemraft uses idem.SyncNever (the raft log is what makes an entry durable)")
+	case o.SyncInterval != 0:
+		return bad("SyncInterval", o.SyncInterval, "idemraft uses idem.SyncNever, which has no interval")
 	case o.RelaxedClaims:
 		return bad("RelaxedClaims", true, "idemraft sets it (a claim never outlives its Apply)")
 	case o.KeepSnapshots != 0:

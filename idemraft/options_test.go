@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"io"
+	"io/fs"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -20,6 +22,7 @@ func TestWrapRefusesEngineOptions(t *testing.T) {
 	for field, o := range map[string]idem.Options{
 		"Clock":         {Clock: time.Now},
 		"Sync":          {Sync: idem.SyncNever},
+		"SyncInterval":  {SyncInterval: time.Second},
 		"RelaxedClaims": {RelaxedClaims: true},
 		"KeepSnapshots": {KeepSnapshots: 2},
 		"MaxEntries":    {MaxEntries: 5},
@@ -39,7 +42,7 @@ func TestWrapRefusesEngineOptions(t *testing.T) {
 		t.Errorf("nil options: %v", err)
 	}
 	// The defaults are fine, and so are the options idemraft leaves to the caller.
-	f, err := Wrap(newCounterFSM(), &Options{Dir: t.TempDir(), Engine: idem.Options{Sync: idem.SyncAlways, SyncInterval: time.Second, Retention: time.Hour}})
+	f, err := Wrap(newCounterFSM(), &Options{Dir: t.TempDir(), Engine: idem.Options{Sync: idem.SyncAlways, NoPreallocate: true, Retention: time.Hour}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -199,5 +202,40 @@ func TestEnvelopeEncoding(t *testing.T) {
 				t.Fatalf("kind %d, %d bytes: decoded %v %v", kind, n, back.Kind, err)
 			}
 		}
+	}
+}
+
+// TestEngineWALNotPreallocated: the dedup engine's WAL segments are not
+// zero-filled to their size (idem.Options.NoPreallocate): that only speeds
+// up fsyncs, which idemraft's engine does not wait for, and cost every node
+// a segment's worth of disk writes at each Wrap and Restore.
+func TestEngineWALNotPreallocated(t *testing.T) {
+	dir := t.TempDir()
+	f, err := Wrap(newCounterFSM(), &Options{Dir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	const segment = 64 << 20 // idem.Options.SegmentSize's default
+	var files int
+	err = filepath.WalkDir(dir, func(path string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() {
+			return err
+		}
+		fi, err := d.Info()
+		if err != nil {
+			return err
+		}
+		files++
+		if fi.Size() >= segment {
+			t.Errorf("%s: %d bytes, preallocated", path, fi.Size())
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if files == 0 {
+		t.Fatalf("no file under %s", dir)
 	}
 }
