@@ -18,8 +18,12 @@ func runUntilAcked(ctx context.Context, b *memBroker, run func(ctx context.Conte
 	defer cancel()
 	dead := b.w.deadCh()
 	go func() {
+		// The last ack may land after the last batch's OnBatch (acks are
+		// settled while the next fetch waits): stop when it does.
 		select {
 		case <-dead:
+			cancel()
+		case <-b.ackedCh():
 			cancel()
 		case <-ctx.Done():
 		}

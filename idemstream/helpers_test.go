@@ -109,12 +109,16 @@ type memBroker struct {
 	cursor     int
 	deliveries int
 	acks       int
-	nacked     int // distinct messages acked
+	nacked     int           // distinct messages acked
+	done       chan struct{} // closed when every message is acked
 }
 
 func newMemBroker(w *world, events []Event) *memBroker {
-	return &memBroker{w: w, events: events, acked: make([]bool, len(events))}
+	return &memBroker{w: w, events: events, acked: make([]bool, len(events)), done: make(chan struct{})}
 }
+
+// ackedCh is closed once every message is acked.
+func (b *memBroker) ackedCh() <-chan struct{} { return b.done }
 
 func (b *memBroker) Fetch(ctx context.Context, n int) ([]Message, error) {
 	var out []Message
@@ -135,6 +139,9 @@ func (b *memBroker) Fetch(ctx context.Context, n int) ([]Message, error) {
 					if !b.acked[i] {
 						b.acked[i] = true
 						b.nacked++
+						if b.nacked == len(b.events) {
+							close(b.done)
+						}
 					}
 					b.acks++
 					return nil
