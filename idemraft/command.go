@@ -294,6 +294,14 @@ func unmarshalStrict(b []byte, v any) (err error) {
 			err = fmt.Errorf("decoder panic: %v", r)
 		}
 	}()
+	// Walk the value first: msgpack v5 sizes a slice by the length its
+	// header claims (its allocation limit does not apply to slices of
+	// slices), so a few bytes claiming 3.5 billion acked ids would take
+	// the process down; a walk fails at the end of b instead, and then no
+	// length exceeds what b holds (FuzzDecodeCommand found it).
+	if err := msgpack.NewDecoder(bytes.NewReader(b)).Skip(); err != nil {
+		return err
+	}
 	r := bytes.NewReader(b)
 	d := msgpack.NewDecoder(r)
 	if err := d.Decode(v); err != nil {
