@@ -207,7 +207,13 @@ func runSteps(t *testing.T, e *Engine, steps []batchStep, open []*Claim, singly 
 	}
 	var out []BatchResult
 	if singly {
-		out = runSingly(e, b.(*engineBatch).calls)
+		bi := b.(*engineBatch)
+		calls := make([]batchCall, len(bi.items))
+		for i := range bi.items {
+			calls[i] = bi.items[i].batchCall
+		}
+		bi.release()
+		out = runSingly(e, calls)
 	} else {
 		var err error
 		if out, err = b.Run(bg); err != nil {

@@ -64,6 +64,8 @@ type Engine struct {
 	// lookup function (a batch holds it), so a method value made per call
 	// would be an allocation per record.
 	getLockedFn func(key []byte, mode byte) (*index.Entry, error)
+	// batchRuns holds *batchRun for reuse by Batch.Run.
+	batchRuns sync.Pool
 	// mark is the newest forget mark. It is replaced only while every shard
 	// lock is held, so an operation holding one shard lock sees a mark that
 	// agrees with the log order of its own record.

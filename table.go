@@ -131,7 +131,12 @@ func (e *Engine) lockAll() func() {
 
 // slotLocked returns key's slot, loading it from the index if needed. The
 // shard's lock must be held.
-func (e *Engine) slotLocked(key []byte) (*slot, error) {
+func (e *Engine) slotLocked(key []byte) (*slot, error) { return e.slotLockedKeep(key, false) }
+
+// slotLockedKeep is slotLocked that, with keep, makes key's bytes the map
+// key of a slot it installs (see installLocked): the caller guarantees
+// that they never change.
+func (e *Engine) slotLockedKeep(key []byte, keep bool) (*slot, error) {
 	sh := e.shardOf(key)
 	if sl := sh.m[string(key)]; sl != nil {
 		return sl, nil
@@ -140,7 +145,7 @@ func (e *Engine) slotLocked(key []byte) (*slot, error) {
 	if err != nil {
 		return nil, wrapCorrupt(err)
 	}
-	return e.installLocked(sh, key, en, false), nil
+	return e.installLocked(sh, key, en, keep), nil
 }
 
 // installLocked puts a slot holding en, as read from the index, into sh
@@ -334,6 +339,13 @@ func (e *Engine) appendOpSlot(op *wal.Op, ts []index.Transition, key []byte, sl 
 type pinnedUpdate struct {
 	index.Update
 	slot *slot
+	// slots, for a record of several keys (a batch), holds the slot of
+	// transition i's key as the writer found it (nil: unknown). The
+	// applier unpins through it: a slot not evicted is its key's slot
+	// (only eviction takes a slot out of its map), and one evicted
+	// before it was published is not, so the applier then looks the key
+	// up.
+	slots []*slot
 }
 
 // appendRecord appends the record (kind typ, payload) whose transitions
@@ -354,6 +366,23 @@ func (e *Engine) appendRecordSlot(typ byte, payload []byte, ts []index.Transitio
 	if len(ts) == 1 && sl != nil && !sl.evicted && string(ts[0].Key) == string(key) {
 		up.slot = sl
 	}
+	return e.appendUpdate(typ, payload, up)
+}
+
+// appendRecordSlots is appendRecord for a caller that holds slots, one
+// per transition of ts (nil: unknown), the slots of their keys when it
+// looked them up (a slot evicted since is looked up again). It keeps
+// slots: the applier unpins through them.
+func (e *Engine) appendRecordSlots(typ byte, payload []byte, ts []index.Transition, slots []*slot) (wal.LSN, error) {
+	return e.appendUpdate(typ, payload, &pinnedUpdate{Update: index.Update{Transitions: ts}, slots: slots})
+}
+
+// appendUpdate appends the record (typ, payload) of up, stamps its LSN and
+// publishes its transitions to their slots: up.slot for a record of one
+// key, else up.slots[i] for transition i when set and not evicted, else
+// the key's slot in its shard's map.
+func (e *Engine) appendUpdate(typ byte, payload []byte, up *pinnedUpdate) (wal.LSN, error) {
+	ts := up.Transitions
 	lsn, err := e.w.AppendWith(typ, payload, func(lsn wal.LSN) any {
 		up.LSN = lsn
 		index.Stamp(ts, typ, lsn)
@@ -362,8 +391,15 @@ func (e *Engine) appendRecordSlot(typ byte, payload []byte, ts []index.Transitio
 	if err != nil {
 		return 0, e.failure(err)
 	}
-	for _, t := range ts {
+	for i, t := range ts {
 		tsl := up.slot
+		if tsl == nil && up.slots != nil {
+			// Installing a slot below may have evicted a later one: a
+			// slot is checked just before it is used.
+			if tsl = up.slots[i]; tsl != nil && tsl.evicted {
+				tsl = nil
+			}
+		}
 		if tsl == nil {
 			sh := e.shardOf(t.Key)
 			if tsl = sh.m[string(t.Key)]; tsl == nil {
