@@ -761,6 +761,7 @@ func (r *batchRun) finish() {
 		switch it.kind {
 		case bBegin:
 			c := newEngineClaim(e, it.k, r.lsns[it.rec], it.fp, it.lease)
+			c.ec.sl = it.sl // nil, or the key's slot when the run read it (write checks evicted)
 			r.out[i].Result = Result{Status: Fresh, Claim: c, LeaseUntil: it.lease, Seq: it.k.seq, ExpiresAt: it.expires}
 		case bPut:
 			r.out[i].Result = Result{Status: Fresh, LeaseUntil: it.lease, Seq: it.k.seq, ExpiresAt: it.expires}

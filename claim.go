@@ -334,15 +334,7 @@ func (c *engineClaim) write(typ byte, reply []byte, adv []wal.Advance, keys [][]
 	}
 	op := &wal.Op{}
 	finishOp(op, typ, k, c.lsn, e.o.Clock().UnixNano(), reply, adv)
-	// The claim's own key is the slot in hand: spare hashing and probing
-	// it again (one small allocation, the closure, costs less).
-	get := func(key []byte, mode byte) (*index.Entry, error) {
-		if string(key) == string(k.key) {
-			return e.current(sl, mode), nil
-		}
-		return e.getLocked(key, mode)
-	}
-	ts, err := index.Transitions(op, 0, get)
+	ts, err := sl.sh.transitionsHinted(op, k.key, sl)
 	if err != nil {
 		unlock()
 		return err
