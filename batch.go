@@ -124,12 +124,22 @@ type engineBatch struct {
 	items []batchItem
 	n     int
 	ran   bool
+	bufs  *batchBufs // items' buffers, from batchItemsPool (nil: none yet)
 }
 
-// batchItemsPool holds the item slices of batches that ran: a batch's
-// items are Run's working state only (its results are copied out), so
-// reusing them spares allocating and growing ~500 bytes per item.
-var batchItemsPool = sync.Pool{New: func() any { return new([]batchItem) }}
+// batchBufs are the buffers of a batch's items, reused: a batch's items
+// are Run's working state only (its results are copied out), so reusing
+// them spares allocating and growing ~500 bytes per item; wadv and keys
+// hold the items' checked advances and keys (batchItem.wadv, keys),
+// which nothing keeps after Run (the record is encoded, the index batch
+// copies what it keeps, the slot map keys are the keys' own bytes).
+type batchBufs struct {
+	items []batchItem
+	wadv  []wal.Advance
+	keys  [][]byte
+}
+
+var batchItemsPool = sync.Pool{New: func() any { return new(batchBufs) }}
 
 // batchItemsPoolMax is the largest item slice (in items) kept for reuse.
 const batchItemsPoolMax = 8192
@@ -142,8 +152,9 @@ func (b *engineBatch) add(c batchCall) {
 	if b.ran {
 		return
 	}
-	if b.items == nil {
-		b.items = (*batchItemsPool.Get().(*[]batchItem))[:0]
+	if b.bufs == nil {
+		b.bufs = batchItemsPool.Get().(*batchBufs)
+		b.items = b.bufs.items[:0]
 	}
 	b.items = append(b.items, batchItem{batchCall: c})
 	b.n++
@@ -166,14 +177,53 @@ func (b *engineBatch) Len() int               { return b.n }
 // release gives the items back to batchItemsPool, cleared so that the
 // pool holds no caller's memory.
 func (b *engineBatch) release() {
+	bufs := b.bufs
+	if bufs == nil {
+		return
+	}
 	items := b.items
-	b.items = nil
-	if items == nil || cap(items) > batchItemsPoolMax {
+	b.items, b.bufs = nil, nil
+	if cap(items) > batchItemsPoolMax || cap(bufs.wadv) > batchItemsPoolMax || cap(bufs.keys) > batchItemsPoolMax {
 		return
 	}
 	clear(items)
-	items = items[:0]
-	batchItemsPool.Put(&items)
+	clear(bufs.wadv[:cap(bufs.wadv)])
+	clear(bufs.keys[:cap(bufs.keys)])
+	bufs.items, bufs.wadv, bufs.keys = items[:0], bufs.wadv[:0], bufs.keys[:0]
+	batchItemsPool.Put(bufs)
+}
+
+// checkAdvances is Engine.checkAdvances into the batch's buffers.
+func (b *engineBatch) checkAdvances(adv []Advance, own []byte) ([]wal.Advance, [][]byte, error) {
+	bufs := b.bufs
+	if len(bufs.wadv) == 0 && len(bufs.keys) == 0 {
+		// Size them for the whole batch at its first advance.
+		n := 0
+		for i := range b.items {
+			n += len(b.items[i].adv)
+		}
+		if cap(bufs.wadv) < n {
+			bufs.wadv = make([]wal.Advance, 0, n)
+		}
+		if cap(bufs.keys) < n+len(b.items) {
+			bufs.keys = make([][]byte, 0, n+len(b.items))
+		}
+	}
+	wadv, keys, err := b.e.checkAdvancesInto(bufs.wadv, bufs.keys, adv, own)
+	if err == nil {
+		bufs.wadv = appendShared(bufs.wadv, len(wadv))
+		bufs.keys = appendShared(bufs.keys, len(keys))
+	}
+	return wadv, keys, err
+}
+
+// appendShared extends s by n elements that a sub-slice of its spare
+// capacity was given out for (by checkAdvancesInto), when they fit.
+func appendShared[T any](s []T, n int) []T {
+	if cap(s)-len(s) >= n {
+		return s[:len(s)+n]
+	}
+	return s
 }
 
 // batchRecordBytes is the encoded size from which Run starts another
@@ -274,7 +324,7 @@ func (b *engineBatch) check(i int, set *shardSet) error {
 			return invalid("reply of %d bytes exceeds %d", len(it.reply), e.o.MaxReplySize)
 		}
 		if len(it.adv) > 0 {
-			if it.wadv, it.keys, err = e.checkAdvances(it.adv, k.key); err != nil {
+			if it.wadv, it.keys, err = b.checkAdvances(it.adv, k.key); err != nil {
 				return err
 			}
 			for _, a := range it.keys[1:] {
@@ -307,7 +357,7 @@ func (b *engineBatch) check(i int, set *shardSet) error {
 		}
 		if len(it.adv) > 0 {
 			var err error
-			if it.wadv, it.keys, err = e.checkAdvances(it.adv, it.k.key); err != nil {
+			if it.wadv, it.keys, err = b.checkAdvances(it.adv, it.k.key); err != nil {
 				it.reopen()
 				return err
 			}
@@ -339,7 +389,7 @@ func (b *engineBatch) check(i int, set *shardSet) error {
 			return nil
 		}
 		var err error
-		if it.wadv, it.keys, err = e.checkAdvances(it.adv, nil); err != nil {
+		if it.wadv, it.keys, err = b.checkAdvances(it.adv, nil); err != nil {
 			return err
 		}
 		for _, k := range it.keys {
