@@ -163,7 +163,7 @@ func (e *Engine) installLocked(sh *shard, key []byte, en *index.Entry, keep bool
 	sh.m[k] = sl
 	sh.installs++
 	sh.bytes += sl.size
-	e.evictLocked(sh, k)
+	e.evictLocked(sh, sl)
 	return sl
 }
 
@@ -227,7 +227,7 @@ func slotSize(key []byte, en *index.Entry) int64 {
 // of CacheSize, never the slot keep (just loaded: its caller is about to use
 // it). Go's map iteration order is random, which makes this a random
 // eviction: cheap, and good enough in front of Pebble's own cache.
-func (e *Engine) evictLocked(sh *shard, keep string) {
+func (e *Engine) evictLocked(sh *shard, keep *slot) {
 	limit := e.o.CacheSize / numShards
 	if sh.bytes <= limit {
 		return
@@ -243,7 +243,7 @@ func (e *Engine) evictLocked(sh *shard, keep string) {
 			return
 		}
 		seen++
-		if sl.dirty != 0 || sl.waiters != nil || sl.inFlight || k == keep {
+		if sl.dirty != 0 || sl.waiters != nil || sl.inFlight || sl == keep {
 			continue
 		}
 		delete(sh.m, k)
