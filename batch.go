@@ -147,8 +147,10 @@ const batchItemsPoolMax = 8192
 // NewBatch returns an empty batch of the engine (see Batch).
 func (e *Engine) NewBatch() Batch { return &engineBatch{e: e} }
 
-// add adds the call c (after Run: dropped, as Run refuses to run again).
+// add adds the call c (after Run: counted but dropped, since Run refuses
+// to run again and the items' memory went back to batchItemsPool).
 func (b *engineBatch) add(c batchCall) {
+	b.n++
 	if b.ran {
 		return
 	}
@@ -157,7 +159,6 @@ func (b *engineBatch) add(c batchCall) {
 		b.items = b.bufs.items[:0]
 	}
 	b.items = append(b.items, batchItem{batchCall: c})
-	b.n++
 }
 
 func (b *engineBatch) Begin(req Request) { b.add(batchCall{kind: bBegin, req: req}) }

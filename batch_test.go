@@ -79,8 +79,15 @@ func TestBatchResults(t *testing.T) {
 	if r, err := e.Lookup(ctx, Request{ID: []byte("held")}); err != nil || string(r.Reply) != "r-held" {
 		t.Errorf("held: %v %q %v", r.Status, r.Reply, err)
 	}
+	b.Put(Request{ID: []byte("late")}, nil) // after Run: counted, never run
+	if b.Len() != 10 {
+		t.Errorf("Len after a Put after Run: %d, want 10", b.Len())
+	}
 	if _, err := b.Run(ctx); !errors.Is(err, ErrInvalidRequest) {
 		t.Errorf("second Run: %v", err)
+	}
+	if r, err := e.Lookup(ctx, Request{ID: []byte("late")}); err != nil || r.Status != Absent {
+		t.Errorf("late: %v %v, want absent", r.Status, err)
 	}
 }
 
