@@ -350,3 +350,46 @@ func TestEventRecordEncoder(t *testing.T) {
 		}
 	}
 }
+
+// TestEventRecordFormats: event records are msgpack arrays (a few bytes
+// per event, not the field names); the maps that earlier versions wrote
+// still decode, as written then (frozen bytes, with and without an
+// outbox).
+func TestEventRecordFormats(t *testing.T) {
+	b, err := encodeEventRecord(&eventRecord{Result: []byte("posted"), Partition: "p", Offset: 7, Checkpoint: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := "\x96\x01\xc4\x06posted\xa1p\x07\x03\xc0"; string(b) != want {
+		t.Fatalf("event record %x, want the array %x", b, want)
+	}
+	u64 := func(n byte) string { return "\xcf\x00\x00\x00\x00\x00\x00\x00" + string([]byte{n}) }
+	old := []struct {
+		name, rec string
+		want      eventRecord
+	}{
+		{"map", "\x86\xa7Version\xcc\x01\xa6Result\xc4\x06posted\xa9Partition\xa1p\xa6Offset" + u64(7) + "\xaaCheckpoint" + u64(3) + "\xa6Outbox\xc0",
+			eventRecord{Version: 1, Result: []byte("posted"), Partition: "p", Offset: 7, Checkpoint: 3}},
+		{"map with outbox", "\x86\xa7Version\xcc\x01\xa6Result\xc0\xa9Partition\xa0\xa6Offset" + u64(0) + "\xaaCheckpoint" + u64(0) + "\xa6Outbox\x91\x82\xa1d\xa4dest\xa1p\xc4\x01x",
+			eventRecord{Version: 1, Outbox: []OutboxMessage{{Destination: "dest", Payload: []byte("x")}}}},
+	}
+	for _, c := range old {
+		r, err := decodeEventRecord("s", []byte("id"), []byte(c.rec))
+		if err != nil {
+			t.Fatalf("%s: %v", c.name, err)
+		}
+		if r.Version != c.want.Version || string(r.Result) != string(c.want.Result) || r.Partition != c.want.Partition || r.Offset != c.want.Offset ||
+			r.Checkpoint != c.want.Checkpoint || fmt.Sprint(r.Outbox) != fmt.Sprint(c.want.Outbox) {
+			t.Fatalf("%s decodes to %+v, want %+v", c.name, *r, c.want)
+		}
+	}
+	// And an array with an outbox round-trips.
+	in := eventRecord{Result: []byte("r"), Partition: "q", Offset: 1 << 40, Outbox: []OutboxMessage{{Destination: "d", Payload: []byte("y")}}}
+	if b, err = encodeEventRecord(&in); err != nil {
+		t.Fatal(err)
+	}
+	r, err := decodeEventRecord("s", []byte("id"), b)
+	if err != nil || b[0] != 0x96 || r.Offset != in.Offset || fmt.Sprint(r.Outbox) != fmt.Sprint(in.Outbox) {
+		t.Fatalf("record with an outbox %x decodes to %+v (%v)", b, r, err)
+	}
+}

@@ -172,7 +172,8 @@
 //
 // # Records
 //
-//	scope "idemstream/<sink>"            id = event id -> envelope {version, result, partition, offset, checkpoint, outbox}
+//	scope "idemstream/<sink>"            id = event id -> envelope, a msgpack array [version 1, result, partition, offset,
+//	                                     checkpoint, outbox] (maps keyed by field name, written before, still decode)
 //	scope "idemstream.frontier/<sink>"   client "p:<partition>": its number is the frontier (raised by the event commits,
 //	                                     and by each two-phase checkpoint record)
 //	scope "idemstream.2pc/<name>"        client "ckpt", seq k -> sealed {k, handle, frontier}

@@ -207,8 +207,20 @@ var (
 // eventRecord is the reply committed for an event: the effect's result,
 // the position it came from (the frontier) and its outbox messages, in one
 // record so that one Claim.Commit makes them durable together.
+//
+// It is written as a msgpack array of its six fields in this order, with
+// integers in their shortest form:
+//
+//	[1, result (bin or nil), partition (str), offset, checkpoint, outbox (nil or [{"d": dest, "p": payload}, ...])]
+//
+// Versions before this one wrote a msgpack map keyed by the field names
+// ({"Version": 1, "Result": ..., ...}; the as_array tag they carried was
+// misspelt and had no effect); decodeEventRecord reads both, and a
+// version that wrote maps reads the arrays too (msgpack v5 decodes a
+// struct from an array of its fields in order). The field order and
+// count are frozen: a new field needs a new version.
 type eventRecord struct {
-	_          struct{}        `msgpack:",as_array"`
+	_msgpack   struct{}        `msgpack:",as_array"`
 	Version    uint8           // 1
 	Result     []byte          //
 	Partition  string          //
@@ -221,7 +233,13 @@ const eventRecordVersion = 1
 
 func encodeEventRecord(r *eventRecord) ([]byte, error) {
 	r.Version = eventRecordVersion
-	return msgpack.Marshal(r)
+	var buf bytes.Buffer
+	enc := msgpack.NewEncoder(&buf)
+	enc.UseCompactInts(true)
+	if err := enc.Encode(r); err != nil {
+		return nil, err
+	}
+	return buf.Bytes(), nil
 }
 
 // eventRecordEncoder encodes event records without an outbox (a result,
@@ -233,7 +251,7 @@ type eventRecordEncoder struct{ buf []byte }
 
 // eventRecordOverhead bounds what an event record without an outbox adds
 // to its result and partition.
-const eventRecordOverhead = 96
+const eventRecordOverhead = 32
 
 func (e *eventRecordEncoder) encode(result []byte, checkpoint uint64, partition string, offset uint64) []byte {
 	need := eventRecordOverhead + len(partition) + len(result)
@@ -241,9 +259,8 @@ func (e *eventRecordEncoder) encode(result []byte, checkpoint uint64, partition 
 		e.buf = make([]byte, 0, max(16<<10, need))
 	}
 	start := len(e.buf)
-	// msgpack.Marshal's encoding of the struct (a map by field name;
-	// the version is eventRecordVersion, 1).
-	b := append(e.buf, "\x86\xa7Version\xcc\x01\xa6Result"...)
+	// encodeEventRecord's encoding: an array of 6, version 1.
+	b := append(e.buf, 0x96, eventRecordVersion)
 	switch n := len(result); {
 	case result == nil:
 		b = append(b, 0xc0)
@@ -255,7 +272,6 @@ func (e *eventRecordEncoder) encode(result []byte, checkpoint uint64, partition 
 		b = binary.BigEndian.AppendUint32(append(b, 0xc6), uint32(n))
 	}
 	b = append(b, result...)
-	b = append(b, "\xa9Partition"...)
 	switch n := len(partition); {
 	case n < 32:
 		b = append(b, 0xa0|byte(n))
@@ -267,11 +283,27 @@ func (e *eventRecordEncoder) encode(result []byte, checkpoint uint64, partition 
 		b = binary.BigEndian.AppendUint32(append(b, 0xdb), uint32(n))
 	}
 	b = append(b, partition...)
-	b = binary.BigEndian.AppendUint64(append(b, "\xa6Offset\xcf"...), offset)
-	b = binary.BigEndian.AppendUint64(append(b, "\xaaCheckpoint\xcf"...), checkpoint)
-	b = append(b, "\xa6Outbox\xc0"...)
+	b = appendCompactUint(b, offset)
+	b = appendCompactUint(b, checkpoint)
+	b = append(b, 0xc0) // no outbox
 	e.buf = b
 	return b[start:len(b):len(b)]
+}
+
+// appendCompactUint appends n as msgpack's shortest unsigned integer (as
+// an Encoder with UseCompactInts writes it).
+func appendCompactUint(b []byte, n uint64) []byte {
+	switch {
+	case n <= 0x7f:
+		return append(b, byte(n))
+	case n <= 0xff:
+		return append(b, 0xcc, byte(n))
+	case n <= 0xffff:
+		return binary.BigEndian.AppendUint16(append(b, 0xcd), uint16(n))
+	case n <= 0xffffffff:
+		return binary.BigEndian.AppendUint32(append(b, 0xce), uint32(n))
+	}
+	return binary.BigEndian.AppendUint64(append(b, 0xcf), n)
 }
 
 func decodeEventRecord(scope string, id, b []byte) (*eventRecord, error) {
