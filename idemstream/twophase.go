@@ -144,9 +144,11 @@ type unfinishedCheckpoint struct {
 
 // eventClaim is a distinct event of a checkpoint's batch.
 type eventClaim struct {
-	ev  Event
-	req idem.Request // its request (id, fingerprint, TTL)
-	idx []int        // positions in the batch (a batch may repeat an id)
+	ev    Event
+	req   idem.Request // its request (id, fingerprint, TTL)
+	idx   []int        // positions in the batch (a batch may repeat an id)
+	fresh bool         // looked up absent: to run
+	err   error        // the lookup's
 }
 
 type openRecord struct {
@@ -599,38 +601,44 @@ func (t *TwoPhase[Txn]) Checkpoint(ctx context.Context, events []Event) ([]Outco
 			return nil, err
 		}
 	}
-	outs, fresh, err := t.lookupBatch(ctx, events)
-	if err != nil || len(fresh) == 0 {
-		return outs, err
-	}
 	// The sink's calls get ctx; the coordinator's records are written even
 	// if ctx ends meanwhile, so that a shutdown finishes or aborts the
 	// checkpoint in progress rather than leaving its outcome unknown.
 	k := t.last + 1
-	txn, err := t.sink.BeginTransaction(ctx, k)
-	if err != nil {
-		return nil, fmt.Errorf("idemstream: two-phase %q: BeginTransaction(%d): %w", t.name, k, err)
+	var (
+		txn      Txn
+		begun    bool
+		beginErr error
+		opened   chan error
+	)
+	// begin begins checkpoint k's transaction and starts recording its
+	// opening (the handle, durable before PreCommit: a crash before
+	// leaves a transaction that recovery aborts by checkpoint id, or from
+	// this record). It runs once the first new event is found, so that
+	// the opening's write overlaps the rest of the lookups and the
+	// Invokes, and never for a batch of redeliveries (which writes
+	// nothing).
+	begin := func() {
+		txn, beginErr = t.sink.BeginTransaction(ctx, k)
+		if beginErr != nil {
+			beginErr = fmt.Errorf("idemstream: two-phase %q: BeginTransaction(%d): %w", t.name, k, beginErr)
+			return
+		}
+		handle, err := t.encodeHandle(txn)
+		var open []byte
+		if err == nil {
+			open, err = seal(&openRecord{K: k, Handle: handle, Frontier: t.frontier}, maxSealedBytes)
+		}
+		if err != nil {
+			_ = t.sink.Abort(context.WithoutCancel(ctx), txn)
+			beginErr = fmt.Errorf("idemstream: two-phase %q: recording checkpoint %d's transaction: %w", t.name, k, err)
+			return
+		}
+		opened = make(chan error, 1)
+		go func() { opened <- t.open(ctx, k, open) }()
+		t.last = k
+		begun = true
 	}
-	frontier := make(map[string]uint64, len(t.frontier)+1)
-	for p, o := range t.frontier {
-		frontier[p] = o
-	}
-	handle, err := t.encodeHandle(txn)
-	var open []byte
-	if err == nil {
-		open, err = seal(&openRecord{K: k, Handle: handle, Frontier: t.frontier}, maxSealedBytes)
-	}
-	if err != nil {
-		_ = t.sink.Abort(context.WithoutCancel(ctx), txn)
-		return nil, fmt.Errorf("idemstream: two-phase %q: recording checkpoint %d's transaction: %w", t.name, k, err)
-	}
-	// Open checkpoint k: its handle is recorded while the events are
-	// invoked, and durable before PreCommit (a crash before leaves a
-	// transaction that recovery aborts by checkpoint id, or from this
-	// record).
-	opened := make(chan error, 1)
-	go func() { opened <- t.open(ctx, k, open) }()
-	t.last = k
 	waitOpen := func() error {
 		if err := <-opened; err != nil {
 			// Whether the opening is durable is unknown: recovery decides.
@@ -653,6 +661,26 @@ func (t *TwoPhase[Txn]) Checkpoint(ctx context.Context, events []Event) ([]Outco
 			return fmt.Errorf("%w: %v (and recording the abort: %v)", ErrNeedsRecovery, cause, err)
 		}
 		return cause
+	}
+	outs, fresh, err := t.lookupBatch(ctx, events, begin)
+	switch {
+	case beginErr != nil: // begin failed: nothing begun
+		return nil, beginErr
+	case err != nil && begun:
+		if err := waitOpen(); err != nil {
+			return nil, err
+		}
+		return nil, abortTxn(err)
+	case err != nil || len(fresh) == 0:
+		return outs, err
+	case !begun:
+		if begin(); beginErr != nil {
+			return nil, beginErr
+		}
+	}
+	frontier := make(map[string]uint64, len(t.frontier)+1)
+	for p, o := range t.frontier {
+		frontier[p] = o
 	}
 	for _, c := range fresh {
 		if err := t.sink.Invoke(ctx, txn, c.ev); err != nil {
@@ -680,7 +708,7 @@ func (t *TwoPhase[Txn]) Checkpoint(ctx context.Context, events []Event) ([]Outco
 	// The checkpoint, in one record: the pre-committed handle, the event
 	// ids (and fingerprints) and the frontier, with the frontier's
 	// advances, then every event committed (Put).
-	handle, err = t.encodeHandle(txn)
+	handle, err := t.encodeHandle(txn)
 	if err != nil {
 		return nil, abortTxn(err)
 	}
@@ -788,8 +816,10 @@ func (t *TwoPhase[Txn]) recordCheckpoint(ctx context.Context, k uint64, handle [
 // conflict or a corrupt record) and the fresh events, one per distinct id.
 // Only this coordinator commits in its event scope (one per name and
 // store), so an event absent here is still absent when the checkpoint is
-// recorded.
-func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event) ([]Outcome, []*eventClaim, error) {
+// recorded. firstFresh, if not nil, is called once, from this goroutine,
+// as soon as a fresh event is found (on a store without batches, whose
+// lookups run concurrently: after them).
+func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event, firstFresh func()) ([]Outcome, []*eventClaim, error) {
 	outs := make([]Outcome, len(events))
 	byID := make(map[string]*eventClaim, len(events))
 	order := make([]*eventClaim, 0, len(events))
@@ -809,48 +839,53 @@ func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event) ([]Outc
 		c := &all[i]
 		idx[i] = i
 		*c = eventClaim{ev: *ev, idx: idx[i : i+1 : i+1]} // a repeat appends to a copy
+		c.req = eventRequestFP(t.escope, &c.ev, t.opts.NoFingerprint, t.opts.TTL, &fps)
 		byID[string(ev.ID)] = c
 		order = append(order, c)
 	}
-	res := make([]Outcome, len(order))
-	errs := make([]error, len(order))
-	fresh := make([]bool, len(order))
+	// lookup classifies order[j]: fresh, or its outcome (at its first
+	// position) or error.
 	lookup := func(j int) {
 		c := order[j]
 		r, err := t.st.Lookup(ctx, c.req)
-		var claim *idem.Claim
-		claim, res[j], errs[j] = classifyEvent(r, err, t.escope, t.who, &c.ev)
-		fresh[j] = errs[j] == nil && claim == nil && r.Status == idem.Absent
-	}
-	for _, c := range order {
-		c.req = eventRequestFP(t.escope, &c.ev, t.opts.NoFingerprint, t.opts.TTL, &fps)
+		_, o, err := classifyEvent(r, err, t.escope, t.who, &c.ev)
+		c.err, c.fresh = err, err == nil && r.Status == idem.Absent
+		if err == nil && !c.fresh {
+			o.outbox = nil
+			outs[c.idx[0]] = o
+		}
 	}
 	if _, ok := t.st.(idem.Batcher); ok {
 		// An embedded engine answers from memory: no goroutines.
 		for j := range order {
 			lookup(j)
+			if firstFresh != nil && order[j].fresh {
+				firstFresh()
+				firstFresh = nil
+			}
 		}
 	} else {
 		parallelN(len(order), 64, lookup)
 	}
-	var out []*eventClaim
-	for j, c := range order {
-		o := res[j]
-		switch err := errs[j]; {
+	fresh := make([]*eventClaim, 0, len(order))
+	for _, c := range order {
+		switch err := c.err; {
 		case errors.Is(err, ErrConflict) || errors.Is(err, ErrCorruptRecord):
-			o = Outcome{Status: Failed, Err: err, Partition: c.ev.Partition, Offset: c.ev.Offset}
+			outs[c.idx[0]] = Outcome{Status: Failed, Err: err, Partition: c.ev.Partition, Offset: c.ev.Offset}
 		case err != nil:
 			return nil, nil, err
-		case fresh[j]:
-			out = append(out, c)
+		case c.fresh:
+			fresh = append(fresh, c)
 			continue
 		}
-		o.outbox = nil
-		for _, i := range c.idx {
-			outs[i] = o
+		for _, i := range c.idx[1:] {
+			outs[i] = outs[c.idx[0]]
 		}
 	}
-	return outs, out, nil
+	if len(fresh) > 0 && firstFresh != nil {
+		firstFresh()
+	}
+	return outs, fresh, nil
 }
 
 // finishUnfinished commits the sink's transaction of a recorded checkpoint
