@@ -261,9 +261,21 @@ func (e *eventRecordEncoder) encode(result []byte, checkpoint uint64, partition 
 	start := len(e.buf)
 	// encodeEventRecord's encoding: an array of 6, version 1.
 	b := append(e.buf, 0x96, eventRecordVersion)
-	switch n := len(result); {
-	case result == nil:
-		b = append(b, 0xc0)
+	b = appendMsgpackBin(b, result)
+	b = appendMsgpackStr(b, partition)
+	b = appendCompactUint(b, offset)
+	b = appendCompactUint(b, checkpoint)
+	b = append(b, 0xc0) // no outbox
+	e.buf = b
+	return b[start:len(b):len(b)]
+}
+
+// appendMsgpackBin appends v as msgpack bin (nil as nil), as msgpack v5
+// encodes a []byte.
+func appendMsgpackBin(b, v []byte) []byte {
+	switch n := len(v); {
+	case v == nil:
+		return append(b, 0xc0)
 	case n < 256:
 		b = append(b, 0xc4, byte(n))
 	case n <= 0xffff:
@@ -271,8 +283,13 @@ func (e *eventRecordEncoder) encode(result []byte, checkpoint uint64, partition 
 	default:
 		b = binary.BigEndian.AppendUint32(append(b, 0xc6), uint32(n))
 	}
-	b = append(b, result...)
-	switch n := len(partition); {
+	return append(b, v...)
+}
+
+// appendMsgpackStr appends v as msgpack str, as msgpack v5 encodes a
+// string.
+func appendMsgpackStr(b []byte, v string) []byte {
+	switch n := len(v); {
 	case n < 32:
 		b = append(b, 0xa0|byte(n))
 	case n < 256:
@@ -282,12 +299,19 @@ func (e *eventRecordEncoder) encode(result []byte, checkpoint uint64, partition 
 	default:
 		b = binary.BigEndian.AppendUint32(append(b, 0xdb), uint32(n))
 	}
-	b = append(b, partition...)
-	b = appendCompactUint(b, offset)
-	b = appendCompactUint(b, checkpoint)
-	b = append(b, 0xc0) // no outbox
-	e.buf = b
-	return b[start:len(b):len(b)]
+	return append(b, v...)
+}
+
+// appendMsgpackLen appends a msgpack array (fix 0x90, 0xdc, 0xdd) or map
+// (fix 0x80, 0xde, 0xdf) header of n elements.
+func appendMsgpackLen(b []byte, fix, c16, c32 byte, n int) []byte {
+	switch {
+	case n < 16:
+		return append(b, fix|byte(n))
+	case n <= 0xffff:
+		return binary.BigEndian.AppendUint16(append(b, c16), uint16(n))
+	}
+	return binary.BigEndian.AppendUint32(append(b, c32), uint32(n))
 }
 
 // appendCompactUint appends n as msgpack's shortest unsigned integer (as
@@ -329,20 +353,29 @@ const sealVersion = 1
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
 func seal(v any, maxBody int) ([]byte, error) {
-	body, err := msgpack.Marshal(v)
-	if err != nil {
-		return nil, err
+	var out []byte
+	if c, ok := v.(*checkpointRecord); ok {
+		out = c.appendBody(make([]byte, sealHeader, sealHeader+c.sizeHint()))
+	} else {
+		body, err := msgpack.Marshal(v)
+		if err != nil {
+			return nil, err
+		}
+		out = append(make([]byte, sealHeader, sealHeader+len(body)), body...)
 	}
+	body := out[sealHeader:]
 	if len(body) > maxBody {
 		return nil, fmt.Errorf("%w: %d bytes, bound %d", ErrTooLarge, len(body), maxBody)
 	}
-	out := make([]byte, 0, 13+len(body))
-	out = append(out, sealMagic...)
-	out = append(out, sealVersion)
-	out = binary.BigEndian.AppendUint32(out, uint32(len(body)))
-	out = binary.BigEndian.AppendUint32(out, crc32.Checksum(body, castagnoli))
-	return append(out, body...), nil
+	copy(out, sealMagic)
+	out[4] = sealVersion
+	binary.BigEndian.PutUint32(out[5:9], uint32(len(body)))
+	binary.BigEndian.PutUint32(out[9:13], crc32.Checksum(body, castagnoli))
+	return out, nil
 }
+
+// sealHeader is the length of a sealed record's header.
+const sealHeader = 13
 
 func unseal(b []byte, maxBody int, v any) error {
 	if len(b) < 13 || !bytes.Equal(b[:4], sealMagic) {
