@@ -73,9 +73,9 @@ const envelopeFields = 3
 
 // resultEnvelope turns what the wrapped FSM returned into the stored
 // envelope and the Response of the first application.
-func resultEnvelope(res any, maxReply int) (envelope, *Response) {
+func resultEnvelope(res any, maxReply int) (envelope, Response) {
 	var env envelope
-	resp := &Response{}
+	var resp Response
 	switch v := res.(type) {
 	case nil:
 		env.Kind = replyNil
@@ -95,7 +95,7 @@ func resultEnvelope(res any, maxReply int) (envelope, *Response) {
 	// Leave room for the envelope's own fields.
 	if len(env.Reply)+len(env.Msg)+64 > maxReply {
 		env = envelope{Kind: replyTooLarge, Msg: fmt.Sprintf("%d bytes", len(env.Reply)+len(env.Msg))}
-		resp = &Response{Err: env.err()}
+		resp = Response{Err: env.err()}
 	}
 	return env, resp
 }
@@ -128,7 +128,11 @@ func (env *envelope) response(dup bool) *Response {
 // the library's reflection: it runs once per new request on raft's FSM
 // goroutine.
 func encodeEnvelope(env envelope) []byte {
-	b := make([]byte, 0, 3+5+len(env.Reply)+5+len(env.Msg))
+	return appendEnvelope(make([]byte, 0, 3+5+len(env.Reply)+5+len(env.Msg)), env)
+}
+
+// appendEnvelope appends env, encoded as encodeEnvelope encodes it, to b.
+func appendEnvelope(b []byte, env envelope) []byte {
 	b = msgp.AppendArrayLen(b, envelopeFields)
 	b = msgp.AppendInt(b, int64(env.Kind))
 	b = msgp.AppendBytes(b, env.Reply)
