@@ -313,9 +313,10 @@ func (a *batchApply) write(resps []Response) bool {
 	if len(a.items) == 0 {
 		return true
 	}
-	// The envelopes are added once all are encoded (envs no longer grows):
-	// the engine copies a reply when it runs the batch
-	// (idem.TestCommitCopiesReply), so envs is reused by the next run.
+	// The envelopes are added once all are encoded (envs no longer grows).
+	// The engine copies a reply it is given (idem.Result.Reply; its
+	// TestCommitCopiesReply covers Batch.Put), so envs is reused by the
+	// next run.
 	from := 0
 	for n, p := range a.items {
 		b.Put(a.pending[p].d.req, a.envs[from:a.ends[n]:a.ends[n]])
