@@ -163,6 +163,11 @@ type fsm struct {
 	finished  map[string]finished
 	members   map[string]string // node id -> gRPC address
 	lastPurge int64             // log time of the last purge of finished (FSM goroutine only)
+
+	// seg is the segment ApplyBatch fills (FSM goroutine only), kept so
+	// that its items and its table of touched names are reused from one
+	// batch to the next instead of grown again for each.
+	seg segment
 }
 
 func newFSM(dir string, eopts idem.Options) (*fsm, error) {
@@ -289,7 +294,8 @@ func (f *fsm) ApplyBatch(logs []*raft.Log) []any {
 		}
 		return out
 	}
-	s := &segment{f: f}
+	s := &f.seg
+	s.f = f
 	for i, l := range logs {
 		if t := l.AppendedAt.UnixNano(); !l.AppendedAt.IsZero() && t > f.now.Load() {
 			s.run() // the segment so far ran at the earlier time
@@ -300,18 +306,19 @@ func (f *fsm) ApplyBatch(logs []*raft.Log) []any {
 		}
 		a := &applied{}
 		out[i] = a
-		var c command
-		if err := msgpack.Unmarshal(l.Data, &c); err != nil {
+		c, err := decodeCommand(l.Data)
+		if err != nil {
 			a.err = fmt.Errorf("%w: idemcluster: undecodable entry %d: %v", idem.ErrInvalidRequest, l.Index, err)
 			continue
 		}
 		if c.Op != cmdBatch {
-			s.command(a, &c, l.Index)
+			s.command(a, c, l.Index)
 			continue
 		}
 		a.subs = make([]*applied, len(c.Cmds))
+		subs := make([]applied, len(c.Cmds)) // one allocation for the batch's answers
 		for j, sub := range c.Cmds {
-			a.subs[j] = &applied{}
+			a.subs[j] = &subs[j]
 			if sub == nil || sub.Op == cmdBatch {
 				a.subs[j].err = fmt.Errorf("%w: idemcluster: entry %d: command %d of a batch is empty or a batch", idem.ErrInvalidRequest, l.Index, j)
 				continue
@@ -398,6 +405,10 @@ type segment struct {
 	items   []segItem
 	touched map[string]struct{} // keys and tokens of the segment's entries
 }
+
+// maxReusedTouched is the most names a segment's table of touched names
+// may have held to be cleared and reused for the next segment.
+const maxReusedTouched = 1024
 
 // segItem is a command of the segment waiting for its batch item's result.
 type segItem struct {
@@ -488,12 +499,19 @@ func (s *segment) finish(a *applied, c *command) {
 
 // run runs the segment's batch and records its results in the tables.
 func (s *segment) run() {
+	if len(s.touched) > maxReusedTouched {
+		s.touched = nil // clearing a map costs its capacity: start a small one
+	}
 	clear(s.touched)
 	if s.b == nil {
 		return
 	}
 	b, items := s.b, s.items
-	s.b, s.items = nil, nil
+	s.b = nil
+	defer func() {
+		clear(items) // drop the commands and answers: the slice is reused
+		s.items = items[:0]
+	}()
 	f := s.f
 	res, err := b.Run(context.Background())
 	if err == nil && len(res) != len(items) {

@@ -1,0 +1,436 @@
+package idemcluster
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+
+	"github.com/idemdb/idem"
+	"github.com/vmihailenco/msgpack/v5"
+)
+
+// The entries' codec. A command is logged as the msgpack map that the
+// library's reflection writes for the command struct (field names from the
+// msgpack tags, in declaration order, omitempty fields left out, Op and the
+// fixed-width integers as msgpack writes them without compact ints); these
+// functions write and read that form field by field instead of through
+// reflection, which cost every node a few microseconds per command (three
+// nodes decode every entry). The bytes are the same
+// (TestEntryCodecMatchesReflection), so entries logged by older nodes and
+// by newer ones read alike, and a cluster can be upgraded one node at a time.
+//
+// The decoder takes what the reflective one took (any key order, unknown
+// keys skipped, nil for an absent value, strings and binaries alike), and
+// bounds every array length it reads by the bytes left in the entry, so
+// that a corrupt length cannot make it allocate more than the entry holds.
+
+// encodeCommand is msgpack.Marshal(c), without reflection.
+func encodeCommand(c *command) ([]byte, error) {
+	var buf bytes.Buffer
+	enc := msgpack.GetEncoder()
+	enc.Reset(&buf)
+	err := writeCommand(enc, c)
+	msgpack.PutEncoder(enc)
+	if err != nil {
+		return nil, err
+	}
+	return buf.Bytes(), nil
+}
+
+// errs keeps the first error of a sequence of writes.
+type errs struct{ err error }
+
+func (e *errs) do(err error) {
+	if e.err == nil {
+		e.err = err
+	}
+}
+
+func writeCommand(enc *msgpack.Encoder, c *command) error {
+	if c == nil {
+		return enc.EncodeNil()
+	}
+	n := 2 // op, key
+	for _, set := range [...]bool{c.Req != nil, c.Owner != "", len(c.Token) > 0, c.Seq != 0, len(c.Reply) > 0,
+		len(c.Adv) > 0, len(c.IDs) > 0, c.Before != 0, c.Node != "", c.Addr != "", len(c.Cmds) > 0} {
+		if set {
+			n++
+		}
+	}
+	var e errs
+	e.do(enc.EncodeMapLen(n))
+	e.do(enc.EncodeString("op"))
+	e.do(enc.EncodeUint8(c.Op))
+	if c.Req != nil {
+		e.do(enc.EncodeString("req"))
+		e.do(writeRequest(enc, c.Req))
+	}
+	if c.Owner != "" {
+		e.do(enc.EncodeString("owner"))
+		e.do(enc.EncodeString(c.Owner))
+	}
+	if len(c.Token) > 0 {
+		e.do(enc.EncodeString("tok"))
+		e.do(enc.EncodeBytes(c.Token))
+	}
+	e.do(enc.EncodeString("key"))
+	e.do(writeKey(enc, &c.Key))
+	if c.Seq != 0 {
+		e.do(enc.EncodeString("seq"))
+		e.do(enc.EncodeUint64(c.Seq))
+	}
+	if len(c.Reply) > 0 {
+		e.do(enc.EncodeString("reply"))
+		e.do(enc.EncodeBytes(c.Reply))
+	}
+	if len(c.Adv) > 0 {
+		e.do(enc.EncodeString("adv"))
+		e.do(enc.EncodeArrayLen(len(c.Adv)))
+		for _, a := range c.Adv {
+			// idem.Advance has no msgpack tags: its Go field names.
+			e.do(enc.EncodeMapLen(3))
+			e.do(enc.EncodeString("Scope"))
+			e.do(enc.EncodeString(a.Scope))
+			e.do(enc.EncodeString("Client"))
+			e.do(enc.EncodeString(a.Client))
+			e.do(enc.EncodeString("Seq"))
+			e.do(enc.EncodeUint64(a.Seq))
+		}
+	}
+	if len(c.IDs) > 0 {
+		e.do(enc.EncodeString("ids"))
+		e.do(writeByteSlices(enc, c.IDs))
+	}
+	if c.Before != 0 {
+		e.do(enc.EncodeString("before"))
+		e.do(enc.EncodeInt64(c.Before))
+	}
+	if c.Node != "" {
+		e.do(enc.EncodeString("node"))
+		e.do(enc.EncodeString(c.Node))
+	}
+	if c.Addr != "" {
+		e.do(enc.EncodeString("addr"))
+		e.do(enc.EncodeString(c.Addr))
+	}
+	if len(c.Cmds) > 0 {
+		e.do(enc.EncodeString("cmds"))
+		e.do(enc.EncodeArrayLen(len(c.Cmds)))
+		for _, sub := range c.Cmds {
+			e.do(writeCommand(enc, sub))
+		}
+	}
+	return e.err
+}
+
+func writeByteSlices(enc *msgpack.Encoder, bs [][]byte) error {
+	var e errs
+	e.do(enc.EncodeArrayLen(len(bs)))
+	for _, b := range bs {
+		e.do(enc.EncodeBytes(b))
+	}
+	return e.err
+}
+
+func writeKey(enc *msgpack.Encoder, k *claimKey) error {
+	n := 1
+	if len(k.ID) > 0 {
+		n++
+	}
+	if k.Client != "" {
+		n++
+	}
+	var e errs
+	e.do(enc.EncodeMapLen(n))
+	e.do(enc.EncodeString("s"))
+	e.do(enc.EncodeString(k.Scope))
+	if len(k.ID) > 0 {
+		e.do(enc.EncodeString("i"))
+		e.do(enc.EncodeBytes(k.ID))
+	}
+	if k.Client != "" {
+		e.do(enc.EncodeString("c"))
+		e.do(enc.EncodeString(k.Client))
+	}
+	return e.err
+}
+
+func writeRequest(enc *msgpack.Encoder, r *wireRequest) error {
+	n := 1
+	for _, set := range [...]bool{len(r.ID) > 0, r.Client != "", r.Seq != 0, len(r.Fingerprint) > 0, len(r.Acked) > 0,
+		r.TTL != 0, r.KeepReplies != 0, r.KeepFor != 0} {
+		if set {
+			n++
+		}
+	}
+	var e errs
+	e.do(enc.EncodeMapLen(n))
+	e.do(enc.EncodeString("s"))
+	e.do(enc.EncodeString(r.Scope))
+	if len(r.ID) > 0 {
+		e.do(enc.EncodeString("i"))
+		e.do(enc.EncodeBytes(r.ID))
+	}
+	if r.Client != "" {
+		e.do(enc.EncodeString("c"))
+		e.do(enc.EncodeString(r.Client))
+	}
+	if r.Seq != 0 {
+		e.do(enc.EncodeString("q"))
+		e.do(enc.EncodeUint64(r.Seq))
+	}
+	if len(r.Fingerprint) > 0 {
+		e.do(enc.EncodeString("f"))
+		e.do(enc.EncodeBytes(r.Fingerprint))
+	}
+	if len(r.Acked) > 0 {
+		e.do(enc.EncodeString("a"))
+		e.do(writeByteSlices(enc, r.Acked))
+	}
+	if r.TTL != 0 {
+		e.do(enc.EncodeString("t"))
+		e.do(enc.EncodeInt64(r.TTL))
+	}
+	if r.KeepReplies != 0 {
+		e.do(enc.EncodeString("kr"))
+		e.do(enc.EncodeInt(int64(r.KeepReplies)))
+	}
+	if r.KeepFor != 0 {
+		e.do(enc.EncodeString("kf"))
+		e.do(enc.EncodeInt64(r.KeepFor))
+	}
+	return e.err
+}
+
+// decodeCommand reads an entry's command (msgpack.Unmarshal into a
+// command, without reflection).
+func decodeCommand(data []byte) (*command, error) {
+	dec := msgpack.GetDecoder()
+	defer msgpack.PutDecoder(dec)
+	dec.Reset(bytes.NewReader(data))
+	r := entryReader{dec: dec, limit: len(data)}
+	c := &command{}
+	if err := r.command(c, 0); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// entryReader reads one entry. limit is the entry's length: no array
+// read from it can have more elements than it has bytes.
+type entryReader struct {
+	dec   *msgpack.Decoder
+	limit int
+	key   [8]byte // the map key being read
+}
+
+// fields calls field for every key of the map that comes next (nil: no
+// key); field reads the key's value, or returns false to have it skipped.
+func (r *entryReader) fields(field func(key []byte) (bool, error)) error {
+	n, err := r.dec.DecodeMapLen()
+	if err != nil {
+		return err
+	}
+	for range max(n, 0) {
+		kn, err := r.dec.DecodeBytesLen()
+		if err != nil {
+			return fmt.Errorf("map key: %w", err)
+		}
+		var key []byte // compared in switches on string(key): no allocation
+		if kn >= 0 && kn <= len(r.key) {
+			key = r.key[:kn]
+			if err := r.dec.ReadFull(key); err != nil {
+				return err
+			}
+		} else if kn > len(r.key) { // no field has so long a name
+			if err := r.skipN(kn); err != nil {
+				return err
+			}
+		}
+		read, err := field(key)
+		if err != nil {
+			return fmt.Errorf("field %q: %w", key, err)
+		}
+		if !read {
+			if err := r.dec.Skip(); err != nil {
+				return fmt.Errorf("field %q: %w", key, err)
+			}
+		}
+	}
+	return nil
+}
+
+func (r *entryReader) skipN(n int) error {
+	if n > r.limit {
+		return fmt.Errorf("a length of %d in an entry of %d bytes", n, r.limit)
+	}
+	return r.dec.ReadFull(make([]byte, n))
+}
+
+// arrayLen reads an array's length (-1: nil), bounded by the entry's.
+func (r *entryReader) arrayLen() (int, error) {
+	n, err := r.dec.DecodeArrayLen()
+	if err == nil && n > r.limit {
+		err = fmt.Errorf("an array of %d elements in an entry of %d bytes", n, r.limit)
+	}
+	return n, err
+}
+
+func (r *entryReader) byteSlices() ([][]byte, error) {
+	n, err := r.arrayLen()
+	if err != nil || n < 0 {
+		return nil, err
+	}
+	out := make([][]byte, n)
+	for i := range out {
+		if out[i], err = r.dec.DecodeBytes(); err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
+}
+
+// isNil reads a nil if one comes next.
+func (r *entryReader) isNil() (bool, error) {
+	c, err := r.dec.PeekCode()
+	if err != nil || c != 0xc0 { // msgpcode.Nil
+		return false, err
+	}
+	return true, r.dec.DecodeNil()
+}
+
+// maxBatchDepth bounds the nesting of batch commands: the FSM refuses a
+// batch inside a batch; the reader only stops a corrupt entry from
+// recursing without end.
+const maxBatchDepth = 2
+
+func (r *entryReader) command(c *command, depth int) error {
+	return r.fields(func(key []byte) (read bool, err error) {
+		d := r.dec
+		switch string(key) {
+		case "op":
+			c.Op, err = d.DecodeUint8()
+		case "req":
+			if isNil, err := r.isNil(); err != nil || isNil {
+				return true, err
+			}
+			c.Req = &wireRequest{}
+			err = r.request(c.Req)
+		case "owner":
+			c.Owner, err = d.DecodeString()
+		case "tok":
+			c.Token, err = d.DecodeBytes()
+		case "key":
+			err = r.claimKey(&c.Key)
+		case "seq":
+			c.Seq, err = d.DecodeUint64()
+		case "reply":
+			c.Reply, err = d.DecodeBytes()
+		case "adv":
+			var n int
+			if n, err = r.arrayLen(); err != nil || n < 0 {
+				return true, err
+			}
+			c.Adv = make([]idem.Advance, n)
+			for i := range c.Adv {
+				if err := r.advance(&c.Adv[i]); err != nil {
+					return true, err
+				}
+			}
+		case "ids":
+			c.IDs, err = r.byteSlices()
+		case "before":
+			c.Before, err = d.DecodeInt64()
+		case "node":
+			c.Node, err = d.DecodeString()
+		case "addr":
+			c.Addr, err = d.DecodeString()
+		case "cmds":
+			if depth >= maxBatchDepth {
+				return true, errors.New("batches nested too deep")
+			}
+			var n int
+			if n, err = r.arrayLen(); err != nil || n < 0 {
+				return true, err
+			}
+			c.Cmds = make([]*command, n)
+			subs := make([]command, n) // one allocation for the batch's commands
+			for i := range c.Cmds {
+				if isNil, err := r.isNil(); err != nil || isNil {
+					if err != nil {
+						return true, err
+					}
+					continue
+				}
+				c.Cmds[i] = &subs[i]
+				if err := r.command(c.Cmds[i], depth+1); err != nil {
+					return true, fmt.Errorf("command %d: %w", i, err)
+				}
+			}
+		default:
+			return false, nil
+		}
+		return true, err
+	})
+}
+
+func (r *entryReader) claimKey(k *claimKey) error {
+	return r.fields(func(key []byte) (read bool, err error) {
+		switch string(key) {
+		case "s":
+			k.Scope, err = r.dec.DecodeString()
+		case "i":
+			k.ID, err = r.dec.DecodeBytes()
+		case "c":
+			k.Client, err = r.dec.DecodeString()
+		default:
+			return false, nil
+		}
+		return true, err
+	})
+}
+
+func (r *entryReader) advance(a *idem.Advance) error {
+	return r.fields(func(key []byte) (read bool, err error) {
+		switch string(key) {
+		case "Scope":
+			a.Scope, err = r.dec.DecodeString()
+		case "Client":
+			a.Client, err = r.dec.DecodeString()
+		case "Seq":
+			a.Seq, err = r.dec.DecodeUint64()
+		default:
+			return false, nil
+		}
+		return true, err
+	})
+}
+
+func (r *entryReader) request(w *wireRequest) error {
+	return r.fields(func(key []byte) (read bool, err error) {
+		d := r.dec
+		switch string(key) {
+		case "s":
+			w.Scope, err = d.DecodeString()
+		case "i":
+			w.ID, err = d.DecodeBytes()
+		case "c":
+			w.Client, err = d.DecodeString()
+		case "q":
+			w.Seq, err = d.DecodeUint64()
+		case "f":
+			w.Fingerprint, err = d.DecodeBytes()
+		case "a":
+			w.Acked, err = r.byteSlices()
+		case "t":
+			w.TTL, err = d.DecodeInt64()
+		case "kr":
+			w.KeepReplies, err = d.DecodeInt()
+		case "kf":
+			w.KeepFor, err = d.DecodeInt64()
+		default:
+			return false, nil
+		}
+		return true, err
+	})
+}
