@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -210,5 +211,56 @@ func TestQueuedBeginWithEndedContextIsNotSent(t *testing.T) {
 	r, err := c.Lookup(ctx, idem.Request{ID: []byte("queued")})
 	if err != nil || r.Status != idem.Absent {
 		t.Fatalf("the Begin cancelled while queued was sent: lookup %v %v", r.Status, err)
+	}
+}
+
+// A call still queued behind a batch on the wire when its attempt ends is
+// never sent (the batcher keeps no timer per call: the batch that would
+// carry it drops it), and says so: errNotSent, DeadlineExceeded.
+func TestQueuedCallWithEndedAttemptIsNotSent(t *testing.T) {
+	tc := newTestCluster(t, 3)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	w := newWithhold()
+	leader := tc.nodes[tc.leader(30*time.Second)]
+	c, err := Dial(ctx, []string{leader.Addr()}, &Options{Owner: "attempt", AttemptTimeout: 30 * time.Second,
+		DialOptions: []grpc.DialOption{grpc.WithChainUnaryInterceptor(w.intercept)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	p, err := c.peer(leader.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := make(chan error, 1)
+	go func() {
+		_, err := c.Begin(ctx, idem.Request{ID: []byte("first")})
+		first <- err
+	}()
+	<-w.reached // the first batch is on the wire, its answer withheld
+	late := &clusterpb.BatchItem{Call: &clusterpb.BatchItem_Begin{Begin: &clusterpb.BeginRequest{
+		Request: &clusterpb.Request{Id: []byte("late")}, Owner: "attempt", Token: []byte("late-token")}}}
+	queued := make(chan error, 1)
+	go func() {
+		_, err := p.batch.do(ctx, time.Now(), late) // an attempt that has ended already
+		queued <- err
+	}()
+	for n := 0; n == 0; { // it waits for the next batch
+		p.batch.mu.Lock()
+		n = len(p.batch.queue)
+		p.batch.mu.Unlock()
+		time.Sleep(time.Millisecond)
+	}
+	close(w.release)
+	if err := <-queued; !errors.Is(err, errNotSent) || !strings.Contains(fmt.Sprint(err), "code = DeadlineExceeded") {
+		t.Fatalf("a call whose attempt ended while queued: %v, want errNotSent with DeadlineExceeded", err)
+	}
+	if err := <-first; err != nil {
+		t.Fatalf("the first Begin, retried after its lost answer: %v", err)
+	}
+	r, err := c.Lookup(ctx, idem.Request{ID: []byte("late")})
+	if err != nil || r.Status != idem.Absent {
+		t.Fatalf("the call whose attempt ended while queued was sent: lookup %v %v", r.Status, err)
 	}
 }
