@@ -90,9 +90,11 @@ func TestFinishWithEndedContextIsWritten(t *testing.T) {
 	}
 }
 
-// withhold lets the first Begin or Batch RPC through to the cluster, then
-// keeps its answer until release is closed or the RPC's ctx ends (an
-// answer lost on the way back).
+// withhold lets the first Begin or Batch RPC that succeeds through to the
+// cluster, then keeps its answer until release is closed or the RPC's ctx
+// ends (an answer lost on the way back). An RPC that fails (NOT_LEADER
+// after a leader change on a loaded machine) is answered as it is, and the
+// next one is withheld instead.
 type withhold struct {
 	n       atomic.Int32
 	reached chan struct{} // closed when the withheld RPC's answer came
@@ -108,6 +110,7 @@ func (w *withhold) intercept(ctx context.Context, method string, req, reply any,
 		return invoker(ctx, method, req, reply, cc, opts...)
 	}
 	if err := invoker(ctx, method, req, reply, cc, opts...); err != nil {
+		w.n.Add(-1)
 		return err
 	}
 	close(w.reached)
