@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"io"
 
 	"github.com/idemdb/idem"
 	"github.com/vmihailenco/msgpack/v5"
@@ -20,9 +21,11 @@ import (
 // by newer ones read alike, and a cluster can be upgraded one node at a time.
 //
 // The decoder takes what the reflective one took (any key order, unknown
-// keys skipped, nil for an absent value, strings and binaries alike), and
-// bounds every array length it reads by the bytes left in the entry, so
-// that a corrupt length cannot make it allocate more than the entry holds.
+// keys skipped, nil for an absent value, strings and binaries alike). It
+// refuses an array whose length is more than the bytes left in the entry
+// (every element takes one at least), and grows its slices as elements
+// come rather than by the length a header claims, so that a corrupt
+// length cannot make it allocate more than the entry's elements.
 
 // encodeCommand is msgpack.Marshal(c), without reflection.
 func encodeCommand(c *command) ([]byte, error) {
@@ -207,8 +210,9 @@ func writeRequest(enc *msgpack.Encoder, r *wireRequest) error {
 func decodeCommand(data []byte) (*command, error) {
 	dec := msgpack.GetDecoder()
 	defer msgpack.PutDecoder(dec)
-	dec.Reset(bytes.NewReader(data))
-	r := entryReader{dec: dec, limit: len(data)}
+	br := bytes.NewReader(data)
+	dec.Reset(br) // a bytes.Reader is read as it is (no buffer): br.Len is what is left
+	r := entryReader{dec: dec, in: br}
 	c := &command{}
 	if err := r.command(c, 0); err != nil {
 		return nil, err
@@ -216,12 +220,12 @@ func decodeCommand(data []byte) (*command, error) {
 	return c, nil
 }
 
-// entryReader reads one entry. limit is the entry's length: no array
-// read from it can have more elements than it has bytes.
+// entryReader reads one entry: no array read from it can have more
+// elements than it has bytes left.
 type entryReader struct {
-	dec   *msgpack.Decoder
-	limit int
-	key   [8]byte // the map key being read
+	dec *msgpack.Decoder
+	in  *bytes.Reader // what dec reads: in.Len() bytes are left
+	key [8]byte       // the map key being read
 }
 
 // fields calls field for every key of the map that comes next (nil: no
@@ -261,31 +265,38 @@ func (r *entryReader) fields(field func(key []byte) (bool, error)) error {
 }
 
 func (r *entryReader) skipN(n int) error {
-	if n > r.limit {
-		return fmt.Errorf("a length of %d in an entry of %d bytes", n, r.limit)
+	if n > r.in.Len() {
+		return fmt.Errorf("a length of %d with %d bytes left", n, r.in.Len())
 	}
-	return r.dec.ReadFull(make([]byte, n))
+	_, err := r.in.Seek(int64(n), io.SeekCurrent)
+	return err
 }
 
-// arrayLen reads an array's length (-1: nil), bounded by the entry's.
+// arrayLen reads an array's length (-1: nil), bounded by the bytes left.
 func (r *entryReader) arrayLen() (int, error) {
 	n, err := r.dec.DecodeArrayLen()
-	if err == nil && n > r.limit {
-		err = fmt.Errorf("an array of %d elements in an entry of %d bytes", n, r.limit)
+	if err == nil && n > r.in.Len() {
+		err = fmt.Errorf("an array of %d elements with %d bytes left", n, r.in.Len())
 	}
 	return n, err
 }
+
+// initialCap is the capacity a slice of n decoded elements starts with:
+// appends grow it as the elements come.
+func initialCap(n int) int { return min(n, 64) }
 
 func (r *entryReader) byteSlices() ([][]byte, error) {
 	n, err := r.arrayLen()
 	if err != nil || n < 0 {
 		return nil, err
 	}
-	out := make([][]byte, n)
-	for i := range out {
-		if out[i], err = r.dec.DecodeBytes(); err != nil {
+	out := make([][]byte, 0, initialCap(n))
+	for range n {
+		b, err := r.dec.DecodeBytes()
+		if err != nil {
 			return nil, err
 		}
+		out = append(out, b)
 	}
 	return out, nil
 }
@@ -331,11 +342,13 @@ func (r *entryReader) command(c *command, depth int) error {
 			if n, err = r.arrayLen(); err != nil || n < 0 {
 				return true, err
 			}
-			c.Adv = make([]idem.Advance, n)
-			for i := range c.Adv {
-				if err := r.advance(&c.Adv[i]); err != nil {
+			c.Adv = make([]idem.Advance, 0, initialCap(n))
+			for range n {
+				var a idem.Advance
+				if err := r.advance(&a); err != nil {
 					return true, err
 				}
+				c.Adv = append(c.Adv, a)
 			}
 		case "ids":
 			c.IDs, err = r.byteSlices()
@@ -353,19 +366,25 @@ func (r *entryReader) command(c *command, depth int) error {
 			if n, err = r.arrayLen(); err != nil || n < 0 {
 				return true, err
 			}
-			c.Cmds = make([]*command, n)
-			subs := make([]command, n) // one allocation for the batch's commands
-			for i := range c.Cmds {
+			c.Cmds = make([]*command, 0, initialCap(n))
+			var subs []command // the commands, allocated a run at a time
+			for i := range n {
 				if isNil, err := r.isNil(); err != nil || isNil {
 					if err != nil {
 						return true, err
 					}
+					c.Cmds = append(c.Cmds, nil)
 					continue
 				}
-				c.Cmds[i] = &subs[i]
-				if err := r.command(c.Cmds[i], depth+1); err != nil {
+				if len(subs) == cap(subs) {
+					subs = make([]command, 0, initialCap(n-i))
+				}
+				subs = append(subs, command{})
+				sub := &subs[len(subs)-1]
+				if err := r.command(sub, depth+1); err != nil {
 					return true, fmt.Errorf("command %d: %w", i, err)
 				}
+				c.Cmds = append(c.Cmds, sub)
 			}
 		default:
 			return false, nil

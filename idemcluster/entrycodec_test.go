@@ -188,3 +188,34 @@ func TestEntryCodecRefusesCorruptEntries(t *testing.T) {
 		t.Errorf("an entry with an unknown field: %+v %v, want op %d token t", got, err, cmdAbort)
 	}
 }
+
+// FuzzDecodeCommand: any bytes decode to a command or an error, never a
+// panic or an allocation the input's length does not justify; what
+// decodes encodes again to bytes that decode to the same command.
+func FuzzDecodeCommand(f *testing.F) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	for range 16 {
+		data, err := encodeCommand(randomCommand(rng, 0))
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(data)
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		c, err := decodeCommand(data)
+		if err != nil {
+			return
+		}
+		again, err := encodeCommand(c)
+		if err != nil {
+			t.Fatalf("a decoded command does not encode: %v", err)
+		}
+		c2, err := decodeCommand(again)
+		if err != nil {
+			t.Fatalf("a re-encoded command does not decode: %v", err)
+		}
+		if !reflect.DeepEqual(normalized(c), normalized(c2)) {
+			t.Fatalf("decode, encode, decode changed the command:\n%+v\n%+v", c, c2)
+		}
+	})
+}
