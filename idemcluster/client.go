@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -559,7 +560,8 @@ const maxBatchBytes = 1 << 20
 // RPCs. A call that finds fewer than maxBatchesInFlight batches on the
 // wire goes at once (alone, when nothing else waits: no timer delays it);
 // otherwise it waits for the next batch, which leaves as soon as one
-// returns. Each call keeps its own context: it stops waiting when ctx
+// returns and the callers it answered have had a chance to send their
+// next calls (gather). Each call keeps its own context: it stops waiting when ctx
 // ends (its item may still run, as a call whose answer was lost). Its
 // attempt's deadline bounds the Batch RPC that carries it (each RPC is
 // bounded by its calls' earliest), and a call still queued when its
@@ -687,6 +689,7 @@ func (b *batcher) send(q []*batchCall) {
 		}
 		if q = live; len(q) > 0 {
 			b.sendOne(q, deadline)
+			b.gather()
 		}
 		b.mu.Lock()
 		if len(b.queue) == 0 {
@@ -746,4 +749,34 @@ func (b *batcher) single(ctx context.Context, deadline time.Time, item *clusterp
 // toProto is an item's status as the google.rpc.Status it is laid out as.
 func toProto(st *clusterpb.ItemStatus) *spb.Status {
 	return &spb.Status{Code: st.Code, Message: st.Message, Details: st.Details}
+}
+
+// gatherYields bounds how many times a batcher yields after answering a
+// batch, before it takes the next one from the queue (gather).
+const gatherYields = 16
+
+// gather lets the callers a batch just answered run before the next batch
+// is taken: it yields the processor while the queue grows (at most
+// gatherYields times; a few microseconds, no timer). Each of those callers
+// usually sends its next call at once (the Commit after its Begin, the
+// next request's Begin after a Commit), and without the yield it would
+// miss the next batch and wait a whole round for the one after: with 64
+// callers and one batch on the wire, the callers split into two halves
+// that took turns, about 32 calls per batch. Gathered, the batch carries
+// about 58 of the 64 (bench/peers, 3 runs interleaved: fresh 104-130 ->
+// 82-106 µs of CPU per request, 3.2-11.1k -> 5.3-14.7k requests/s), and
+// every round's fixed cost (an RPC, an entry, three fsyncs) is shared by
+// twice the calls. A lone caller loses a yield or two.
+func (b *batcher) gather() {
+	prev := -1
+	for range gatherYields {
+		b.mu.Lock()
+		n := len(b.queue)
+		b.mu.Unlock()
+		if n == prev {
+			return
+		}
+		prev = n
+		runtime.Gosched()
+	}
 }
