@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"unsafe"
 
 	"github.com/idemdb/idem"
 	"github.com/vmihailenco/msgpack/v5"
@@ -22,10 +23,12 @@ import (
 //
 // The decoder takes what the reflective one took (any key order, unknown
 // keys skipped, nil for an absent value, strings and binaries alike). It
-// refuses an array whose length is more than the bytes left in the entry
-// (every element takes one at least), and grows its slices as elements
-// come rather than by the length a header claims, so that a corrupt
-// length cannot make it allocate more than the entry's elements.
+// refuses a string or an array whose length is more than the bytes left
+// in the entry (an array's element takes one at least), and grows its
+// slices as elements come rather than by the length a header claims, so
+// that a corrupt length cannot make it allocate more than the entry's
+// elements (the library's DecodeBytes and DecodeString allocate the
+// length a header claims before they read).
 
 // encodeCommand is msgpack.Marshal(c), without reflection.
 func encodeCommand(c *command) ([]byte, error) {
@@ -292,13 +295,39 @@ func (r *entryReader) byteSlices() ([][]byte, error) {
 	}
 	out := make([][]byte, 0, initialCap(n))
 	for range n {
-		b, err := r.dec.DecodeBytes()
+		b, err := r.bytes()
 		if err != nil {
 			return nil, err
 		}
 		out = append(out, b)
 	}
 	return out, nil
+}
+
+// bytes reads a string or a binary (nil: nil), refusing a length over the
+// bytes left.
+func (r *entryReader) bytes() ([]byte, error) {
+	n, err := r.dec.DecodeBytesLen()
+	if err != nil || n < 0 {
+		return nil, err
+	}
+	if n > r.in.Len() {
+		return nil, fmt.Errorf("a string of %d bytes with %d left", n, r.in.Len())
+	}
+	b := make([]byte, n)
+	if err := r.dec.ReadFull(b); err != nil {
+		return nil, err
+	}
+	return b, nil
+}
+
+// str is bytes as a string.
+func (r *entryReader) str() (string, error) {
+	b, err := r.bytes()
+	if err != nil || len(b) == 0 {
+		return "", err
+	}
+	return unsafe.String(&b[0], len(b)), nil // b is the string's alone and never written again
 }
 
 // isNil reads a nil if one comes next.
@@ -328,15 +357,15 @@ func (r *entryReader) command(c *command, depth int) error {
 			c.Req = &wireRequest{}
 			err = r.request(c.Req)
 		case "owner":
-			c.Owner, err = d.DecodeString()
+			c.Owner, err = r.str()
 		case "tok":
-			c.Token, err = d.DecodeBytes()
+			c.Token, err = r.bytes()
 		case "key":
 			err = r.claimKey(&c.Key)
 		case "seq":
 			c.Seq, err = d.DecodeUint64()
 		case "reply":
-			c.Reply, err = d.DecodeBytes()
+			c.Reply, err = r.bytes()
 		case "adv":
 			var n int
 			if n, err = r.arrayLen(); err != nil || n < 0 {
@@ -355,9 +384,9 @@ func (r *entryReader) command(c *command, depth int) error {
 		case "before":
 			c.Before, err = d.DecodeInt64()
 		case "node":
-			c.Node, err = d.DecodeString()
+			c.Node, err = r.str()
 		case "addr":
-			c.Addr, err = d.DecodeString()
+			c.Addr, err = r.str()
 		case "cmds":
 			if depth >= maxBatchDepth {
 				return true, errors.New("batches nested too deep")
@@ -397,11 +426,11 @@ func (r *entryReader) claimKey(k *claimKey) error {
 	return r.fields(func(key []byte) (read bool, err error) {
 		switch string(key) {
 		case "s":
-			k.Scope, err = r.dec.DecodeString()
+			k.Scope, err = r.str()
 		case "i":
-			k.ID, err = r.dec.DecodeBytes()
+			k.ID, err = r.bytes()
 		case "c":
-			k.Client, err = r.dec.DecodeString()
+			k.Client, err = r.str()
 		default:
 			return false, nil
 		}
@@ -413,9 +442,9 @@ func (r *entryReader) advance(a *idem.Advance) error {
 	return r.fields(func(key []byte) (read bool, err error) {
 		switch string(key) {
 		case "Scope":
-			a.Scope, err = r.dec.DecodeString()
+			a.Scope, err = r.str()
 		case "Client":
-			a.Client, err = r.dec.DecodeString()
+			a.Client, err = r.str()
 		case "Seq":
 			a.Seq, err = r.dec.DecodeUint64()
 		default:
@@ -430,15 +459,15 @@ func (r *entryReader) request(w *wireRequest) error {
 		d := r.dec
 		switch string(key) {
 		case "s":
-			w.Scope, err = d.DecodeString()
+			w.Scope, err = r.str()
 		case "i":
-			w.ID, err = d.DecodeBytes()
+			w.ID, err = r.bytes()
 		case "c":
-			w.Client, err = d.DecodeString()
+			w.Client, err = r.str()
 		case "q":
 			w.Seq, err = d.DecodeUint64()
 		case "f":
-			w.Fingerprint, err = d.DecodeBytes()
+			w.Fingerprint, err = r.bytes()
 		case "a":
 			w.Acked, err = r.byteSlices()
 		case "t":

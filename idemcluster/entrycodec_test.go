@@ -2,12 +2,14 @@ package idemcluster
 
 import (
 	"bytes"
+	"fmt"
 	"math/rand/v2"
 	"reflect"
 	"testing"
 	"time"
 
 	"github.com/idemdb/idem"
+	"github.com/idemdb/idem/internal/alloctest"
 	"github.com/vmihailenco/msgpack/v5"
 )
 
@@ -189,6 +191,38 @@ func TestEntryCodecRefusesCorruptEntries(t *testing.T) {
 	}
 }
 
+// decodeAllocLimit bounds what decoding data may allocate: a small
+// multiple of data (a command struct per element of a batch) plus 4 MiB
+// (msgpack's Skip of an unknown field reads a claimed length into buffers
+// of 1 then 2 MiB before it finds the input short), whatever lengths data
+// claims.
+func decodeAllocLimit(data []byte) uint64 { return uint64(400*len(data)) + 4<<20 }
+
+// TestEntryCodecBoundsAllocation: a command whose strings, binaries or
+// arrays claim gigabytes in a few bytes is refused without allocating
+// them (the library's DecodeBytes and DecodeString size their buffer by
+// the claimed length).
+func TestEntryCodecBoundsAllocation(t *testing.T) {
+	huge := []byte{0xc6, 0xf0, 0, 0, 0}      // bin32 of 3.75 GiB
+	hugeStr := []byte{0xdb, 0xf0, 0, 0, 0}   // str32 of 3.75 GiB
+	hugeArray := []byte{0xdd, 0xf0, 0, 0, 0} // array32 of 4 billion elements
+	field := func(name string, value []byte) []byte {
+		b := append([]byte{0x81, 0xa0 | byte(len(name))}, name...)
+		return append(b, value...)
+	}
+	for _, data := range [][]byte{
+		field("tok", huge), field("owner", hugeStr), field("reply", huge), field("cmds", hugeArray),
+		field("req", field("i", huge)), field("key", field("s", hugeStr)), field("ids", append([]byte{0x91}, huge...)),
+		field("unknown", huge),
+	} {
+		alloctest.Check(t, fmt.Sprintf("decodeCommand(%x)", data), decodeAllocLimit(data), func() {
+			if c, err := decodeCommand(data); err == nil {
+				t.Errorf("decodeCommand(%x) = %+v, want an error", data, c)
+			}
+		})
+	}
+}
+
 // FuzzDecodeCommand: any bytes decode to a command or an error, never a
 // panic or an allocation the input's length does not justify; what
 // decodes encodes again to bytes that decode to the same command.
@@ -202,6 +236,7 @@ func FuzzDecodeCommand(f *testing.F) {
 		f.Add(data)
 	}
 	f.Fuzz(func(t *testing.T, data []byte) {
+		alloctest.Check(t, "decodeCommand", decodeAllocLimit(data), func() { decodeCommand(data) })
 		c, err := decodeCommand(data)
 		if err != nil {
 			return
