@@ -9,6 +9,7 @@ import (
 
 	"github.com/idemdb/idem"
 	"github.com/vmihailenco/msgpack/v5"
+	"github.com/vmihailenco/msgpack/v5/msgpcode"
 )
 
 // The entries' codec. A command is logged as the msgpack map that the
@@ -259,7 +260,7 @@ func (r *entryReader) fields(field func(key []byte) (bool, error)) error {
 			return fmt.Errorf("field %q: %w", key, err)
 		}
 		if !read {
-			if err := r.dec.Skip(); err != nil {
+			if err := r.skip(0); err != nil {
 				return fmt.Errorf("field %q: %w", key, err)
 			}
 		}
@@ -330,10 +331,68 @@ func (r *entryReader) str() (string, error) {
 	return unsafe.String(&b[0], len(b)), nil // b is the string's alone and never written again
 }
 
+// maxSkipDepth bounds the nesting of an unknown field's value.
+const maxSkipDepth = 32
+
+// skip reads past the value that comes next (an unknown field's): its
+// strings, binaries and extensions by seeking past them, checked against
+// the bytes left, rather than with the library's Skip, which reads them
+// into the pooled decoder's buffer and grows it by a megabyte for every
+// length a header claims.
+func (r *entryReader) skip(depth int) error {
+	if depth > maxSkipDepth {
+		return errors.New("a value nested too deep")
+	}
+	c, err := r.dec.PeekCode()
+	if err != nil {
+		return err
+	}
+	switch {
+	case msgpcode.IsString(c) || msgpcode.IsBin(c):
+		n, err := r.dec.DecodeBytesLen()
+		if err != nil || n <= 0 {
+			return err
+		}
+		return r.skipN(n)
+	case msgpcode.IsExt(c):
+		_, n, err := r.dec.DecodeExtHeader()
+		if err != nil {
+			return err
+		}
+		return r.skipN(n)
+	case msgpcode.IsFixedArray(c) || c == msgpcode.Array16 || c == msgpcode.Array32:
+		n, err := r.arrayLen()
+		if err != nil {
+			return err
+		}
+		for range max(n, 0) {
+			if err := r.skip(depth + 1); err != nil {
+				return err
+			}
+		}
+		return nil
+	case msgpcode.IsFixedMap(c) || c == msgpcode.Map16 || c == msgpcode.Map32:
+		n, err := r.dec.DecodeMapLen()
+		if err != nil {
+			return err
+		}
+		if n > r.in.Len() {
+			return fmt.Errorf("a map of %d entries with %d bytes left", n, r.in.Len())
+		}
+		for range 2 * max(n, 0) {
+			if err := r.skip(depth + 1); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	return r.dec.Skip() // a number, a bool or nil: a few bytes
+}
+
 // isNil reads a nil if one comes next.
 func (r *entryReader) isNil() (bool, error) {
 	c, err := r.dec.PeekCode()
-	if err != nil || c != 0xc0 { // msgpcode.Nil
+	if err != nil || c != msgpcode.Nil {
 		return false, err
 	}
 	return true, r.dec.DecodeNil()
