@@ -28,9 +28,13 @@ func (e *Engine) Lookup(ctx context.Context, req Request) (Result, error) {
 		return Result{}, err
 	}
 	defer e.leave()
-	sl, unlock, err := e.lockSlot(k.key)
+	sl, unlock, err := e.lockSlotRead(k.key)
 	if err != nil {
 		return Result{}, err
+	}
+	if sl == nil { // absent, and no slot installed for it (lockSlotRead)
+		_, res, verr := e.readLocked(nil, k, nil, e.o.Clock())
+		return res, verr
 	}
 	cur := e.current(sl, k.mode)
 	v, res, verr := e.readLocked(cur, k, fingerprint(&req), e.o.Clock())
@@ -78,15 +82,18 @@ func (e *Engine) waitKey(ctx context.Context, k reqKey, fp []byte) (Result, erro
 		if err := e.enter(); err != nil {
 			return Result{}, err
 		}
-		unlock := e.lockKeys(k.key)
-		sl, err := e.slotLocked(k.key)
+		sl, unlock, err := e.lockSlotRead(k.key)
 		if err != nil {
-			unlock()
 			e.leave()
 			return Result{}, err
 		}
-		cur := e.current(sl, k.mode)
 		now := e.o.Clock()
+		if sl == nil { // absent: nothing to wait for, no slot installed
+			e.leave()
+			_, res, verr := e.readLocked(nil, k, nil, now)
+			return res, verr
+		}
+		cur := e.current(sl, k.mode)
 		v, res, verr := e.readLocked(cur, k, fp, now)
 		if v == vInFlight {
 			if sl.waiters == nil {
@@ -132,11 +139,12 @@ func (e *Engine) ClientState(ctx context.Context, scope, client string) (uint64,
 	}
 	defer e.leave()
 	key := index.EntryKey(nil, scope, index.ModeClient, []byte(client))
-	unlock := e.lockKeys(key)
-	sl, err := e.slotLocked(key)
+	sl, unlock, err := e.lockSlotRead(key)
 	if err != nil {
-		unlock()
 		return 0, err
+	}
+	if sl == nil { // a client never seen, and no slot installed for it
+		return 0, nil
 	}
 	if sl.e == nil || !sl.e.Committed {
 		unlock()

@@ -194,6 +194,13 @@ func (e *Engine) lockSlot(key []byte) (*slot, func(), error) {
 	if testHookUnlockedRead != nil {
 		testHookUnlockedRead(key)
 	}
+	return e.lockSlotAfterRead(sh, key, en, err, gen, installs)
+}
+
+// lockSlotAfterRead is the end of lockSlot: sh's lock is taken again
+// after the read (en, err) of key made without it, which began when the
+// shard had evicted gen slots and installed installs.
+func (e *Engine) lockSlotAfterRead(sh *shard, key []byte, en *index.Entry, err error, gen, installs uint64) (*slot, func(), error) {
 	sh.mu.Lock()
 	if sh.installs != installs { // else no slot can have appeared: m was probed above
 		if sl := sh.m[string(key)]; sl != nil {
@@ -209,6 +216,47 @@ func (e *Engine) lockSlot(key []byte) (*slot, func(), error) {
 		return sl, sh.unlock, nil
 	}
 	return e.installLocked(sh, key, en, true), sh.unlock, nil
+}
+
+// lockSlotRead is lockSlot for a read (Lookup, Wait, ClientState): a key
+// that has no slot and that the index does not hold is answered as absent
+// without installing a slot and without taking the shard's lock again. It
+// then returns a nil slot and a nil unlock function (no lock is held);
+// otherwise it returns what lockSlot returns.
+//
+// Why that read is linearizable: a slot is taken out of its map only
+// when it is clean (its records applied to the index: the applier applies
+// a batch of records before it unpins their slots) and nobody waits on
+// it, and every change to a key is published into its slot under the
+// shard's lock. So when the first probe finds no slot, the index holds
+// every change to the key made so far, and the index read that follows
+// sees that state or a newer one: one made by a change decided after the
+// probe (concurrent with this read) and already applied, hence durable
+// (the index takes only fsynced records). "Absent" read that way was the
+// key's state at some moment between the probe and the read's end: a
+// write acknowledged before the read began is seen, and a write that may
+// still be lost is not. Nothing is installed, so nothing later trusts
+// the read: lockSlot's check that no slot of the shard was evicted
+// meanwhile is what an installed read needs (it becomes the key's state
+// for writers), not an answer given once. A read that finds an entry
+// goes through lockSlot's check and installs it as before, so that
+// repeated reads of a stored id find it in memory.
+func (e *Engine) lockSlotRead(key []byte) (*slot, func(), error) {
+	sh := e.shardOf(key)
+	sh.mu.Lock()
+	if sl := sh.m[string(key)]; sl != nil {
+		return sl, sh.unlock, nil
+	}
+	gen, installs := sh.gen, sh.installs
+	sh.mu.Unlock()
+	en, err := e.ix.Get(key)
+	if testHookUnlockedRead != nil {
+		testHookUnlockedRead(key)
+	}
+	if err == nil && en == nil {
+		return nil, nil, nil
+	}
+	return e.lockSlotAfterRead(sh, key, en, err, gen, installs)
 }
 
 // testHookUnlockedRead, set by tests only, runs after lockSlot read key
