@@ -41,18 +41,31 @@ type pendingSet struct {
 	// count and replies as of last, for the meta rows.
 	count, replies int64
 	// The set's pendEntries and the bytes of its map keys are carved out
-	// of chunks (slab, keys) rather than allocated one by one: they all
+	// of chunks (slabs, keys) rather than allocated one by one: they all
 	// live exactly as long as the set, so per key this saves two
-	// allocations and the collector two objects to trace.
-	slab []pendEntry
-	keys []byte
+	// allocations and the collector two objects to trace. slabs holds
+	// every pendEntry of the set, in the order the keys were added: the
+	// ingest walks them there (memory in order) rather than through the
+	// map.
+	slabs [][]pendEntry
+	keys  []byte
 }
 
 // pendEntry is one key's change: prev is what Pebble holds (once the sets
-// before this one are ingested), next what it must hold.
-type pendEntry struct{ prev, next *Entry }
+// before this one are ingested), next what it must hold. key is its key in
+// the set's map.
+type pendEntry struct {
+	prev, next *Entry
+	key        string
+}
 
-func newPendingSet() *pendingSet { return &pendingSet{m: make(map[string]*pendEntry)} }
+// newPendingSet returns an empty set whose map is sized for about hint
+// keys: the set it follows held that many when it was frozen, and the next
+// one, filled by the same workload to the same size, would otherwise grow
+// its map (rehashing every key) several times.
+func newPendingSet(hint int) *pendingSet {
+	return &pendingSet{m: make(map[string]*pendEntry, hint)}
+}
 
 // Chunk sizes of a pending set's slab (entries) and key bytes.
 const (
@@ -62,11 +75,14 @@ const (
 
 // add puts key into the set with a new pendEntry, which it returns.
 func (s *pendingSet) add(key []byte, prev *Entry) *pendEntry {
-	if len(s.slab) == cap(s.slab) {
-		s.slab = make([]pendEntry, 0, pendSlabLen)
+	n := len(s.slabs)
+	if n == 0 || len(s.slabs[n-1]) == pendSlabLen {
+		s.slabs = append(s.slabs, make([]pendEntry, 0, pendSlabLen))
+		n++
 	}
-	s.slab = s.slab[:len(s.slab)+1]
-	p := &s.slab[len(s.slab)-1]
+	slab := s.slabs[n-1][:len(s.slabs[n-1])+1]
+	s.slabs[n-1] = slab
+	p := &slab[len(slab)-1]
 	p.prev, p.next = prev, prev
 	k := ""
 	if len(key) > 0 {
@@ -79,6 +95,7 @@ func (s *pendingSet) add(key []byte, prev *Entry) *pendEntry {
 		// full chunk is replaced, not reused.
 		k = unsafe.String(&s.keys[off], len(key))
 	}
+	p.key = k
 	s.m[k] = p
 	return p
 }
@@ -188,7 +205,7 @@ func (ix *Index) freezeLocked() error {
 	}
 	ix.pmu.Lock()
 	f := ix.mut
-	ix.frozen, ix.mut = f, newPendingSet()
+	ix.frozen, ix.mut = f, newPendingSet(len(f.m))
 	ix.pmu.Unlock()
 	job := &ingestJob{done: make(chan struct{})}
 	ix.job = job
@@ -260,151 +277,243 @@ func (ix *Index) persist() error {
 // at Open.
 const ingestDir = "ingest"
 
-// ingest writes s as one sstable and ingests it.
+// ingest writes s as sstables and ingests them, atomically (one MANIFEST
+// edit for all of them).
 func (ix *Index) ingest(s *pendingSet) error {
 	fs := ix.fs
 	dir := fs.PathJoin(ix.dir, ingestDir)
 	ix.ingestSeq++
-	path := fs.PathJoin(dir, fmt.Sprintf("%06d.sst", ix.ingestSeq))
-	if err := ix.writeSST(path, s); err != nil {
-		_ = fs.Remove(path)
-		return fmt.Errorf("index: writing the sstable of LSNs through %d: %w", s.last, err)
+	paths, err := ix.writeSSTs(fs.PathJoin(dir, fmt.Sprintf("%06d", ix.ingestSeq)), s)
+	if err != nil {
+		for _, p := range paths {
+			_ = fs.Remove(p)
+		}
+		return fmt.Errorf("index: writing the sstables of LSNs through %d: %w", s.last, err)
 	}
 	ix.inPebble.Add(1)
-	err := ix.db.Ingest(context.Background(), []string{path})
+	err = ix.db.Ingest(context.Background(), paths)
 	ix.inPebble.Add(-1)
 	if err != nil {
-		_ = fs.Remove(path)
+		for _, p := range paths {
+			_ = fs.Remove(p)
+		}
 		return fmt.Errorf("index: ingesting LSNs through %d: %w", s.last, err)
 	}
-	// Pebble linked the file under its own name and removes ours once the
-	// ingest is recorded; remove it in case it did not (it is gone either
-	// way: a missing file is what we want).
-	if err := fs.Remove(path); err != nil && !errors.Is(err, iofs.ErrNotExist) {
-		ix.logger.Warn("index: removing an ingested sstable's temporary name", "path", path, "error", err)
+	// Pebble linked the files under its own names and removes ours once
+	// the ingest is recorded; remove them in case it did not (they are gone
+	// either way: a missing file is what we want).
+	for _, p := range paths {
+		if err := fs.Remove(p); err != nil && !errors.Is(err, iofs.ErrNotExist) {
+			ix.logger.Warn("index: removing an ingested sstable's temporary name", "path", p, "error", err)
+		}
 	}
 	return nil
 }
 
-// timeRow is a time-index row to set or delete.
+// entryRow is an entry row of an ingest: the key's pending state, and the
+// key's first 8 bytes after the prefix that every key of the ingest shares
+// (big-endian, zero-padded), which orders most pairs without reading the
+// keys (see sortEntryRows).
+type entryRow struct {
+	abbr uint64
+	p    *pendEntry
+}
+
+// timeRow is a time-index (or expiry-index) row to set or delete: the
+// time, and the key as its position in the sorted entry rows.
 type timeRow struct {
 	t   int64
-	key string
+	i   int32
 	del bool
 }
 
-// inDoubtRow is an in-doubt row to set or delete.
-type inDoubtRow struct {
-	key string
-	del bool
-}
-
-// writeSST writes the rows of s, in key order, to a new file at path and
-// fsyncs it. The prefixes order the groups (meta < entries < time index <
-// in-doubt index < expiry index), so each group is sorted on its own: entry keys as
-// strings (with their pending state, so the map is not probed again),
-// time rows by (time, key), which is their byte order.
-func (ix *Index) writeSST(path string, s *pendingSet) error {
-	type keyRef struct {
-		k string
-		p *pendEntry
+// sortEntryRows sorts rows by key. Keys are compared by their abbreviation
+// first: where two abbreviations differ they order the keys as the keys
+// do (the bytes before them are the same in every key, and a key that ends
+// inside the window is padded with zeros, below any byte that a longer key
+// has there, unless that byte is zero too: then the abbreviations are equal
+// and the keys are compared). Random 16-byte ids differ in their first 8
+// bytes, so the sort compares integers held in the slice instead of
+// reading two keys from memory at random places.
+func sortEntryRows(rows []entryRow) {
+	if len(rows) == 0 {
+		return
 	}
-	keys := make([]keyRef, 0, len(s.m))
-	var times, expiries []timeRow
-	var doubts []inDoubtRow
-	for k, p := range s.m {
-		prev, next := p.prev, p.next
-		if prev == nil && next == nil {
-			continue // created and removed while pending: Pebble never saw it
+	first := rows[0].p.key
+	common := len(first)
+	for _, r := range rows[1:] {
+		k := r.p.key
+		n := min(common, len(k))
+		i := 0
+		for i < n && k[i] == first[i] {
+			i++
 		}
-		keys = append(keys, keyRef{k, p})
-		pt, nt := prev.HasTimeKey(), next.HasTimeKey()
-		if pt && (!nt || prev.CommitTime != next.CommitTime) {
-			times = append(times, timeRow{t: prev.CommitTime, key: k, del: true})
-		}
-		if nt && (!pt || prev.CommitTime != next.CommitTime) {
-			times = append(times, timeRow{t: next.CommitTime, key: k})
-		}
-		pe, ne := prev.HasExpiryKey(), next.HasExpiryKey()
-		if pe && (!ne || prev.ExpiresAt != next.ExpiresAt) {
-			expiries = append(expiries, timeRow{t: prev.ExpiresAt, key: k, del: true})
-		}
-		if ne && (!pe || prev.ExpiresAt != next.ExpiresAt) {
-			expiries = append(expiries, timeRow{t: next.ExpiresAt, key: k})
-		}
-		if pf, nf := prev != nil && prev.InFlight, next != nil && next.InFlight; pf != nf {
-			doubts = append(doubts, inDoubtRow{key: k, del: !nf})
-		}
+		common = i
 	}
-	slices.SortFunc(keys, func(a, b keyRef) int { return strings.Compare(a.k, b.k) })
-	byTimeKey := func(a, b timeRow) int {
-		if a.t != b.t {
-			if a.t < b.t {
+	for i := range rows {
+		var w [8]byte
+		k := rows[i].p.key
+		copy(w[:], k[min(common, len(k)):])
+		rows[i].abbr = binary.BigEndian.Uint64(w[:])
+	}
+	slices.SortFunc(rows, func(a, b entryRow) int {
+		if a.abbr != b.abbr {
+			if a.abbr < b.abbr {
 				return -1
 			}
 			return 1
 		}
-		return strings.Compare(a.key, b.key)
-	}
-	slices.SortFunc(times, byTimeKey)
-	slices.SortFunc(expiries, byTimeKey)
-	slices.SortFunc(doubts, func(a, b inDoubtRow) int { return strings.Compare(a.key, b.key) })
+		return strings.Compare(a.p.key, b.p.key)
+	})
+}
 
-	if err := ix.fs.MkdirAll(ix.fs.PathDir(path), 0o755); err != nil {
-		return err
+// byTimeThenKey orders time rows as their keys sort: by time, then entry
+// key (which is the order of i).
+func byTimeThenKey(a, b timeRow) int {
+	if a.t != b.t {
+		if a.t < b.t {
+			return -1
+		}
+		return 1
 	}
-	f, err := ix.fs.Create(path, vfs.WriteCategoryUnspecified)
-	if err != nil {
-		return err
+	return int(a.i) - int(b.i)
+}
+
+// writeSSTs writes the rows of s, in key order, to new files named
+// base-N.sst and fsyncs them; it returns the paths written (also on
+// error: the caller removes them). Each group of rows goes to a table of
+// its own: meta and entries (keys 0x00 and 0x01), the time index (0x02),
+// the in-doubt index (0x03) and the expiry index (0x04); a group with no
+// rows has no table. Pebble ingests a table into the lowest level that
+// holds no key within its bounds: random entry keys overlap every level
+// (their table lands in L0 and is compacted down), but the time and expiry
+// rows of a set mostly lie after every row stored (they are ordered by
+// commit time and expiry time), so their tables go straight to the last
+// level and no compaction rewrites them. In one table with the entries
+// they were half the keys every compaction of the entries read and wrote
+// again. Only the entries' table has a bloom filter: the other indexes are
+// only ever scanned, never looked up by key.
+//
+// The entry rows are sorted by key (sortEntryRows); the time and expiry
+// rows are made in that order and sorted by time, then by their place in
+// it; the in-doubt rows come out in key order.
+func (ix *Index) writeSSTs(base string, s *pendingSet) (paths []string, err error) {
+	rows := make([]entryRow, 0, len(s.m))
+	for _, slab := range s.slabs {
+		for i := range slab {
+			if p := &slab[i]; p.prev != nil || p.next != nil {
+				rows = append(rows, entryRow{p: p})
+			} // else created and removed while pending: Pebble never saw it
+		}
 	}
-	w := sstable.NewWriter(objstorageprovider.NewFileWritable(f), ix.writerOpts)
+	sortEntryRows(rows)
+
+	if err := ix.fs.MkdirAll(ix.fs.PathDir(base), 0o755); err != nil {
+		return nil, err
+	}
 	// The writer copies keys and values, so one buffer serves every row.
-	var kb, vb []byte
-	put := func(key, value []byte, del bool) error {
-		if del {
-			return w.Delete(key)
+	var vb []byte
+	table := func(o *sstable.WriterOptions, rows func(w *sstable.Writer) error) error {
+		path := fmt.Sprintf("%s-%d.sst", base, len(paths))
+		f, err := ix.fs.Create(path, vfs.WriteCategoryUnspecified)
+		if err != nil {
+			return err
 		}
-		return w.Set(key, value)
-	}
-	// Meta rows, in key order: applied ('a'), count ('n'), replies ('r').
-	err = put(metaApplied, binary.AppendUvarint(vb[:0], uint64(s.last)), false)
-	if err == nil {
-		err = put(metaCount, binary.AppendUvarint(vb[:0], uint64(max(s.count, 0))), false)
-	}
-	if err == nil {
-		err = put(metaReplies, binary.AppendUvarint(vb[:0], uint64(max(s.replies, 0))), false)
-	}
-	for i := 0; err == nil && i < len(keys); i++ {
-		next := keys[i].p.next
-		kb = append(kb[:0], keys[i].k...)
-		if next == nil {
-			err = put(kb, nil, true)
-		} else {
-			vb = EncodeEntry(vb[:0], next)
-			err = put(kb, vb, false)
+		paths = append(paths, path)
+		w := sstable.NewWriter(objstorageprovider.NewFileWritable(f), *o)
+		if err := rows(w); err != nil {
+			_ = w.Close()
+			return err
 		}
+		// Close finishes the table, fsyncs and closes the file.
+		return w.Close()
 	}
-	for i := 0; err == nil && i < len(times); i++ {
-		kb = append(kb[:0], times[i].key...)
-		vb = timeKey(vb[:0], times[i].t, kb)
-		err = put(vb, nil, times[i].del)
-	}
-	for i := 0; err == nil && i < len(doubts); i++ {
-		kb = append(kb[:0], doubts[i].key...)
-		vb = inDoubtKey(vb[:0], kb)
-		err = put(vb, nil, doubts[i].del)
-	}
-	for i := 0; err == nil && i < len(expiries); i++ {
-		kb = append(kb[:0], expiries[i].key...)
-		vb = expiryKey(vb[:0], expiries[i].t, kb)
-		err = put(vb, nil, expiries[i].del)
-	}
-	if err != nil {
-		_ = w.Close()
+	// Pebble copies keys and values: the keys are passed without copies.
+	key := func(r entryRow) []byte { return unsafe.Slice(unsafe.StringData(r.p.key), len(r.p.key)) }
+	// The entries' table; the other indexes' rows are collected on the
+	// way, while each entry is in the processor's cache.
+	var times, expiries []timeRow
+	var doubts []int32
+	err = table(&ix.writerOpts, func(w *sstable.Writer) error {
+		// Meta rows, in key order: applied ('a'), count ('n'), replies ('r').
+		err := w.Set(metaApplied, binary.AppendUvarint(vb[:0], uint64(s.last)))
+		if err == nil {
+			err = w.Set(metaCount, binary.AppendUvarint(vb[:0], uint64(max(s.count, 0))))
+		}
+		if err == nil {
+			err = w.Set(metaReplies, binary.AppendUvarint(vb[:0], uint64(max(s.replies, 0))))
+		}
+		for i := 0; err == nil && i < len(rows); i++ {
+			prev, next := rows[i].p.prev, rows[i].p.next
+			if next == nil {
+				err = w.Delete(key(rows[i]))
+			} else {
+				vb = EncodeEntry(vb[:0], next)
+				err = w.Set(key(rows[i]), vb)
+			}
+			pt, nt := prev.HasTimeKey(), next.HasTimeKey()
+			if pt && (!nt || prev.CommitTime != next.CommitTime) {
+				times = append(times, timeRow{t: prev.CommitTime, i: int32(i), del: true})
+			}
+			if nt && (!pt || prev.CommitTime != next.CommitTime) {
+				times = append(times, timeRow{t: next.CommitTime, i: int32(i)})
+			}
+			pe, ne := prev.HasExpiryKey(), next.HasExpiryKey()
+			if pe && (!ne || prev.ExpiresAt != next.ExpiresAt) {
+				expiries = append(expiries, timeRow{t: prev.ExpiresAt, i: int32(i), del: true})
+			}
+			if ne && (!pe || prev.ExpiresAt != next.ExpiresAt) {
+				expiries = append(expiries, timeRow{t: next.ExpiresAt, i: int32(i)})
+			}
+			if pf, nf := prev != nil && prev.InFlight, next != nil && next.InFlight; pf != nf {
+				doubts = append(doubts, int32(i))
+			}
+		}
 		return err
+	})
+	slices.SortFunc(times, byTimeThenKey)
+	slices.SortFunc(expiries, byTimeThenKey)
+	timeTable := func(trs []timeRow, rowKey func(dst []byte, t int64, entryKey []byte) []byte) error {
+		return table(&ix.indexWriterOpts, func(w *sstable.Writer) error {
+			for _, r := range trs {
+				vb = rowKey(vb[:0], r.t, key(rows[r.i]))
+				var err error
+				if r.del {
+					err = w.Delete(vb)
+				} else {
+					err = w.Set(vb, nil)
+				}
+				if err != nil {
+					return err
+				}
+			}
+			return nil
+		})
 	}
-	// Close finishes the table, fsyncs and closes the file.
-	return w.Close()
+	if err == nil && len(times) > 0 {
+		err = timeTable(times, timeKey)
+	}
+	if err == nil && len(doubts) > 0 {
+		err = table(&ix.indexWriterOpts, func(w *sstable.Writer) error {
+			for _, i := range doubts {
+				vb = inDoubtKey(vb[:0], key(rows[i]))
+				var err error
+				if rows[i].p.next != nil && rows[i].p.next.InFlight {
+					err = w.Set(vb, nil)
+				} else {
+					err = w.Delete(vb)
+				}
+				if err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+	}
+	if err == nil && len(expiries) > 0 {
+		err = timeTable(expiries, expiryKey)
+	}
+	return paths, err
 }
 
 // removeIngestLeftovers deletes sstables a crash left half built.
