@@ -138,9 +138,23 @@ func (e *Engine) applyBatch(batch []*pinnedUpdate, ups []*index.Update) []*index
 			sl.sh.mu.Unlock()
 			continue
 		}
-		for _, t := range u.Transitions {
-			sh := e.shardOf(t.Key)
-			sh.mu.Lock()
+		for i, t := range u.Transitions {
+			var sh *shard
+			if u.slots != nil && u.slots[i] != nil {
+				sl := u.slots[i]
+				sh = sl.sh // key's shard
+				sh.mu.Lock()
+				if !sl.evicted {
+					if sl.dirty == u.LSN {
+						sl.dirty = 0
+					}
+					sh.mu.Unlock()
+					continue
+				}
+			} else {
+				sh = e.shardOf(t.Key)
+				sh.mu.Lock()
+			}
 			if sl := sh.m[string(t.Key)]; sl != nil && sl.dirty == u.LSN {
 				sl.dirty = 0
 			}

@@ -7,6 +7,7 @@ import (
 	mbits "math/bits"
 	"sync"
 	"time"
+	"unsafe"
 
 	"github.com/idemdb/idem/index"
 	"github.com/idemdb/idem/wal"
@@ -93,7 +94,10 @@ type batchCall struct {
 
 // batchItem is a call and what Run found out about it.
 type batchItem struct {
-	*batchCall
+	batchCall
+	// sl is k.key's slot as Run read it (nil: not read through the
+	// table by this item); flush hands it on to spare a lookup.
+	sl   *slot
 	k    reqKey        // Begin, Put: the request's key; Commit, Abort: the claim's
 	fp   []byte        // Begin, Put: the fingerprint as stored
 	wadv []wal.Advance // Put, Commit, Advance: the checked advances
@@ -114,36 +118,114 @@ type batchItem struct {
 
 // engineBatch is the Engine's Batch.
 type engineBatch struct {
-	e     *Engine
-	calls []batchCall
-	items []batchItem // Run's, one per call
+	e *Engine
+	// items holds one item per call, from batchItemsPool; Run gives it
+	// back (n keeps the count for Len).
+	items []batchItem
+	n     int
 	ran   bool
+	bufs  *batchBufs // items' buffers, from batchItemsPool (nil: none yet)
 }
+
+// batchBufs are the buffers of a batch's items, reused: a batch's items
+// are Run's working state only (its results are copied out), so reusing
+// them spares allocating and growing ~500 bytes per item; wadv and keys
+// hold the items' checked advances and keys (batchItem.wadv, keys),
+// which nothing keeps after Run (the record is encoded, the index batch
+// copies what it keeps, the slot map keys are the keys' own bytes).
+type batchBufs struct {
+	items []batchItem
+	wadv  []wal.Advance
+	keys  [][]byte
+}
+
+var batchItemsPool = sync.Pool{New: func() any { return new(batchBufs) }}
+
+// batchItemsPoolMax is the largest item slice (in items) kept for reuse.
+const batchItemsPoolMax = 8192
 
 // NewBatch returns an empty batch of the engine (see Batch).
 func (e *Engine) NewBatch() Batch { return &engineBatch{e: e} }
 
-func (b *engineBatch) Begin(req Request) {
-	b.calls = append(b.calls, batchCall{kind: bBegin, req: req})
+// add adds the call c (after Run: counted but dropped, since Run refuses
+// to run again and the items' memory went back to batchItemsPool).
+func (b *engineBatch) add(c batchCall) {
+	b.n++
+	if b.ran {
+		return
+	}
+	if b.bufs == nil {
+		b.bufs = batchItemsPool.Get().(*batchBufs)
+		b.items = b.bufs.items[:0]
+	}
+	b.items = append(b.items, batchItem{batchCall: c})
 }
+
+func (b *engineBatch) Begin(req Request) { b.add(batchCall{kind: bBegin, req: req}) }
 func (b *engineBatch) Put(req Request, reply []byte, adv ...Advance) {
-	b.calls = append(b.calls, batchCall{kind: bPut, req: req, reply: reply, adv: adv})
+	b.add(batchCall{kind: bPut, req: req, reply: reply, adv: adv})
 }
 func (b *engineBatch) Commit(c *Claim, reply []byte, adv ...Advance) {
-	b.calls = append(b.calls, batchCall{kind: bCommit, claim: c, reply: reply, adv: adv})
+	b.add(batchCall{kind: bCommit, claim: c, reply: reply, adv: adv})
 }
-func (b *engineBatch) Abort(c *Claim) { b.calls = append(b.calls, batchCall{kind: bAbort, claim: c}) }
+func (b *engineBatch) Abort(c *Claim) { b.add(batchCall{kind: bAbort, claim: c}) }
 func (b *engineBatch) Ack(scope string, ids ...[]byte) {
-	b.calls = append(b.calls, batchCall{kind: bAck, scope: scope, ids: ids})
+	b.add(batchCall{kind: bAck, scope: scope, ids: ids})
 }
-func (b *engineBatch) Advance(adv ...Advance) {
-	b.calls = append(b.calls, batchCall{kind: bAdvance, adv: adv})
-}
-func (b *engineBatch) Len() int { return len(b.calls) }
+func (b *engineBatch) Advance(adv ...Advance) { b.add(batchCall{kind: bAdvance, adv: adv}) }
+func (b *engineBatch) Len() int               { return b.n }
 
-// batchBufPool holds the buffers batch records are encoded into (the WAL
-// copies the payload).
-var batchBufPool = sync.Pool{New: func() any { b := make([]byte, 0, 64<<10); return &b }}
+// release gives the items back to batchItemsPool, cleared so that the
+// pool holds no caller's memory.
+func (b *engineBatch) release() {
+	bufs := b.bufs
+	if bufs == nil {
+		return
+	}
+	items := b.items
+	b.items, b.bufs = nil, nil
+	if cap(items) > batchItemsPoolMax || cap(bufs.wadv) > batchItemsPoolMax || cap(bufs.keys) > batchItemsPoolMax {
+		return
+	}
+	clear(items)
+	clear(bufs.wadv[:cap(bufs.wadv)])
+	clear(bufs.keys[:cap(bufs.keys)])
+	bufs.items, bufs.wadv, bufs.keys = items[:0], bufs.wadv[:0], bufs.keys[:0]
+	batchItemsPool.Put(bufs)
+}
+
+// checkAdvances is Engine.checkAdvances into the batch's buffers.
+func (b *engineBatch) checkAdvances(adv []Advance, own []byte) ([]wal.Advance, [][]byte, error) {
+	bufs := b.bufs
+	if len(bufs.wadv) == 0 && len(bufs.keys) == 0 {
+		// Size them for the whole batch at its first advance.
+		n := 0
+		for i := range b.items {
+			n += len(b.items[i].adv)
+		}
+		if cap(bufs.wadv) < n {
+			bufs.wadv = make([]wal.Advance, 0, n)
+		}
+		if cap(bufs.keys) < n+len(b.items) {
+			bufs.keys = make([][]byte, 0, n+len(b.items))
+		}
+	}
+	wadv, keys, err := b.e.checkAdvancesInto(bufs.wadv, bufs.keys, adv, own)
+	if err == nil {
+		bufs.wadv = appendShared(bufs.wadv, len(wadv))
+		bufs.keys = appendShared(bufs.keys, len(keys))
+	}
+	return wadv, keys, err
+}
+
+// appendShared extends s by n elements that a sub-slice of its spare
+// capacity was given out for (by checkAdvancesInto), when they fit.
+func appendShared[T any](s []T, n int) []T {
+	if cap(s)-len(s) >= n {
+		return s[:len(s)+n]
+	}
+	return s
+}
 
 // batchRecordBytes is the encoded size from which Run starts another
 // record (a batch record's operations, besides its head). An item's
@@ -175,14 +257,11 @@ func (b *engineBatch) Run(ctx context.Context) ([]BatchResult, error) {
 		return nil, fmt.Errorf("%w: the batch was run already", ErrInvalidRequest)
 	}
 	b.ran = true
+	defer b.release()
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
 	e := b.e
-	b.items = make([]batchItem, len(b.calls))
-	for i := range b.calls {
-		b.items[i].batchCall = &b.calls[i]
-	}
 	out := make([]BatchResult, len(b.items))
 	var set shardSet
 	for i := range b.items {
@@ -196,16 +275,9 @@ func (b *engineBatch) Run(ctx context.Context) ([]BatchResult, error) {
 		return nil, err
 	}
 	defer e.leave()
-	r := &batchRun{e: e, b: b, out: out, now: e.o.Clock()}
-	r.bt = index.NewBatch(0, e.getLocked, len(b.items))
-	pb := batchBufPool.Get().(*[]byte)
-	r.buf = append((*pb)[:0], make([]byte, wal.MaxBatchHeader)...)
-	defer func() {
-		if cap(r.buf) <= 2*batchRecordBytes {
-			*pb = r.buf[:0]
-			batchBufPool.Put(pb)
-		}
-	}()
+	r := e.getBatchRun(len(b.items))
+	r.b, r.out, r.now = b, out, e.o.Clock()
+	defer e.putBatchRun(r)
 	unlock := e.lockShards(&set)
 	for i := range b.items {
 		if b.items[i].resolved {
@@ -253,7 +325,7 @@ func (b *engineBatch) check(i int, set *shardSet) error {
 			return invalid("reply of %d bytes exceeds %d", len(it.reply), e.o.MaxReplySize)
 		}
 		if len(it.adv) > 0 {
-			if it.wadv, it.keys, err = e.checkAdvances(it.adv, k.key); err != nil {
+			if it.wadv, it.keys, err = b.checkAdvances(it.adv, k.key); err != nil {
 				return err
 			}
 			for _, a := range it.keys[1:] {
@@ -286,7 +358,7 @@ func (b *engineBatch) check(i int, set *shardSet) error {
 		}
 		if len(it.adv) > 0 {
 			var err error
-			if it.wadv, it.keys, err = e.checkAdvances(it.adv, it.k.key); err != nil {
+			if it.wadv, it.keys, err = b.checkAdvances(it.adv, it.k.key); err != nil {
 				it.reopen()
 				return err
 			}
@@ -318,7 +390,7 @@ func (b *engineBatch) check(i int, set *shardSet) error {
 			return nil
 		}
 		var err error
-		if it.wadv, it.keys, err = e.checkAdvances(it.adv, nil); err != nil {
+		if it.wadv, it.keys, err = b.checkAdvances(it.adv, nil); err != nil {
 			return err
 		}
 		for _, k := range it.keys {
@@ -345,18 +417,25 @@ func (b *engineBatch) reopenClaims(from int) {
 }
 
 // batchRun is one Run's work under the locks: the record being built and
-// what the records appended so far need.
+// what the records appended so far need. The engine keeps them for reuse
+// (getBatchRun): the index batch's key map and the record's buffer are
+// sized for the batches seen.
 type batchRun struct {
 	e   *Engine
 	b   *engineBatch
 	out []BatchResult
 	now time.Time
 
-	bt   *index.Batch // the record's transitions so far
-	buf  []byte       // wal.MaxBatchHeader reserved, then the record's operations
-	nops int          // operations in buf
-	cost int          // their wal.BatchCost
-	ops  [2]wal.Op    // the operations of the item being added
+	bt *index.Batch // the record's transitions so far (over get)
+	// reset says that bt holds an appended record: Reset it before use.
+	reset bool
+	// lastKey and lastSl are the key get looked up last and its slot.
+	lastKey []byte
+	lastSl  *slot
+	buf     []byte    // wal.MaxBatchHeader reserved, then the record's operations
+	nops    int       // operations in buf
+	cost    int       // their wal.BatchCost
+	ops     [2]wal.Op // the operations of the item being added
 	// items are the items with operations in the record being built.
 	items []int
 	// first is the first item not in an appended record.
@@ -370,6 +449,70 @@ type batchRun struct {
 	wake  []chan struct{}
 }
 
+// getBatchRun returns a batchRun for a batch of about n items.
+func (e *Engine) getBatchRun(n int) *batchRun {
+	if r, ok := e.batchRuns.Get().(*batchRun); ok {
+		if r.reset {
+			r.bt.Reset(0)
+			r.reset = false
+		}
+		return r
+	}
+	r := &batchRun{e: e}
+	r.bt = index.NewBatch(0, r.get, n)
+	r.buf = make([]byte, wal.MaxBatchHeader, max(64<<10, wal.MaxBatchHeader))
+	return r
+}
+
+// putBatchRun keeps r for the next Run, holding nothing of this one.
+func (e *Engine) putBatchRun(r *batchRun) {
+	if cap(r.buf) > 2*batchRecordBytes {
+		return
+	}
+	r.b, r.out, r.lastKey, r.lastSl = nil, nil, nil, nil
+	r.buf = r.buf[:wal.MaxBatchHeader]
+	r.nops, r.cost, r.first, r.fatal = 0, 0, 0, nil
+	r.st = struct{ misses, takeovers, expired, acked, seq uint64 }{}
+	r.items, r.lsns = r.items[:0], r.lsns[:0]
+	clear(r.wake)
+	r.wake = r.wake[:0]
+	if r.bt.Len() > 0 { // abandoned: the operations added are dropped
+		r.reset = true
+	}
+	e.batchRuns.Put(r)
+}
+
+// get is the table lookup that the run's index batch reads through (the
+// key's shard is locked): it installs a slot with key's bytes as its map
+// key, since a key a batch reads is never changed (validate's,
+// checkAdvances', an index.EntryKey or SeqKey the transitions made), and
+// remembers it for the item being classified.
+func (r *batchRun) get(key []byte, mode byte) (*index.Entry, error) {
+	sl, err := r.e.slotLockedKeep(key, true)
+	if err != nil {
+		return nil, err
+	}
+	r.lastKey, r.lastSl = key, sl
+	return r.e.current(sl, mode), nil
+}
+
+// getItem returns the entry of item it's key as the batch so far leaves
+// it, and notes the key's slot in it.sl when it is read from the table.
+func (r *batchRun) getItem(it *batchItem) (*index.Entry, error) {
+	r.lastSl = nil
+	cur, err := r.bt.Get(it.k.key, it.k.mode)
+	if err == nil && r.lastSl != nil && sameSlice(r.lastKey, it.k.key) {
+		it.sl = r.lastSl
+	}
+	return cur, err
+}
+
+// sameSlice says whether a and b are the same bytes in memory (keys are
+// never changed once made, so the same slice is the same key).
+func sameSlice(a, b []byte) bool {
+	return len(a) == len(b) && len(a) > 0 && unsafe.SliceData(a) == unsafe.SliceData(b)
+}
+
 // item classifies item i against the batch so far and adds its
 // operations to the record. It returns an error only when the run must
 // stop (the current record cannot be built or appended).
@@ -378,7 +521,7 @@ func (r *batchRun) item(i int) error {
 	it.resolved = true
 	switch it.kind {
 	case bBegin, bPut:
-		cur, err := r.bt.Get(it.k.key, it.k.mode)
+		cur, err := r.getItem(it)
 		if err != nil {
 			res.Err = err
 			return nil
@@ -439,7 +582,7 @@ func (r *batchRun) item(i int) error {
 			it.waitRec = it.rec
 		}
 	case bCommit, bAbort:
-		cur, err := r.bt.Get(it.k.key, it.k.mode)
+		cur, err := r.getItem(it)
 		if err != nil {
 			res.Err = err
 			return nil
@@ -537,6 +680,8 @@ func (r *batchRun) add(i int, ops []wal.Op, key []byte, dropEmpty bool) (kept bo
 		if err := r.flush(i); err != nil {
 			return false, err
 		}
+		r.bt.Reset(0)
+		r.reset = false
 		r.buf = append(r.buf, tail...)
 		mark = wal.MaxBatchHeader
 	}
@@ -577,7 +722,7 @@ func (r *batchRun) flush(next int) error {
 	h := wal.AppendBatchHeader(hb[:0], r.now.UnixNano(), r.nops)
 	payload := r.buf[wal.MaxBatchHeader-len(h):]
 	copy(payload, h)
-	lsn, err := e.appendRecord(wal.OpBatch, payload, ts)
+	lsn, err := e.appendRecordSlots(wal.OpBatch, payload, ts, r.slotsFor(ts))
 	if err != nil {
 		return err
 	}
@@ -592,7 +737,11 @@ func (r *batchRun) flush(next int) error {
 		if !it.wake {
 			continue
 		}
-		if sl := e.shardOf(it.k.key).m[string(it.k.key)]; sl != nil && sl.waiters != nil {
+		sl := it.sl
+		if sl == nil || sl.evicted {
+			sl = e.shardOf(it.k.key).m[string(it.k.key)]
+		}
+		if sl != nil && sl.waiters != nil {
 			r.wake = append(r.wake, sl.waiters)
 			sl.waiters = nil
 		}
@@ -600,9 +749,32 @@ func (r *batchRun) flush(next int) error {
 	r.items = r.items[:0]
 	r.buf = r.buf[:wal.MaxBatchHeader]
 	r.nops, r.cost = 0, 0
-	r.bt.Reset(0)
+	r.reset = true // Reset before the next item (none, mostly: then never)
 	r.first = next
 	return nil
+}
+
+// slotsFor returns the slots the items of the record hold for the keys of
+// its transitions ts (nil where unknown), for appendRecordSlots. The
+// transition of an item's own key mostly follows those of the items
+// before it in order, so a cursor over the items finds it; a transition
+// it does not find (a key an ack or advance changed first) is looked up.
+func (r *batchRun) slotsFor(ts []index.Transition) []*slot {
+	slots := make([]*slot, len(ts))
+	c := 0
+	for j := range ts {
+		for look := c; look < len(r.items) && look < c+3; look++ {
+			it := &r.b.items[r.items[look]]
+			if it.sl != nil && sameSlice(ts[j].Key, it.k.key) {
+				if !it.sl.evicted {
+					slots[j] = it.sl
+				}
+				c = look + 1
+				break
+			}
+		}
+	}
+	return slots
 }
 
 // abandon stops the run with err: the items not in an appended record
@@ -640,6 +812,7 @@ func (r *batchRun) finish() {
 		switch it.kind {
 		case bBegin:
 			c := newEngineClaim(e, it.k, r.lsns[it.rec], it.fp, it.lease)
+			c.ec.sl = it.sl // nil, or the key's slot when the run read it (write checks evicted)
 			r.out[i].Result = Result{Status: Fresh, Claim: c, LeaseUntil: it.lease, Seq: it.k.seq, ExpiresAt: it.expires}
 		case bPut:
 			r.out[i].Result = Result{Status: Fresh, LeaseUntil: it.lease, Seq: it.k.seq, ExpiresAt: it.expires}

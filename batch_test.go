@@ -79,8 +79,15 @@ func TestBatchResults(t *testing.T) {
 	if r, err := e.Lookup(ctx, Request{ID: []byte("held")}); err != nil || string(r.Reply) != "r-held" {
 		t.Errorf("held: %v %q %v", r.Status, r.Reply, err)
 	}
+	b.Put(Request{ID: []byte("late")}, nil) // after Run: counted, never run
+	if b.Len() != 10 {
+		t.Errorf("Len after a Put after Run: %d, want 10", b.Len())
+	}
 	if _, err := b.Run(ctx); !errors.Is(err, ErrInvalidRequest) {
 		t.Errorf("second Run: %v", err)
+	}
+	if r, err := e.Lookup(ctx, Request{ID: []byte("late")}); err != nil || r.Status != Absent {
+		t.Errorf("late: %v %v, want absent", r.Status, err)
 	}
 }
 
@@ -207,7 +214,13 @@ func runSteps(t *testing.T, e *Engine, steps []batchStep, open []*Claim, singly 
 	}
 	var out []BatchResult
 	if singly {
-		out = runSingly(e, b.(*engineBatch).calls)
+		bi := b.(*engineBatch)
+		calls := make([]batchCall, len(bi.items))
+		for i := range bi.items {
+			calls[i] = bi.items[i].batchCall
+		}
+		bi.release()
+		out = runSingly(e, calls)
 	} else {
 		var err error
 		if out, err = b.Run(bg); err != nil {
@@ -681,5 +694,72 @@ func TestBatchConcurrent(t *testing.T) {
 	}
 	if claimed < ids/2 {
 		t.Fatalf("only %d of %d ids claimed: the workload did little", claimed, ids)
+	}
+}
+
+// TestBatchAppliedSlotsUnpinned: once the index has applied every batch
+// record, no slot is left pinned (dirty). A batch hands the applier the
+// slot of each key it changed; with a table too small for one slot per
+// shard, a run evicts the slots of its own earlier items and installs new
+// ones when it publishes, and the applier must then look those keys up
+// instead of unpinning the evicted slot (else the live slot stays pinned
+// for good).
+func TestBatchAppliedSlotsUnpinned(t *testing.T) {
+	e := openMem(t, vfs.NewMem(), &Options{CacheSize: 32 << 10})
+	defer e.Close()
+	var held []*Claim
+	for r := 0; r < 40; r++ {
+		b := e.NewBatch()
+		for i := 0; i < 64; i++ {
+			id := []byte(fmt.Sprintf("r%d-%d", r, i))
+			switch i % 4 {
+			case 0:
+				b.Begin(Request{ID: id})
+			case 1:
+				b.Put(Request{ID: id}, []byte("x"), Advance{Client: fmt.Sprint("p", i%8), Seq: uint64(r*64 + i + 1)})
+			default:
+				b.Put(Request{ID: id}, []byte("x"))
+			}
+		}
+		for _, c := range held {
+			b.Commit(c, []byte("c"))
+		}
+		held = held[:0]
+		out, err := b.Run(bg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, o := range out {
+			if o.Err != nil {
+				t.Fatalf("round %d item %d: %v", r, i, o.Err)
+			}
+			if o.Result.Claim != nil {
+				held = append(held, o.Result.Claim)
+			}
+		}
+		// Every item is visible as the run left it (a slot published
+		// after it was evicted would be invisible: Lookup would read the
+		// index, which has not applied the record yet).
+		for i := 0; i < 64; i++ {
+			want := Done
+			if i%4 == 0 {
+				want = InFlight
+			}
+			res, err := e.Lookup(bg, Request{ID: []byte(fmt.Sprintf("r%d-%d", r, i))})
+			if err != nil || res.Status != want {
+				t.Fatalf("round %d: Lookup of item %d: %v %v, want %v", r, i, res.Status, err, want)
+			}
+		}
+	}
+	waitApplied(t, e)
+	for i := range e.shards {
+		sh := &e.shards[i]
+		sh.mu.Lock()
+		for k, sl := range sh.m {
+			if sl.dirty != 0 {
+				t.Errorf("shard %d key %q: slot still pinned by LSN %d after every record was applied", i, k, sl.dirty)
+			}
+		}
+		sh.mu.Unlock()
 	}
 }

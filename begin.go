@@ -197,7 +197,7 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 	// Claim it.
 	op := &wal.Op{}
 	lease, expiresAt := e.claimOp(op, k, &req, fp, cur, now)
-	ts, err := index.Transitions(op, 0, e.getLockedFn)
+	ts, err := sl.sh.transitionsHinted(op, k.key, sl)
 	if err != nil {
 		unlock()
 		return Result{}, k, err

@@ -165,16 +165,37 @@ func (c *Claim) CommitAdvance(ctx context.Context, reply []byte, adv ...Advance)
 // to lock: own (the committed key; nil for none) first, then one per
 // advance.
 func (e *Engine) checkAdvances(adv []Advance, own []byte) ([]wal.Advance, [][]byte, error) {
+	return e.checkAdvancesInto(nil, nil, adv, own)
+}
+
+// checkAdvancesInto is checkAdvances that puts the advances and the keys
+// at the end of wbuf and kbuf when they have the room (a batch's reused
+// buffers), and allocates them otherwise.
+func (e *Engine) checkAdvancesInto(wbuf []wal.Advance, kbuf [][]byte, adv []Advance, own []byte) ([]wal.Advance, [][]byte, error) {
 	if len(adv) > maxAdvances {
 		return nil, nil, invalid("%d advances exceed %d", len(adv), maxAdvances)
 	}
-	keys := make([][]byte, 0, len(adv)+1)
+	nk := len(adv)
+	if own != nil {
+		nk++
+	}
+	var keys [][]byte
+	if l := len(kbuf); cap(kbuf)-l >= nk {
+		keys = kbuf[l : l : l+nk]
+	} else {
+		keys = make([][]byte, 0, nk)
+	}
 	var seen index.KeySet
 	if own != nil {
 		keys = append(keys, own)
 		seen.Add(own)
 	}
-	wadv := make([]wal.Advance, len(adv))
+	var wadv []wal.Advance
+	if l := len(wbuf); cap(wbuf)-l >= len(adv) {
+		wadv = wbuf[l : l+len(adv) : l+len(adv)]
+	} else {
+		wadv = make([]wal.Advance, len(adv))
+	}
 	for i, a := range adv {
 		if a.Client == "" || len(a.Client) > e.o.MaxIDLen || len(a.Scope) > e.o.MaxIDLen {
 			return nil, nil, invalid("advance %d: client name must be 1..%d bytes and scope at most %d (client %d bytes, scope %d)", i, e.o.MaxIDLen, e.o.MaxIDLen, len(a.Client), len(a.Scope))
@@ -334,15 +355,7 @@ func (c *engineClaim) write(typ byte, reply []byte, adv []wal.Advance, keys [][]
 	}
 	op := &wal.Op{}
 	finishOp(op, typ, k, c.lsn, e.o.Clock().UnixNano(), reply, adv)
-	// The claim's own key is the slot in hand: spare hashing and probing
-	// it again (one small allocation, the closure, costs less).
-	get := func(key []byte, mode byte) (*index.Entry, error) {
-		if string(key) == string(k.key) {
-			return e.current(sl, mode), nil
-		}
-		return e.getLocked(key, mode)
-	}
-	ts, err := index.Transitions(op, 0, get)
+	ts, err := sl.sh.transitionsHinted(op, k.key, sl)
 	if err != nil {
 		unlock()
 		return err

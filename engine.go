@@ -64,6 +64,8 @@ type Engine struct {
 	// lookup function (a batch holds it), so a method value made per call
 	// would be an allocation per record.
 	getLockedFn func(key []byte, mode byte) (*index.Entry, error)
+	// batchRuns holds *batchRun for reuse by Batch.Run.
+	batchRuns sync.Pool
 	// mark is the newest forget mark. It is replaced only while every shard
 	// lock is held, so an operation holding one shard lock sees a mark that
 	// agrees with the log order of its own record.
@@ -115,6 +117,13 @@ type shard struct {
 	// unlock is mu.Unlock bound once, so that lockKeys of one key does not
 	// allocate a method value per call.
 	unlock func()
+	e      *Engine // immutable
+	// hintKey and hint (guarded by mu) are the key and slot that getHint
+	// (getHinted bound once) answers without a lookup, while a caller
+	// holding mu computes a record's transitions (transitionsHinted).
+	hintKey []byte
+	hint    *slot
+	getHint func(key []byte, mode byte) (*index.Entry, error)
 }
 
 // slot caches one key's entry. It is pinned (never evicted) while the entry
@@ -160,6 +169,8 @@ func Open(dir string, opts *Options) (*Engine, error) {
 	for i := range e.shards {
 		e.shards[i].m = make(map[string]*slot)
 		e.shards[i].unlock = e.shards[i].mu.Unlock
+		e.shards[i].e = e
+		e.shards[i].getHint = e.shards[i].getHinted
 	}
 	if err := e.lockDir(); err != nil {
 		return nil, err

@@ -24,6 +24,7 @@ import (
 	"github.com/cockroachdb/pebble/v2"
 	"github.com/cockroachdb/pebble/v2/bloom"
 	"github.com/cockroachdb/pebble/v2/vfs"
+	"github.com/idemdb/idem/internal/cputime"
 )
 
 const benchCallers = 64
@@ -67,6 +68,12 @@ func benchDoFresh(b *testing.B, o Options) {
 	b.SetParallelism(parallelism())
 	b.ResetTimer()
 	start := time.Now()
+	// The process's CPU per request (every goroutine: the WAL's flusher,
+	// the applier, Pebble), as BenchmarkBatchPut reports it per item.
+	cpu0 := cputime.Process()
+	defer func() {
+		b.ReportMetric(float64((cputime.Process()-cpu0).Nanoseconds())/float64(b.N), "cpu-ns/op")
+	}()
 	b.RunParallel(func(pb *testing.PB) {
 		for pb.Next() {
 			if _, err := e.Do(bg, Request{ID: g.next()}, fn); err != nil {

@@ -1082,3 +1082,41 @@ func TestUnlockedReadNotInstalledAfterEviction(t *testing.T) {
 		t.Fatalf("second lookup: %v", l.Status)
 	}
 }
+
+// TestPreallocateFollowsSyncMode: on the OS filesystem WAL segments are
+// zero-filled to SegmentSize before use, except under SyncNever (no caller
+// waits for its fsyncs, so it would only write every byte twice) and with
+// NoPreallocate.
+func TestPreallocateFollowsSyncMode(t *testing.T) {
+	const seg = 4 << 20
+	for _, c := range []struct {
+		o        Options
+		prealloc bool
+	}{
+		{Options{Sync: SyncAlways}, true},
+		{Options{Sync: SyncInterval}, true},
+		{Options{Sync: SyncNever}, false},
+		{Options{Sync: SyncAlways, NoPreallocate: true}, false},
+	} {
+		dir := t.TempDir()
+		o := c.o
+		o.SegmentSize = seg
+		e, err := Open(dir, &o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := e.Do(bg, Request{ID: []byte("a")}, func(context.Context) ([]byte, error) { return []byte("r"), nil }); err != nil {
+			t.Fatal(err)
+		}
+		if err := e.Close(); err != nil {
+			t.Fatal(err)
+		}
+		fi, err := os.Stat(filepath.Join(dir, "wal", "00000000000000000001.wal"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := fi.Size() == seg; got != c.prealloc {
+			t.Errorf("Sync %v NoPreallocate %v: first segment is %d bytes (SegmentSize %d), want preallocated %v", o.Sync, o.NoPreallocate, fi.Size(), seg, c.prealloc)
+		}
+	}
+}

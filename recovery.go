@@ -4,7 +4,6 @@ import (
 	"errors"
 	"path/filepath"
 
-	"github.com/cockroachdb/pebble/v2/vfs"
 	"github.com/idemdb/idem/index"
 	"github.com/idemdb/idem/internal/recovery"
 	"github.com/idemdb/idem/wal"
@@ -26,7 +25,7 @@ func (e *Engine) recover(ix *index.Index) (*wal.WAL, error) {
 			FS:           o.FS,
 			Dir:          filepath.Join(e.dir, "wal"),
 			SegmentSize:  o.SegmentSize,
-			Preallocate:  o.FS == vfs.Default && !o.NoPreallocate,
+			Preallocate:  o.preallocate(),
 			SyncMode:     o.Sync.wal(),
 			SyncInterval: o.SyncInterval,
 			// Records are retained (and their slots pinned) until their

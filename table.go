@@ -131,7 +131,12 @@ func (e *Engine) lockAll() func() {
 
 // slotLocked returns key's slot, loading it from the index if needed. The
 // shard's lock must be held.
-func (e *Engine) slotLocked(key []byte) (*slot, error) {
+func (e *Engine) slotLocked(key []byte) (*slot, error) { return e.slotLockedKeep(key, false) }
+
+// slotLockedKeep is slotLocked that, with keep, makes key's bytes the map
+// key of a slot it installs (see installLocked): the caller guarantees
+// that they never change.
+func (e *Engine) slotLockedKeep(key []byte, keep bool) (*slot, error) {
 	sh := e.shardOf(key)
 	if sl := sh.m[string(key)]; sl != nil {
 		return sl, nil
@@ -140,7 +145,7 @@ func (e *Engine) slotLocked(key []byte) (*slot, error) {
 	if err != nil {
 		return nil, wrapCorrupt(err)
 	}
-	return e.installLocked(sh, key, en, false), nil
+	return e.installLocked(sh, key, en, keep), nil
 }
 
 // installLocked puts a slot holding en, as read from the index, into sh
@@ -158,7 +163,7 @@ func (e *Engine) installLocked(sh *shard, key []byte, en *index.Entry, keep bool
 	sh.m[k] = sl
 	sh.installs++
 	sh.bytes += sl.size
-	e.evictLocked(sh, k)
+	e.evictLocked(sh, sl)
 	return sl
 }
 
@@ -222,7 +227,7 @@ func slotSize(key []byte, en *index.Entry) int64 {
 // of CacheSize, never the slot keep (just loaded: its caller is about to use
 // it). Go's map iteration order is random, which makes this a random
 // eviction: cheap, and good enough in front of Pebble's own cache.
-func (e *Engine) evictLocked(sh *shard, keep string) {
+func (e *Engine) evictLocked(sh *shard, keep *slot) {
 	limit := e.o.CacheSize / numShards
 	if sh.bytes <= limit {
 		return
@@ -238,7 +243,7 @@ func (e *Engine) evictLocked(sh *shard, keep string) {
 			return
 		}
 		seen++
-		if sl.dirty != 0 || sl.waiters != nil || sl.inFlight || k == keep {
+		if sl.dirty != 0 || sl.waiters != nil || sl.inFlight || sl == keep {
 			continue
 		}
 		delete(sh.m, k)
@@ -280,6 +285,27 @@ func (e *Engine) expired(en *index.Entry, now time.Time) bool {
 		return true // its TTL ran out: expires_at < now
 	}
 	return e.o.Retention > 0 && en.CommitTime < now.Add(-e.o.Retention).UnixNano()
+}
+
+// transitionsHinted returns the transitions of op, the record of one
+// request whose key is key and whose slot sl the caller holds, with sh
+// (sl's shard) locked: op's own key is read from sl without being looked
+// up again (through sh.getHint, bound once, not a closure made per call:
+// that was an allocation of 160 bytes per commit).
+func (sh *shard) transitionsHinted(op *wal.Op, key []byte, sl *slot) ([]index.Transition, error) {
+	sh.hintKey, sh.hint = key, sl
+	ts, err := index.Transitions(op, 0, sh.getHint)
+	sh.hintKey, sh.hint = nil, nil
+	return ts, err
+}
+
+// getHinted is sh.getHint: getLocked, except for sh.hintKey, whose slot is
+// sh.hint (see transitionsHinted; sh's lock is held).
+func (sh *shard) getHinted(key []byte, mode byte) (*index.Entry, error) {
+	if sh.hint != nil && string(key) == string(sh.hintKey) {
+		return sh.e.current(sh.hint, mode), nil
+	}
+	return sh.e.getLocked(key, mode)
 }
 
 // getLocked is the Transitions callback for the live path: every key it is
@@ -334,6 +360,13 @@ func (e *Engine) appendOpSlot(op *wal.Op, ts []index.Transition, key []byte, sl 
 type pinnedUpdate struct {
 	index.Update
 	slot *slot
+	// slots, for a record of several keys (a batch), holds the slot of
+	// transition i's key as the writer found it (nil: unknown). The
+	// applier unpins through it: a slot not evicted is its key's slot
+	// (only eviction takes a slot out of its map), and one evicted
+	// before it was published is not, so the applier then looks the key
+	// up.
+	slots []*slot
 }
 
 // appendRecord appends the record (kind typ, payload) whose transitions
@@ -354,6 +387,23 @@ func (e *Engine) appendRecordSlot(typ byte, payload []byte, ts []index.Transitio
 	if len(ts) == 1 && sl != nil && !sl.evicted && string(ts[0].Key) == string(key) {
 		up.slot = sl
 	}
+	return e.appendUpdate(typ, payload, up)
+}
+
+// appendRecordSlots is appendRecord for a caller that holds slots, one
+// per transition of ts (nil: unknown), the slots of their keys when it
+// looked them up (a slot evicted since is looked up again). It keeps
+// slots: the applier unpins through them.
+func (e *Engine) appendRecordSlots(typ byte, payload []byte, ts []index.Transition, slots []*slot) (wal.LSN, error) {
+	return e.appendUpdate(typ, payload, &pinnedUpdate{Update: index.Update{Transitions: ts}, slots: slots})
+}
+
+// appendUpdate appends the record (typ, payload) of up, stamps its LSN and
+// publishes its transitions to their slots: up.slot for a record of one
+// key, else up.slots[i] for transition i when set and not evicted, else
+// the key's slot in its shard's map.
+func (e *Engine) appendUpdate(typ byte, payload []byte, up *pinnedUpdate) (wal.LSN, error) {
+	ts := up.Transitions
 	lsn, err := e.w.AppendWith(typ, payload, func(lsn wal.LSN) any {
 		up.LSN = lsn
 		index.Stamp(ts, typ, lsn)
@@ -362,8 +412,15 @@ func (e *Engine) appendRecordSlot(typ byte, payload []byte, ts []index.Transitio
 	if err != nil {
 		return 0, e.failure(err)
 	}
-	for _, t := range ts {
+	for i, t := range ts {
 		tsl := up.slot
+		if tsl == nil && up.slots != nil {
+			// Installing a slot below may have evicted a later one: a
+			// slot is checked just before it is used.
+			if tsl = up.slots[i]; tsl != nil && tsl.evicted {
+				tsl = nil
+			}
+		}
 		if tsl == nil {
 			sh := e.shardOf(t.Key)
 			if tsl = sh.m[string(t.Key)]; tsl == nil {

@@ -193,7 +193,8 @@ func consume(ctx context.Context, src Source, sink *Sink, h Handler, opts Consum
 // ConsumeTwoPhase moves events from src into tp's sink, one checkpoint per
 // fetched batch, until ctx ends or a fatal error. The batch's deliveries
 // are acknowledged only after the checkpoint's transaction is committed
-// and recorded.
+// and recorded; they are acknowledged while the next batch is fetched and
+// checkpointed.
 // opts nil means the defaults; a configuration error is returned at once.
 func ConsumeTwoPhase[Txn any](ctx context.Context, src Source, tp *TwoPhase[Txn], opts *ConsumeOptions) error {
 	opts2, err := consumeOptions(opts)
@@ -204,12 +205,29 @@ func ConsumeTwoPhase[Txn any](ctx context.Context, src Source, tp *TwoPhase[Txn]
 }
 
 func consumeTwoPhase[Txn any](ctx context.Context, src Source, tp *TwoPhase[Txn], opts ConsumeOptions) error {
-	return fetchBatches(ctx, src, opts, func(msgs []Message, backoff *backoff) error {
+	// A checkpoint's deliveries are settled with the broker by a goroutine
+	// while the next batch is fetched and its checkpoint runs (the acks
+	// are the broker's round trips). At most one batch is settling: the
+	// next one waits for it before it settles (OnBatch calls stay in
+	// order).
+	var settling chan error
+	wait := func() error {
+		if settling == nil {
+			return nil
+		}
+		err := <-settling
+		settling = nil
+		return err
+	}
+	err := fetchBatches(ctx, src, opts, func(msgs []Message, backoff *backoff) error {
 		evs := make([]Event, len(msgs))
 		for i := range msgs {
 			evs[i] = msgs[i].Event
 		}
 		outs, err := tp.Checkpoint(ctx, evs)
+		if werr := wait(); werr != nil {
+			return werr
+		}
 		if err != nil {
 			if fatal(err) || ctx.Err() != nil {
 				return err
@@ -232,8 +250,16 @@ func consumeTwoPhase[Txn any](ctx context.Context, src Source, tp *TwoPhase[Txn]
 			}
 			return backoff.wait(ctx)
 		}
-		return ackBatch(ctx, msgs, outs, opts, &tp.poison, nil)
+		settling = make(chan error, 1)
+		go func(done chan<- error) {
+			done <- ackBatch(ctx, msgs, outs, opts, &tp.poison, nil)
+		}(settling)
+		return nil
 	})
+	if werr := wait(); werr != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)) {
+		return werr
+	}
+	return err
 }
 
 // fetchBatches fetches from src until ctx ends and hands each non-empty

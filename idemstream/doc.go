@@ -69,10 +69,11 @@
 // Invoke, PreCommit, Commit, Abort, RecoverAndCommit, RecoverAndAbort)
 // with idem as its log. Checkpoint k runs: look every event of the batch
 // up (redeliveries of committed events are Replayed, events in progress
-// elsewhere Busy; nothing is written); BeginTransaction; record the
+// elsewhere Busy; nothing is written for a batch of redeliveries);
+// BeginTransaction, as soon as the first new event is found; record the
 // opening of k with the transaction handle (record 1, written while the
-// new events are invoked, durable before PreCommit); Invoke each new
-// event; PreCommit; record the checkpoint (record 2: the pre-committed
+// rest of the batch is looked up and the new events are invoked, durable
+// before PreCommit); Invoke each new event; PreCommit; record the checkpoint (record 2: the pre-committed
 // handle, the event ids and the frontier, "state + offsets + txn
 // handle", raising the frontier, and every new event committed by a Put,
 // in one batch); Commit; and only then may the consumer ack the batch.
@@ -172,7 +173,8 @@
 //
 // # Records
 //
-//	scope "idemstream/<sink>"            id = event id -> envelope {version, result, partition, offset, checkpoint, outbox}
+//	scope "idemstream/<sink>"            id = event id -> envelope, a msgpack array [version 1, result, partition, offset,
+//	                                     checkpoint, outbox] (maps keyed by field name, written before, still decode)
 //	scope "idemstream.frontier/<sink>"   client "p:<partition>": its number is the frontier (raised by the event commits,
 //	                                     and by each two-phase checkpoint record)
 //	scope "idemstream.2pc/<name>"        client "ckpt", seq k -> sealed {k, handle, frontier}

@@ -207,8 +207,20 @@ var (
 // eventRecord is the reply committed for an event: the effect's result,
 // the position it came from (the frontier) and its outbox messages, in one
 // record so that one Claim.Commit makes them durable together.
+//
+// It is written as a msgpack array of its six fields in this order, with
+// integers in their shortest form:
+//
+//	[1, result (bin or nil), partition (str), offset, checkpoint, outbox (nil or [{"d": dest, "p": payload}, ...])]
+//
+// Versions before this one wrote a msgpack map keyed by the field names
+// ({"Version": 1, "Result": ..., ...}; the as_array tag they carried was
+// misspelt and had no effect); decodeEventRecord reads both, and a
+// version that wrote maps reads the arrays too (msgpack v5 decodes a
+// struct from an array of its fields in order). The field order and
+// count are frozen: a new field needs a new version.
 type eventRecord struct {
-	_          struct{}        `msgpack:",as_array"`
+	_msgpack   struct{}        `msgpack:",as_array"`
 	Version    uint8           // 1
 	Result     []byte          //
 	Partition  string          //
@@ -221,7 +233,13 @@ const eventRecordVersion = 1
 
 func encodeEventRecord(r *eventRecord) ([]byte, error) {
 	r.Version = eventRecordVersion
-	return msgpack.Marshal(r)
+	var buf bytes.Buffer
+	enc := msgpack.NewEncoder(&buf)
+	enc.UseCompactInts(true)
+	if err := enc.Encode(r); err != nil {
+		return nil, err
+	}
+	return buf.Bytes(), nil
 }
 
 // eventRecordEncoder encodes event records without an outbox (a result,
@@ -233,7 +251,7 @@ type eventRecordEncoder struct{ buf []byte }
 
 // eventRecordOverhead bounds what an event record without an outbox adds
 // to its result and partition.
-const eventRecordOverhead = 96
+const eventRecordOverhead = 32
 
 func (e *eventRecordEncoder) encode(result []byte, checkpoint uint64, partition string, offset uint64) []byte {
 	need := eventRecordOverhead + len(partition) + len(result)
@@ -241,12 +259,23 @@ func (e *eventRecordEncoder) encode(result []byte, checkpoint uint64, partition 
 		e.buf = make([]byte, 0, max(16<<10, need))
 	}
 	start := len(e.buf)
-	// msgpack.Marshal's encoding of the struct (a map by field name;
-	// the version is eventRecordVersion, 1).
-	b := append(e.buf, "\x86\xa7Version\xcc\x01\xa6Result"...)
-	switch n := len(result); {
-	case result == nil:
-		b = append(b, 0xc0)
+	// encodeEventRecord's encoding: an array of 6, version 1.
+	b := append(e.buf, 0x96, eventRecordVersion)
+	b = appendMsgpackBin(b, result)
+	b = appendMsgpackStr(b, partition)
+	b = appendCompactUint(b, offset)
+	b = appendCompactUint(b, checkpoint)
+	b = append(b, 0xc0) // no outbox
+	e.buf = b
+	return b[start:len(b):len(b)]
+}
+
+// appendMsgpackBin appends v as msgpack bin (nil as nil), as msgpack v5
+// encodes a []byte.
+func appendMsgpackBin(b, v []byte) []byte {
+	switch n := len(v); {
+	case v == nil:
+		return append(b, 0xc0)
 	case n < 256:
 		b = append(b, 0xc4, byte(n))
 	case n <= 0xffff:
@@ -254,9 +283,13 @@ func (e *eventRecordEncoder) encode(result []byte, checkpoint uint64, partition 
 	default:
 		b = binary.BigEndian.AppendUint32(append(b, 0xc6), uint32(n))
 	}
-	b = append(b, result...)
-	b = append(b, "\xa9Partition"...)
-	switch n := len(partition); {
+	return append(b, v...)
+}
+
+// appendMsgpackStr appends v as msgpack str, as msgpack v5 encodes a
+// string.
+func appendMsgpackStr(b []byte, v string) []byte {
+	switch n := len(v); {
 	case n < 32:
 		b = append(b, 0xa0|byte(n))
 	case n < 256:
@@ -266,12 +299,35 @@ func (e *eventRecordEncoder) encode(result []byte, checkpoint uint64, partition 
 	default:
 		b = binary.BigEndian.AppendUint32(append(b, 0xdb), uint32(n))
 	}
-	b = append(b, partition...)
-	b = binary.BigEndian.AppendUint64(append(b, "\xa6Offset\xcf"...), offset)
-	b = binary.BigEndian.AppendUint64(append(b, "\xaaCheckpoint\xcf"...), checkpoint)
-	b = append(b, "\xa6Outbox\xc0"...)
-	e.buf = b
-	return b[start:len(b):len(b)]
+	return append(b, v...)
+}
+
+// appendMsgpackLen appends a msgpack array (fix 0x90, 0xdc, 0xdd) or map
+// (fix 0x80, 0xde, 0xdf) header of n elements.
+func appendMsgpackLen(b []byte, fix, c16, c32 byte, n int) []byte {
+	switch {
+	case n < 16:
+		return append(b, fix|byte(n))
+	case n <= 0xffff:
+		return binary.BigEndian.AppendUint16(append(b, c16), uint16(n))
+	}
+	return binary.BigEndian.AppendUint32(append(b, c32), uint32(n))
+}
+
+// appendCompactUint appends n as msgpack's shortest unsigned integer (as
+// an Encoder with UseCompactInts writes it).
+func appendCompactUint(b []byte, n uint64) []byte {
+	switch {
+	case n <= 0x7f:
+		return append(b, byte(n))
+	case n <= 0xff:
+		return append(b, 0xcc, byte(n))
+	case n <= 0xffff:
+		return binary.BigEndian.AppendUint16(append(b, 0xcd), uint16(n))
+	case n <= 0xffffffff:
+		return binary.BigEndian.AppendUint32(append(b, 0xce), uint32(n))
+	}
+	return binary.BigEndian.AppendUint64(append(b, 0xcf), n)
 }
 
 func decodeEventRecord(scope string, id, b []byte) (*eventRecord, error) {
@@ -297,20 +353,29 @@ const sealVersion = 1
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
 func seal(v any, maxBody int) ([]byte, error) {
-	body, err := msgpack.Marshal(v)
-	if err != nil {
-		return nil, err
+	var out []byte
+	if c, ok := v.(*checkpointRecord); ok {
+		out = c.appendBody(make([]byte, sealHeader, sealHeader+c.sizeHint()))
+	} else {
+		body, err := msgpack.Marshal(v)
+		if err != nil {
+			return nil, err
+		}
+		out = append(make([]byte, sealHeader, sealHeader+len(body)), body...)
 	}
+	body := out[sealHeader:]
 	if len(body) > maxBody {
 		return nil, fmt.Errorf("%w: %d bytes, bound %d", ErrTooLarge, len(body), maxBody)
 	}
-	out := make([]byte, 0, 13+len(body))
-	out = append(out, sealMagic...)
-	out = append(out, sealVersion)
-	out = binary.BigEndian.AppendUint32(out, uint32(len(body)))
-	out = binary.BigEndian.AppendUint32(out, crc32.Checksum(body, castagnoli))
-	return append(out, body...), nil
+	copy(out, sealMagic)
+	out[4] = sealVersion
+	binary.BigEndian.PutUint32(out[5:9], uint32(len(body)))
+	binary.BigEndian.PutUint32(out[9:13], crc32.Checksum(body, castagnoli))
+	return out, nil
 }
+
+// sealHeader is the length of a sealed record's header.
+const sealHeader = 13
 
 func unseal(b []byte, maxBody int, v any) error {
 	if len(b) < 13 || !bytes.Equal(b[:4], sealMagic) {

@@ -560,7 +560,7 @@ func (s *Sink) startBatch(ctx context.Context, evs []Event, h Handler, conc int)
 		return sb
 	}
 	// Classify. fresh lists the events to run, with their claims.
-	var fresh []freshEvent
+	fresh := make([]freshEvent, 0, len(items))
 	var replayed []int
 	for j, i := range items {
 		c, o, err := classifyEvent(res[j].Result, res[j].Err, s.scope, who, &evs[i])
@@ -608,8 +608,12 @@ func (sb *sinkBatch) finish() ([]Outcome, []error) {
 	// Finish: commits (with their frontier), releases, and the advances
 	// past replayed deliveries, in one batch.
 	fin := newBatch(s.st)
-	var finItems []*freshEvent
+	finItems := make([]*freshEvent, 0, len(fresh))
 	var enc eventRecordEncoder
+	// The commits' advances, from one allocation, and their clients, one
+	// string per partition.
+	advs := make([]idem.Advance, len(fresh))
+	var client, clientOf string
 	for n := range fresh {
 		r := &fresh[n]
 		ev := &evs[r.i]
@@ -619,7 +623,11 @@ func (sb *sinkBatch) finish() ([]Outcome, []error) {
 				r.rec = enc.encode(r.eff.Result, 0, ev.Partition, ev.Offset)
 			}
 			if ev.Offset != 0 {
-				fin.Commit(r.claim, r.rec, idem.Advance{Scope: s.fscope, Client: frontierClient(ev.Partition), Seq: ev.Offset})
+				if client == "" || clientOf != ev.Partition {
+					client, clientOf = frontierClient(ev.Partition), ev.Partition
+				}
+				advs[n] = idem.Advance{Scope: s.fscope, Client: client, Seq: ev.Offset}
+				fin.Commit(r.claim, r.rec, advs[n:n+1:n+1]...)
 			} else {
 				fin.Commit(r.claim, r.rec)
 			}

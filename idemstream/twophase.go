@@ -2,9 +2,11 @@ package idemstream
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -144,9 +146,11 @@ type unfinishedCheckpoint struct {
 
 // eventClaim is a distinct event of a checkpoint's batch.
 type eventClaim struct {
-	ev  Event
-	req idem.Request // its request (id, fingerprint, TTL)
-	idx []int        // positions in the batch (a batch may repeat an id)
+	ev    Event
+	req   idem.Request // its request (id, fingerprint, TTL)
+	idx   []int        // positions in the batch (a batch may repeat an id)
+	fresh bool         // looked up absent: to run
+	err   error        // the lookup's
 }
 
 type openRecord struct {
@@ -166,6 +170,60 @@ type checkpointRecord struct {
 	// redeliveries will make.
 	Fingerprints [][]byte          `msgpack:"p,omitempty"`
 	Frontier     map[string]uint64 `msgpack:"f"`
+}
+
+// appendBody appends r's msgpack encoding, as msgpack.Marshal writes it
+// (a map keyed by the tags, integers as uint64) but for the frontier's
+// partitions, which come sorted (Marshal's follow the map's random
+// order): a checkpoint lists every event of its batch, and reflection
+// over them cost as much as the rest of the coordinator's own work.
+func (r *checkpointRecord) appendBody(b []byte) []byte {
+	fields := 4
+	if len(r.Fingerprints) > 0 {
+		fields = 5
+	}
+	b = append(b, 0x80|byte(fields), 0xa1, 'k', 0xcf)
+	b = binary.BigEndian.AppendUint64(b, r.K)
+	b = appendMsgpackBin(append(b, 0xa1, 'h'), r.Handle)
+	b = appendBinList(append(b, 0xa1, 'e'), r.Events)
+	if fields == 5 {
+		b = appendBinList(append(b, 0xa1, 'p'), r.Fingerprints)
+	}
+	b = append(b, 0xa1, 'f')
+	if r.Frontier == nil {
+		return append(b, 0xc0)
+	}
+	parts := make([]string, 0, len(r.Frontier))
+	for p := range r.Frontier {
+		parts = append(parts, p)
+	}
+	slices.Sort(parts)
+	b = appendMsgpackLen(b, 0x80, 0xde, 0xdf, len(parts))
+	for _, p := range parts {
+		b = binary.BigEndian.AppendUint64(append(appendMsgpackStr(b, p), 0xcf), r.Frontier[p])
+	}
+	return b
+}
+
+// sizeHint is about the length of r's body.
+func (r *checkpointRecord) sizeHint() int {
+	n := 64 + len(r.Handle) + 34*len(r.Fingerprints) + 10*len(r.Events)
+	for _, id := range r.Events {
+		n += len(id)
+	}
+	return n
+}
+
+// appendBinList appends l as a msgpack array of bin (nil as nil).
+func appendBinList(b []byte, l [][]byte) []byte {
+	if l == nil {
+		return append(b, 0xc0)
+	}
+	b = appendMsgpackLen(b, 0x90, 0xdc, 0xdd, len(l))
+	for _, v := range l {
+		b = appendMsgpackBin(b, v)
+	}
+	return b
 }
 
 type markerRecord struct {
@@ -599,38 +657,44 @@ func (t *TwoPhase[Txn]) Checkpoint(ctx context.Context, events []Event) ([]Outco
 			return nil, err
 		}
 	}
-	outs, fresh, err := t.lookupBatch(ctx, events)
-	if err != nil || len(fresh) == 0 {
-		return outs, err
-	}
 	// The sink's calls get ctx; the coordinator's records are written even
 	// if ctx ends meanwhile, so that a shutdown finishes or aborts the
 	// checkpoint in progress rather than leaving its outcome unknown.
 	k := t.last + 1
-	txn, err := t.sink.BeginTransaction(ctx, k)
-	if err != nil {
-		return nil, fmt.Errorf("idemstream: two-phase %q: BeginTransaction(%d): %w", t.name, k, err)
+	var (
+		txn      Txn
+		begun    bool
+		beginErr error
+		opened   chan error
+	)
+	// begin begins checkpoint k's transaction and starts recording its
+	// opening (the handle, durable before PreCommit: a crash before
+	// leaves a transaction that recovery aborts by checkpoint id, or from
+	// this record). It runs once the first new event is found, so that
+	// the opening's write overlaps the rest of the lookups and the
+	// Invokes, and never for a batch of redeliveries (which writes
+	// nothing).
+	begin := func() {
+		txn, beginErr = t.sink.BeginTransaction(ctx, k)
+		if beginErr != nil {
+			beginErr = fmt.Errorf("idemstream: two-phase %q: BeginTransaction(%d): %w", t.name, k, beginErr)
+			return
+		}
+		handle, err := t.encodeHandle(txn)
+		var open []byte
+		if err == nil {
+			open, err = seal(&openRecord{K: k, Handle: handle, Frontier: t.frontier}, maxSealedBytes)
+		}
+		if err != nil {
+			_ = t.sink.Abort(context.WithoutCancel(ctx), txn)
+			beginErr = fmt.Errorf("idemstream: two-phase %q: recording checkpoint %d's transaction: %w", t.name, k, err)
+			return
+		}
+		opened = make(chan error, 1)
+		go func() { opened <- t.open(ctx, k, open) }()
+		t.last = k
+		begun = true
 	}
-	frontier := make(map[string]uint64, len(t.frontier)+1)
-	for p, o := range t.frontier {
-		frontier[p] = o
-	}
-	handle, err := t.encodeHandle(txn)
-	var open []byte
-	if err == nil {
-		open, err = seal(&openRecord{K: k, Handle: handle, Frontier: t.frontier}, maxSealedBytes)
-	}
-	if err != nil {
-		_ = t.sink.Abort(context.WithoutCancel(ctx), txn)
-		return nil, fmt.Errorf("idemstream: two-phase %q: recording checkpoint %d's transaction: %w", t.name, k, err)
-	}
-	// Open checkpoint k: its handle is recorded while the events are
-	// invoked, and durable before PreCommit (a crash before leaves a
-	// transaction that recovery aborts by checkpoint id, or from this
-	// record).
-	opened := make(chan error, 1)
-	go func() { opened <- t.open(ctx, k, open) }()
-	t.last = k
 	waitOpen := func() error {
 		if err := <-opened; err != nil {
 			// Whether the opening is durable is unknown: recovery decides.
@@ -653,6 +717,26 @@ func (t *TwoPhase[Txn]) Checkpoint(ctx context.Context, events []Event) ([]Outco
 			return fmt.Errorf("%w: %v (and recording the abort: %v)", ErrNeedsRecovery, cause, err)
 		}
 		return cause
+	}
+	outs, fresh, err := t.lookupBatch(ctx, events, begin)
+	switch {
+	case beginErr != nil: // begin failed: nothing begun
+		return nil, beginErr
+	case err != nil && begun:
+		if err := waitOpen(); err != nil {
+			return nil, err
+		}
+		return nil, abortTxn(err)
+	case err != nil || len(fresh) == 0:
+		return outs, err
+	case !begun:
+		if begin(); beginErr != nil {
+			return nil, beginErr
+		}
+	}
+	frontier := make(map[string]uint64, len(t.frontier)+1)
+	for p, o := range t.frontier {
+		frontier[p] = o
 	}
 	for _, c := range fresh {
 		if err := t.sink.Invoke(ctx, txn, c.ev); err != nil {
@@ -680,7 +764,7 @@ func (t *TwoPhase[Txn]) Checkpoint(ctx context.Context, events []Event) ([]Outco
 	// The checkpoint, in one record: the pre-committed handle, the event
 	// ids (and fingerprints) and the frontier, with the frontier's
 	// advances, then every event committed (Put).
-	handle, err = t.encodeHandle(txn)
+	handle, err := t.encodeHandle(txn)
 	if err != nil {
 		return nil, abortTxn(err)
 	}
@@ -788,8 +872,10 @@ func (t *TwoPhase[Txn]) recordCheckpoint(ctx context.Context, k uint64, handle [
 // conflict or a corrupt record) and the fresh events, one per distinct id.
 // Only this coordinator commits in its event scope (one per name and
 // store), so an event absent here is still absent when the checkpoint is
-// recorded.
-func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event) ([]Outcome, []*eventClaim, error) {
+// recorded. firstFresh, if not nil, is called once, from this goroutine,
+// as soon as a fresh event is found (on a store without batches, whose
+// lookups run concurrently: after them).
+func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event, firstFresh func()) ([]Outcome, []*eventClaim, error) {
 	outs := make([]Outcome, len(events))
 	byID := make(map[string]*eventClaim, len(events))
 	order := make([]*eventClaim, 0, len(events))
@@ -809,48 +895,53 @@ func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event) ([]Outc
 		c := &all[i]
 		idx[i] = i
 		*c = eventClaim{ev: *ev, idx: idx[i : i+1 : i+1]} // a repeat appends to a copy
+		c.req = eventRequestFP(t.escope, &c.ev, t.opts.NoFingerprint, t.opts.TTL, &fps)
 		byID[string(ev.ID)] = c
 		order = append(order, c)
 	}
-	res := make([]Outcome, len(order))
-	errs := make([]error, len(order))
-	fresh := make([]bool, len(order))
+	// lookup classifies order[j]: fresh, or its outcome (at its first
+	// position) or error.
 	lookup := func(j int) {
 		c := order[j]
 		r, err := t.st.Lookup(ctx, c.req)
-		var claim *idem.Claim
-		claim, res[j], errs[j] = classifyEvent(r, err, t.escope, t.who, &c.ev)
-		fresh[j] = errs[j] == nil && claim == nil && r.Status == idem.Absent
-	}
-	for _, c := range order {
-		c.req = eventRequestFP(t.escope, &c.ev, t.opts.NoFingerprint, t.opts.TTL, &fps)
+		_, o, err := classifyEvent(r, err, t.escope, t.who, &c.ev)
+		c.err, c.fresh = err, err == nil && r.Status == idem.Absent
+		if err == nil && !c.fresh {
+			o.outbox = nil
+			outs[c.idx[0]] = o
+		}
 	}
 	if _, ok := t.st.(idem.Batcher); ok {
 		// An embedded engine answers from memory: no goroutines.
 		for j := range order {
 			lookup(j)
+			if firstFresh != nil && order[j].fresh {
+				firstFresh()
+				firstFresh = nil
+			}
 		}
 	} else {
 		parallelN(len(order), 64, lookup)
 	}
-	var out []*eventClaim
-	for j, c := range order {
-		o := res[j]
-		switch err := errs[j]; {
+	fresh := make([]*eventClaim, 0, len(order))
+	for _, c := range order {
+		switch err := c.err; {
 		case errors.Is(err, ErrConflict) || errors.Is(err, ErrCorruptRecord):
-			o = Outcome{Status: Failed, Err: err, Partition: c.ev.Partition, Offset: c.ev.Offset}
+			outs[c.idx[0]] = Outcome{Status: Failed, Err: err, Partition: c.ev.Partition, Offset: c.ev.Offset}
 		case err != nil:
 			return nil, nil, err
-		case fresh[j]:
-			out = append(out, c)
+		case c.fresh:
+			fresh = append(fresh, c)
 			continue
 		}
-		o.outbox = nil
-		for _, i := range c.idx {
-			outs[i] = o
+		for _, i := range c.idx[1:] {
+			outs[i] = outs[c.idx[0]]
 		}
 	}
-	return outs, out, nil
+	if len(fresh) > 0 && firstFresh != nil {
+		firstFresh()
+	}
+	return outs, fresh, nil
 }
 
 // finishUnfinished commits the sink's transaction of a recorded checkpoint

@@ -444,3 +444,65 @@ func TestTwoPhaseRecordsBounded(t *testing.T) {
 		t.Fatalf("after the TTL the event runs again: %+v", out[0])
 	}
 }
+
+// lookupFailStore is an engine (with its batches) whose Lookup of one id
+// fails.
+type lookupFailStore struct {
+	*idem.Engine
+	failID atomic.Pointer[string]
+}
+
+var errLookupFailed = errors.New("test: lookup failed")
+
+func (s *lookupFailStore) Lookup(ctx context.Context, req idem.Request) (idem.Result, error) {
+	if id := s.failID.Load(); id != nil && string(req.ID) == *id {
+		return idem.Result{}, errLookupFailed
+	}
+	return s.Engine.Lookup(ctx, req)
+}
+
+// TestCheckpointLookupFailsAfterBegin: the checkpoint's transaction begins
+// (and its opening is written) at the first new event found, while the
+// rest of the batch is looked up; a lookup that fails after that aborts
+// the transaction and records the abort, and the coordinator goes on:
+// the next checkpoint commits the batch, each event once.
+func TestCheckpointLookupFailsAfterBegin(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	w := newWorld()
+	st := &lookupFailStore{Engine: openEngine(t, w.mem, nil)}
+	defer st.Close()
+	l := newTxnLedger(w)
+	tp, _, err := NewTwoPhase[*ledgerTxn](ctx, st, "tx", l, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	evs := makeEvents(8, 2, 0)
+	bad := string(evs[5].ID)
+	st.failID.Store(&bad)
+	if _, err := tp.Checkpoint(ctx, evs); !errors.Is(err, errLookupFailed) || errors.Is(err, ErrNeedsRecovery) {
+		t.Fatalf("checkpoint with a failing lookup: %v, want the lookup's error", err)
+	}
+	l.mu.Lock()
+	began := len(l.txns)
+	l.mu.Unlock()
+	if began != 1 || tp.LastCheckpoint() != 1 {
+		t.Fatalf("%d transactions begun, checkpoint %d: want checkpoint 1 begun before the failing lookup", began, tp.LastCheckpoint())
+	}
+	l.check(t) // aborted, not left open
+	if res, err := st.Lookup(ctx, idem.Request{Scope: twoPhaseScope("tx"), ID: ckptID("a", 1)}); err != nil || res.Status != idem.Done {
+		t.Fatalf("abort of checkpoint 1 not recorded: %v %v", res.Status, err)
+	}
+	st.failID.Store(nil)
+	outs, err := tp.Checkpoint(ctx, evs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, o := range outs {
+		if o.Status != Applied || o.Checkpoint != 2 {
+			t.Fatalf("event %s: %+v, want applied in checkpoint 2", evs[i].ID, o)
+		}
+	}
+	l.check(t)
+	checkExactlyOnce(t, l.committed, evs)
+}
