@@ -138,6 +138,9 @@ func TestSortEntryRows(t *testing.T) {
 	alphabet := []byte{0, 1, 0xff, 'a'}
 	for round := range 200 {
 		n := 1 + rng.IntN(60)
+		if round%2 == 1 {
+			n += 64 + rng.IntN(300) // the radix sort's sizes
+		}
 		prefix := strings.Repeat("p", rng.IntN(4))
 		rows := make([]entryRow, n)
 		for i := range rows {
@@ -154,6 +157,28 @@ func TestSortEntryRows(t *testing.T) {
 		for i := 1; i < len(rows); i++ {
 			if a, b := rows[i-1].p.key, rows[i].p.key; strings.Compare(a, b) > 0 {
 				t.Fatalf("round %d: %x sorted before %x", round, a, b)
+			}
+		}
+	}
+}
+
+// TestSortTimeRows: time rows made in key order come out by time, then key
+// (their byte order in the time index), negative times included.
+func TestSortTimeRows(t *testing.T) {
+	rng := rand.New(rand.NewPCG(5, 6))
+	for round := range 100 {
+		trs := make([]timeRow, rng.IntN(400))
+		for i := range trs {
+			trs[i] = timeRow{t: rng.Int64N(2000) - 1000, i: int32(i)}
+			if round%3 == 0 {
+				trs[i].t <<= 50 // differences in the high bytes only
+			}
+		}
+		sortTimeRows(trs)
+		for j := 1; j < len(trs); j++ {
+			a, b := trs[j-1], trs[j]
+			if a.t > b.t || a.t == b.t && a.i > b.i {
+				t.Fatalf("round %d: (%d, %d) sorted before (%d, %d)", round, a.t, a.i, b.t, b.i)
 			}
 		}
 	}
