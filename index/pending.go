@@ -22,13 +22,14 @@ import (
 // costs one map probe, where a seek in a 32 MiB memtable skiplist costs tens
 // of cache misses, and nearly every lookup is of a fresh id that must be
 // looked for everywhere). When the set reaches IngestBytes it is frozen, and
-// a background goroutine writes it as one sorted sstable and ingests it
-// into Pebble (DB.Ingest: the file is fsynced, linked in, and recorded in
-// the MANIFEST atomically). A new set takes the writes meanwhile; lookups
-// read the mutable set, then the frozen one, then Pebble.
+// a background goroutine writes it as sorted sstables (one per key group:
+// see writeSSTs) and ingests them into Pebble (DB.Ingest: the files are
+// fsynced, linked in, and recorded in the MANIFEST atomically, in one
+// edit). A new set takes the writes meanwhile; lookups ask the key filter,
+// then read the mutable set, then the frozen one, then Pebble.
 //
-// Crash safety is unchanged: the sstable carries the applied LSN, the
-// counts and every row of its updates, so Pebble holds some prefix of the
+// Crash safety is unchanged: the sstables carry the applied LSN, the
+// counts and every row of their updates, so Pebble holds some prefix of the
 // applied records (whole sets, in order) and replay redoes the rest. The
 // few writes that still go through Pebble batches (forget marks, Load, the
 // format version) are flushed before the next ingest, so that an ingested
