@@ -3,6 +3,9 @@ package idemraft
 import (
 	"context"
 	"fmt"
+	"hash/maphash"
+	"math/bits"
+	"sync"
 
 	"github.com/hashicorp/raft"
 	"github.com/idemdb/idem"
@@ -39,10 +42,23 @@ var _ raft.BatchingFSM = (*FSM)(nil)
 func (f *FSM) ApplyBatch(logs []*raft.Log) []any {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
-	a := batchApply{f: f, logs: logs, out: make([]any, len(logs)), clk: f.now.Load()}
+	a := batchApplyPool.Get().(*batchApply)
+	a.f, a.logs, a.out, a.clk = f, logs, make([]any, len(logs)), f.now.Load()
 	a.run()
-	return a.out
+	out := a.out
+	a.f, a.logs, a.out = nil, nil, nil
+	batchApplyPool.Put(a)
+	return out
 }
+
+// batchApplyPool holds batchApply values between ApplyBatch calls, with
+// their slices and map, so that a call allocates per run of entries
+// rather than per entry. What they held is cleared at each reset: a
+// pooled value keeps no log entry, request or result alive.
+var batchApplyPool = sync.Pool{New: func() any { return new(batchApply) }}
+
+// maxKeptEnvs bounds the envelope buffer a pooled batchApply keeps.
+const maxKeptEnvs = 1 << 20
 
 // batchApply is one ApplyBatch call.
 type batchApply struct {
@@ -58,7 +74,17 @@ type batchApply struct {
 	pending []runEntry
 	fresh   int   // new requests in the run
 	freshAt int64 // their log time (the clock of all of them)
-	written map[reqKey]struct{}
+	// written holds the keyHash of every key a new request of the run
+	// writes. A hash shared by two keys only ends a run early, which
+	// changes no result (the results do not depend on where runs end).
+	written map[uint64]struct{}
+
+	// Scratch of flush, kept for the next run (cleared after each).
+	results []any  // the application's results by run position
+	items   []int  // run positions of the engine batch's items
+	ends    []int  // where each item's envelope ends in envs
+	envs    []byte // the items' envelopes, back to back (the engine copies them)
+	appPos  []int  // run positions of the entries given to the application's ApplyBatch
 }
 
 // runEntry is an entry of the run: a new request (d set), a command with
@@ -79,19 +105,24 @@ const (
 	runAnswered                // a command answered without the application (duplicate, refused)
 )
 
-// reqKey names what a request reads in the dedup set: its id, or its
-// client in sequence mode (whose older replies live under the client).
-type reqKey struct {
-	scope  string
-	client bool
-	ident  string
-}
+// keySeed seeds keyHash. Replicas need not agree on it: a hash only
+// decides where a run ends, never a result.
+var keySeed = maphash.MakeSeed()
 
-func keyOf(req *idem.Request) reqKey {
-	if req.Client != "" {
-		return reqKey{scope: req.Scope, client: true, ident: req.Client}
+// keyHash hashes a key a request reads in the dedup set: an id, or in
+// sequence mode its client's name (the client's older replies live under
+// it), in scope.
+func keyHash(scope string, id []byte, client string) uint64 {
+	var h uint64
+	if client != "" {
+		h = ^maphash.String(keySeed, client)
+	} else {
+		h = maphash.Bytes(keySeed, id)
 	}
-	return reqKey{scope: req.Scope, ident: string(req.ID)}
+	if scope != "" {
+		h ^= bits.RotateLeft64(maphash.String(keySeed, scope), 17)
+	}
+	return h
 }
 
 func (a *batchApply) run() {
@@ -134,7 +165,7 @@ func (a *batchApply) run() {
 			a.out[i] = resp
 			continue
 		}
-		k := keyOf(&d.req)
+		k := keyHash(d.req.Scope, d.req.ID, d.req.Client)
 		if _, dep := a.written[k]; dep || a.fresh > 0 && a.clk != a.freshAt {
 			a.flush()
 			if f.Err() != nil {
@@ -153,11 +184,11 @@ func (a *batchApply) run() {
 			continue
 		}
 		if a.written == nil {
-			a.written = make(map[reqKey]struct{})
+			a.written = make(map[uint64]struct{})
 		}
 		a.written[k] = struct{}{}
 		for _, id := range d.req.Acked {
-			a.written[reqKey{scope: d.req.Scope, ident: string(id)}] = struct{}{}
+			a.written[keyHash(d.req.Scope, id, "")] = struct{}{}
 		}
 		a.pending = append(a.pending, runEntry{i: i, kind: runFresh, d: d})
 		a.fresh++
@@ -212,7 +243,12 @@ func (a *batchApply) setRefused(i int) {
 }
 
 func (a *batchApply) reset() {
+	clear(a.pending) // drop the references to log entries and results
 	a.pending = a.pending[:0]
+	clear(a.results)
+	if cap(a.envs) > maxKeptEnvs {
+		a.envs = nil
+	}
 	a.fresh = 0
 	clear(a.written)
 }
@@ -232,21 +268,23 @@ func (a *batchApply) flush() {
 		a.refuseRest()
 		return
 	}
-	results := a.applyApp()
-	if results == nil {
+	if !a.applyApp() {
 		a.refuseRest()
 		return
 	}
-	resps := make([]*Response, len(a.pending))
-	ok := a.write(results, resps)
+	// One allocation for the Responses of the run's new requests.
+	resps := make([]Response, a.fresh)
+	ok := a.write(resps)
+	n := 0
 	for p, r := range a.pending {
 		switch {
 		case r.kind == runApp:
-			a.out[r.i] = results[p]
+			a.out[r.i] = a.results[p]
 		case !ok:
 			a.out[r.i] = &Response{Err: f.Err()}
 		case r.kind == runFresh:
-			a.out[r.i] = resps[p]
+			a.out[r.i] = &resps[n]
+			n++
 		default:
 			a.out[r.i] = r.resp
 		}
@@ -255,30 +293,40 @@ func (a *batchApply) flush() {
 }
 
 // write commits the replies of the run's new requests (the application's
-// results by run position) in one engine batch, and sets their Responses
-// in resps. It reports false once the FSM has stopped.
-func (a *batchApply) write(results []any, resps []*Response) bool {
+// results, a.results by run position) in one engine batch, and sets their
+// Responses in resps, in run order. It reports false once the FSM has
+// stopped.
+func (a *batchApply) write(resps []Response) bool {
 	f := a.f
 	b := f.cur.e.NewBatch()
-	var items []int // run positions of b's items
+	a.items, a.ends, a.envs = a.items[:0], a.ends[:0], a.envs[:0]
 	for p := range a.pending {
-		r := &a.pending[p]
-		if r.kind != runFresh {
+		if a.pending[p].kind != runFresh {
 			continue
 		}
-		env, resp := resultEnvelope(results[p], f.eopts.MaxReplySize)
-		resps[p] = resp
-		b.Put(r.d.req, encodeEnvelope(env))
-		items = append(items, p)
+		var env envelope
+		env, resps[len(a.items)] = resultEnvelope(a.results[p], f.eopts.MaxReplySize)
+		a.envs = appendEnvelope(a.envs, env)
+		a.items = append(a.items, p)
+		a.ends = append(a.ends, len(a.envs))
 	}
-	if len(items) == 0 {
+	if len(a.items) == 0 {
 		return true
 	}
+	// The envelopes are added once all are encoded (envs no longer grows).
+	// The engine copies a reply it is given (idem.Result.Reply; its
+	// TestCommitCopiesReply covers Batch.Put), so envs is reused by the
+	// next run.
+	from := 0
+	for n, p := range a.items {
+		b.Put(a.pending[p].d.req, a.envs[from:a.ends[n]:a.ends[n]])
+		from = a.ends[n]
+	}
 	out, err := b.Run(context.Background())
-	for n := 0; err == nil && n < len(items); n++ {
+	for n := 0; err == nil && n < len(a.items); n++ {
 		switch {
 		case n >= len(out):
-			err = fmt.Errorf("the engine batch gave %d results for %d items", len(out), len(items))
+			err = fmt.Errorf("the engine batch gave %d results for %d items", len(out), len(a.items))
 		case out[n].Err != nil:
 			err = out[n].Err
 		case out[n].Result.Status != idem.Fresh:
@@ -286,67 +334,74 @@ func (a *batchApply) write(results []any, resps []*Response) bool {
 		}
 	}
 	if err != nil {
-		f.fail(a.logs[a.pending[items[0]].i].Index, err)
+		f.fail(a.logs[a.pending[a.items[0]].i].Index, err)
 		return false
 	}
-	f.applied.Add(uint64(len(items)))
+	f.applied.Add(uint64(len(a.items)))
 	return true
 }
 
 // applyApp hands the run's entries for the application to it, in log
 // order: in one ApplyBatch call when it implements raft.BatchingFSM, else
 // one Apply per entry (and StoreConfiguration for a configuration change,
-// as raft does). It returns the results by run position (nil where an
-// entry did not go to the application), or nil once the FSM has stopped.
-func (a *batchApply) applyApp() []any {
+// as raft does). It sets a.results, the results by run position (nil
+// where an entry did not go to the application), and reports false once
+// the FSM has stopped.
+func (a *batchApply) applyApp() bool {
 	f := a.f
-	results := make([]any, len(a.pending))
+	a.results = append(a.results[:0], make([]any, len(a.pending))...)
+	// The application gets a new request's entry with the operation as its
+	// Data: copies of the run's entries, made in one allocation. They are
+	// the application's to keep, as raft's own entries are.
+	entries := make([]raft.Log, a.fresh)
+	fresh := func(l *raft.Log, op []byte) *raft.Log {
+		e := &entries[0]
+		entries = entries[1:]
+		*e = *l
+		e.Data = op
+		return e
+	}
 	if f.batchApp == nil {
 		for p, r := range a.pending {
 			l := a.logs[r.i]
 			switch {
 			case r.kind == runFresh:
-				entry := *l
-				entry.Data = r.d.op
-				results[p] = f.app.Apply(&entry)
+				a.results[p] = f.app.Apply(fresh(l, r.d.op))
 			case r.kind == runAnswered:
 			case l.Type == raft.LogCommand:
-				results[p] = f.app.Apply(l)
+				a.results[p] = f.app.Apply(l)
 			case l.Type == raft.LogConfiguration:
 				if cs, ok := f.app.(raft.ConfigurationStore); ok {
 					cs.StoreConfiguration(l.Index, raft.DecodeConfiguration(l.Data))
 				}
 			}
 		}
-		return results
+		return true
 	}
-	var (
-		logs []*raft.Log
-		pos  []int
-	)
+	a.appPos = a.appPos[:0]
+	// The application's slice: raft gives ApplyBatch a new one each time too.
+	logs := make([]*raft.Log, 0, len(a.pending))
 	for p, r := range a.pending {
 		switch r.kind {
 		case runFresh:
-			entry := *a.logs[r.i]
-			entry.Data = r.d.op
-			logs = append(logs, &entry)
+			logs = append(logs, fresh(a.logs[r.i], r.d.op))
 		case runApp:
 			logs = append(logs, a.logs[r.i])
 		default:
 			continue
 		}
-		pos = append(pos, p)
+		a.appPos = append(a.appPos, p)
 	}
 	if len(logs) == 0 {
-		return results
+		return true
 	}
 	out := f.batchApp.ApplyBatch(logs)
 	if len(out) != len(logs) {
 		f.fail(logs[0].Index, fmt.Errorf("the application's ApplyBatch returned %d results for %d entries", len(out), len(logs)))
-		return nil
+		return false
 	}
-	for n, p := range pos {
-		results[p] = out[n]
+	for n, p := range a.appPos {
+		a.results[p] = out[n]
 	}
-	return results
+	return true
 }

@@ -341,3 +341,45 @@ func TestApplyBatchStopsOnEngineFailure(t *testing.T) {
 		t.Fatalf("the application got entries after the failure: %+v, was %+v", got, before)
 	}
 }
+
+// TestDedupSetKeepsNoLogBytes: the decoder reads a command in place (the
+// id, acked ids and operation are slices of the entry's data), so nothing
+// the dedup set keeps may point into an entry: after ApplyBatch and Apply
+// return, scribbling over every entry's data changes no answer. Raft's
+// log stores own their entries' bytes, but an application may reuse the
+// buffer it gave raft.Apply once the entry is applied.
+func TestDedupSetKeepsNoLogBytes(t *testing.T) {
+	f := wrapSmall(t, newCounterFSM())
+	var logs []*raft.Log
+	var reqs []idem.Request
+	for i := range 40 {
+		req := idem.Request{Scope: "s", ID: []byte("id-" + strconv.Itoa(i)), Fingerprint: []byte("fp-" + strconv.Itoa(i))}
+		if i%4 == 3 {
+			req = idem.Request{Scope: "q", Client: "c", Seq: uint64(1 + i/4), Fingerprint: []byte("fp-" + strconv.Itoa(i)), KeepReplies: 10}
+		}
+		c, err := Command(req, encodeOp(counterOp{ID: "op-" + strconv.Itoa(i), Key: "k", Delta: 1}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		reqs = append(reqs, req)
+		logs = append(logs, &raft.Log{Index: uint64(i + 1), Term: 1, Type: raft.LogCommand, Data: c, AppendedAt: t0})
+	}
+	want := make([]*Response, len(logs))
+	for i, r := range f.ApplyBatch(logs[:30]) {
+		want[i] = r.(*Response)
+	}
+	for i := 30; i < len(logs); i++ {
+		want[i] = f.Apply(logs[i]).(*Response)
+	}
+	for _, l := range logs {
+		for j := len(commandMagic) + 1; j < len(l.Data); j++ {
+			l.Data[j] = 'X'
+		}
+	}
+	for i, req := range reqs {
+		got, ok := f.Lookup(req)
+		if !ok || want[i].Err != nil || !bytes.Equal(got.Reply, want[i].Reply) {
+			t.Fatalf("request %d (%+v) after its entry's bytes changed: %+v %v, want the reply %+v", i, req, got, ok, want[i])
+		}
+	}
+}

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"io"
 	"time"
 
 	"github.com/idemdb/idem"
@@ -210,81 +211,188 @@ func decodeCommand(data []byte) (decoded, error) {
 
 // decodeRequest reads the body of a request command: the array of
 // wireCommand's fields, with window wireWindowCommand's, exactly that
-// many, each read with the decoder call msgpack.Unmarshal makes for its
-// type, and nothing after (FuzzDecodeCommand checks the round trip). It
-// runs once per command on raft's FSM goroutine, so it does without
-// Unmarshal's reflection.
+// many, each read as the msgpack library's Decoder reads its type (see
+// bodyReader), and nothing after (FuzzDecodeCommand compares it with
+// msgpack.Unmarshal on every input). It runs once per command on raft's
+// FSM goroutine, so it reads in place: the id, the acked ids and op are
+// slices of body (as Apply hands the application raft's own Log.Data),
+// and only what the engine may keep after the entry is applied is
+// copied (the fingerprint, the scope and client strings).
 func decodeRequest(body []byte, window bool) (req idem.Request, op []byte, err error) {
-	defer func() {
-		if r := recover(); r != nil { // the decoder must never take a replica down
-			err = fmt.Errorf("decoder panic: %v", r)
-		}
-	}()
-	r := bytes.NewReader(body)
-	d := msgpack.GetDecoder()
-	defer msgpack.PutDecoder(d)
-	d.Reset(r)
+	r := bodyReader{b: body}
 	want := 8
 	if window {
 		want = 10
 	}
-	n, err := d.DecodeArrayLen()
-	if err == nil && n != want {
-		err = fmt.Errorf("an array of %d fields, want %d", n, want)
+	if n := r.arrayLen(); r.err == nil && n != want {
+		r.fail("an array of %d fields, want %d", n, want)
 	}
-	str := func(s *string) {
-		if err == nil {
-			*s, err = d.DecodeString()
+	req.Scope = r.str()
+	req.ID = r.bytes()
+	req.Client = r.str()
+	req.Seq = r.uint64()
+	req.Fingerprint = bytes.Clone(r.bytes())
+	if k := r.arrayLen(); r.err == nil && k > len(r.b) { // each id takes a byte at least
+		r.fail("%d acked ids in %d bytes", k, len(r.b))
+	} else if k > 0 && r.err == nil {
+		req.Acked = make([][]byte, k)
+		for j := range req.Acked {
+			req.Acked[j] = r.bytes()
 		}
 	}
-	bin := func(b *[]byte) {
-		if err == nil {
-			*b, err = d.DecodeBytes()
-		}
-	}
-	i64 := func(v *int64) {
-		if err == nil {
-			*v, err = d.DecodeInt64()
-		}
-	}
-	str(&req.Scope)
-	bin(&req.ID)
-	str(&req.Client)
-	if err == nil {
-		req.Seq, err = d.DecodeUint64()
-	}
-	bin(&req.Fingerprint)
-	if err == nil {
-		var k int
-		if k, err = d.DecodeArrayLen(); err == nil && k > r.Len() { // each id takes a byte at least
-			err = fmt.Errorf("%d acked ids in %d bytes", k, r.Len())
-		}
-		if k > 0 && err == nil {
-			req.Acked = make([][]byte, k)
-			for j := range req.Acked {
-				bin(&req.Acked[j])
-			}
-		}
-	}
-	var ttl, keep, keepFor int64
-	i64(&ttl)
-	bin(&op)
+	ttl := int64(r.uint64())
+	op = r.bytes()
+	var keep, keepFor int64
 	if window {
-		i64(&keep)
-		i64(&keepFor)
-		if err == nil && (keep < 0 || keep > idem.MaxKeepReplies) {
-			err = fmt.Errorf("KeepReplies %d out of range 0..%d", keep, idem.MaxKeepReplies)
+		keep, keepFor = int64(r.uint64()), int64(r.uint64())
+		if r.err == nil && (keep < 0 || keep > idem.MaxKeepReplies) {
+			r.fail("KeepReplies %d out of range 0..%d", keep, idem.MaxKeepReplies)
 		}
 	}
-	if err == nil && r.Len() != 0 {
-		err = fmt.Errorf("%d trailing bytes", r.Len())
+	if r.err == nil && len(r.b) != 0 {
+		r.fail("%d trailing bytes", len(r.b))
 	}
-	if err != nil {
-		return idem.Request{}, nil, err
+	if r.err != nil {
+		return idem.Request{}, nil, r.err
 	}
 	req.TTL = time.Duration(ttl)
 	req.KeepReplies, req.KeepRepliesFor = int(keep), time.Duration(keepFor)
 	return req, op, nil
+}
+
+// bodyReader reads msgpack values from b in place. Each method accepts
+// exactly the encodings that the msgpack library's Decoder method of the
+// same kind accepts, and reads them to the same value (the library
+// decoded commands before; FuzzDecodeCommand holds the two together):
+//
+//   - str: DecodeString (nil, str and bin forms; "" for nil or empty),
+//   - bytes: DecodeBytes (nil gives nil, an empty one a non-nil empty slice),
+//   - uint64: DecodeUint64, and int64(uint64()) is DecodeInt64 (nil is 0,
+//     fixints, uint8..64, int8..64 sign-extended),
+//   - arrayLen: DecodeArrayLen (-1 for nil).
+//
+// The first error stops every later read, which then returns zero values.
+type bodyReader struct {
+	b   []byte
+	err error
+}
+
+func (r *bodyReader) fail(format string, args ...any) {
+	if r.err == nil {
+		r.err = fmt.Errorf(format, args...)
+	}
+}
+
+// next takes n bytes.
+func (r *bodyReader) next(n int) []byte {
+	if r.err != nil {
+		return nil
+	}
+	if n > len(r.b) {
+		r.fail("%d bytes wanted, %d left: %w", n, len(r.b), io.ErrUnexpectedEOF)
+		return nil
+	}
+	v := r.b[:n:n]
+	r.b = r.b[n:]
+	return v
+}
+
+func (r *bodyReader) code() byte {
+	if c := r.next(1); c != nil {
+		return c[0]
+	}
+	return 0
+}
+
+// be reads an n-byte big-endian unsigned number.
+func (r *bodyReader) be(n int) uint64 {
+	var v uint64
+	for _, c := range r.next(n) {
+		v = v<<8 | uint64(c)
+	}
+	return v
+}
+
+// bytesLen reads the header of a string or byte string: its length, or
+// -1 for nil.
+func (r *bodyReader) bytesLen() int {
+	c := r.code()
+	switch {
+	case r.err != nil:
+		return 0
+	case c == 0xc0: // nil
+		return -1
+	case c >= 0xa0 && c <= 0xbf: // fixstr
+		return int(c & 0x1f)
+	case c == 0xd9, c == 0xc4: // str8, bin8
+		return int(r.be(1))
+	case c == 0xda, c == 0xc5: // str16, bin16
+		return int(r.be(2))
+	case c == 0xdb, c == 0xc6: // str32, bin32
+		return int(r.be(4))
+	}
+	r.fail("invalid code %#x decoding a string or bytes", c)
+	return 0
+}
+
+func (r *bodyReader) bytes() []byte {
+	n := r.bytesLen()
+	if n < 0 {
+		return nil
+	}
+	return r.next(n)
+}
+
+func (r *bodyReader) str() string {
+	n := r.bytesLen()
+	if n <= 0 {
+		return ""
+	}
+	return string(r.next(n))
+}
+
+func (r *bodyReader) uint64() uint64 {
+	c := r.code()
+	switch {
+	case r.err != nil, c == 0xc0: // nil
+		return 0
+	case c <= 0x7f || c >= 0xe0: // positive and negative fixint
+		return uint64(int8(c))
+	case c == 0xcc: // uint8
+		return r.be(1)
+	case c == 0xcd: // uint16
+		return r.be(2)
+	case c == 0xce: // uint32
+		return r.be(4)
+	case c == 0xd0: // int8
+		return uint64(int8(r.be(1)))
+	case c == 0xd1: // int16
+		return uint64(int16(r.be(2)))
+	case c == 0xd2: // int32
+		return uint64(int32(r.be(4)))
+	case c == 0xcf, c == 0xd3: // uint64, int64
+		return r.be(8)
+	}
+	r.fail("invalid code %#x decoding an integer", c)
+	return 0
+}
+
+func (r *bodyReader) arrayLen() int {
+	c := r.code()
+	switch {
+	case r.err != nil:
+		return 0
+	case c == 0xc0: // nil
+		return -1
+	case c >= 0x90 && c <= 0x9f: // fixarray
+		return int(c & 0x0f)
+	case c == 0xdc: // array16
+		return int(r.be(2))
+	case c == 0xdd: // array32
+		return int(r.be(4))
+	}
+	r.fail("invalid code %#x decoding an array length", c)
+	return 0
 }
 
 // unmarshalStrict decodes exactly one msgpack value filling all of b.

@@ -407,7 +407,7 @@ func (f *FSM) applyEntry(l *raft.Log, d decoded, derr error) any {
 		return &Response{Err: f.fail(l.Index, err)}
 	}
 	f.applied.Add(1)
-	return resp
+	return &resp
 }
 
 // answered is the Response to a command that does not run, from what the

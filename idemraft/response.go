@@ -73,9 +73,9 @@ const envelopeFields = 3
 
 // resultEnvelope turns what the wrapped FSM returned into the stored
 // envelope and the Response of the first application.
-func resultEnvelope(res any, maxReply int) (envelope, *Response) {
+func resultEnvelope(res any, maxReply int) (envelope, Response) {
 	var env envelope
-	resp := &Response{}
+	var resp Response
 	switch v := res.(type) {
 	case nil:
 		env.Kind = replyNil
@@ -95,7 +95,7 @@ func resultEnvelope(res any, maxReply int) (envelope, *Response) {
 	// Leave room for the envelope's own fields.
 	if len(env.Reply)+len(env.Msg)+64 > maxReply {
 		env = envelope{Kind: replyTooLarge, Msg: fmt.Sprintf("%d bytes", len(env.Reply)+len(env.Msg))}
-		resp = &Response{Err: env.err()}
+		resp = Response{Err: env.err()}
 	}
 	return env, resp
 }
@@ -128,7 +128,11 @@ func (env *envelope) response(dup bool) *Response {
 // the library's reflection: it runs once per new request on raft's FSM
 // goroutine.
 func encodeEnvelope(env envelope) []byte {
-	b := make([]byte, 0, 3+5+len(env.Reply)+5+len(env.Msg))
+	return appendEnvelope(make([]byte, 0, 3+5+len(env.Reply)+5+len(env.Msg)), env)
+}
+
+// appendEnvelope appends env, encoded as encodeEnvelope encodes it, to b.
+func appendEnvelope(b []byte, env envelope) []byte {
 	b = msgp.AppendArrayLen(b, envelopeFields)
 	b = msgp.AppendInt(b, int64(env.Kind))
 	b = msgp.AppendBytes(b, env.Reply)
@@ -137,7 +141,12 @@ func encodeEnvelope(env envelope) []byte {
 
 // decodeEnvelope reads an envelope: the 3 elements written now, and any
 // elements after them (the fingerprint copy of the envelopes written
-// before API v1, or fields a later version appends) are skipped.
+// before API v1, or fields a later version appends) are skipped. It reads
+// the 3 elements with bodyReader, exactly as msgpack's Decoder reads them
+// (DecodeInt, DecodeBytes, DecodeString: FuzzDecodeEnvelope compares the
+// two), and runs on every replica for every duplicate in the log. The
+// reply is copied: b is the engine's stored reply, which its readers
+// share (idem.Result.Reply), and Response.Reply is the caller's.
 func decodeEnvelope(b []byte) (env envelope, err error) {
 	defer func() {
 		if r := recover(); r != nil { // the decoder must never take a replica down
@@ -147,31 +156,30 @@ func decodeEnvelope(b []byte) (env envelope, err error) {
 			env, err = envelope{}, fmt.Errorf("idemraft: stored reply is not an idemraft envelope: %w", err)
 		}
 	}()
-	r := bytes.NewReader(b)
-	d := msgpack.NewDecoder(r)
-	n, err := d.DecodeArrayLen()
-	if err != nil {
-		return envelope{}, err
+	r := bodyReader{b: b}
+	n := r.arrayLen()
+	if r.err == nil && n < envelopeFields {
+		r.fail("%d elements, want at least %d", n, envelopeFields)
 	}
-	if n < envelopeFields {
-		return envelope{}, fmt.Errorf("%d elements, want at least %d", n, envelopeFields)
-	}
-	if env.Kind, err = d.DecodeInt(); err != nil {
-		return envelope{}, err
-	}
-	if env.Reply, err = d.DecodeBytes(); err != nil {
-		return envelope{}, err
-	}
-	if env.Msg, err = d.DecodeString(); err != nil {
-		return envelope{}, err
-	}
-	for i := envelopeFields; i < n; i++ {
-		if err := d.Skip(); err != nil {
-			return envelope{}, err
+	env.Kind = int(r.uint64())
+	env.Reply = bytes.Clone(r.bytes())
+	env.Msg = r.str()
+	if r.err == nil && n > envelopeFields {
+		// Skipped with the library, which knows every msgpack type.
+		rest := bytes.NewReader(r.b)
+		d := msgpack.NewDecoder(rest)
+		for i := envelopeFields; i < n && r.err == nil; i++ {
+			if err := d.Skip(); err != nil {
+				r.err = err
+			}
 		}
+		r.b = r.b[len(r.b)-rest.Len():]
 	}
-	if r.Len() != 0 {
-		return envelope{}, fmt.Errorf("%d trailing bytes", r.Len())
+	if r.err == nil && len(r.b) != 0 {
+		r.fail("%d trailing bytes", len(r.b))
+	}
+	if r.err != nil {
+		return envelope{}, r.err
 	}
 	return env, nil
 }
