@@ -23,22 +23,32 @@ import (
 //	go test -run '^$' -bench ApplyFresh -benchtime 1000000x ./index/
 //
 // Sub-benchmarks: zero replies (as the engine's BenchmarkBatchPut stores,
-// which compress to nothing) and random ones (which do not compress).
+// which compress to nothing), random ones (which do not compress), and
+// zero replies with acks of earlier ids.
 func BenchmarkApplyFresh(b *testing.B) {
 	for _, c := range []struct {
 		name  string
 		reply []byte
+		acks  bool
 	}{
-		{"zero-reply", make([]byte, 128)},
-		{"random-reply", nil},
+		{"zero-reply", make([]byte, 128), false},
+		{"random-reply", nil, false},
+		// Each claim also acks the id put 100,000 items before (as a
+		// client that acknowledges the replies it got does): the sets
+		// delete time rows of earlier sets.
+		{"zero-reply+acks", make([]byte, 128), true},
 	} {
-		b.Run(c.name, func(b *testing.B) { benchApplyFresh(b, c.reply) })
+		b.Run(c.name, func(b *testing.B) { benchApplyFresh(b, c.reply, c.acks) })
 	}
 }
 
+// ackLag is how many items before its own an item of the +acks
+// sub-benchmark acks.
+const ackLag = 100_000
+
 // benchApplyFresh: reply nil means a different random reply per item
 // (slices of a 4 MiB random pool: no two in one block are alike).
-func benchApplyFresh(b *testing.B, reply []byte) {
+func benchApplyFresh(b *testing.B, reply []byte, acks bool) {
 	var pool []byte
 	if reply == nil {
 		pool = make([]byte, 4<<20)
@@ -79,6 +89,9 @@ func benchApplyFresh(b *testing.B, reply []byte) {
 			}
 			id := ids[16*(done+j) : 16*(done+j)+16]
 			ops[2*j] = wal.Op{Type: wal.OpClaim, ID: id, Time: now, LeaseUntil: now + int64(time.Minute), Flags: wal.ClaimFlagNew}
+			if i := done + j - ackLag; acks && i >= 0 {
+				ops[2*j].Acked = [][]byte{ids[16*i : 16*i+16]}
+			}
 			r := reply
 			if pool != nil {
 				at := (done + j) * 128 % (len(pool) - 128)

@@ -183,3 +183,83 @@ func TestSortTimeRows(t *testing.T) {
 		}
 	}
 }
+
+// TestIngestNewTimeRowsToLastLevel: when a set deletes time rows of earlier
+// sets (acked ids) and adds new ones, the new rows (after the last delete)
+// get a table of their own, which lands in the last level; the deletes'
+// table lands above the rows it deletes. The time index reads back exactly.
+func TestIngestNewTimeRowsToLastLevel(t *testing.T) {
+	ix, err := Open(Options{FS: vfs.NewMem(), Dir: "ix", IngestBytes: 1 << 30})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ix.Close(false)
+	live := map[string]*Entry{}
+	lsn := wal.LSN(0)
+	set := func(first, n int, acks []string) {
+		var ts []Transition
+		for _, k := range acks {
+			lsn++
+			ts = append(ts, Transition{Key: []byte(k), Mode: ModeID, Prev: live[k]})
+			delete(live, k)
+		}
+		for i := first; i < first+n; i++ {
+			lsn++
+			k := EntryKey(nil, "s", ModeID, []byte(fmt.Sprintf("id-%05d", (i*7919)%100000)))
+			e := &Entry{Committed: true, ReplyKept: true, Reply: []byte("r"), CommitTime: int64(1000 + i), CommitLSN: lsn, LSN: lsn}
+			ts = append(ts, Transition{Key: k, Mode: ModeID, Next: e})
+			live[string(k)] = e
+		}
+		if err := ix.Apply([]*Update{{LSN: lsn, Transitions: ts}}); err != nil {
+			t.Fatal(err)
+		}
+		if err := ix.Flush(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	set(0, 300, nil)
+	var acks []string
+	for k := range live {
+		if len(acks) < 50 {
+			acks = append(acks, k)
+		}
+	}
+	set(300, 300, acks)
+	levels, err := ix.db.SSTables()
+	if err != nil {
+		t.Fatal(err)
+	}
+	newFirst := timeKey(nil, 1300, nil)
+	found := false
+	for level, tables := range levels {
+		for _, tb := range tables {
+			if tb.Smallest.UserKey[0] != prefixTime || bytes.Compare(tb.Smallest.UserKey, newFirst) < 0 {
+				continue
+			}
+			found = true
+			if level != len(levels)-1 {
+				t.Errorf("the table of the second set's new time rows is in L%d, want the last level", level)
+			}
+		}
+	}
+	if !found {
+		t.Error("no table holds only the second set's new time rows")
+	}
+	var want [][]byte
+	for k, e := range live {
+		want = append(want, timeKey(nil, e.CommitTime, []byte(k)))
+	}
+	slices.SortFunc(want, bytes.Compare)
+	it, err := ix.db.NewIter(&pebble.IterOptions{LowerBound: []byte{prefixTime}, UpperBound: []byte{prefixTime + 1}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer it.Close()
+	var got [][]byte
+	for ok := it.First(); ok; ok = it.Next() {
+		got = append(got, bytes.Clone(it.Key()))
+	}
+	if !slices.EqualFunc(got, want, bytes.Equal) {
+		t.Fatalf("time index: %d rows, want %d (or they differ)", len(got), len(want))
+	}
+}

@@ -577,7 +577,7 @@ func (ix *Index) writeSSTs(base string, s *pendingSet) (paths []string, err erro
 	})
 	sortTimeRows(times)
 	sortTimeRows(expiries)
-	timeTable := func(trs []timeRow, rowKey func(dst []byte, t int64, entryKey []byte) []byte) error {
+	timeTableOf := func(trs []timeRow, rowKey func(dst []byte, t int64, entryKey []byte) []byte) error {
 		return table(&ix.indexWriterOpts, func(w *sstable.Writer) error {
 			for j, r := range trs {
 				if j%touchAhead == 0 {
@@ -596,6 +596,27 @@ func (ix *Index) writeSSTs(base string, s *pendingSet) (paths []string, err erro
 			}
 			return nil
 		})
+	}
+	// A set's time (or expiry) rows may delete rows of earlier sets: the
+	// deletes lie among the rows stored, so a table holding them goes to
+	// L0 or above. The rows after the last delete are new rows later than
+	// those (a reply committed now): they go in a table of their own,
+	// which still lands in the last level.
+	timeTable := func(trs []timeRow, rowKey func(dst []byte, t int64, entryKey []byte) []byte) error {
+		cut := 0
+		for j := len(trs) - 1; j >= 0; j-- {
+			if trs[j].del {
+				cut = j + 1
+				break
+			}
+		}
+		if cut > 0 && cut < len(trs) {
+			if err := timeTableOf(trs[:cut], rowKey); err != nil {
+				return err
+			}
+			trs = trs[cut:]
+		}
+		return timeTableOf(trs, rowKey)
 	}
 	if err == nil && len(times) > 0 {
 		err = timeTable(times, timeKey)
