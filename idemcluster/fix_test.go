@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -89,9 +90,11 @@ func TestFinishWithEndedContextIsWritten(t *testing.T) {
 	}
 }
 
-// withhold lets the first Begin or Batch RPC through to the cluster, then
-// keeps its answer until release is closed or the RPC's ctx ends (an
-// answer lost on the way back).
+// withhold lets the first Begin or Batch RPC that succeeds through to the
+// cluster, then keeps its answer until release is closed or the RPC's ctx
+// ends (an answer lost on the way back). An RPC that fails (NOT_LEADER
+// after a leader change on a loaded machine) is answered as it is, and the
+// next one is withheld instead.
 type withhold struct {
 	n       atomic.Int32
 	reached chan struct{} // closed when the withheld RPC's answer came
@@ -107,6 +110,7 @@ func (w *withhold) intercept(ctx context.Context, method string, req, reply any,
 		return invoker(ctx, method, req, reply, cc, opts...)
 	}
 	if err := invoker(ctx, method, req, reply, cc, opts...); err != nil {
+		w.n.Add(-1)
 		return err
 	}
 	close(w.reached)
@@ -210,5 +214,56 @@ func TestQueuedBeginWithEndedContextIsNotSent(t *testing.T) {
 	r, err := c.Lookup(ctx, idem.Request{ID: []byte("queued")})
 	if err != nil || r.Status != idem.Absent {
 		t.Fatalf("the Begin cancelled while queued was sent: lookup %v %v", r.Status, err)
+	}
+}
+
+// A call still queued behind a batch on the wire when its attempt ends is
+// never sent (the batcher keeps no timer per call: the batch that would
+// carry it drops it), and says so: errNotSent, DeadlineExceeded.
+func TestQueuedCallWithEndedAttemptIsNotSent(t *testing.T) {
+	tc := newTestCluster(t, 3)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	w := newWithhold()
+	leader := tc.nodes[tc.leader(30*time.Second)]
+	c, err := Dial(ctx, []string{leader.Addr()}, &Options{Owner: "attempt", AttemptTimeout: 30 * time.Second,
+		DialOptions: []grpc.DialOption{grpc.WithChainUnaryInterceptor(w.intercept)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	p, err := c.peer(leader.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := make(chan error, 1)
+	go func() {
+		_, err := c.Begin(ctx, idem.Request{ID: []byte("first")})
+		first <- err
+	}()
+	<-w.reached // the first batch is on the wire, its answer withheld
+	late := &clusterpb.BatchItem{Call: &clusterpb.BatchItem_Begin{Begin: &clusterpb.BeginRequest{
+		Request: &clusterpb.Request{Id: []byte("late")}, Owner: "attempt", Token: []byte("late-token")}}}
+	queued := make(chan error, 1)
+	go func() {
+		_, err := p.batch.do(ctx, time.Now(), late) // an attempt that has ended already
+		queued <- err
+	}()
+	for n := 0; n == 0; { // it waits for the next batch
+		p.batch.mu.Lock()
+		n = len(p.batch.queue)
+		p.batch.mu.Unlock()
+		time.Sleep(time.Millisecond)
+	}
+	close(w.release)
+	if err := <-queued; !errors.Is(err, errNotSent) || !strings.Contains(fmt.Sprint(err), "code = DeadlineExceeded") {
+		t.Fatalf("a call whose attempt ended while queued: %v, want errNotSent with DeadlineExceeded", err)
+	}
+	if err := <-first; err != nil {
+		t.Fatalf("the first Begin, retried after its lost answer: %v", err)
+	}
+	r, err := c.Lookup(ctx, idem.Request{ID: []byte("late")})
+	if err != nil || r.Status != idem.Absent {
+		t.Fatalf("the call whose attempt ended while queued was sent: lookup %v %v", r.Status, err)
 	}
 }

@@ -137,6 +137,69 @@ type finished struct {
 	At        int64 `msgpack:"at"`
 }
 
+// finishedTable holds the finished tokens. The client's tokens are 16
+// bytes: those are kept by value (a map without pointers, which the
+// garbage collector does not scan, and no string allocated per token; the
+// table holds every token finished within a lease of log time, hundreds
+// of thousands of them under load); any other length in a map by string.
+type finishedTable struct {
+	by16  map[[16]byte]finished
+	other map[string]finished
+}
+
+// newFinishedTable is a table holding m's tokens (a snapshot's).
+func newFinishedTable(m map[string]finished) finishedTable {
+	t := finishedTable{by16: map[[16]byte]finished{}, other: map[string]finished{}}
+	for k, v := range m {
+		t.put([]byte(k), v)
+	}
+	return t
+}
+
+func (t *finishedTable) get(token []byte) (finished, bool) {
+	if len(token) == 16 {
+		fin, ok := t.by16[[16]byte(token)]
+		return fin, ok
+	}
+	fin, ok := t.other[string(token)]
+	return fin, ok
+}
+
+func (t *finishedTable) put(token []byte, fin finished) {
+	if len(token) == 16 {
+		t.by16[[16]byte(token)] = fin
+		return
+	}
+	t.other[string(token)] = fin
+}
+
+func (t *finishedTable) len() int { return len(t.by16) + len(t.other) }
+
+// purge drops the tokens finished before cut.
+func (t *finishedTable) purge(cut int64) {
+	for k, fin := range t.by16 {
+		if fin.At < cut {
+			delete(t.by16, k)
+		}
+	}
+	for k, fin := range t.other {
+		if fin.At < cut {
+			delete(t.other, k)
+		}
+	}
+}
+
+// copyTo adds the table's tokens to m (a snapshot's, keyed by the token's
+// bytes as a string, whatever its length: the format is unchanged).
+func (t *finishedTable) copyTo(m map[string]finished) {
+	for k, v := range t.by16 {
+		m[string(k[:])] = v
+	}
+	for k, v := range t.other {
+		m[k] = v
+	}
+}
+
 // fsm is the cluster's state machine: an idem engine whose clock is the
 // log's time, the table of claims handed out (with their owners and
 // tokens), the recently finished tokens and the members' gRPC addresses.
@@ -160,9 +223,14 @@ type fsm struct {
 	// them without tmu.
 	tmu       sync.Mutex
 	holds     map[string]*held
-	finished  map[string]finished
+	finished  finishedTable
 	members   map[string]string // node id -> gRPC address
 	lastPurge int64             // log time of the last purge of finished (FSM goroutine only)
+
+	// seg is the segment ApplyBatch fills (FSM goroutine only), kept so
+	// that its items and its table of touched names are reused from one
+	// batch to the next instead of grown again for each.
+	seg segment
 }
 
 func newFSM(dir string, eopts idem.Options) (*fsm, error) {
@@ -193,7 +261,7 @@ func newFSM(dir string, eopts idem.Options) (*fsm, error) {
 	}
 	f.e = e
 	f.holds = map[string]*held{}
-	f.finished = map[string]finished{}
+	f.finished = newFinishedTable(nil)
 	f.members = map[string]string{}
 	return f, nil
 }
@@ -289,7 +357,8 @@ func (f *fsm) ApplyBatch(logs []*raft.Log) []any {
 		}
 		return out
 	}
-	s := &segment{f: f}
+	s := &f.seg
+	s.f = f
 	for i, l := range logs {
 		if t := l.AppendedAt.UnixNano(); !l.AppendedAt.IsZero() && t > f.now.Load() {
 			s.run() // the segment so far ran at the earlier time
@@ -300,18 +369,19 @@ func (f *fsm) ApplyBatch(logs []*raft.Log) []any {
 		}
 		a := &applied{}
 		out[i] = a
-		var c command
-		if err := msgpack.Unmarshal(l.Data, &c); err != nil {
+		c, err := decodeCommand(l.Data)
+		if err != nil {
 			a.err = fmt.Errorf("%w: idemcluster: undecodable entry %d: %v", idem.ErrInvalidRequest, l.Index, err)
 			continue
 		}
 		if c.Op != cmdBatch {
-			s.command(a, &c, l.Index)
+			s.command(a, c, l.Index)
 			continue
 		}
 		a.subs = make([]*applied, len(c.Cmds))
+		subs := make([]applied, len(c.Cmds)) // one allocation for the batch's answers
 		for j, sub := range c.Cmds {
-			a.subs[j] = &applied{}
+			a.subs[j] = &subs[j]
 			if sub == nil || sub.Op == cmdBatch {
 				a.subs[j].err = fmt.Errorf("%w: idemcluster: entry %d: command %d of a batch is empty or a batch", idem.ErrInvalidRequest, l.Index, j)
 				continue
@@ -365,7 +435,7 @@ func (f *fsm) applyAlone(c *command, index uint64) *applied {
 // one lease of log time (older outcomes are forgotten: a decision that
 // depends only on the log, whenever purgeFinished runs).
 func (f *fsm) finishedOK(token []byte) (finished, bool) {
-	fin, ok := f.finished[string(token)]
+	fin, ok := f.finished.get(token)
 	if !ok || fin.At < f.now.Load()-int64(f.lease) {
 		return finished{}, false
 	}
@@ -377,18 +447,14 @@ func (f *fsm) finishedOK(token []byte) (finished, bool) {
 // already).
 func (f *fsm) purgeFinished() {
 	now := f.now.Load()
-	if len(f.finished) < 1024 || now-f.lastPurge < int64(f.lease)/10 {
+	if f.finished.len() < 1024 || now-f.lastPurge < int64(f.lease)/10 {
 		return
 	}
 	f.lastPurge = now
 	cut := now - int64(f.lease)
 	f.tmu.Lock()
 	defer f.tmu.Unlock()
-	for t, fin := range f.finished {
-		if fin.At < cut {
-			delete(f.finished, t)
-		}
-	}
+	f.finished.purge(cut)
 }
 
 // segment is the part of a raft batch collected into one engine batch.
@@ -398,6 +464,10 @@ type segment struct {
 	items   []segItem
 	touched map[string]struct{} // keys and tokens of the segment's entries
 }
+
+// maxReusedTouched is the most names a segment's table of touched names
+// may have held to be cleared and reused for the next segment.
+const maxReusedTouched = 1024
 
 // segItem is a command of the segment waiting for its batch item's result.
 type segItem struct {
@@ -488,12 +558,19 @@ func (s *segment) finish(a *applied, c *command) {
 
 // run runs the segment's batch and records its results in the tables.
 func (s *segment) run() {
+	if len(s.touched) > maxReusedTouched {
+		s.touched = nil // clearing a map costs its capacity: start a small one
+	}
 	clear(s.touched)
 	if s.b == nil {
 		return
 	}
 	b, items := s.b, s.items
-	s.b, s.items = nil, nil
+	s.b = nil
+	defer func() {
+		clear(items) // drop the commands and answers: the slice is reused
+		s.items = items[:0]
+	}()
 	f := s.f
 	res, err := b.Run(context.Background())
 	if err == nil && len(res) != len(items) {
@@ -528,7 +605,7 @@ func (s *segment) run() {
 		}
 		delete(f.holds, it.key)
 		if err == nil {
-			f.finished[string(c.Token)] = finished{Committed: c.Op == cmdCommit, At: now}
+			f.finished.put(c.Token, finished{Committed: c.Op == cmdCommit, At: now})
 		}
 		*it.a = applied{err: err}
 	}
@@ -578,9 +655,7 @@ func (f *fsm) Snapshot() (raft.FSMSnapshot, error) {
 		c := *h
 		st.Holds[k] = &c
 	}
-	for k, v := range f.finished {
-		st.Finished[k] = v
-	}
+	f.finished.copyTo(st.Finished)
 	for k, v := range f.members {
 		st.Members[k] = v
 	}
@@ -663,10 +738,7 @@ func (f *fsm) Restore(rc io.ReadCloser) error {
 			f.holds[k] = h
 		}
 	}
-	f.finished = st.Finished
-	if f.finished == nil {
-		f.finished = map[string]finished{}
-	}
+	f.finished = newFinishedTable(st.Finished)
 	f.members = st.Members
 	if f.members == nil {
 		f.members = map[string]string{}

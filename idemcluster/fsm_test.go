@@ -1,8 +1,10 @@
 package idemcluster
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
+	"io"
 	"math/rand/v2"
 	"path/filepath"
 	"testing"
@@ -144,7 +146,26 @@ func testFSM(t *testing.T, name string) *fsm {
 // time, however raft cut the log into batches (every node cuts its own):
 // one entry per call, the whole log in one batch, and random cuts.
 func TestApplyBatchMatchesApply(t *testing.T) {
-	entries := fsmLog()
+	for _, tc := range []struct {
+		name    string
+		entries []fsmEntry
+	}{{"short tokens", fsmLog()}, {"16-byte tokens", withLongTokens(fsmLog())}} {
+		t.Run(tc.name, func(t *testing.T) { testApplyBatchMatchesApply(t, tc.entries) })
+	}
+}
+
+// withLongTokens pads every token of entries to 16 bytes (the client's
+// length, which the table of finished tokens keeps apart).
+func withLongTokens(entries []fsmEntry) []fsmEntry {
+	for i := range entries {
+		if tok := entries[i].c.Token; len(tok) > 0 {
+			entries[i].c.Token = fmt.Appendf(nil, "%-16s", tok)
+		}
+	}
+	return entries
+}
+
+func testApplyBatchMatchesApply(t *testing.T, entries []fsmEntry) {
 	logs := fsmLogs(t, entries)
 	one := testFSM(t, "one")
 	var want []string
@@ -282,6 +303,70 @@ func TestClaimKeyNames(t *testing.T) {
 	} {
 		if got := c.k.String(); got != c.want {
 			t.Errorf("%+v: %q, want %q", c.k, got, c.want)
+		}
+	}
+}
+
+// memSink is a raft.SnapshotSink in memory.
+type memSink struct{ bytes.Buffer }
+
+func (s *memSink) ID() string    { return "mem" }
+func (s *memSink) Cancel() error { return nil }
+func (s *memSink) Close() error  { return nil }
+
+// The finished tokens, of the client's 16 bytes and of other lengths, are
+// in a snapshot: a finish retried on a node restored from it gets the
+// recorded outcome, and the snapshot's table is the one written before
+// tokens were kept by length (a map by the token's bytes).
+func TestFinishedTokensSurviveSnapshot(t *testing.T) {
+	long, short := []byte("0123456789abcdef"), []byte("tok")
+	a, b := idem.Request{ID: []byte("a")}, idem.Request{ID: []byte("b")}
+	entries := []fsmEntry{
+		{0, command{Op: cmdBegin, Req: toWire(a), Owner: "o", Token: long}, "fresh"},
+		{0, command{Op: cmdCommit, Key: keyOf(&a), Token: long, Reply: []byte("r")}, "ok"},
+		{0, command{Op: cmdBegin, Req: toWire(b), Owner: "o", Token: short}, "fresh"},
+		{0, command{Op: cmdAbort, Key: keyOf(&b), Token: short}, "ok"},
+	}
+	src := testFSM(t, "src")
+	for i, l := range fsmLogs(t, entries) {
+		if got := outcome(src.Apply(l)); got != entries[i].want {
+			t.Fatalf("entry %d: %s, want %s", i+1, got, entries[i].want)
+		}
+	}
+	snap, err := src.Snapshot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sink memSink
+	if err := snap.Persist(&sink); err != nil {
+		t.Fatal(err)
+	}
+	snap.Release()
+	var head []byte
+	if err := msgpack.NewDecoder(bytes.NewReader(sink.Bytes())).Decode(&head); err != nil {
+		t.Fatal(err)
+	}
+	var st snapshotState
+	if err := msgpack.Unmarshal(head, &st); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := st.Finished[string(long)]; !ok || len(st.Finished) != 2 {
+		t.Fatalf("the snapshot's finished tokens: %v, want %q and %q", st.Finished, long, short)
+	}
+	dst := testFSM(t, "dst")
+	if err := dst.Restore(io.NopCloser(bytes.NewReader(sink.Bytes()))); err != nil {
+		t.Fatal(err)
+	}
+	retries := []fsmEntry{
+		{0, command{Op: cmdCommit, Key: keyOf(&a), Token: long, Reply: []byte("r")}, "ok"},
+		{0, command{Op: cmdAbort, Key: keyOf(&a), Token: long}, "lease-lost"},
+		{0, command{Op: cmdAbort, Key: keyOf(&b), Token: short}, "ok"},
+		{0, command{Op: cmdCommit, Key: keyOf(&b), Token: short}, "lease-lost"},
+	}
+	for i, l := range fsmLogs(t, retries) {
+		l.Index += 100
+		if got := outcome(dst.Apply(l)); got != retries[i].want {
+			t.Errorf("retry %d after the restore: %s, want %s", i+1, got, retries[i].want)
 		}
 	}
 }

@@ -21,7 +21,6 @@ import (
 	"github.com/hashicorp/raft-wal/metadb"
 	"github.com/idemdb/idem"
 	"github.com/idemdb/idem/idemcluster/clusterpb"
-	"github.com/vmihailenco/msgpack/v5"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/reflection"
 )
@@ -342,7 +341,7 @@ func (n *Node) apply(ctx context.Context, c *command) (*applied, error) {
 	if n.r.State() != raft.Leader {
 		return nil, &errNotLeader{leader: n.leaderAddr()}
 	}
-	data, err := msgpack.Marshal(c)
+	data, err := encodeCommand(c)
 	if err != nil {
 		return nil, err
 	}

@@ -201,12 +201,17 @@ func (s *server) read(ctx context.Context, followerRead bool, f func(e *idem.Eng
 	if err := s.n.readIndex(ctx, followerRead); err != nil {
 		return toStatus(err)
 	}
+	return toStatus(s.onEngine(f))
+}
+
+// onEngine runs f on the state machine's engine.
+func (s *server) onEngine(f func(e *idem.Engine) error) error {
 	e, done, err := s.n.fsm.engine()
 	if err != nil {
-		return toStatus(err)
+		return err
 	}
 	defer done()
-	return toStatus(f(e))
+	return f(e)
 }
 
 func (s *server) Lookup(ctx context.Context, in *clusterpb.LookupRequest) (*clusterpb.LookupResponse, error) {
@@ -254,15 +259,16 @@ func (s *server) Wait(ctx context.Context, in *clusterpb.WaitRequest) (*clusterp
 // would be, in the items' order. The writes (Begins that this node does
 // not find Done, Commits, Aborts) go to the log as one entry (cmdBatch:
 // one append, one replication round, applied in order in one engine
-// batch); the reads and the Begins of committed ids run concurrently as
-// their own calls (the reads share a leadership round).
+// batch); the reads (Lookups, and Begins of ids this node finds Done)
+// share one leadership round and run one after the other, beside the
+// writes.
 func (s *server) Batch(ctx context.Context, in *clusterpb.BatchRequest) (*clusterpb.BatchResponse, error) {
 	out := &clusterpb.BatchResponse{Results: make([]*clusterpb.BatchResult, len(in.Items))}
 	var (
-		wg     sync.WaitGroup
 		cmds   []*command
 		writes []int // the items of cmds, in order
 		reqs   []idem.Request
+		reads  []int // the items answered as reads
 	)
 	for i, it := range in.Items {
 		var (
@@ -288,10 +294,18 @@ func (s *server) Batch(ctx context.Context, in *clusterpb.BatchRequest) (*cluste
 		case c != nil:
 			cmds, writes, reqs = append(cmds, c), append(writes, i), append(reqs, req)
 		default:
+			reads = append(reads, i)
+		}
+	}
+	var wg sync.WaitGroup
+	if len(reads) > 0 {
+		if len(cmds) == 0 {
+			s.batchReads(ctx, in.Items, reads, out.Results)
+		} else {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				out.Results[i] = s.item(ctx, it)
+				s.batchReads(ctx, in.Items, reads, out.Results)
 			}()
 		}
 	}
@@ -312,6 +326,52 @@ func (s *server) Batch(ctx context.Context, in *clusterpb.BatchRequest) (*cluste
 	}
 	wg.Wait()
 	return out, nil
+}
+
+// batchReads answers the reads of a Batch (items[i] for i in idx): one
+// leadership round (readIndex) for all of them, then each on the engine.
+// A Begin that the node no longer finds Done after the round (it expired
+// meanwhile), and any item after a failed round, runs as its own call,
+// which gives it the answer it would have had alone.
+func (s *server) batchReads(ctx context.Context, items []*clusterpb.BatchItem, idx []int, out []*clusterpb.BatchResult) {
+	var rerr error
+	for _, i := range idx {
+		if l, ok := items[i].GetCall().(*clusterpb.BatchItem_Lookup); !ok || !l.Lookup.GetFollowerRead() {
+			rerr = s.n.readIndex(ctx, false)
+			break
+		}
+	}
+	for _, i := range idx {
+		it := items[i]
+		switch call := it.GetCall().(type) {
+		case *clusterpb.BatchItem_Lookup:
+			if rerr != nil && !call.Lookup.GetFollowerRead() {
+				out[i] = itemResult(nil, toStatus(rerr))
+				continue
+			}
+			req, err := reqFromPB(call.Lookup.Request)
+			var res *clusterpb.Result
+			if err == nil {
+				err = s.onEngine(func(e *idem.Engine) error {
+					r, err := e.Lookup(ctx, req)
+					res = resultToPB(r)
+					return err
+				})
+			}
+			out[i] = itemResult(res, toStatus(err))
+			continue
+		case *clusterpb.BatchItem_Begin:
+			if rerr == nil {
+				if req, err := reqFromPB(call.Begin.Request); err == nil {
+					if r, ok := s.localDone(ctx, req); ok {
+						out[i] = itemResult(resultToPB(r), nil)
+						continue
+					}
+				}
+			}
+		}
+		out[i] = s.item(ctx, it)
+	}
 }
 
 // itemResult is an item's answer: its result, or its error as a status.
