@@ -30,8 +30,15 @@ type Batch struct {
 	// len(out)-1): an operation on the key the previous one changed (a
 	// Put's commit after its claim) finds it without hashing.
 	last []byte
-	// getFn is b.Get bound once (handed to the operations' transitions).
+	// getFn is b.get bound once (handed to the operations' transitions).
 	getFn func(key []byte, mode byte) (*Entry, error)
+	// claim is the entry of the claim the last Add made, while nothing
+	// but the batch refers to it: no Get has returned it since (Add's
+	// transitions are only valid until the next Add). A commit of that
+	// claim that follows at once (a Put: claim and commit of one request,
+	// back to back) fills it in place rather than allocating an entry and
+	// dropping this one. nil otherwise.
+	claim *Entry
 }
 
 // NewBatch returns an empty batch record appended at lsn (0 when not
@@ -39,7 +46,7 @@ type Batch struct {
 // about n keys.
 func NewBatch(lsn wal.LSN, get func(key []byte, mode byte) (*Entry, error), n int) *Batch {
 	b := &Batch{lsn: lsn, get: get, at: make(map[string]int, n), out: make([]Transition, 0, n)}
-	b.getFn = b.Get
+	b.getFn = b.lookup
 	return b
 }
 
@@ -51,10 +58,17 @@ func (b *Batch) Reset(lsn wal.LSN) {
 	b.out = make([]Transition, 0, cap(b.out))
 	b.step = b.step[:0]
 	b.last = nil
+	b.claim = nil
 }
 
 // Get returns key's state as the operations added so far leave it.
 func (b *Batch) Get(key []byte, mode byte) (*Entry, error) {
+	b.claim = nil // the caller may keep what it reads: never changed in place
+	return b.lookup(key, mode)
+}
+
+// lookup is Get for the operations' own transitions.
+func (b *Batch) lookup(key []byte, mode byte) (*Entry, error) {
 	if sameBytes(key, b.last) {
 		return b.out[len(b.out)-1].Next, nil
 	}
@@ -65,8 +79,9 @@ func (b *Batch) Get(key []byte, mode byte) (*Entry, error) {
 }
 
 // Add applies op, the next operation of the batch, and returns its own
-// transitions (valid until the next Add or Reset), as Transitions would
-// give them for op alone in that state. key is the entry key of op's
+// transitions (valid until the next Add or Reset, as are the entries they
+// point to: the entry of a claim may be filled in place by the commit that
+// follows it), as Transitions would give them for op alone in that state. key is the entry key of op's
 // request when the caller has it (nil: computed); it must not change
 // afterwards. On an error nothing of op is applied.
 func (b *Batch) Add(op *wal.Op, key []byte) ([]Transition, error) {
@@ -77,11 +92,16 @@ func (b *Batch) Add(op *wal.Op, key []byte) ([]Transition, error) {
 	if claimLSN == 0 {
 		claimLSN = b.lsn // the claim made earlier in this record
 	}
-	step, err := appendTransitions(b.step[:0], op, b.lsn, claimLSN, key, b.getFn)
+	reuse := b.claim
+	b.claim = nil
+	step, err := appendTransitions(b.step[:0], op, b.lsn, claimLSN, key, reuse, b.getFn)
 	if err != nil {
 		return nil, err
 	}
 	b.step = step
+	if op.Type == wal.OpClaim && len(step) == 1 && step[0].Next != nil && step[0].Next != step[0].Prev {
+		b.claim = step[0].Next // made just now by this Add
+	}
 	for _, t := range step {
 		if sameBytes(t.Key, b.last) {
 			b.out[len(b.out)-1].Next = t.Next
@@ -126,5 +146,6 @@ func (b *Batch) Transitions() []Transition {
 	b.out = out
 	clear(b.at) // the indices no longer hold; Reset before the next Add
 	b.last = nil
+	b.claim = nil
 	return out
 }

@@ -87,3 +87,39 @@ func TestBatchTransitions(t *testing.T) {
 func equalEntry(a, b *Entry) bool {
 	return string(EncodeEntry(nil, a)) == string(EncodeEntry(nil, b)) && a.Committed == b.Committed
 }
+
+// TestBatchCommitFillsItsClaim: a commit that follows its claim at once (a
+// Put) fills the claim's entry in place instead of allocating one; a claim
+// that a Get returned in between is never changed (the caller may hold it).
+func TestBatchCommitFillsItsClaim(t *testing.T) {
+	get := func([]byte, byte) (*Entry, error) { return nil, nil }
+	claim := wal.Op{Type: wal.OpClaim, ID: []byte("a"), Time: 9, LeaseUntil: 99, Flags: wal.ClaimFlagNew}
+	commit := wal.Op{Type: wal.OpCommit, ID: []byte("a"), Time: 9, Reply: []byte("r")}
+	for _, read := range []bool{false, true} {
+		b := NewBatch(0, get, 2)
+		step, err := b.Add(&claim, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		made := step[0].Next
+		var seen *Entry
+		if read {
+			if seen, err = b.Get(step[0].Key, ModeID); err != nil || seen != made {
+				t.Fatalf("Get after the claim: %p %v, want the claim %p", seen, err, made)
+			}
+		}
+		if _, err := b.Add(&commit, nil); err != nil {
+			t.Fatal(err)
+		}
+		ts := b.Transitions()
+		if len(ts) != 1 || !ts[0].Next.Committed || string(ts[0].Next.Reply) != "r" || ts[0].Next.InFlight {
+			t.Fatalf("read=%v: transitions %+v", read, ts)
+		}
+		if !read && ts[0].Next != made {
+			t.Errorf("the commit allocated an entry of its own instead of filling its claim's")
+		}
+		if read && (seen.Committed || !seen.InFlight || ts[0].Next == seen) {
+			t.Errorf("the claim a Get returned was changed by the commit: %+v", seen)
+		}
+	}
+}

@@ -21,6 +21,8 @@ import (
 // flight.
 //
 // Entries are immutable once published: transitions return a new *Entry.
+// (A Batch fills in place the entry of a claim it made, which no Get has
+// returned, when the claim's commit follows at once: see Batch.Add.)
 type Entry struct {
 	// The committed part.
 	Committed   bool
@@ -167,15 +169,18 @@ func Transitions(op *wal.Op, lsn wal.LSN, get func(key []byte, mode byte) (*Entr
 		}
 		return b.Transitions(), nil
 	}
-	return appendTransitions(nil, op, lsn, op.ClaimLSN, nil, get)
+	return appendTransitions(nil, op, lsn, op.ClaimLSN, nil, nil, get)
 }
 
 // appendTransitions appends the transitions of op, appended at lsn, to
 // out. claimLSN is the claim a commit or abort must find: op.ClaimLSN, or
 // in a batch the batch's LSN for an operation naming claim 0 (the claim
 // made earlier in the same record). key is the entry key of op's request
-// when the caller has it (nil: computed).
-func appendTransitions(out []Transition, op *wal.Op, lsn, claimLSN wal.LSN, key []byte, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, error) {
+// when the caller has it (nil: computed). reuse, if not nil, is an entry
+// that nothing but the caller refers to (a Batch's claim that nobody read):
+// a commit of an id whose current entry it is fills it in place instead of
+// allocating its own.
+func appendTransitions(out []Transition, op *wal.Op, lsn, claimLSN wal.LSN, key []byte, reuse *Entry, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, error) {
 	// Acked ids are removed first: they name earlier requests.
 	for _, id := range op.Acked {
 		k := EntryKey(nil, op.Scope, ModeID, id)
@@ -281,7 +286,15 @@ func appendTransitions(out []Transition, op *wal.Op, lsn, claimLSN wal.LSN, key 
 				return nil, err
 			}
 		}
-		next = &n
+		// n stays on the stack (its address is never taken): only the
+		// entry stored is allocated, and not even that when the claim's
+		// own entry, which nothing else refers to, can take it.
+		if prev == reuse && mode == ModeID {
+			next = reuse
+		} else {
+			next = new(Entry)
+		}
+		*next = n
 	case wal.OpAbort:
 		if prev == nil || !prev.InFlight || prev.ClaimLSN != claimLSN {
 			return nil, fmt.Errorf("%w: abort at LSN %d names claim %d", ErrNoClaim, lsn, claimLSN)

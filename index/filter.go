@@ -17,15 +17,17 @@ import (
 // every request. The key filter answers most of those misses in memory.
 //
 // It is a split-block bloom filter over every entry key that may be in
-// Pebble: one 64-byte block per key, one bit set in each of its eight
-// 64-bit words (about 1% false positives at 10 bits per key). A key is
-// added before it can reach Pebble: when an update in a pending set makes
-// it present (addPending), when Load writes it, and by a scan of Pebble's
-// entry keys when the filter is built. A key that is present is in the
-// filter already, so changes of present keys (a commit after its claim, a
-// forget batch rewriting an entry) add nothing. So "not in the filter"
-// means "not in Pebble", and Get skips Pebble; a false positive only costs
-// the Pebble lookup that every miss paid before.
+// Pebble or present in a pending set: one 64-byte block per key, one bit
+// set in each of its eight 64-bit words (about 1% false positives at 10
+// bits per key). A key is added before it can be read anywhere: when an
+// update in a pending set makes it present (addPending, under pmu, before
+// the set shows it), when Load writes it, and, when the filter is built,
+// from the pending sets and by a scan of Pebble's entry keys. A key that
+// is present is in the filter already, so changes of present keys (a
+// commit after its claim, a forget batch rewriting an entry) add nothing.
+// So "not in the filter" means "in no pending set and not in Pebble", and
+// Get answers it first, before the pending sets' maps; a false positive
+// only costs the lookups that every miss paid before.
 //
 // Removals do not clear bits (a bloom filter cannot). Once more keys were
 // added than the filter holds at 10 bits per key, and more than twice the

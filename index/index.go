@@ -93,10 +93,13 @@ type Index struct {
 	memDirty    bool       // a batch was committed since the last memtable flush
 	ingestSeq   int
 	ingestBytes int64
-	writerOpts  sstable.WriterOptions
-	fs          vfs.FS
-	dir         string
-	logger      *slog.Logger
+	writerOpts  sstable.WriterOptions // the ingested entries' tables (L0's options)
+	// indexWriterOpts are writerOpts without a bloom filter, for the
+	// ingested tables of the time, in-doubt and expiry indexes (pending.go).
+	indexWriterOpts sstable.WriterOptions
+	fs              vfs.FS
+	dir             string
+	logger          *slog.Logger
 
 	// The key filter (filter.go).
 	filter       atomic.Pointer[keyFilter] // consulted by Get; nil: ask Pebble
@@ -151,7 +154,7 @@ func Open(o Options) (*Index, error) {
 		pfs = copyNotLinkFS{o.FS}
 	}
 	cache := pebble.NewCache(o.CacheSize + 3*int64(o.MemTableSize))
-	ix := &Index{mut: newPendingSet(), ingestBytes: o.IngestBytes,
+	ix := &Index{mut: newPendingSet(0), ingestBytes: o.IngestBytes,
 		fs: o.FS, dir: o.Dir, logger: o.Logger, bgFired: make(chan struct{}),
 		filterBytes: o.FilterBytes, filterSeed: maphash.MakeSeed(), filterStop: make(chan struct{})}
 	plog := &pebbleLogger{l: o.Logger, ix: ix}
@@ -217,6 +220,8 @@ func Open(o Options) (*Index, error) {
 	}
 	ix.db, ix.cache = db, cache
 	ix.writerOpts = popts.MakeWriterOptions(0, db.TableFormat())
+	ix.indexWriterOpts = ix.writerOpts
+	ix.indexWriterOpts.FilterPolicy = nil
 	if !o.ReadOnly {
 		if err := ix.removeIngestLeftovers(); err != nil {
 			db.Close()
@@ -432,11 +437,15 @@ func (ix *Index) Get(key []byte) (*Entry, error) {
 	if err := ix.failure(); err != nil {
 		return nil, err
 	}
-	if e, ok := ix.lookupPending(key); ok {
-		return e, nil
-	}
+	// The key filter holds every key present in a pending set as well as
+	// every key in Pebble (filter.go), so a key it does not hold is absent:
+	// asking it first spares a lookup of a new id the probes of the two
+	// sets' maps (large, so each probe was a cache miss or two).
 	if ix.filterAbsent(key) {
 		return nil, nil
+	}
+	if e, ok := ix.lookupPending(key); ok {
+		return e, nil
 	}
 	it, err := ix.db.NewIter(&getOpts)
 	if err != nil {

@@ -8,6 +8,7 @@ import (
 	iofs "io/fs"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"unsafe"
 
 	"github.com/cockroachdb/pebble/v2/objstorage/objstorageprovider"
@@ -21,13 +22,14 @@ import (
 // costs one map probe, where a seek in a 32 MiB memtable skiplist costs tens
 // of cache misses, and nearly every lookup is of a fresh id that must be
 // looked for everywhere). When the set reaches IngestBytes it is frozen, and
-// a background goroutine writes it as one sorted sstable and ingests it
-// into Pebble (DB.Ingest: the file is fsynced, linked in, and recorded in
-// the MANIFEST atomically). A new set takes the writes meanwhile; lookups
-// read the mutable set, then the frozen one, then Pebble.
+// a background goroutine writes it as sorted sstables (one per key group:
+// see writeSSTs) and ingests them into Pebble (DB.Ingest: the files are
+// fsynced, linked in, and recorded in the MANIFEST atomically, in one
+// edit). A new set takes the writes meanwhile; lookups ask the key filter,
+// then read the mutable set, then the frozen one, then Pebble.
 //
-// Crash safety is unchanged: the sstable carries the applied LSN, the
-// counts and every row of its updates, so Pebble holds some prefix of the
+// Crash safety is unchanged: the sstables carry the applied LSN, the
+// counts and every row of their updates, so Pebble holds some prefix of the
 // applied records (whole sets, in order) and replay redoes the rest. The
 // few writes that still go through Pebble batches (forget marks, Load, the
 // format version) are flushed before the next ingest, so that an ingested
@@ -41,18 +43,31 @@ type pendingSet struct {
 	// count and replies as of last, for the meta rows.
 	count, replies int64
 	// The set's pendEntries and the bytes of its map keys are carved out
-	// of chunks (slab, keys) rather than allocated one by one: they all
+	// of chunks (slabs, keys) rather than allocated one by one: they all
 	// live exactly as long as the set, so per key this saves two
-	// allocations and the collector two objects to trace.
-	slab []pendEntry
-	keys []byte
+	// allocations and the collector two objects to trace. slabs holds
+	// every pendEntry of the set, in the order the keys were added: the
+	// ingest walks them there (memory in order) rather than through the
+	// map.
+	slabs [][]pendEntry
+	keys  []byte
 }
 
 // pendEntry is one key's change: prev is what Pebble holds (once the sets
-// before this one are ingested), next what it must hold.
-type pendEntry struct{ prev, next *Entry }
+// before this one are ingested), next what it must hold. key is its key in
+// the set's map.
+type pendEntry struct {
+	prev, next *Entry
+	key        string
+}
 
-func newPendingSet() *pendingSet { return &pendingSet{m: make(map[string]*pendEntry)} }
+// newPendingSet returns an empty set whose map is sized for about hint
+// keys: the set it follows held that many when it was frozen, and the next
+// one, filled by the same workload to the same size, would otherwise grow
+// its map (rehashing every key) several times.
+func newPendingSet(hint int) *pendingSet {
+	return &pendingSet{m: make(map[string]*pendEntry, hint)}
+}
 
 // Chunk sizes of a pending set's slab (entries) and key bytes.
 const (
@@ -62,11 +77,14 @@ const (
 
 // add puts key into the set with a new pendEntry, which it returns.
 func (s *pendingSet) add(key []byte, prev *Entry) *pendEntry {
-	if len(s.slab) == cap(s.slab) {
-		s.slab = make([]pendEntry, 0, pendSlabLen)
+	n := len(s.slabs)
+	if n == 0 || len(s.slabs[n-1]) == pendSlabLen {
+		s.slabs = append(s.slabs, make([]pendEntry, 0, pendSlabLen))
+		n++
 	}
-	s.slab = s.slab[:len(s.slab)+1]
-	p := &s.slab[len(s.slab)-1]
+	slab := s.slabs[n-1][:len(s.slabs[n-1])+1]
+	s.slabs[n-1] = slab
+	p := &slab[len(slab)-1]
 	p.prev, p.next = prev, prev
 	k := ""
 	if len(key) > 0 {
@@ -79,6 +97,7 @@ func (s *pendingSet) add(key []byte, prev *Entry) *pendEntry {
 		// full chunk is replaced, not reused.
 		k = unsafe.String(&s.keys[off], len(key))
 	}
+	p.key = k
 	s.m[k] = p
 	return p
 }
@@ -188,7 +207,7 @@ func (ix *Index) freezeLocked() error {
 	}
 	ix.pmu.Lock()
 	f := ix.mut
-	ix.frozen, ix.mut = f, newPendingSet()
+	ix.frozen, ix.mut = f, newPendingSet(len(f.m))
 	ix.pmu.Unlock()
 	job := &ingestJob{done: make(chan struct{})}
 	ix.job = job
@@ -260,151 +279,369 @@ func (ix *Index) persist() error {
 // at Open.
 const ingestDir = "ingest"
 
-// ingest writes s as one sstable and ingests it.
+// ingest writes s as sstables and ingests them, atomically (one MANIFEST
+// edit for all of them).
 func (ix *Index) ingest(s *pendingSet) error {
 	fs := ix.fs
 	dir := fs.PathJoin(ix.dir, ingestDir)
 	ix.ingestSeq++
-	path := fs.PathJoin(dir, fmt.Sprintf("%06d.sst", ix.ingestSeq))
-	if err := ix.writeSST(path, s); err != nil {
-		_ = fs.Remove(path)
-		return fmt.Errorf("index: writing the sstable of LSNs through %d: %w", s.last, err)
+	paths, err := ix.writeSSTs(fs.PathJoin(dir, fmt.Sprintf("%06d", ix.ingestSeq)), s)
+	if err != nil {
+		for _, p := range paths {
+			_ = fs.Remove(p)
+		}
+		return fmt.Errorf("index: writing the sstables of LSNs through %d: %w", s.last, err)
 	}
 	ix.inPebble.Add(1)
-	err := ix.db.Ingest(context.Background(), []string{path})
+	err = ix.db.Ingest(context.Background(), paths)
 	ix.inPebble.Add(-1)
 	if err != nil {
-		_ = fs.Remove(path)
+		for _, p := range paths {
+			_ = fs.Remove(p)
+		}
 		return fmt.Errorf("index: ingesting LSNs through %d: %w", s.last, err)
 	}
-	// Pebble linked the file under its own name and removes ours once the
-	// ingest is recorded; remove it in case it did not (it is gone either
-	// way: a missing file is what we want).
-	if err := fs.Remove(path); err != nil && !errors.Is(err, iofs.ErrNotExist) {
-		ix.logger.Warn("index: removing an ingested sstable's temporary name", "path", path, "error", err)
+	// Pebble linked the files under its own names and removes ours once
+	// the ingest is recorded; remove them in case it did not (they are gone
+	// either way: a missing file is what we want).
+	for _, p := range paths {
+		if err := fs.Remove(p); err != nil && !errors.Is(err, iofs.ErrNotExist) {
+			ix.logger.Warn("index: removing an ingested sstable's temporary name", "path", p, "error", err)
+		}
 	}
 	return nil
 }
 
-// timeRow is a time-index row to set or delete.
+// entryRow is an entry row of an ingest: the key's pending state, and the
+// key's first 8 bytes after the prefix that every key of the ingest shares
+// (big-endian, zero-padded), which orders most pairs without reading the
+// keys (see sortEntryRows).
+type entryRow struct {
+	abbr uint64
+	p    *pendEntry
+}
+
+// timeRow is a time-index (or expiry-index) row to set or delete: the
+// time, and the key as its position in the sorted entry rows.
 type timeRow struct {
 	t   int64
-	key string
+	i   int32
 	del bool
 }
 
-// inDoubtRow is an in-doubt row to set or delete.
-type inDoubtRow struct {
-	key string
-	del bool
+// sortEntryRows sorts rows by key. Keys are compared by their abbreviation
+// first: where two abbreviations differ they order the keys as the keys
+// do (the bytes before them are the same in every key, and a key that ends
+// inside the window is padded with zeros, below any byte that a longer key
+// has there, unless that byte is zero too: then the abbreviations are equal
+// and the keys are compared). Random 16-byte ids differ in their first 8
+// bytes, so the sort compares integers held in the slice instead of
+// reading two keys from memory at random places.
+func sortEntryRows(rows []entryRow) {
+	if len(rows) == 0 {
+		return
+	}
+	first := rows[0].p.key
+	common := len(first)
+	for _, r := range rows[1:] {
+		k := r.p.key
+		n := min(common, len(k))
+		i := 0
+		for i < n && k[i] == first[i] {
+			i++
+		}
+		common = i
+	}
+	for i := range rows {
+		var w [8]byte
+		k := rows[i].p.key
+		copy(w[:], k[min(common, len(k)):])
+		rows[i].abbr = binary.BigEndian.Uint64(w[:])
+	}
+	radixSortAbbr(rows)
+	byKey := func(a, b entryRow) int { return strings.Compare(a.p.key, b.p.key) }
+	for i := 0; i < len(rows); { // runs of equal abbreviations, by key
+		j := i + 1
+		for j < len(rows) && rows[j].abbr == rows[i].abbr {
+			j++
+		}
+		if j-i > 1 {
+			slices.SortFunc(rows[i:j], byKey)
+		}
+		i = j
+	}
 }
 
-// writeSST writes the rows of s, in key order, to a new file at path and
-// fsyncs it. The prefixes order the groups (meta < entries < time index <
-// in-doubt index < expiry index), so each group is sorted on its own: entry keys as
-// strings (with their pending state, so the map is not probed again),
-// time rows by (time, key), which is their byte order.
-func (ix *Index) writeSST(path string, s *pendingSet) error {
-	type keyRef struct {
-		k string
-		p *pendEntry
+// radixSortAbbr sorts rows by abbr (radixSort).
+func radixSortAbbr(rows []entryRow) {
+	keys := make([]uint64, len(rows))
+	for i := range rows {
+		keys[i] = rows[i].abbr
 	}
-	keys := make([]keyRef, 0, len(s.m))
-	var times, expiries []timeRow
-	var doubts []inDoubtRow
-	for k, p := range s.m {
-		prev, next := p.prev, p.next
-		if prev == nil && next == nil {
-			continue // created and removed while pending: Pebble never saw it
-		}
-		keys = append(keys, keyRef{k, p})
-		pt, nt := prev.HasTimeKey(), next.HasTimeKey()
-		if pt && (!nt || prev.CommitTime != next.CommitTime) {
-			times = append(times, timeRow{t: prev.CommitTime, key: k, del: true})
-		}
-		if nt && (!pt || prev.CommitTime != next.CommitTime) {
-			times = append(times, timeRow{t: next.CommitTime, key: k})
-		}
-		pe, ne := prev.HasExpiryKey(), next.HasExpiryKey()
-		if pe && (!ne || prev.ExpiresAt != next.ExpiresAt) {
-			expiries = append(expiries, timeRow{t: prev.ExpiresAt, key: k, del: true})
-		}
-		if ne && (!pe || prev.ExpiresAt != next.ExpiresAt) {
-			expiries = append(expiries, timeRow{t: next.ExpiresAt, key: k})
-		}
-		if pf, nf := prev != nil && prev.InFlight, next != nil && next.InFlight; pf != nf {
-			doubts = append(doubts, inDoubtRow{key: k, del: !nf})
-		}
-	}
-	slices.SortFunc(keys, func(a, b keyRef) int { return strings.Compare(a.k, b.k) })
-	byTimeKey := func(a, b timeRow) int {
-		if a.t != b.t {
-			if a.t < b.t {
-				return -1
-			}
-			return 1
-		}
-		return strings.Compare(a.key, b.key)
-	}
-	slices.SortFunc(times, byTimeKey)
-	slices.SortFunc(expiries, byTimeKey)
-	slices.SortFunc(doubts, func(a, b inDoubtRow) int { return strings.Compare(a.key, b.key) })
+	radixSort(rows, keys)
+}
 
-	if err := ix.fs.MkdirAll(ix.fs.PathDir(path), 0o755); err != nil {
-		return err
+// sortTimeRows sorts time (or expiry) rows made in entry-key order by
+// (time, key): a stable sort by time keeps the key order within a time.
+func sortTimeRows(trs []timeRow) {
+	keys := make([]uint64, len(trs))
+	for i := range trs {
+		keys[i] = uint64(trs[i].t) ^ (1 << 63) // signed order
 	}
-	f, err := ix.fs.Create(path, vfs.WriteCategoryUnspecified)
-	if err != nil {
-		return err
+	radixSort(trs, keys)
+}
+
+// radixSort sorts s by keys (keys[i] is the key of s[i]; both are
+// reordered), stably: a least-significant-digit radix sort, one pass per
+// byte (a byte that is the same in every key is skipped). For the random
+// abbreviations of random ids it does a fixed, branch-free amount of work
+// per element, where a comparison sort calls its comparison function about
+// 15 times per row of a set and mispredicts half of them; time rows share
+// their high bytes, so they take few passes.
+func radixSort[T any](s []T, keys []uint64) {
+	if len(s) < 2 {
+		return
 	}
-	w := sstable.NewWriter(objstorageprovider.NewFileWritable(f), ix.writerOpts)
+	src, dst := s, make([]T, len(s))
+	ks, kd := keys, make([]uint64, len(keys))
+	for shift := uint(0); shift < 64; shift += 8 {
+		var at [256]int
+		for _, k := range ks {
+			at[byte(k>>shift)]++
+		}
+		if at[byte(ks[0]>>shift)] == len(ks) {
+			continue
+		}
+		pos := 0
+		for d, n := range at {
+			at[d] = pos
+			pos += n
+		}
+		for i, k := range ks {
+			d := byte(k >> shift)
+			dst[at[d]] = src[i]
+			kd[at[d]] = k
+			at[d]++
+		}
+		src, dst = dst, src
+		ks, kd = kd, ks
+	}
+	if &src[0] != &s[0] {
+		copy(s, src)
+	}
+}
+
+// touchAhead is the number of entry rows whose memory touch loads at once.
+const touchAhead = 32
+
+// touchSink keeps touch's loads from being optimized away.
+var touchSink atomic.Uint32
+
+// touch loads the memory that writing rows will read: each pendEntry, its
+// entries, its key and its reply. Rows in key order sit at random places
+// in memory, so writing them one by one waits for three or four cache
+// misses per row in turn (the pendEntry, then the entry it points to, then
+// the reply); here each stage's loads are independent of one another, so
+// the processor has the misses of a whole stage in flight at once.
+func touch(rows []entryRow) {
+	var next [touchAhead]*Entry
+	for j := range rows {
+		next[j] = rows[j].p.next
+	}
+	var x uint32
+	for j := range rows {
+		if k := rows[j].p.key; len(k) > 0 {
+			x += uint32(k[len(k)-1])
+		}
+		if e := next[j]; e != nil {
+			x += uint32(len(e.Reply))
+		}
+	}
+	for j := range rows {
+		if e := next[j]; e != nil && len(e.Reply) > 0 {
+			x += uint32(e.Reply[0]) + uint32(e.Reply[len(e.Reply)-1])
+		}
+	}
+	touchSink.Add(x)
+}
+
+// touchKeys is touch for the keys of time or expiry rows.
+func touchKeys(rows []entryRow, trs []timeRow) {
+	var keys [touchAhead]string
+	for j, r := range trs {
+		keys[j] = rows[r.i].p.key
+	}
+	var x uint32
+	for _, k := range keys[:len(trs)] {
+		if len(k) > 0 {
+			x += uint32(k[0]) + uint32(k[len(k)-1])
+		}
+	}
+	touchSink.Add(x)
+}
+
+// writeSSTs writes the rows of s, in key order, to new files named
+// base-N.sst and fsyncs them; it returns the paths written (also on
+// error: the caller removes them). Each group of rows goes to a table of
+// its own: meta and entries (keys 0x00 and 0x01), the time index (0x02),
+// the in-doubt index (0x03) and the expiry index (0x04); a group with no
+// rows has no table. Pebble ingests a table into the lowest level that
+// holds no key within its bounds: random entry keys overlap every level
+// (their table lands in L0 and is compacted down), but the time and expiry
+// rows of a set mostly lie after every row stored (they are ordered by
+// commit time and expiry time), so their tables go straight to the last
+// level and no compaction rewrites them. In one table with the entries
+// they were half the keys every compaction of the entries read and wrote
+// again. Only the entries' table has a bloom filter: the other indexes are
+// only ever scanned, never looked up by key.
+//
+// The entry rows are sorted by key (sortEntryRows); the time and expiry
+// rows are made in that order and sorted by time, then by their place in
+// it; the in-doubt rows come out in key order.
+func (ix *Index) writeSSTs(base string, s *pendingSet) (paths []string, err error) {
+	rows := make([]entryRow, 0, len(s.m))
+	for _, slab := range s.slabs {
+		for i := range slab {
+			if p := &slab[i]; p.prev != nil || p.next != nil {
+				rows = append(rows, entryRow{p: p})
+			} // else created and removed while pending: Pebble never saw it
+		}
+	}
+	sortEntryRows(rows)
+
+	if err := ix.fs.MkdirAll(ix.fs.PathDir(base), 0o755); err != nil {
+		return nil, err
+	}
 	// The writer copies keys and values, so one buffer serves every row.
-	var kb, vb []byte
-	put := func(key, value []byte, del bool) error {
-		if del {
-			return w.Delete(key)
+	var vb []byte
+	table := func(o *sstable.WriterOptions, rows func(w *sstable.Writer) error) error {
+		path := fmt.Sprintf("%s-%d.sst", base, len(paths))
+		f, err := ix.fs.Create(path, vfs.WriteCategoryUnspecified)
+		if err != nil {
+			return err
 		}
-		return w.Set(key, value)
-	}
-	// Meta rows, in key order: applied ('a'), count ('n'), replies ('r').
-	err = put(metaApplied, binary.AppendUvarint(vb[:0], uint64(s.last)), false)
-	if err == nil {
-		err = put(metaCount, binary.AppendUvarint(vb[:0], uint64(max(s.count, 0))), false)
-	}
-	if err == nil {
-		err = put(metaReplies, binary.AppendUvarint(vb[:0], uint64(max(s.replies, 0))), false)
-	}
-	for i := 0; err == nil && i < len(keys); i++ {
-		next := keys[i].p.next
-		kb = append(kb[:0], keys[i].k...)
-		if next == nil {
-			err = put(kb, nil, true)
-		} else {
-			vb = EncodeEntry(vb[:0], next)
-			err = put(kb, vb, false)
+		paths = append(paths, path)
+		w := sstable.NewWriter(objstorageprovider.NewFileWritable(f), *o)
+		if err := rows(w); err != nil {
+			_ = w.Close()
+			return err
 		}
+		// Close finishes the table, fsyncs and closes the file.
+		return w.Close()
 	}
-	for i := 0; err == nil && i < len(times); i++ {
-		kb = append(kb[:0], times[i].key...)
-		vb = timeKey(vb[:0], times[i].t, kb)
-		err = put(vb, nil, times[i].del)
-	}
-	for i := 0; err == nil && i < len(doubts); i++ {
-		kb = append(kb[:0], doubts[i].key...)
-		vb = inDoubtKey(vb[:0], kb)
-		err = put(vb, nil, doubts[i].del)
-	}
-	for i := 0; err == nil && i < len(expiries); i++ {
-		kb = append(kb[:0], expiries[i].key...)
-		vb = expiryKey(vb[:0], expiries[i].t, kb)
-		err = put(vb, nil, expiries[i].del)
-	}
-	if err != nil {
-		_ = w.Close()
+	// Pebble copies keys and values: the keys are passed without copies.
+	key := func(r entryRow) []byte { return unsafe.Slice(unsafe.StringData(r.p.key), len(r.p.key)) }
+	// The entries' table; the other indexes' rows are collected on the
+	// way, while each entry is in the processor's cache.
+	var times, expiries []timeRow
+	var doubts []int32
+	err = table(&ix.writerOpts, func(w *sstable.Writer) error {
+		// Meta rows, in key order: applied ('a'), count ('n'), replies ('r').
+		err := w.Set(metaApplied, binary.AppendUvarint(vb[:0], uint64(s.last)))
+		if err == nil {
+			err = w.Set(metaCount, binary.AppendUvarint(vb[:0], uint64(max(s.count, 0))))
+		}
+		if err == nil {
+			err = w.Set(metaReplies, binary.AppendUvarint(vb[:0], uint64(max(s.replies, 0))))
+		}
+		for i := 0; err == nil && i < len(rows); i++ {
+			if i%touchAhead == 0 {
+				touch(rows[i:min(i+touchAhead, len(rows))])
+			}
+			prev, next := rows[i].p.prev, rows[i].p.next
+			if next == nil {
+				err = w.Delete(key(rows[i]))
+			} else {
+				vb = EncodeEntry(vb[:0], next)
+				err = w.Set(key(rows[i]), vb)
+			}
+			pt, nt := prev.HasTimeKey(), next.HasTimeKey()
+			if pt && (!nt || prev.CommitTime != next.CommitTime) {
+				times = append(times, timeRow{t: prev.CommitTime, i: int32(i), del: true})
+			}
+			if nt && (!pt || prev.CommitTime != next.CommitTime) {
+				times = append(times, timeRow{t: next.CommitTime, i: int32(i)})
+			}
+			pe, ne := prev.HasExpiryKey(), next.HasExpiryKey()
+			if pe && (!ne || prev.ExpiresAt != next.ExpiresAt) {
+				expiries = append(expiries, timeRow{t: prev.ExpiresAt, i: int32(i), del: true})
+			}
+			if ne && (!pe || prev.ExpiresAt != next.ExpiresAt) {
+				expiries = append(expiries, timeRow{t: next.ExpiresAt, i: int32(i)})
+			}
+			if pf, nf := prev != nil && prev.InFlight, next != nil && next.InFlight; pf != nf {
+				doubts = append(doubts, int32(i))
+			}
+		}
 		return err
+	})
+	sortTimeRows(times)
+	sortTimeRows(expiries)
+	timeTableOf := func(trs []timeRow, rowKey func(dst []byte, t int64, entryKey []byte) []byte) error {
+		return table(&ix.indexWriterOpts, func(w *sstable.Writer) error {
+			for j, r := range trs {
+				if j%touchAhead == 0 {
+					touchKeys(rows, trs[j:min(j+touchAhead, len(trs))])
+				}
+				vb = rowKey(vb[:0], r.t, key(rows[r.i]))
+				var err error
+				if r.del {
+					err = w.Delete(vb)
+				} else {
+					err = w.Set(vb, nil)
+				}
+				if err != nil {
+					return err
+				}
+			}
+			return nil
+		})
 	}
-	// Close finishes the table, fsyncs and closes the file.
-	return w.Close()
+	// A set's time (or expiry) rows may delete rows of earlier sets: the
+	// deletes lie among the rows stored, so a table holding them goes to
+	// L0 or above. The rows after the last delete are new rows later than
+	// those (a reply committed now): they go in a table of their own,
+	// which still lands in the last level.
+	timeTable := func(trs []timeRow, rowKey func(dst []byte, t int64, entryKey []byte) []byte) error {
+		cut := 0
+		for j := len(trs) - 1; j >= 0; j-- {
+			if trs[j].del {
+				cut = j + 1
+				break
+			}
+		}
+		if cut > 0 && cut < len(trs) {
+			if err := timeTableOf(trs[:cut], rowKey); err != nil {
+				return err
+			}
+			trs = trs[cut:]
+		}
+		return timeTableOf(trs, rowKey)
+	}
+	if err == nil && len(times) > 0 {
+		err = timeTable(times, timeKey)
+	}
+	if err == nil && len(doubts) > 0 {
+		err = table(&ix.indexWriterOpts, func(w *sstable.Writer) error {
+			for _, i := range doubts {
+				vb = inDoubtKey(vb[:0], key(rows[i]))
+				var err error
+				if rows[i].p.next != nil && rows[i].p.next.InFlight {
+					err = w.Set(vb, nil)
+				} else {
+					err = w.Delete(vb)
+				}
+				if err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+	}
+	if err == nil && len(expiries) > 0 {
+		err = timeTable(expiries, expiryKey)
+	}
+	return paths, err
 }
 
 // removeIngestLeftovers deletes sstables a crash left half built.
