@@ -10,6 +10,7 @@ import (
 
 	"github.com/idemdb/idem"
 	"github.com/idemdb/idem/internal/alloctest"
+	"github.com/idemdb/idem/internal/cputime"
 	"github.com/vmihailenco/msgpack/v5"
 )
 
@@ -69,10 +70,11 @@ func randomCommand(rng *rand.Rand, depth int) *command {
 	return c
 }
 
-// TestEntryCodecMatchesReflection: the hand-written codec writes the bytes
-// msgpack's reflection writes for a command (the log's format since the
-// first release), and reads them back as reflection does, so that nodes of
-// either kind read each other's entries.
+// TestEntryCodecMatchesReflection: the codec (msgpack's low-level API,
+// field by field) writes the bytes msgpack's reflection writes for a
+// command (the log's format since the first release), and reads them back
+// as reflection does, so that nodes of either kind read each other's
+// entries.
 func TestEntryCodecMatchesReflection(t *testing.T) {
 	seed := uint64(time.Now().UnixNano())
 	t.Logf("seed %d", seed)
@@ -212,7 +214,7 @@ func TestEntryCodecBoundsAllocation(t *testing.T) {
 		field("tok", huge), field("owner", hugeStr), field("reply", huge), field("cmds", hugeArray),
 		field("req", field("i", huge)), field("key", field("s", hugeStr)), field("ids", append([]byte{0x91}, huge...)),
 		field("unknown", huge), field("unknown", []byte{0xc9, 0xf0, 0, 0, 0, 1}), // an unknown field's binary, extension
-		field("unknown", append([]byte{0x92, 0x81, 0xa1, 'x'}, huge...)),       // ... and a binary inside its array of maps
+		field("unknown", append([]byte{0x92, 0x81, 0xa1, 'x'}, huge...)), // ... and a binary inside its array of maps
 	} {
 		alloctest.Check(t, fmt.Sprintf("decodeCommand(%x)", data), decodeAllocLimit(data), func() {
 			if c, err := decodeCommand(data); err == nil {
@@ -251,5 +253,48 @@ func FuzzDecodeCommand(f *testing.F) {
 		if !reflect.DeepEqual(normalized(c), normalized(c2)) {
 			t.Fatalf("decode, encode, decode changed the command:\n%+v\n%+v", c, c2)
 		}
+	})
+}
+
+// benchBatch is a batch of 32 Begins as a Client sends them.
+func benchBatch() *command {
+	c := &command{Op: cmdBatch}
+	for i := range 32 {
+		c.Cmds = append(c.Cmds, &command{Op: cmdBegin, Owner: "bench", Token: bytes.Repeat([]byte{byte(i)}, 16),
+			Req: &wireRequest{Scope: "orders", ID: fmt.Appendf(nil, "request-%08d", i), Fingerprint: bytes.Repeat([]byte{7}, 32),
+				TTL: int64(24 * time.Hour), KeepReplies: 16, KeepFor: int64(time.Hour)}})
+	}
+	return c
+}
+
+// BenchmarkEntryCodec measures the CPU of encoding and of decoding a batch
+// of 32 Begins (cpu-µs/batch; the process's CPU, so run it alone).
+//
+//	go test -run '^$' -bench 'EntryCodec' ./idemcluster/
+func BenchmarkEntryCodec(b *testing.B) {
+	c := benchBatch()
+	data, err := encodeCommand(c)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Run("encode", func(b *testing.B) {
+		b.ReportAllocs()
+		cpu := cputime.Process()
+		for b.Loop() {
+			if _, err := encodeCommand(c); err != nil {
+				b.Fatal(err)
+			}
+		}
+		b.ReportMetric(float64(cputime.Process()-cpu)/float64(time.Microsecond)/float64(b.N), "cpu-µs/batch")
+	})
+	b.Run("decode", func(b *testing.B) {
+		b.ReportAllocs()
+		cpu := cputime.Process()
+		for b.Loop() {
+			if _, err := decodeCommand(data); err != nil {
+				b.Fatal(err)
+			}
+		}
+		b.ReportMetric(float64(cputime.Process()-cpu)/float64(time.Microsecond)/float64(b.N), "cpu-µs/batch")
 	})
 }

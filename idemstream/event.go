@@ -244,90 +244,57 @@ func encodeEventRecord(r *eventRecord) ([]byte, error) {
 
 // eventRecordEncoder encodes event records without an outbox (a result,
 // a position, a checkpoint) byte for byte as encodeEventRecord does
-// (TestEventRecordEncoder), without reflection and into shared chunks: no
-// allocation per event. The slices it returns stay valid (a full chunk is
-// left to them, never reused). Not safe for concurrent use.
-type eventRecordEncoder struct{ buf []byte }
+// (TestEventRecordEncoder), with msgpack's Encoder called field by field
+// (no reflection) into shared chunks: no allocation per event. The slices
+// it returns stay valid (a full chunk is left to them, never reused). Not
+// safe for concurrent use.
+type eventRecordEncoder struct {
+	w   appendWriter
+	enc *msgpack.Encoder
+}
 
 // eventRecordOverhead bounds what an event record without an outbox adds
 // to its result and partition.
 const eventRecordOverhead = 32
 
 func (e *eventRecordEncoder) encode(result []byte, checkpoint uint64, partition string, offset uint64) []byte {
-	need := eventRecordOverhead + len(partition) + len(result)
-	if cap(e.buf)-len(e.buf) < need {
-		e.buf = make([]byte, 0, max(16<<10, need))
+	if e.enc == nil {
+		e.enc = msgpack.NewEncoder(&e.w)
+		e.enc.UseCompactInts(true) // as encodeEventRecord
 	}
-	start := len(e.buf)
-	// encodeEventRecord's encoding: an array of 6, version 1.
-	b := append(e.buf, 0x96, eventRecordVersion)
-	b = appendMsgpackBin(b, result)
-	b = appendMsgpackStr(b, partition)
-	b = appendCompactUint(b, offset)
-	b = appendCompactUint(b, checkpoint)
-	b = append(b, 0xc0) // no outbox
-	e.buf = b
+	need := eventRecordOverhead + len(partition) + len(result)
+	if cap(e.w.b)-len(e.w.b) < need {
+		e.w.b = make([]byte, 0, max(16<<10, need))
+	}
+	start := len(e.w.b)
+	// encodeEventRecord's encoding: an array of the six fields, version 1.
+	// appendWriter never fails, so neither do these (the Encoder's
+	// primitives fail only with their writer).
+	enc := e.enc
+	_ = enc.EncodeArrayLen(6)
+	_ = enc.EncodeUint(eventRecordVersion)
+	_ = enc.EncodeBytes(result) // nil as nil
+	_ = enc.EncodeString(partition)
+	_ = enc.EncodeUint(offset)
+	_ = enc.EncodeUint(checkpoint)
+	_ = enc.EncodeNil() // no outbox
+	b := e.w.b
 	return b[start:len(b):len(b)]
 }
 
-// appendMsgpackBin appends v as msgpack bin (nil as nil), as msgpack v5
-// encodes a []byte.
-func appendMsgpackBin(b, v []byte) []byte {
-	switch n := len(v); {
-	case v == nil:
-		return append(b, 0xc0)
-	case n < 256:
-		b = append(b, 0xc4, byte(n))
-	case n <= 0xffff:
-		b = binary.BigEndian.AppendUint16(append(b, 0xc5), uint16(n))
-	default:
-		b = binary.BigEndian.AppendUint32(append(b, 0xc6), uint32(n))
-	}
-	return append(b, v...)
+// appendWriter is the writer of the msgpack Encoders that encode without
+// reflection: it appends to b and never fails. It has WriteByte, which
+// the Encoder uses as it is (else it wraps the writer in one of its own).
+type appendWriter struct{ b []byte }
+
+func (w *appendWriter) Write(p []byte) (int, error) {
+	w.b = append(w.b, p...)
+	return len(p), nil
 }
 
-// appendMsgpackStr appends v as msgpack str, as msgpack v5 encodes a
-// string.
-func appendMsgpackStr(b []byte, v string) []byte {
-	switch n := len(v); {
-	case n < 32:
-		b = append(b, 0xa0|byte(n))
-	case n < 256:
-		b = append(b, 0xd9, byte(n))
-	case n <= 0xffff:
-		b = binary.BigEndian.AppendUint16(append(b, 0xda), uint16(n))
-	default:
-		b = binary.BigEndian.AppendUint32(append(b, 0xdb), uint32(n))
-	}
-	return append(b, v...)
-}
-
-// appendMsgpackLen appends a msgpack array (fix 0x90, 0xdc, 0xdd) or map
-// (fix 0x80, 0xde, 0xdf) header of n elements.
-func appendMsgpackLen(b []byte, fix, c16, c32 byte, n int) []byte {
-	switch {
-	case n < 16:
-		return append(b, fix|byte(n))
-	case n <= 0xffff:
-		return binary.BigEndian.AppendUint16(append(b, c16), uint16(n))
-	}
-	return binary.BigEndian.AppendUint32(append(b, c32), uint32(n))
-}
-
-// appendCompactUint appends n as msgpack's shortest unsigned integer (as
-// an Encoder with UseCompactInts writes it).
-func appendCompactUint(b []byte, n uint64) []byte {
-	switch {
-	case n <= 0x7f:
-		return append(b, byte(n))
-	case n <= 0xff:
-		return append(b, 0xcc, byte(n))
-	case n <= 0xffff:
-		return binary.BigEndian.AppendUint16(append(b, 0xcd), uint16(n))
-	case n <= 0xffffffff:
-		return binary.BigEndian.AppendUint32(append(b, 0xce), uint32(n))
-	}
-	return binary.BigEndian.AppendUint64(append(b, 0xcf), n)
+func (w *appendWriter) WriteByte(c byte) error {
+	w.b = append(w.b, c)
+	return nil
 }
 
 func decodeEventRecord(scope string, id, b []byte) (*eventRecord, error) {

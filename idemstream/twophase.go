@@ -2,7 +2,6 @@ package idemstream
 
 import (
 	"context"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -176,33 +175,46 @@ type checkpointRecord struct {
 // (a map keyed by the tags, integers as uint64) but for the frontier's
 // partitions, which come sorted (Marshal's follow the map's random
 // order): a checkpoint lists every event of its batch, and reflection
-// over them cost as much as the rest of the coordinator's own work.
+// over them cost as much as the rest of the coordinator's own work, so
+// msgpack's Encoder is called field by field instead.
 func (r *checkpointRecord) appendBody(b []byte) []byte {
+	w := appendWriter{b: b}
+	enc := msgpack.GetEncoder()
+	defer msgpack.PutEncoder(enc)
+	enc.Reset(&w) // Marshal's settings: integers in their full width
+	// appendWriter never fails, so neither do these (the Encoder's
+	// primitives fail only with their writer).
 	fields := 4
 	if len(r.Fingerprints) > 0 {
-		fields = 5
+		fields = 5 // omitempty
 	}
-	b = append(b, 0x80|byte(fields), 0xa1, 'k', 0xcf)
-	b = binary.BigEndian.AppendUint64(b, r.K)
-	b = appendMsgpackBin(append(b, 0xa1, 'h'), r.Handle)
-	b = appendBinList(append(b, 0xa1, 'e'), r.Events)
+	_ = enc.EncodeMapLen(fields)
+	_ = enc.EncodeString("k")
+	_ = enc.EncodeUint64(r.K) // 0xcf and 8 bytes, as Marshal writes a uint64
+	_ = enc.EncodeString("h")
+	_ = enc.EncodeBytes(r.Handle)
+	_ = enc.EncodeString("e")
+	encodeBinList(enc, r.Events)
 	if fields == 5 {
-		b = appendBinList(append(b, 0xa1, 'p'), r.Fingerprints)
+		_ = enc.EncodeString("p")
+		encodeBinList(enc, r.Fingerprints)
 	}
-	b = append(b, 0xa1, 'f')
+	_ = enc.EncodeString("f")
 	if r.Frontier == nil {
-		return append(b, 0xc0)
+		_ = enc.EncodeNil()
+		return w.b
 	}
 	parts := make([]string, 0, len(r.Frontier))
 	for p := range r.Frontier {
 		parts = append(parts, p)
 	}
 	slices.Sort(parts)
-	b = appendMsgpackLen(b, 0x80, 0xde, 0xdf, len(parts))
+	_ = enc.EncodeMapLen(len(parts))
 	for _, p := range parts {
-		b = binary.BigEndian.AppendUint64(append(appendMsgpackStr(b, p), 0xcf), r.Frontier[p])
+		_ = enc.EncodeString(p)
+		_ = enc.EncodeUint64(r.Frontier[p])
 	}
-	return b
+	return w.b
 }
 
 // sizeHint is about the length of r's body.
@@ -214,16 +226,17 @@ func (r *checkpointRecord) sizeHint() int {
 	return n
 }
 
-// appendBinList appends l as a msgpack array of bin (nil as nil).
-func appendBinList(b []byte, l [][]byte) []byte {
+// encodeBinList encodes l as a msgpack array of bin (nil as nil), as
+// Marshal encodes a [][]byte. enc writes to an appendWriter: no error.
+func encodeBinList(enc *msgpack.Encoder, l [][]byte) {
 	if l == nil {
-		return append(b, 0xc0)
+		_ = enc.EncodeNil()
+		return
 	}
-	b = appendMsgpackLen(b, 0x90, 0xdc, 0xdd, len(l))
+	_ = enc.EncodeArrayLen(len(l))
 	for _, v := range l {
-		b = appendMsgpackBin(b, v)
+		_ = enc.EncodeBytes(v)
 	}
-	return b
 }
 
 type markerRecord struct {
