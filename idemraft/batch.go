@@ -80,11 +80,11 @@ type batchApply struct {
 	written map[uint64]struct{}
 
 	// Scratch of flush, kept for the next run (cleared after each).
-	results []any  // the application's results by run position
-	items   []int  // run positions of the engine batch's items
-	ends    []int  // where each item's envelope ends in envs
-	envs    []byte // the items' envelopes, back to back (the engine copies them)
-	appPos  []int  // run positions of the entries given to the application's ApplyBatch
+	results []any           // the application's results by run position
+	items   []int           // run positions of the engine batch's items
+	ends    []int           // where each item's envelope ends in envs
+	envs    *envelopeWriter // the items' envelopes, back to back (the engine copies them); nil until the first
+	appPos  []int           // run positions of the entries given to the application's ApplyBatch
 }
 
 // runEntry is an entry of the run: a new request (d set), a command with
@@ -246,7 +246,7 @@ func (a *batchApply) reset() {
 	clear(a.pending) // drop the references to log entries and results
 	a.pending = a.pending[:0]
 	clear(a.results)
-	if cap(a.envs) > maxKeptEnvs {
+	if a.envs != nil && a.envs.buf.Cap() > maxKeptEnvs {
 		a.envs = nil
 	}
 	a.fresh = 0
@@ -299,16 +299,20 @@ func (a *batchApply) flush() {
 func (a *batchApply) write(resps []Response) bool {
 	f := a.f
 	b := f.cur.e.NewBatch()
-	a.items, a.ends, a.envs = a.items[:0], a.ends[:0], a.envs[:0]
+	a.items, a.ends = a.items[:0], a.ends[:0]
+	if a.envs == nil {
+		a.envs = newEnvelopeWriter()
+	}
+	a.envs.buf.Reset()
 	for p := range a.pending {
 		if a.pending[p].kind != runFresh {
 			continue
 		}
 		var env envelope
 		env, resps[len(a.items)] = resultEnvelope(a.results[p], f.eopts.MaxReplySize)
-		a.envs = appendEnvelope(a.envs, env)
+		a.envs.write(env)
 		a.items = append(a.items, p)
-		a.ends = append(a.ends, len(a.envs))
+		a.ends = append(a.ends, a.envs.buf.Len())
 	}
 	if len(a.items) == 0 {
 		return true
@@ -317,9 +321,9 @@ func (a *batchApply) write(resps []Response) bool {
 	// The engine copies a reply it is given (idem.Result.Reply; its
 	// TestCommitCopiesReply covers Batch.Put), so envs is reused by the
 	// next run.
-	from := 0
+	envs, from := a.envs.buf.Bytes(), 0
 	for n, p := range a.items {
-		b.Put(a.pending[p].d.req, a.envs[from:a.ends[n]:a.ends[n]])
+		b.Put(a.pending[p].d.req, envs[from:a.ends[n]:a.ends[n]])
 		from = a.ends[n]
 	}
 	out, err := b.Run(context.Background())

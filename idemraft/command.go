@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"sync"
 	"time"
 
 	"github.com/idemdb/idem"
@@ -211,15 +212,17 @@ func decodeCommand(data []byte) (decoded, error) {
 
 // decodeRequest reads the body of a request command: the array of
 // wireCommand's fields, with window wireWindowCommand's, exactly that
-// many, each read as the msgpack library's Decoder reads its type (see
-// bodyReader), and nothing after (FuzzDecodeCommand compares it with
-// msgpack.Unmarshal on every input). It runs once per command on raft's
-// FSM goroutine, so it reads in place: the id, the acked ids and op are
+// many, each with the msgpack library's Decoder method for its type, and
+// nothing after (FuzzDecodeCommand compares it with msgpack.Unmarshal on
+// every input). It runs once per command on raft's FSM goroutine, so it
+// reads in place (see wireReader): the id, the acked ids and op are
 // slices of body (as Apply hands the application raft's own Log.Data),
-// and only what the engine may keep after the entry is applied is
-// copied (the fingerprint, the scope and client strings).
+// and only what the engine may keep after the entry is applied is copied
+// (the fingerprint, the scope and client strings:
+// TestDedupSetKeepsNoLogBytes).
 func decodeRequest(body []byte, window bool) (req idem.Request, op []byte, err error) {
-	r := bodyReader{b: body}
+	r := getWireReader(body)
+	defer putWireReader(r)
 	want := 8
 	if window {
 		want = 10
@@ -232,25 +235,25 @@ func decodeRequest(body []byte, window bool) (req idem.Request, op []byte, err e
 	req.Client = r.str()
 	req.Seq = r.uint64()
 	req.Fingerprint = bytes.Clone(r.bytes())
-	if k := r.arrayLen(); r.err == nil && k > len(r.b) { // each id takes a byte at least
-		r.fail("%d acked ids in %d bytes", k, len(r.b))
+	if k := r.arrayLen(); r.err == nil && k > r.r.Len() { // each id takes a byte at least
+		r.fail("%d acked ids in %d bytes", k, r.r.Len())
 	} else if k > 0 && r.err == nil {
 		req.Acked = make([][]byte, k)
 		for j := range req.Acked {
 			req.Acked[j] = r.bytes()
 		}
 	}
-	ttl := int64(r.uint64())
+	ttl := r.int64()
 	op = r.bytes()
 	var keep, keepFor int64
 	if window {
-		keep, keepFor = int64(r.uint64()), int64(r.uint64())
+		keep, keepFor = r.int64(), r.int64()
 		if r.err == nil && (keep < 0 || keep > idem.MaxKeepReplies) {
 			r.fail("KeepReplies %d out of range 0..%d", keep, idem.MaxKeepReplies)
 		}
 	}
-	if r.err == nil && len(r.b) != 0 {
-		r.fail("%d trailing bytes", len(r.b))
+	if r.err == nil && r.r.Len() != 0 {
+		r.fail("%d trailing bytes", r.r.Len())
 	}
 	if r.err != nil {
 		return idem.Request{}, nil, r.err
@@ -260,139 +263,119 @@ func decodeRequest(body []byte, window bool) (req idem.Request, op []byte, err e
 	return req, op, nil
 }
 
-// bodyReader reads msgpack values from b in place. Each method accepts
-// exactly the encodings that the msgpack library's Decoder method of the
-// same kind accepts, and reads them to the same value (the library
-// decoded commands before; FuzzDecodeCommand holds the two together):
+// wireReader reads the msgpack values of a command or an envelope with
+// the msgpack library's low-level Decoder (DecodeArrayLen, DecodeUint64,
+// DecodeInt64, DecodeBytesLen), so every value is read as the library
+// reads its type, without reflection, and writes the library's own
+// structs (wireCommand, envelope) read back the same. Two things it does
+// itself, because the library's value methods cannot:
 //
-//   - str: DecodeString (nil, str and bin forms; "" for nil or empty),
-//   - bytes: DecodeBytes (nil gives nil, an empty one a non-nil empty slice),
-//   - uint64: DecodeUint64, and int64(uint64()) is DecodeInt64 (nil is 0,
-//     fixints, uint8..64, int8..64 sign-extended),
-//   - arrayLen: DecodeArrayLen (-1 for nil).
+//   - it bounds every length before using it: a byte string or an array
+//     of ids whose header claims more than the bytes left is refused
+//     (DecodeBytes would allocate whatever the header claims: a 16-byte
+//     command claiming 3.75 GiB allocated it; TestDecodersBoundAllocation),
+//   - it takes a byte string as a slice of the input (the Decoder reads
+//     from a bytes.Reader on data: its offset is len(data) - r.Len(), and
+//     the reader is then moved past it), so a command's id and operation
+//     cost no copy; a caller copies what outlives data.
 //
 // The first error stops every later read, which then returns zero values.
-type bodyReader struct {
-	b   []byte
-	err error
+// Readers are pooled (getWireReader): one Decoder and bytes.Reader serve
+// every entry, and a decode allocates only what it copies.
+type wireReader struct {
+	data []byte
+	r    bytes.Reader // on data
+	d    *msgpack.Decoder
+	err  error
 }
 
-func (r *bodyReader) fail(format string, args ...any) {
-	if r.err == nil {
-		r.err = fmt.Errorf(format, args...)
+var wireReaders = sync.Pool{New: func() any {
+	w := new(wireReader)
+	w.d = msgpack.NewDecoder(&w.r) // a bytes.Reader is read directly, unbuffered
+	return w
+}}
+
+func getWireReader(data []byte) *wireReader {
+	w := wireReaders.Get().(*wireReader)
+	w.data, w.err = data, nil
+	w.r.Reset(data)
+	return w
+}
+
+// putWireReader returns w to the pool, keeping no reference to its input.
+func putWireReader(w *wireReader) {
+	w.data, w.err = nil, nil
+	w.r.Reset(nil)
+	wireReaders.Put(w)
+}
+
+func (w *wireReader) fail(format string, args ...any) {
+	if w.err == nil {
+		w.err = fmt.Errorf(format, args...)
 	}
 }
 
-// next takes n bytes.
-func (r *bodyReader) next(n int) []byte {
-	if r.err != nil {
-		return nil
+func (w *wireReader) setErr(err error) {
+	if w.err == nil && err != nil {
+		w.err = err
 	}
-	if n > len(r.b) {
-		r.fail("%d bytes wanted, %d left: %w", n, len(r.b), io.ErrUnexpectedEOF)
-		return nil
+}
+
+// arrayLen reads an array header (DecodeArrayLen): its length, or -1 for
+// nil. The caller bounds the length by what it reads per element.
+func (w *wireReader) arrayLen() int {
+	if w.err != nil {
+		return 0
 	}
-	v := r.b[:n:n]
-	r.b = r.b[n:]
+	n, err := w.d.DecodeArrayLen()
+	w.setErr(err)
+	return n
+}
+
+func (w *wireReader) uint64() uint64 {
+	if w.err != nil {
+		return 0
+	}
+	v, err := w.d.DecodeUint64()
+	w.setErr(err)
 	return v
 }
 
-func (r *bodyReader) code() byte {
-	if c := r.next(1); c != nil {
-		return c[0]
+func (w *wireReader) int64() int64 {
+	if w.err != nil {
+		return 0
 	}
-	return 0
-}
-
-// be reads an n-byte big-endian unsigned number.
-func (r *bodyReader) be(n int) uint64 {
-	var v uint64
-	for _, c := range r.next(n) {
-		v = v<<8 | uint64(c)
-	}
+	v, err := w.d.DecodeInt64()
+	w.setErr(err)
 	return v
 }
 
-// bytesLen reads the header of a string or byte string: its length, or
-// -1 for nil.
-func (r *bodyReader) bytesLen() int {
-	c := r.code()
-	switch {
-	case r.err != nil:
-		return 0
-	case c == 0xc0: // nil
-		return -1
-	case c >= 0xa0 && c <= 0xbf: // fixstr
-		return int(c & 0x1f)
-	case c == 0xd9, c == 0xc4: // str8, bin8
-		return int(r.be(1))
-	case c == 0xda, c == 0xc5: // str16, bin16
-		return int(r.be(2))
-	case c == 0xdb, c == 0xc6: // str32, bin32
-		return int(r.be(4))
-	}
-	r.fail("invalid code %#x decoding a string or bytes", c)
-	return 0
-}
-
-func (r *bodyReader) bytes() []byte {
-	n := r.bytesLen()
-	if n < 0 {
+// bytes reads a byte string (str or bin, as DecodeBytes reads it: nil
+// gives nil, an empty one a non-nil empty slice) as a slice of the input,
+// capped at its length.
+func (w *wireReader) bytes() []byte {
+	if w.err != nil {
 		return nil
 	}
-	return r.next(n)
+	n, err := w.d.DecodeBytesLen()
+	switch left := w.r.Len(); {
+	case err != nil:
+		w.setErr(err)
+		return nil
+	case n < 0:
+		return nil
+	case n > left:
+		w.fail("a string of %d bytes with %d left: %w", n, left, io.ErrUnexpectedEOF)
+		return nil
+	}
+	off := len(w.data) - w.r.Len()
+	w.r.Seek(int64(n), io.SeekCurrent) // within data: cannot fail
+	return w.data[off : off+n : off+n]
 }
 
-func (r *bodyReader) str() string {
-	n := r.bytesLen()
-	if n <= 0 {
-		return ""
-	}
-	return string(r.next(n))
-}
-
-func (r *bodyReader) uint64() uint64 {
-	c := r.code()
-	switch {
-	case r.err != nil, c == 0xc0: // nil
-		return 0
-	case c <= 0x7f || c >= 0xe0: // positive and negative fixint
-		return uint64(int8(c))
-	case c == 0xcc: // uint8
-		return r.be(1)
-	case c == 0xcd: // uint16
-		return r.be(2)
-	case c == 0xce: // uint32
-		return r.be(4)
-	case c == 0xd0: // int8
-		return uint64(int8(r.be(1)))
-	case c == 0xd1: // int16
-		return uint64(int16(r.be(2)))
-	case c == 0xd2: // int32
-		return uint64(int32(r.be(4)))
-	case c == 0xcf, c == 0xd3: // uint64, int64
-		return r.be(8)
-	}
-	r.fail("invalid code %#x decoding an integer", c)
-	return 0
-}
-
-func (r *bodyReader) arrayLen() int {
-	c := r.code()
-	switch {
-	case r.err != nil:
-		return 0
-	case c == 0xc0: // nil
-		return -1
-	case c >= 0x90 && c <= 0x9f: // fixarray
-		return int(c & 0x0f)
-	case c == 0xdc: // array16
-		return int(r.be(2))
-	case c == 0xdd: // array32
-		return int(r.be(4))
-	}
-	r.fail("invalid code %#x decoding an array length", c)
-	return 0
+// str reads a string as DecodeString does ("" for nil or empty), copied.
+func (w *wireReader) str() string {
+	return string(w.bytes())
 }
 
 // unmarshalStrict decodes exactly one msgpack value filling all of b.

@@ -403,7 +403,11 @@ func (f *FSM) applyEntry(l *raft.Log, d decoded, derr error) any {
 	entry.Data = d.op
 	out := f.app.Apply(&entry)
 	env, resp := resultEnvelope(out, f.eopts.MaxReplySize)
-	if err := res.Claim.Commit(ctx, encodeEnvelope(env)); err != nil {
+	w := getEnvelopeWriter()
+	w.write(env)
+	err = res.Claim.Commit(ctx, w.buf.Bytes()) // the engine copies the reply
+	putEnvelopeWriter(w)
+	if err != nil {
 		return &Response{Err: f.fail(l.Index, err)}
 	}
 	f.applied.Add(1)

@@ -138,8 +138,9 @@ func norm(r idem.Request) idem.Request {
 }
 
 // FuzzDecodeEnvelope: decodeEnvelope reads every input exactly as
-// msgpack's Decoder does (how it read envelopes before bodyReader, kept
-// here as the reference): the same envelope from the same bytes, and the
+// msgpack's Decoder does with its value methods (DecodeInt, DecodeBytes,
+// DecodeString, kept here as the reference; decodeEnvelope checks each
+// length before it reads): the same envelope from the same bytes, and the
 // same bytes refused. Envelopes are in every raft snapshot.
 func FuzzDecodeEnvelope(f *testing.F) {
 	old, _ := msgpack.Marshal([]any{replyBytes, []byte("r"), "", []byte("fingerprint")}) // before API v1

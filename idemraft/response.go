@@ -4,9 +4,9 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"sync"
 
 	"github.com/idemdb/idem"
-	"github.com/idemdb/idem/internal/msgp"
 	"github.com/vmihailenco/msgpack/v5"
 )
 
@@ -123,30 +123,69 @@ func (env *envelope) response(dup bool) *Response {
 	return r
 }
 
-// encodeEnvelope writes env exactly as msgpack.Marshal writes the struct
-// (TestEnvelopeEncoding), appending with internal/msgp rather than through
-// the library's reflection: it runs once per new request on raft's FSM
-// goroutine.
-func encodeEnvelope(env envelope) []byte {
-	return appendEnvelope(make([]byte, 0, 3+5+len(env.Reply)+5+len(env.Msg)), env)
+// envelopeWriter encodes envelopes with the msgpack library's low-level
+// Encoder (EncodeArrayLen, EncodeInt, EncodeBytes, EncodeString: the
+// calls its reflection makes for the envelope struct, so the bytes are
+// msgpack.Marshal's, TestEnvelopeEncoding) into a buffer it keeps: it runs
+// once per new request on raft's FSM goroutine, and a reused Encoder and
+// buffer cost no allocation per envelope. The engine copies a reply it is
+// given (idem.Claim.Commit, idem.Batch.Put), so the buffer is reused once
+// the envelopes it holds are handed over.
+type envelopeWriter struct {
+	buf bytes.Buffer
+	enc *msgpack.Encoder
 }
 
-// appendEnvelope appends env, encoded as encodeEnvelope encodes it, to b.
-func appendEnvelope(b []byte, env envelope) []byte {
-	b = msgp.AppendArrayLen(b, envelopeFields)
-	b = msgp.AppendInt(b, int64(env.Kind))
-	b = msgp.AppendBytes(b, env.Reply)
-	return msgp.AppendString(b, env.Msg)
+func newEnvelopeWriter() *envelopeWriter {
+	w := new(envelopeWriter)
+	w.enc = msgpack.NewEncoder(&w.buf) // a bytes.Buffer is written directly, unbuffered
+	return w
+}
+
+// write appends env's encoding to the buffer.
+func (w *envelopeWriter) write(env envelope) {
+	// Writes to a bytes.Buffer cannot fail (it panics when out of memory).
+	_ = w.enc.EncodeArrayLen(envelopeFields)
+	_ = w.enc.EncodeInt(int64(env.Kind))
+	_ = w.enc.EncodeBytes(env.Reply)
+	_ = w.enc.EncodeString(env.Msg)
+}
+
+// maxPooledEnvelope bounds the buffer a pooled envelopeWriter keeps.
+const maxPooledEnvelope = 64 << 10
+
+var envelopeWriters = sync.Pool{New: func() any { return newEnvelopeWriter() }}
+
+// getEnvelopeWriter returns a pooled envelopeWriter with an empty buffer.
+func getEnvelopeWriter() *envelopeWriter {
+	w := envelopeWriters.Get().(*envelopeWriter)
+	w.buf.Reset()
+	return w
+}
+
+func putEnvelopeWriter(w *envelopeWriter) {
+	if w.buf.Cap() <= maxPooledEnvelope {
+		envelopeWriters.Put(w)
+	}
+}
+
+// encodeEnvelope writes env as envelopeWriter does, into a new slice.
+func encodeEnvelope(env envelope) []byte {
+	w := getEnvelopeWriter()
+	defer putEnvelopeWriter(w)
+	w.write(env)
+	return bytes.Clone(w.buf.Bytes())
 }
 
 // decodeEnvelope reads an envelope: the 3 elements written now, and any
 // elements after them (the fingerprint copy of the envelopes written
 // before API v1, or fields a later version appends) are skipped. It reads
-// the 3 elements with bodyReader, exactly as msgpack's Decoder reads them
-// (DecodeInt, DecodeBytes, DecodeString: FuzzDecodeEnvelope compares the
-// two), and runs on every replica for every duplicate in the log. The
-// reply is copied: b is the engine's stored reply, which its readers
-// share (idem.Result.Reply), and Response.Reply is the caller's.
+// the 3 elements with wireReader, the library's DecodeInt, DecodeBytes
+// and DecodeString with the length checked first (FuzzDecodeEnvelope
+// compares it with the library's Decoder), and skips the rest with the
+// library's Skip; it runs on every replica for every duplicate in the
+// log. The reply is copied: b is the engine's stored reply, which its
+// readers share (idem.Result.Reply), and Response.Reply is the caller's.
 func decodeEnvelope(b []byte) (env envelope, err error) {
 	defer func() {
 		if r := recover(); r != nil { // the decoder must never take a replica down
@@ -156,30 +195,30 @@ func decodeEnvelope(b []byte) (env envelope, err error) {
 			env, err = envelope{}, fmt.Errorf("idemraft: stored reply is not an idemraft envelope: %w", err)
 		}
 	}()
-	r := bodyReader{b: b}
+	r := getWireReader(b)
 	n := r.arrayLen()
 	if r.err == nil && n < envelopeFields {
 		r.fail("%d elements, want at least %d", n, envelopeFields)
 	}
-	env.Kind = int(r.uint64())
+	env.Kind = int(r.int64())
 	env.Reply = bytes.Clone(r.bytes())
 	env.Msg = r.str()
-	if r.err == nil && n > envelopeFields {
-		// Skipped with the library, which knows every msgpack type.
-		rest := bytes.NewReader(r.b)
-		d := msgpack.NewDecoder(rest)
-		for i := envelopeFields; i < n && r.err == nil; i++ {
-			if err := d.Skip(); err != nil {
-				r.err = err
-			}
-		}
-		r.b = r.b[len(r.b)-rest.Len():]
+	skipped := false
+	for i := envelopeFields; i < n && r.err == nil; i++ {
+		r.setErr(r.d.Skip())
+		skipped = true
 	}
-	if r.err == nil && len(r.b) != 0 {
-		r.fail("%d trailing bytes", len(r.b))
+	if r.err == nil && r.r.Len() != 0 {
+		r.fail("%d trailing bytes", r.r.Len())
 	}
-	if r.err != nil {
-		return envelope{}, r.err
+	err = r.err
+	if !skipped {
+		// Skip reads a skipped string into the Decoder's buffer, which
+		// then keeps its size: a reader that skipped is left to the GC.
+		putWireReader(r)
+	}
+	if err != nil {
+		return envelope{}, err
 	}
 	return env, nil
 }
