@@ -183,6 +183,11 @@ func (e *Engine) installLocked(sh *shard, key []byte, en *index.Entry, keep bool
 // they read (Engine.current). Otherwise the key is read again under the
 // lock.
 func (e *Engine) lockSlot(key []byte) (*slot, func(), error) {
+	return e.lockSlotFor(key, false)
+}
+
+// lockSlotFor is lockSlot, or lockSlotRead when read is set.
+func (e *Engine) lockSlotFor(key []byte, read bool) (*slot, func(), error) {
 	sh := e.shardOf(key)
 	sh.mu.Lock()
 	if sl := sh.m[string(key)]; sl != nil {
@@ -193,6 +198,9 @@ func (e *Engine) lockSlot(key []byte) (*slot, func(), error) {
 	en, err := e.ix.Get(key)
 	if testHookUnlockedRead != nil {
 		testHookUnlockedRead(key)
+	}
+	if read && err == nil && en == nil {
+		return nil, nil, nil
 	}
 	return e.lockSlotAfterRead(sh, key, en, err, gen, installs)
 }
@@ -242,21 +250,7 @@ func (e *Engine) lockSlotAfterRead(sh *shard, key []byte, en *index.Entry, err e
 // goes through lockSlot's check and installs it as before, so that
 // repeated reads of a stored id find it in memory.
 func (e *Engine) lockSlotRead(key []byte) (*slot, func(), error) {
-	sh := e.shardOf(key)
-	sh.mu.Lock()
-	if sl := sh.m[string(key)]; sl != nil {
-		return sl, sh.unlock, nil
-	}
-	gen, installs := sh.gen, sh.installs
-	sh.mu.Unlock()
-	en, err := e.ix.Get(key)
-	if testHookUnlockedRead != nil {
-		testHookUnlockedRead(key)
-	}
-	if err == nil && en == nil {
-		return nil, nil, nil
-	}
-	return e.lockSlotAfterRead(sh, key, en, err, gen, installs)
+	return e.lockSlotFor(key, true)
 }
 
 // testHookUnlockedRead, set by tests only, runs after lockSlot read key
