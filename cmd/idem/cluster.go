@@ -367,7 +367,9 @@ func (o *clusterOpts) remove(ctx context.Context, c *cli, addrs []string, id str
 		return fmt.Errorf("%s is the cluster's last voter: raft cannot remove it (no member would be left); to retire the cluster stop its process, or --join another node first", id)
 	}
 	if err := cl.Remove(ctx, id); err != nil {
-		if errors.Is(err, context.DeadlineExceeded) && (st.LeaderId == "" || strings.Contains(err.Error(), "not the leader")) {
+		if errors.Is(err, context.DeadlineExceeded) && (st.LeaderId == "" || strings.Contains(err.Error(), "not the leader") || strings.Contains(err.Error(), "code = Unavailable")) {
+			// No leader known, or the one known did not take the call
+			// (it said it no longer leads, or it could not be reached).
 			known := "none"
 			if st.LeaderId != "" {
 				known = st.LeaderId

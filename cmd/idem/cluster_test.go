@@ -246,12 +246,29 @@ func TestClusterRemoveErrors(t *testing.T) {
 		t.Errorf("remove at a dead address: %s", errs)
 	}
 
-	// One of two nodes down: no leader, so nothing can be removed.
+	// One of two nodes down: no leader, so nothing can be removed. The
+	// leader is the one stopped, so that n1 starts out naming a leader
+	// that is gone (the case that once failed by chance).
+	if tc.nodes["n1"].IsLeader() {
+		if err := tc.nodes["n1"].Raft().LeadershipTransfer().Error(); err != nil {
+			t.Fatalf("handing leadership to n2: %v", err)
+		}
+	}
+	for deadline := time.Now().Add(30 * time.Second); !tc.nodes["n2"].IsLeader(); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("n2 does not lead 30s after the transfer")
+		}
+	}
 	tc.stop("n2")
 	lone := tc.addrs("n1")
-	for deadline := time.Now().Add(30 * time.Second); tc.nodes["n1"].IsLeader(); time.Sleep(20 * time.Millisecond) {
-		if time.Now().After(deadline) { // it steps down once its lease lapses
-			t.Fatal("n1 still leads alone after 30s")
+	// Wait until n1 knows no leader: if it led, it steps down once its
+	// lease lapses; if n2 led, n1 forgets it at its heartbeat timeout.
+	// (Waiting only for n1 not to lead let the removal below start while
+	// n1 still named n2 as its leader: a chance failure in CI.)
+	knowsLeader := func() bool { _, id := tc.nodes["n1"].Raft().LeaderWithID(); return id != "" }
+	for deadline := time.Now().Add(30 * time.Second); tc.nodes["n1"].IsLeader() || knowsLeader(); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("n1 still knows a leader 30s after n2 stopped")
 		}
 	}
 	_, errs = wantCode(t, 1, "cluster", "remove", "n2", "--addr", lone, "--timeout", "3s")
