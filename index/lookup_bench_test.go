@@ -1,16 +1,14 @@
-//go:build linux
-
 package index
 
 import (
 	"crypto/rand"
 	mrand "math/rand/v2"
 	"runtime"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/cockroachdb/pebble/v2/vfs"
+	"github.com/idemdb/idem/internal/cputime"
 	"github.com/idemdb/idem/wal"
 )
 
@@ -19,10 +17,12 @@ import (
 // compaction settings (tuning.go) trade against the writes' cost. The
 // index is first filled with 2 million fresh ids (128-byte random
 // replies, batches of 1,024, as BenchmarkApplyFresh applies them; not
-// timed), then per 1,024 lookups of each kind writeRatio more batches of
-// 1,024 fresh ids are applied, so that L0 fills and compacts under the
-// lookups as it does under load (200,000 lookups span about 40 ingests). Kinds, each reported as CPU time of the looking-up thread per
-// lookup (compactions, ingests and the writes excluded):
+// timed). In the writing sub-benchmark, 8 more batches of 1,024 fresh ids
+// are then applied per 1,024 lookups of each kind, so that L0 fills and
+// compacts under the lookups as it does under load (200,000 lookups span
+// about 40 ingests). Kinds, each reported as CPU time of the looking-up
+// thread per lookup (cputime.Thread, Linux only: compactions, ingests and
+// the writes excluded):
 //
 //   - present-ns: ids stored earlier (uniformly at random: most in the
 //     last levels, some in L0);
@@ -34,9 +34,20 @@ import (
 //
 // l0-sublevels is L0's read amplification, averaged over the batches.
 //
+// The idle sub-benchmark writes nothing during the lookups: the fill is
+// flushed and Pebble's compactions have stopped (none ran for 200 ms), so
+// L0 holds what the compaction settings leave there when the writes pause.
+//
 //	go test -run '^$' -bench LookupWhileWriting -benchtime 200000x ./index/
 func BenchmarkLookupWhileWriting(b *testing.B) {
-	const fill, per, writeRatio = 2_000_000, 1024, 8
+	b.Run("writing", func(b *testing.B) { benchLookups(b, 8) })
+	b.Run("idle", func(b *testing.B) { benchLookups(b, 0) })
+}
+
+// benchLookups: see BenchmarkLookupWhileWriting; writeRatio batches of
+// fresh ids are applied per batch of lookups of each kind.
+func benchLookups(b *testing.B, writeRatio int) {
+	const fill, per = 2_000_000, 1024
 	if b.N == 1 {
 		return // the testing package's first, probing run: not worth a fill
 	}
@@ -82,6 +93,19 @@ func BenchmarkLookupWhileWriting(b *testing.B) {
 	for done := 0; done < fill; done += per {
 		apply(done, min(per, fill-done))
 	}
+	if writeRatio == 0 {
+		if err := ix.Flush(); err != nil {
+			b.Fatal(err)
+		}
+		for idle := 0; idle < 20; {
+			if ix.db.Metrics().Compact.NumInProgress == 0 {
+				idle++
+			} else {
+				idle = 0
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
 	rng := mrand.New(mrand.NewPCG(1, 2))
 	absent := make([]byte, 16)
 	keys := make([][]byte, per)
@@ -90,14 +114,14 @@ func BenchmarkLookupWhileWriting(b *testing.B) {
 	var present, miss, missPebble time.Duration
 	sublevels, batches := 0, 0
 	lookups := func(d *time.Duration, want bool) {
-		t0 := threadCPU()
+		t0 := cputime.Thread()
 		for _, k := range keys {
 			e, err := ix.Get(k)
 			if err != nil || (e != nil) != want {
 				b.Fatalf("lookup %x: %v %v, want present=%v", k, e, err, want)
 			}
 		}
-		*d += threadCPU() - t0
+		*d += cputime.Thread() - t0
 	}
 	b.ResetTimer()
 	for done := 0; done < b.N; done += per {
@@ -133,15 +157,4 @@ func BenchmarkLookupWhileWriting(b *testing.B) {
 	if testing.Verbose() {
 		b.Logf("LSM at the end:\n%s", ix.db.Metrics())
 	}
-}
-
-// threadCPU is the CPU time the calling thread has used (the caller locks
-// its goroutine to the thread).
-func threadCPU() time.Duration {
-	var ru syscall.Rusage
-	const rusageThread = 1 // RUSAGE_THREAD
-	if err := syscall.Getrusage(rusageThread, &ru); err != nil {
-		return 0
-	}
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
