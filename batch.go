@@ -817,6 +817,21 @@ func (r *batchRun) abandon(err error) {
 // run finished.
 func (r *batchRun) finish() {
 	e := r.e
+	// The claims of the Begin items come from one allocation (a slab)
+	// rather than one each: a caller keeping some of them keeps the
+	// slab's memory (~200 bytes a claim) until it drops them all, which
+	// the batch's callers do together (a sink commits a fetched batch's
+	// claims in one batch).
+	nclaims := 0
+	for i := range r.b.items {
+		if it := &r.b.items[i]; it.kind == bBegin && it.rec >= 0 {
+			nclaims++
+		}
+	}
+	var claims []Claim
+	if nclaims > 0 {
+		claims = make([]Claim, nclaims)
+	}
 	var wait wal.LSN
 	for i := range r.b.items {
 		it := &r.b.items[i]
@@ -829,8 +844,11 @@ func (r *batchRun) finish() {
 		}
 		switch it.kind {
 		case bBegin:
-			c := newEngineClaim(e, it.k, r.lsns[it.rec], it.fp, it.lease)
-			c.ec.sl = it.sl // nil, or the key's slot when the run read it (write checks evicted)
+			c := &claims[0]
+			claims = claims[1:]
+			// sl: nil, or the key's slot when the run read it (write checks evicted).
+			c.ec = engineClaim{e: e, k: it.k, lsn: r.lsns[it.rec], fp: it.fp, sl: it.sl}
+			c.leaseUntil = it.lease
 			r.out[i].Result = Result{Status: Fresh, Claim: c, LeaseUntil: it.lease, Seq: it.k.seq, ExpiresAt: it.expires}
 		case bPut:
 			r.out[i].Result = Result{Status: Fresh, LeaseUntil: it.lease, Seq: it.k.seq, ExpiresAt: it.expires}
