@@ -414,7 +414,7 @@ func (n *Node) readIndex(ctx context.Context, followerRead bool) error {
 }
 
 // confirmLeadership is one read round: it takes the commit index, then
-// confirms with a majority (raft.VerifyLeader) that the node is still the
+// confirms with a majority (leaderRound) that the node is still the
 // leader of the term in which it became ready, so that no other leader
 // can have committed anything the index does not cover.
 func (n *Node) confirmLeadership() (uint64, error) {
@@ -423,10 +423,95 @@ func (n *Node) confirmLeadership() (uint64, error) {
 		return 0, &errNotLeader{leader: n.leaderAddr()}
 	}
 	ci := n.r.CommitIndex()
-	if err := n.r.VerifyLeader().Error(); err != nil || n.r.CurrentTerm() != term {
+	if err := n.leaderRound(term); err != nil || n.r.CurrentTerm() != term {
 		return 0, &errNotLeader{leader: n.leaderAddr()}
 	}
 	return n.fsmIndexAt(ci)
+}
+
+// errNoMajority is a leader round that a majority did not confirm.
+var errNoMajority = errors.New("idemcluster: no majority confirmed the leadership")
+
+// leaderRound confirms that the node is still the leader of term as of
+// after the call began: it sends a heartbeat of that term (raft's own:
+// an AppendEntries without entries, which raft's TCP transport hands to
+// the follower's heartbeat handler, off the path of its log's appends) to
+// every other voter of the latest configuration,
+// and returns nil once a majority of the voters, itself included,
+// accepted one. A voter accepts only while it has seen no later term, and
+// a leader of a later term needs a majority, which shares a voter with
+// this one: so no later leader had committed anything when that majority
+// answered, which was after the call began.
+//
+// Only the answers to the heartbeats sent here count. raft's VerifyLeader
+// counts the next answer each replication goroutine receives after it
+// registers, also the answer to a heartbeat or an AppendEntries that was
+// on its way before it was called, which may have been given before a
+// read arrived and before another leader was elected
+// (TestReadRoundCountsOnlyItsOwnHeartbeats). And it goes through raft's
+// main loop twice, behind the log appends and their fsyncs; this round
+// does not.
+//
+// The round ends with errNoMajority when the voters that answered cannot
+// make a majority any more, or when none came within HeartbeatTimeout
+// (a follower that stopped answering: the heartbeats already sent end on
+// the transport's own timeout, their answers unread).
+func (n *Node) leaderRound(term uint64) error {
+	self := raft.ServerID(n.o.ID)
+	var others []raft.Server
+	voters, selfVoter := 0, false
+	for _, sv := range n.r.GetConfiguration().Configuration().Servers {
+		if sv.Suffrage != raft.Voter {
+			continue
+		}
+		voters++
+		if sv.ID == self {
+			selfVoter = true
+			continue
+		}
+		others = append(others, sv)
+	}
+	need := voters/2 + 1
+	if selfVoter {
+		need--
+	}
+	switch {
+	case need <= 0:
+		return nil
+	case len(others) < need:
+		return errNoMajority
+	}
+	addr := n.trans.EncodePeer(self, n.trans.LocalAddr())
+	hdr := raft.RPCHeader{ProtocolVersion: raft.ProtocolVersionMax, ID: []byte(self), Addr: addr}
+	acks := make(chan bool, len(others)) // buffered: a round that ended leaves its senders unblocked
+	for _, sv := range others {
+		go func() {
+			req := raft.AppendEntriesRequest{RPCHeader: hdr, Term: term, Leader: addr}
+			var resp raft.AppendEntriesResponse
+			err := n.trans.AppendEntries(sv.ID, sv.Address, &req, &resp)
+			acks <- err == nil && resp.Success && resp.Term == term
+		}()
+	}
+	t := time.NewTimer(n.o.HeartbeatTimeout)
+	defer t.Stop()
+	for got, left := 0, len(others); ; {
+		select {
+		case ok := <-acks:
+			left--
+			if ok {
+				if got++; got >= need {
+					return nil
+				}
+			}
+			if got+left < need {
+				return errNoMajority
+			}
+		case <-t.C:
+			return errNoMajority
+		case <-n.stop:
+			return errNoMajority
+		}
+	}
 }
 
 // fsmIndexAt is the index the state machine has applied once it reflects
