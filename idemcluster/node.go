@@ -398,19 +398,41 @@ func (n *Node) readIndex(ctx context.Context, followerRead bool) error {
 	if followerRead {
 		return nil
 	}
-	if !n.IsLeader() {
-		return &errNotLeader{leader: n.leaderAddr()}
+	r, err := n.beginRead()
+	if err != nil {
+		return err
 	}
-	r := n.reads.join()
+	_, err = n.endRead(ctx, r, 0)
+	return err
+}
+
+// beginRead joins the leadership round that will confirm a read arriving
+// now (readIndex's first half), or says the node does not lead.
+func (n *Node) beginRead() (*readRound, error) {
+	if !n.IsLeader() {
+		return nil, &errNotLeader{leader: n.leaderAddr()}
+	}
+	return n.reads.join(), nil
+}
+
+// endRead waits for r (readIndex's second half) and reports whether a
+// read made after beginRead, on the state machine at index at or later,
+// is current: at covers the round's index. When it is not, endRead
+// returns once the state machine has applied the round's index (read
+// again).
+func (n *Node) endRead(ctx context.Context, r *readRound, at uint64) (current bool, err error) {
 	select {
 	case <-r.done:
 	case <-ctx.Done():
-		return ctx.Err()
+		return false, ctx.Err()
 	}
 	if r.err != nil {
-		return r.err
+		return false, r.err
 	}
-	return n.fsm.waitApplied(ctx, r.index)
+	if at >= r.index {
+		return true, nil
+	}
+	return false, n.fsm.waitApplied(ctx, r.index)
 }
 
 // confirmLeadership is one read round: it takes the commit index, then
