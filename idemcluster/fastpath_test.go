@@ -410,12 +410,28 @@ func TestClientBatchesOfLargeReplies(t *testing.T) {
 // and its answer reaches the sender only once release is closed.
 type heldTransport struct {
 	*raft.InmemTransport
-	mu      sync.Mutex         // guards release and held
+	mu      sync.Mutex         // guards release, held, stuck and unstick
 	release chan struct{}      // non-nil: hold the answers until it is closed
 	held    chan raft.ServerID // told the follower of each answer held
+	// stuck, when set, is a follower that heartbeats to reach only once
+	// unstick is closed (a stopped process: sent, never answered);
+	// beats and most count them on their way.
+	stuck       raft.ServerID
+	unstick     chan struct{}
+	beats, most atomic.Int32
 }
 
 func (h *heldTransport) AppendEntries(id raft.ServerID, target raft.ServerAddress, req *raft.AppendEntriesRequest, resp *raft.AppendEntriesResponse) error {
+	h.mu.Lock()
+	stuck, unstick := h.stuck, h.unstick
+	h.mu.Unlock()
+	if stuck == id && len(req.Entries) == 0 && req.PrevLogEntry == 0 {
+		n := h.beats.Add(1)
+		for m := h.most.Load(); n > m && !h.most.CompareAndSwap(m, n); m = h.most.Load() {
+		}
+		<-unstick
+		h.beats.Add(-1)
+	}
 	err := h.InmemTransport.AppendEntries(id, target, req, resp)
 	h.mu.Lock()
 	release, held := h.release, h.held
@@ -536,6 +552,50 @@ func TestReadRoundCountsOnlyItsOwnHeartbeats(t *testing.T) {
 		t.Logf("the read: %v", err)
 	case <-ctx.Done():
 		t.Fatal("the read never ended")
+	}
+}
+
+// A follower that stopped answering holds one heartbeat of the read
+// rounds, not one per round: a round sends none to a voter an earlier
+// round's heartbeat is still on its way to (and does not count it). Each
+// would hold a connection of raft's TCP transport (its pool is empty
+// while they wait) until the transport's timeout.
+func TestReadRoundsKeepOneHeartbeatPerVoter(t *testing.T) {
+	hts := map[string]*heldTransport{}
+	var hmu sync.Mutex
+	cc := newChaosClusterWrapped(t, 3, nil, func(id string, tr *raft.InmemTransport) raft.Transport {
+		hmu.Lock()
+		defer hmu.Unlock()
+		hts[id] = &heldTransport{InmemTransport: tr}
+		return hts[id]
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	c := dial(t, cc.testCluster, "app")
+	req := idem.Request{ID: []byte("x")}
+	if _, err := idem.Do(ctx, c, req, func(context.Context) ([]byte, error) { return []byte("r"), nil }); err != nil {
+		t.Fatal(err)
+	}
+	leader := cc.leader(30 * time.Second)
+	hmu.Lock()
+	ht := hts[leader]
+	hmu.Unlock()
+	unstick := make(chan struct{})
+	defer close(unstick)
+	ht.mu.Lock()
+	ht.stuck, ht.unstick = raft.ServerID(cc.others(leader)[0]), unstick
+	ht.mu.Unlock()
+	oc := rawIdem(t, cc.addr(leader))
+	const reads = 20
+	for i := range reads {
+		out, err := oc.Lookup(ctx, &clusterpb.LookupRequest{Request: reqToPB(req)})
+		if err != nil || out.Result.Status != clusterpb.Status_STATUS_DONE {
+			t.Fatalf("read %d with a follower stuck: %v %v", i, out, err)
+		}
+	}
+	// raft's own heartbeat goroutine holds one too.
+	if n := ht.most.Load(); n > 2 {
+		t.Fatalf("%d heartbeats on their way to the stuck follower at once after %d reads, want at most 2 (one of raft's, one of the read rounds)", n, reads)
 	}
 }
 

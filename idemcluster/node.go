@@ -103,6 +103,9 @@ type Node struct {
 	log    *slog.Logger
 	ready  atomic.Uint64 // the term in which this node, as leader, applied a barrier
 	reads  readRounds    // linearizable reads' shared leadership confirmations
+	// beating holds the voters a read round's heartbeat is on its way to
+	// (leaderRound): one at a time each.
+	beating sync.Map // raft.ServerID -> struct{}
 	stop   chan struct{}
 	wg     sync.WaitGroup
 	closed atomic.Bool
@@ -476,8 +479,12 @@ var errNoMajority = errors.New("idemcluster: no majority confirmed the leadershi
 //
 // The round ends with errNoMajority when the voters that answered cannot
 // make a majority any more, or when none came within HeartbeatTimeout
-// (a follower that stopped answering: the heartbeats already sent end on
-// the transport's own timeout, their answers unread).
+// (a follower that stopped answering: the heartbeat already sent ends on
+// the transport's own timeout, its answer unread). A voter that an
+// earlier round's heartbeat is still on its way to gets none from this
+// round and does not count for it: a follower that stopped (SIGSTOP, a
+// link that drops everything) holds one heartbeat, not one per round,
+// each on a connection of its own (TestReadRoundsKeepOneHeartbeatPerVoter).
 func (n *Node) leaderRound(term uint64) error {
 	self := raft.ServerID(n.o.ID)
 	var others []raft.Server
@@ -506,17 +513,26 @@ func (n *Node) leaderRound(term uint64) error {
 	addr := n.trans.EncodePeer(self, n.trans.LocalAddr())
 	hdr := raft.RPCHeader{ProtocolVersion: raft.ProtocolVersionMax, ID: []byte(self), Addr: addr}
 	acks := make(chan bool, len(others)) // buffered: a round that ended leaves its senders unblocked
+	left := 0
 	for _, sv := range others {
+		if _, busy := n.beating.LoadOrStore(sv.ID, struct{}{}); busy {
+			continue
+		}
+		left++
 		go func() {
 			req := raft.AppendEntriesRequest{RPCHeader: hdr, Term: term, Leader: addr}
 			var resp raft.AppendEntriesResponse
 			err := n.trans.AppendEntries(sv.ID, sv.Address, &req, &resp)
+			n.beating.Delete(sv.ID) // before the answer: the next round may send again at once
 			acks <- err == nil && resp.Success && resp.Term == term
 		}()
 	}
+	if left < need {
+		return errNoMajority
+	}
 	t := time.NewTimer(n.o.HeartbeatTimeout)
 	defer t.Stop()
-	for got, left := 0, len(others); ; {
+	for got := 0; ; {
 		select {
 		case ok := <-acks:
 			left--
