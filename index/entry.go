@@ -172,6 +172,23 @@ func Transitions(op *wal.Op, lsn wal.LSN, get func(key []byte, mode byte) (*Entr
 	return appendTransitions(nil, op, lsn, op.ClaimLSN, nil, nil, get)
 }
 
+// AppendTransitions is Transitions that appends the changes to out (which
+// may be a caller's buffer with room: the engine's single-request path
+// then allocates no slice) and takes key, the entry key of op's request
+// when the caller has it (nil: computed from op; it must be the key that
+// op's scope and id or client make). The transitions of a request name key
+// itself as their Key, so its bytes must not change while they are in use.
+func AppendTransitions(out []Transition, op *wal.Op, lsn wal.LSN, key []byte, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, error) {
+	if op.Type == wal.OpBatch {
+		ts, err := Transitions(op, lsn, get)
+		if err != nil {
+			return nil, err
+		}
+		return append(out, ts...), nil
+	}
+	return appendTransitions(out, op, lsn, op.ClaimLSN, key, nil, get)
+}
+
 // appendTransitions appends the transitions of op, appended at lsn, to
 // out. claimLSN is the claim a commit or abort must find: op.ClaimLSN, or
 // in a batch the batch's LSN for an operation naming claim 0 (the claim
