@@ -6,6 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cockroachdb/pebble/v2/vfs"
+
 	"github.com/idemdb/idem/internal/cputime"
 )
 
@@ -14,14 +16,21 @@ import (
 // concurrent callers, as bench/peers runs idem. Reports the process's CPU
 // per request (every goroutine: the WAL's flusher, the applier, the
 // ingests, Pebble) and the allocations per request (every goroutine's).
+// The mem variants run on vfs.NewMem (an fsync costs nothing): the CPU of
+// the engine's own path, with less of the disk's and the machine's noise.
 func BenchmarkBeginCommit(b *testing.B) {
 	for _, callers := range []int{64, 512} {
-		b.Run(fmt.Sprintf("c=%d", callers), func(b *testing.B) { benchBeginCommit(b, callers) })
+		b.Run(fmt.Sprintf("c=%d", callers), func(b *testing.B) { benchBeginCommit(b, callers, false) })
 	}
+	b.Run("mem/c=512", func(b *testing.B) { benchBeginCommit(b, 512, true) })
 }
 
-func benchBeginCommit(b *testing.B, callers int) {
-	e, err := Open(b.TempDir(), nil)
+func benchBeginCommit(b *testing.B, callers int, mem bool) {
+	dir, o := b.TempDir(), &Options{}
+	if mem {
+		dir, o.FS = "db", vfs.NewMem()
+	}
+	e, err := Open(dir, o)
 	if err != nil {
 		b.Fatal(err)
 	}

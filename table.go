@@ -172,7 +172,9 @@ func (e *Engine) installLocked(sh *shard, key []byte, en *index.Entry, keep bool
 // slot installed here keeps its bytes as the map key. A slot that is not in memory is read from the index without
 // holding the shard's lock, so that a lookup that has to read the disk (a
 // duplicate of an id committed long ago, while Pebble compacts) does not
-// stall every other key of its shard behind it.
+// stall every other key of its shard behind it. A key that the index's
+// key filter does not hold (ix.MayContain: nearly every new id) needs no
+// read: its slot is installed at once, under the lock already held.
 //
 // The read is installed only if the key still has no slot and no slot of
 // the shard was evicted meanwhile. That makes it current: every change to
@@ -192,6 +194,18 @@ func (e *Engine) lockSlotFor(key []byte, read bool) (*slot, func(), error) {
 	sh.mu.Lock()
 	if sl := sh.m[string(key)]; sl != nil {
 		return sl, sh.unlock, nil
+	}
+	if !e.ix.MayContain(key) {
+		// Nearly every new id: the key filter says the index does not
+		// hold it, in memory and at once, so the shard's lock is kept
+		// (no second lock, no second probe). That answer is current: with
+		// no slot, every change to the key is applied (see lockSlotRead),
+		// and the filter holds every key applied.
+		if read {
+			sh.mu.Unlock()
+			return nil, nil, nil
+		}
+		return e.installLocked(sh, key, nil, true), sh.unlock, nil
 	}
 	gen, installs := sh.gen, sh.installs
 	sh.mu.Unlock()

@@ -133,6 +133,16 @@ func (ix *Index) filterAbsent(key []byte) bool {
 	return f != nil && !f.mayContain(ix.keyHash(key))
 }
 
+// MayContain reports whether key may be stored, from the key filter alone
+// (no lock, no probe of the pending sets or Pebble): false means that Get
+// would answer nil, as of the moment of the call (every key is added to
+// the filter before any read can find it). It is true without a filter
+// (the first one not built yet, turned off, or dropped) and once the index
+// has failed, so that the caller's Get reports the failure.
+func (ix *Index) MayContain(key []byte) bool {
+	return !ix.filterAbsent(key) || ix.failure() != nil
+}
+
 // FilterBuilds returns how many key filters were built since Open.
 func (ix *Index) FilterBuilds() int64 { return ix.filterBuilds.Load() }
 
