@@ -20,7 +20,7 @@ import (
 // Pebble or present in a pending set: one 64-byte block per key, one bit
 // set in each of its eight 64-bit words (about 1% false positives at 10
 // bits per key). A key is added before it can be read anywhere: when an
-// update in a pending set makes it present (addPending, under pmu, before
+// update in a pending set makes it present (addPending, before
 // the set shows it), when Load writes it, and, when the filter is built,
 // from the pending sets and by a scan of Pebble's entry keys. A key that
 // is present is in the filter already, so changes of present keys (a
