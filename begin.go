@@ -198,9 +198,9 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 	op := &wal.Op{}
 	lease, expiresAt := e.claimOp(op, k, &req, fp, cur, now)
 	// The claim handed out, allocated with the updates that its record
-	// and its finish go through (claimUpdates).
+	// and its finish go through (claimUpdates) and with its entry.
 	fc := &freshClaim{}
-	ts, err := sl.sh.transitionsHinted(fc.ups.claimTs[:0], op, k.key, sl)
+	ts, err := sl.sh.transitionsHinted(fc.ups.claimTs[:0], op, k.key, sl, &fc.entry)
 	if err != nil {
 		unlock()
 		return Result{}, k, err

@@ -67,10 +67,14 @@ type claimUpdates struct {
 }
 
 // freshClaim is the Claim that a single-request Begin hands out, with its
-// claimUpdates in the same allocation.
+// claimUpdates and the entry of its claim (the key's entry until the
+// finish replaces it) in the same allocation. The table, the pending set
+// and the WAL keep the whole object while they refer to that entry: until
+// the claim is finished and its finish applied.
 type freshClaim struct {
 	Claim
-	ups claimUpdates
+	ups   claimUpdates
+	entry index.Entry
 }
 
 func newEngineClaim(e *Engine, k reqKey, lsn wal.LSN, fp []byte, leaseUntil time.Time) *Claim {
@@ -385,7 +389,7 @@ func (c *engineClaim) write(typ byte, reply []byte, adv []wal.Advance, keys [][]
 	if c.ups != nil {
 		up, ts = &c.ups.finish, c.ups.finishTs[:0]
 	}
-	ts, err := sl.sh.transitionsHinted(ts, op, k.key, sl)
+	ts, err := sl.sh.transitionsHinted(ts, op, k.key, sl, nil)
 	if err != nil {
 		unlock()
 		return err

@@ -349,10 +349,11 @@ func (e *Engine) expired(en *index.Entry, now time.Time) bool {
 // up again (through sh.getHint, bound once, not a closure made per call:
 // that was an allocation of 160 bytes per commit), and the transition
 // names key itself (not a key made again from op). With room in out (a
-// claim's own buffers, see claimUpdates) the slice costs no allocation.
-func (sh *shard) transitionsHinted(out []index.Transition, op *wal.Op, key []byte, sl *slot) ([]index.Transition, error) {
+// claim's own buffers, see claimUpdates) the slice costs no allocation,
+// and a claim's entry goes into claim when not nil (freshClaim's).
+func (sh *shard) transitionsHinted(out []index.Transition, op *wal.Op, key []byte, sl *slot, claim *index.Entry) ([]index.Transition, error) {
 	sh.hintKey, sh.hint = key, sl
-	ts, err := index.AppendTransitions(out, op, 0, key, sh.getHint)
+	ts, err := index.AppendTransitions(out, op, 0, key, claim, sh.getHint)
 	sh.hintKey, sh.hint = nil, nil
 	return ts, err
 }

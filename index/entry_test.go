@@ -99,7 +99,7 @@ func TestAppendTransitions(t *testing.T) {
 	head := Transition{Key: []byte("before")}
 	buf := make([]Transition, 1, 4)
 	buf[0] = head
-	got, err := AppendTransitions(buf, claim, 7, key, absent)
+	got, err := AppendTransitions(buf, claim, 7, key, nil, absent)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -113,10 +113,21 @@ func TestAppendTransitions(t *testing.T) {
 		t.Fatal("the transition does not name the caller's key")
 	}
 	claimed := got[1].Next
+	// A claim fills the entry it is given (and allocates nothing then).
+	var into Entry
+	allocs := testing.AllocsPerRun(100, func() {
+		ts, err := AppendTransitions(buf[:0], claim, 7, key, &into, absent)
+		if err != nil || ts[0].Next != &into || !reflect.DeepEqual(&into, claimed) {
+			t.Fatalf("claim into a given entry: %v %+v", err, ts)
+		}
+	})
+	if allocs != 0 {
+		t.Fatalf("a claim with room in out, its key and its entry given: %v allocations, want 0", allocs)
+	}
 	commit := &wal.Op{Type: wal.OpCommit, Scope: "s", ID: []byte("x"), ClaimLSN: 7, Time: 15, Reply: []byte("r")}
 	current := func([]byte, byte) (*Entry, error) { return claimed, nil }
-	allocs := testing.AllocsPerRun(100, func() {
-		if _, err := AppendTransitions(buf[:0], commit, 9, key, current); err != nil {
+	allocs = testing.AllocsPerRun(100, func() {
+		if _, err := AppendTransitions(buf[:0], commit, 9, key, nil, current); err != nil {
 			t.Fatal(err)
 		}
 	})
@@ -125,7 +136,7 @@ func TestAppendTransitions(t *testing.T) {
 	}
 	// A record kind with no single key (a batch) goes through Transitions.
 	batch := &wal.Op{Type: wal.OpBatch, Ops: []wal.Op{*claim}}
-	got, err = AppendTransitions(buf[:1], batch, 11, nil, absent)
+	got, err = AppendTransitions(buf[:1], batch, 11, nil, nil, absent)
 	if err != nil || len(got) != 2 || string(got[1].Key) != string(key) || got[1].Next == nil || !got[1].Next.InFlight {
 		t.Fatalf("batch: %v %+v", err, got)
 	}
