@@ -197,12 +197,15 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 	// Claim it.
 	op := &wal.Op{}
 	lease, expiresAt := e.claimOp(op, k, &req, fp, cur, now)
-	ts, err := sl.sh.transitionsHinted(op, k.key, sl)
+	// The claim handed out, allocated with the updates that its record
+	// and its finish go through (claimUpdates) and with its entry.
+	fc := &freshClaim{}
+	ts, err := sl.sh.transitionsHinted(fc.ups.claimTs[:0], op, k.key, sl, &fc.entry)
 	if err != nil {
 		unlock()
 		return Result{}, k, err
 	}
-	lsn, err := e.appendOpSlot(op, ts, k.key, sl)
+	lsn, err := e.appendOpSlot(op, ts, k.key, sl, &fc.ups.claim)
 	unlock()
 	if err != nil {
 		return Result{}, k, err
@@ -216,8 +219,9 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 			return Result{}, k, err
 		}
 	}
-	c := newEngineClaim(e, k, lsn, fp, lease)
-	c.ec.sl = sl
+	c := &fc.Claim
+	c.ec = engineClaim{e: e, k: k, lsn: lsn, fp: fp, sl: sl, ups: &fc.ups}
+	c.leaseUntil = lease
 	return Result{Status: Fresh, Claim: c, LeaseUntil: lease, Seq: k.seq, ExpiresAt: expiresAt}, k, nil
 }
 

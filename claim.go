@@ -48,6 +48,33 @@ type engineClaim struct {
 	// evicted), so the finish takes it without a lookup unless it was
 	// evicted after a takeover.
 	sl *slot
+	// ups, when not nil, holds the updates that the claim's record and
+	// its finish go through (a single-request Begin's claim: see
+	// freshClaim); set to nil once the finish used its own.
+	ups *claimUpdates
+}
+
+// claimUpdates are the applier's updates of a claim's record and of its
+// finish, each with room for its one transition, carried in the claim's
+// own allocation (freshClaim): a Fresh Begin and its Commit then allocate
+// no update and no transition slice of their own (four allocations per
+// request). Each goes to the WAL once; the WAL and the applier read it
+// until its record is applied, and nothing writes it after its append.
+// The claim stays reachable from them until then.
+type claimUpdates struct {
+	claim, finish     pinnedUpdate
+	claimTs, finishTs [1]index.Transition
+}
+
+// freshClaim is the Claim that a single-request Begin hands out, with its
+// claimUpdates and the entry of its claim (the key's entry until the
+// finish replaces it) in the same allocation. The table, the pending set
+// and the WAL keep the whole object while they refer to that entry: until
+// the claim is finished and its finish applied.
+type freshClaim struct {
+	Claim
+	ups   claimUpdates
+	entry index.Entry
 }
 
 func newEngineClaim(e *Engine, k reqKey, lsn wal.LSN, fp []byte, leaseUntil time.Time) *Claim {
@@ -355,12 +382,20 @@ func (c *engineClaim) write(typ byte, reply []byte, adv []wal.Advance, keys [][]
 	}
 	op := &wal.Op{}
 	finishOp(op, typ, k, c.lsn, e.o.Clock().UnixNano(), reply, adv)
-	ts, err := sl.sh.transitionsHinted(op, k.key, sl)
+	var (
+		up *pinnedUpdate
+		ts []index.Transition
+	)
+	if c.ups != nil {
+		up, ts = &c.ups.finish, c.ups.finishTs[:0]
+	}
+	ts, err := sl.sh.transitionsHinted(ts, op, k.key, sl, nil)
 	if err != nil {
 		unlock()
 		return err
 	}
-	lsn, err := e.appendOpSlot(op, ts, k.key, sl)
+	c.ups = nil // appended below (or failed for good): never handed out again
+	lsn, err := e.appendOpSlot(op, ts, k.key, sl, up)
 	var waiters chan struct{}
 	if err == nil {
 		waiters, sl.waiters = sl.waiters, nil

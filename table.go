@@ -172,7 +172,9 @@ func (e *Engine) installLocked(sh *shard, key []byte, en *index.Entry, keep bool
 // slot installed here keeps its bytes as the map key. A slot that is not in memory is read from the index without
 // holding the shard's lock, so that a lookup that has to read the disk (a
 // duplicate of an id committed long ago, while Pebble compacts) does not
-// stall every other key of its shard behind it.
+// stall every other key of its shard behind it. A key that the index's
+// key filter does not hold (ix.MayContain: nearly every new id) needs no
+// read: its slot is installed at once, under the lock already held.
 //
 // The read is installed only if the key still has no slot and no slot of
 // the shard was evicted meanwhile. That makes it current: every change to
@@ -192,6 +194,18 @@ func (e *Engine) lockSlotFor(key []byte, read bool) (*slot, func(), error) {
 	sh.mu.Lock()
 	if sl := sh.m[string(key)]; sl != nil {
 		return sl, sh.unlock, nil
+	}
+	if !e.ix.MayContain(key) {
+		// Nearly every new id: the key filter says the index does not
+		// hold it, in memory and at once, so the shard's lock is kept
+		// (no second lock, no second probe). That answer is current: with
+		// no slot, every change to the key is applied (see lockSlotRead),
+		// and the filter holds every key applied.
+		if read {
+			sh.mu.Unlock()
+			return nil, nil, nil
+		}
+		return e.installLocked(sh, key, nil, true), sh.unlock, nil
 	}
 	gen, installs := sh.gen, sh.installs
 	sh.mu.Unlock()
@@ -329,14 +343,17 @@ func (e *Engine) expired(en *index.Entry, now time.Time) bool {
 	return e.o.Retention > 0 && en.CommitTime < now.Add(-e.o.Retention).UnixNano()
 }
 
-// transitionsHinted returns the transitions of op, the record of one
-// request whose key is key and whose slot sl the caller holds, with sh
+// transitionsHinted appends to out the transitions of op, the record of
+// one request whose key is key and whose slot sl the caller holds, with sh
 // (sl's shard) locked: op's own key is read from sl without being looked
 // up again (through sh.getHint, bound once, not a closure made per call:
-// that was an allocation of 160 bytes per commit).
-func (sh *shard) transitionsHinted(op *wal.Op, key []byte, sl *slot) ([]index.Transition, error) {
+// that was an allocation of 160 bytes per commit), and the transition
+// names key itself (not a key made again from op). With room in out (a
+// claim's own buffers, see claimUpdates) the slice costs no allocation,
+// and a claim's entry goes into claim when not nil (freshClaim's).
+func (sh *shard) transitionsHinted(out []index.Transition, op *wal.Op, key []byte, sl *slot, claim *index.Entry) ([]index.Transition, error) {
 	sh.hintKey, sh.hint = key, sl
-	ts, err := index.Transitions(op, 0, sh.getHint)
+	ts, err := index.AppendTransitions(out, op, 0, key, claim, sh.getHint)
 	sh.hintKey, sh.hint = nil, nil
 	return ts, err
 }
@@ -365,12 +382,14 @@ func (e *Engine) getLocked(key []byte, mode byte) (*index.Entry, error) {
 // publishes them to the slots. It returns the LSN; the caller still holds
 // the locks and waits for durability after releasing them.
 func (e *Engine) appendOp(op *wal.Op, ts []index.Transition) (wal.LSN, error) {
-	return e.appendOpSlot(op, ts, nil, nil)
+	return e.appendOpSlot(op, ts, nil, nil, nil)
 }
 
 // appendOpSlot is appendOp for a caller that holds key's slot sl (nil:
-// none), which spares looking it up again.
-func (e *Engine) appendOpSlot(op *wal.Op, ts []index.Transition, key []byte, sl *slot) (wal.LSN, error) {
+// none), which spares looking it up again. up, when not nil, is an unused
+// update that the record's goes into (a claim's own, see claimUpdates)
+// instead of one allocated here.
+func (e *Engine) appendOpSlot(op *wal.Op, ts []index.Transition, key []byte, sl *slot, up *pinnedUpdate) (wal.LSN, error) {
 	// The payload is copied into the WAL's buffer by AppendWith: encode it
 	// into a pooled buffer.
 	pb := payloadPool.Get().(*[]byte)
@@ -384,7 +403,7 @@ func (e *Engine) appendOpSlot(op *wal.Op, ts []index.Transition, key []byte, sl 
 	if err != nil {
 		return 0, err
 	}
-	lsn, err := e.appendRecordSlot(op.Type, payload, ts, key, sl)
+	lsn, err := e.appendRecordSlot(op.Type, payload, ts, key, sl, up)
 	if err != nil {
 		return 0, err
 	}
@@ -416,13 +435,17 @@ type pinnedUpdate struct {
 // touch, stamps its LSN into them (index.Stamp) and publishes them to the
 // slots. The caller still holds the locks.
 func (e *Engine) appendRecord(typ byte, payload []byte, ts []index.Transition) (wal.LSN, error) {
-	return e.appendRecordSlot(typ, payload, ts, nil, nil)
+	return e.appendRecordSlot(typ, payload, ts, nil, nil, nil)
 }
 
 // appendRecordSlot is appendRecord for a caller that holds key's slot sl
-// (nil: none).
-func (e *Engine) appendRecordSlot(typ byte, payload []byte, ts []index.Transition, key []byte, sl *slot) (wal.LSN, error) {
-	up := &pinnedUpdate{Update: index.Update{Transitions: ts}}
+// (nil: none), through the unused update up when not nil (else one is
+// allocated).
+func (e *Engine) appendRecordSlot(typ byte, payload []byte, ts []index.Transition, key []byte, sl *slot, up *pinnedUpdate) (wal.LSN, error) {
+	if up == nil {
+		up = new(pinnedUpdate)
+	}
+	*up = pinnedUpdate{Update: index.Update{Transitions: ts}}
 	// Set before the append: once appended, the record may reach the
 	// applier at any time (which then waits for the locks held here
 	// before it unpins anything). An evicted slot is no longer the key's.

@@ -2,7 +2,9 @@ package idem
 
 import (
 	"fmt"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/cockroachdb/pebble/v2/vfs"
 	"github.com/idemdb/idem/index"
@@ -31,5 +33,47 @@ func TestClaimIntoEvictedSlot(t *testing.T) {
 	}
 	if d := mustBegin(t, e, Request{ID: k}, Done); string(d.Reply) != "reply" {
 		t.Fatalf("reply %q", d.Reply)
+	}
+}
+
+// TestNewIDReadsNoIndex: once the key filter is ready, a Begin or a Lookup
+// of an id never stored installs or answers it under the shard's lock it
+// took to probe the table: no read of the index, which lockSlot otherwise
+// makes without the lock (testHookUnlockedRead counts those). A stored id
+// whose slot was evicted is still read from the index.
+func TestNewIDReadsNoIndex(t *testing.T) {
+	e := openMem(t, vfs.NewMem(), &Options{CacheSize: 1}) // every load evicts what it can
+	defer e.Close()
+	for deadline := time.Now().Add(10 * time.Second); !e.ix.FilterReady(); {
+		if time.Now().After(deadline) {
+			t.Fatal("the key filter was not built in 10s")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	var reads atomic.Int64
+	testHookUnlockedRead = func([]byte) { reads.Add(1) }
+	defer func() { testHookUnlockedRead = nil }()
+	const n = 1000 // about 4 per shard
+	for i := range n {
+		if l, err := e.Lookup(bg, Request{ID: id(fmt.Sprint("new-", i))}); err != nil || l.Status != Absent {
+			t.Fatalf("lookup: %v %v", l.Status, err)
+		}
+		commitID(t, e, Request{ID: id(fmt.Sprint("new-", i))}, "r")
+	}
+	if r := reads.Load(); r != 0 {
+		t.Fatalf("%d reads of the index for %d new ids (a lookup and a claim each)", r, n)
+	}
+	// Once they are applied (clean), claims of other new ids evict their
+	// slots (a one-byte table keeps only the slot just installed in a
+	// shard), so the first ids are read from the index again.
+	waitApplied(t, e)
+	for i := range n {
+		commitID(t, e, Request{ID: id(fmt.Sprint("other-", i))}, "r")
+	}
+	for i := range n {
+		mustBegin(t, e, Request{ID: id(fmt.Sprint("new-", i))}, Done)
+	}
+	if reads.Load() == 0 {
+		t.Fatal("no stored id was read from the index: the hook counts nothing")
 	}
 }

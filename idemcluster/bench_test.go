@@ -142,3 +142,62 @@ func benchFresh(b *testing.B, s idem.Store) {
 	})
 	report(b, start, cpu)
 }
+
+// BenchmarkClusterMixed runs b.N fresh requests (idem.Do, 32 callers)
+// while 32 more callers look committed ids up (duplicates) through the
+// same Client, until the fresh requests are done: the writes' rate beside
+// reads, and the reads' beside write batches.
+func BenchmarkClusterMixed(b *testing.B) {
+	const dupIDs = 1024
+	tc := newTestCluster(b, 3)
+	ctx := context.Background()
+	c, err := Dial(ctx, tc.addrs, &Options{Owner: "bench"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer c.Close()
+	for i := range dupIDs {
+		if _, err := idem.Do(ctx, c, idem.Request{ID: []byte(fmt.Sprintf("d-%d", i))}, func(context.Context) ([]byte, error) { return []byte("ok"), nil }); err != nil {
+			b.Fatal(err)
+		}
+	}
+	var n, dups atomic.Int64
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	b.ResetTimer()
+	start, cpu := time.Now(), cputime.Process()
+	for w := range 32 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := w; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				id := fmt.Sprintf("d-%d", i%dupIDs)
+				if r, err := c.Lookup(ctx, idem.Request{ID: []byte(id)}); err != nil || r.Status != idem.Done {
+					b.Errorf("duplicate %s: %+v %v", id, r, err)
+					return
+				}
+				dups.Add(1)
+			}
+		}()
+	}
+	b.SetParallelism(16) // 32 fresh callers on 2 cores
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			if _, err := idem.Do(ctx, c, idem.Request{ID: []byte(fmt.Sprintf("f-%d", n.Add(1)))}, func(context.Context) ([]byte, error) { return []byte("ok"), nil }); err != nil {
+				b.Error(err)
+				return
+			}
+		}
+	})
+	close(stop)
+	wg.Wait()
+	sec := time.Since(start).Seconds()
+	b.ReportMetric(float64(b.N)/sec, "fresh/s")
+	b.ReportMetric(float64(dups.Load())/sec, "dup/s")
+	b.ReportMetric(float64(cputime.Process()-cpu)/float64(time.Microsecond)/float64(int64(b.N)+dups.Load()), "cpu-µs/req")
+}

@@ -31,6 +31,10 @@ type chaosCluster struct {
 	*testCluster
 	ids []string
 
+	// wrap, when set, is the transport node id's raft uses around its
+	// in-memory one (set before the nodes start: newChaosClusterWrapped).
+	wrap func(id string, tr *raft.InmemTransport) raft.Transport
+
 	mu     sync.Mutex // guards trans, cut and linked (faults and restarts)
 	trans  map[string]*raft.InmemTransport
 	cut    map[[2]string]bool // raft messages from [0] to [1] are dropped
@@ -41,9 +45,17 @@ type chaosCluster struct {
 // node's options before it starts.
 func newChaosCluster(t testing.TB, n int, tune func(o *NodeOptions)) *chaosCluster {
 	t.Helper()
+	return newChaosClusterWrapped(t, n, tune, nil)
+}
+
+// newChaosClusterWrapped is newChaosCluster whose nodes' raft uses
+// wrap(id, the node's in-memory transport) as its transport.
+func newChaosClusterWrapped(t testing.TB, n int, tune func(o *NodeOptions), wrap func(id string, tr *raft.InmemTransport) raft.Transport) *chaosCluster {
+	t.Helper()
 	cc := &chaosCluster{
 		testCluster: &testCluster{t: t, dir: t.TempDir(), nodes: map[string]*Node{}, opts: map[string]*NodeOptions{}},
 		trans:       map[string]*raft.InmemTransport{}, cut: map[[2]string]bool{}, linked: map[[2]string]bool{},
+		wrap: wrap,
 	}
 	peers := map[string]string{}
 	for i := range n {
@@ -84,6 +96,9 @@ func (cc *chaosCluster) startWith(id string, rebind bool) {
 	_, tr := raft.NewInmemTransport(raft.ServerAddress(id))
 	o := *cc.opts[id]
 	o.Transport = tr
+	if cc.wrap != nil {
+		o.Transport = cc.wrap(id, tr)
+	}
 	if rebind {
 		o.GRPCListener, o.GRPCAddr = nil, cc.addr(id)
 	}

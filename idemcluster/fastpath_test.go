@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -401,4 +403,224 @@ func TestClientBatchesOfLargeReplies(t *testing.T) {
 			t.Fatalf("big-%d: %v %d bytes %v", i, r.Status, len(r.Reply), err)
 		}
 	}
+}
+
+// heldTransport is an in-memory raft transport whose successful
+// heartbeats can be held back: the follower has handled the heartbeat,
+// and its answer reaches the sender only once release is closed.
+type heldTransport struct {
+	*raft.InmemTransport
+	mu      sync.Mutex         // guards release, held, stuck and unstick
+	release chan struct{}      // non-nil: hold the answers until it is closed
+	held    chan raft.ServerID // told the follower of each answer held
+	// stuck, when set, is a follower that heartbeats to reach only once
+	// unstick is closed (a stopped process: sent, never answered);
+	// beats and most count them on their way.
+	stuck       raft.ServerID
+	unstick     chan struct{}
+	beats, most atomic.Int32
+}
+
+func (h *heldTransport) AppendEntries(id raft.ServerID, target raft.ServerAddress, req *raft.AppendEntriesRequest, resp *raft.AppendEntriesResponse) error {
+	h.mu.Lock()
+	stuck, unstick := h.stuck, h.unstick
+	h.mu.Unlock()
+	if stuck == id && len(req.Entries) == 0 && req.PrevLogEntry == 0 {
+		n := h.beats.Add(1)
+		for m := h.most.Load(); n > m && !h.most.CompareAndSwap(m, n); m = h.most.Load() {
+		}
+		<-unstick
+		h.beats.Add(-1)
+	}
+	err := h.InmemTransport.AppendEntries(id, target, req, resp)
+	h.mu.Lock()
+	release, held := h.release, h.held
+	h.mu.Unlock()
+	if err == nil && release != nil && resp.Success && len(req.Entries) == 0 && req.PrevLogEntry == 0 {
+		held <- id
+		<-release
+	}
+	return err
+}
+
+// A read round counts only the answers to heartbeats it sent after the
+// read arrived. Here both followers have accepted a heartbeat from the
+// leader, the answers are held back, the leader is cut off, and a read
+// arrives; then the answers are let through. They say nothing about the
+// time after the read arrived (a majority may have elected another leader
+// meanwhile, which may have committed writes the read would miss), so the
+// read must not be answered. raft's VerifyLeader counted them: each
+// replication goroutine gives the next answer it receives to every
+// verification registered meanwhile, also the answer to a heartbeat sent
+// before.
+func TestReadRoundCountsOnlyItsOwnHeartbeats(t *testing.T) {
+	hts := map[string]*heldTransport{}
+	var hmu sync.Mutex
+	cc := newChaosClusterWrapped(t, 3, func(o *NodeOptions) {
+		// Long enough that the leader keeps its lease while its answers
+		// are held (about HeartbeatTimeout/2), and that no election runs.
+		o.HeartbeatTimeout, o.ElectionTimeout = 4*time.Second, 4*time.Second
+	}, func(id string, tr *raft.InmemTransport) raft.Transport {
+		hmu.Lock()
+		defer hmu.Unlock()
+		hts[id] = &heldTransport{InmemTransport: tr}
+		return hts[id]
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	c := dial(t, cc.testCluster, "app")
+	req := idem.Request{ID: []byte("x")}
+	if _, err := idem.Do(ctx, c, req, func(context.Context) ([]byte, error) { return []byte("r"), nil }); err != nil {
+		t.Fatal(err)
+	}
+	old := cc.leader(30 * time.Second)
+	nd := cc.nodes[old]
+	oc := rawIdem(t, cc.addr(old))
+	if out, err := oc.Lookup(ctx, &clusterpb.LookupRequest{Request: reqToPB(req)}); err != nil || out.Result.Status != clusterpb.Status_STATUS_DONE {
+		t.Fatalf("lookup before the cut: %v %v", out, err)
+	}
+	// Hold the answers to the leader's next heartbeat to each follower.
+	hmu.Lock()
+	ht := hts[old]
+	hmu.Unlock()
+	release := make(chan struct{})
+	released := false
+	defer func() {
+		if !released {
+			close(release)
+		}
+	}()
+	ht.mu.Lock()
+	ht.release, ht.held = release, make(chan raft.ServerID, 8)
+	ht.mu.Unlock()
+	held := map[raft.ServerID]bool{}
+	for len(held) < 2 {
+		select {
+		case id := <-ht.held:
+			held[id] = true
+		case <-ctx.Done():
+			t.Fatalf("no heartbeat answers held: %v", held)
+		}
+	}
+	cc.isolate(old)
+	ht.mu.Lock()
+	ht.release = nil // the read round's own heartbeats (which fail: cut) are not held
+	ht.mu.Unlock()
+	if !nd.IsLeader() {
+		t.Skip("the old leader stepped down before the read (a loaded machine): nothing to check")
+	}
+	// The read (a Batch of lookups, the client's path), and its round:
+	// started after the cut.
+	started := make(chan struct{})
+	var once sync.Once
+	confirm := nd.reads.confirm
+	nd.reads.confirm = func() (uint64, error) {
+		once.Do(func() { close(started) })
+		return confirm()
+	}
+	answer := make(chan error, 1)
+	go func() {
+		lookup := func(id string) *clusterpb.BatchItem {
+			return &clusterpb.BatchItem{Call: &clusterpb.BatchItem_Lookup{Lookup: &clusterpb.LookupRequest{Request: reqToPB(idem.Request{ID: []byte(id)})}}}
+		}
+		out, err := oc.Batch(ctx, &clusterpb.BatchRequest{Items: []*clusterpb.BatchItem{lookup("x"), lookup("y")}})
+		if err == nil {
+			for _, r := range out.Results {
+				if r.Status == nil {
+					t.Logf("a lookup was answered %v", r.Result.Status)
+					answer <- nil
+					return
+				}
+				err = status.ErrorProto(toProto(r.Status))
+			}
+		}
+		answer <- err
+	}()
+	select {
+	case <-started:
+	case <-ctx.Done():
+		t.Fatal("the reads' round never started")
+	}
+	roundWaits(t)
+	released = true
+	close(release)
+	select {
+	case err := <-answer:
+		if err == nil {
+			t.Fatal("the cut-off leader answered a read, confirmed by heartbeat answers given before the read arrived")
+		}
+		t.Logf("the read: %v", err)
+	case <-ctx.Done():
+		t.Fatal("the read never ended")
+	}
+}
+
+// A follower that stopped answering holds one heartbeat of the read
+// rounds, not one per round: a round sends none to a voter an earlier
+// round's heartbeat is still on its way to (and does not count it). Each
+// would hold a connection of raft's TCP transport (its pool is empty
+// while they wait) until the transport's timeout.
+func TestReadRoundsKeepOneHeartbeatPerVoter(t *testing.T) {
+	hts := map[string]*heldTransport{}
+	var hmu sync.Mutex
+	cc := newChaosClusterWrapped(t, 3, nil, func(id string, tr *raft.InmemTransport) raft.Transport {
+		hmu.Lock()
+		defer hmu.Unlock()
+		hts[id] = &heldTransport{InmemTransport: tr}
+		return hts[id]
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	c := dial(t, cc.testCluster, "app")
+	req := idem.Request{ID: []byte("x")}
+	if _, err := idem.Do(ctx, c, req, func(context.Context) ([]byte, error) { return []byte("r"), nil }); err != nil {
+		t.Fatal(err)
+	}
+	leader := cc.leader(30 * time.Second)
+	hmu.Lock()
+	ht := hts[leader]
+	hmu.Unlock()
+	unstick := make(chan struct{})
+	defer close(unstick)
+	ht.mu.Lock()
+	ht.stuck, ht.unstick = raft.ServerID(cc.others(leader)[0]), unstick
+	ht.mu.Unlock()
+	oc := rawIdem(t, cc.addr(leader))
+	const reads = 20
+	for i := range reads {
+		out, err := oc.Lookup(ctx, &clusterpb.LookupRequest{Request: reqToPB(req)})
+		if err != nil || out.Result.Status != clusterpb.Status_STATUS_DONE {
+			t.Fatalf("read %d with a follower stuck: %v %v", i, out, err)
+		}
+	}
+	// raft's own heartbeat goroutine holds one too.
+	if n := ht.most.Load(); n > 2 {
+		t.Fatalf("%d heartbeats on their way to the stuck follower at once after %d reads, want at most 2 (one of raft's, one of the read rounds)", n, reads)
+	}
+}
+
+// roundWaits waits, bounded, until the running read round has ended or
+// waits for answers with raft's main loop idle (a round on raft's
+// VerifyLeader has registered with the replication goroutines by then).
+func roundWaits(t *testing.T) {
+	t.Helper()
+	buf := make([]byte, 16<<20)
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		round, busy := "", false
+		for _, g := range strings.Split(string(buf[:runtime.Stack(buf, true)]), "\n\n") {
+			head, _, _ := strings.Cut(g, "\n")
+			switch {
+			case strings.Contains(g, ".confirmLeadership("):
+				round = head
+			case strings.Contains(g, ".leaderLoop(") && !strings.Contains(head, "[select"):
+				busy = true
+			}
+		}
+		if round == "" || (!busy && (strings.Contains(round, "[select") || strings.Contains(round, "[chan receive"))) {
+			return
+		}
+		runtime.Gosched()
+	}
+	t.Fatal("the read round neither ended nor waited")
 }

@@ -103,6 +103,9 @@ type Node struct {
 	log    *slog.Logger
 	ready  atomic.Uint64 // the term in which this node, as leader, applied a barrier
 	reads  readRounds    // linearizable reads' shared leadership confirmations
+	// beating holds the voters a read round's heartbeat is on its way to
+	// (leaderRound): one at a time each.
+	beating sync.Map // raft.ServerID -> struct{}
 	stop   chan struct{}
 	wg     sync.WaitGroup
 	closed atomic.Bool
@@ -398,23 +401,45 @@ func (n *Node) readIndex(ctx context.Context, followerRead bool) error {
 	if followerRead {
 		return nil
 	}
-	if !n.IsLeader() {
-		return &errNotLeader{leader: n.leaderAddr()}
+	r, err := n.beginRead()
+	if err != nil {
+		return err
 	}
-	r := n.reads.join()
+	_, err = n.endRead(ctx, r, 0)
+	return err
+}
+
+// beginRead joins the leadership round that will confirm a read arriving
+// now (readIndex's first half), or says the node does not lead.
+func (n *Node) beginRead() (*readRound, error) {
+	if !n.IsLeader() {
+		return nil, &errNotLeader{leader: n.leaderAddr()}
+	}
+	return n.reads.join(), nil
+}
+
+// endRead waits for r (readIndex's second half) and reports whether a
+// read made after beginRead, on the state machine at index at or later,
+// is current: at covers the round's index. When it is not, endRead
+// returns once the state machine has applied the round's index (read
+// again).
+func (n *Node) endRead(ctx context.Context, r *readRound, at uint64) (current bool, err error) {
 	select {
 	case <-r.done:
 	case <-ctx.Done():
-		return ctx.Err()
+		return false, ctx.Err()
 	}
 	if r.err != nil {
-		return r.err
+		return false, r.err
 	}
-	return n.fsm.waitApplied(ctx, r.index)
+	if at >= r.index {
+		return true, nil
+	}
+	return false, n.fsm.waitApplied(ctx, r.index)
 }
 
 // confirmLeadership is one read round: it takes the commit index, then
-// confirms with a majority (raft.VerifyLeader) that the node is still the
+// confirms with a majority (leaderRound) that the node is still the
 // leader of the term in which it became ready, so that no other leader
 // can have committed anything the index does not cover.
 func (n *Node) confirmLeadership() (uint64, error) {
@@ -423,10 +448,108 @@ func (n *Node) confirmLeadership() (uint64, error) {
 		return 0, &errNotLeader{leader: n.leaderAddr()}
 	}
 	ci := n.r.CommitIndex()
-	if err := n.r.VerifyLeader().Error(); err != nil || n.r.CurrentTerm() != term {
+	if err := n.leaderRound(term); err != nil || n.r.CurrentTerm() != term {
 		return 0, &errNotLeader{leader: n.leaderAddr()}
 	}
 	return n.fsmIndexAt(ci)
+}
+
+// errNoMajority is a leader round that a majority did not confirm.
+var errNoMajority = errors.New("idemcluster: no majority confirmed the leadership")
+
+// leaderRound confirms that the node is still the leader of term as of
+// after the call began: it sends a heartbeat of that term (raft's own:
+// an AppendEntries without entries, which raft's TCP transport hands to
+// the follower's heartbeat handler, off the path of its log's appends) to
+// every other voter of the latest configuration,
+// and returns nil once a majority of the voters, itself included,
+// accepted one. A voter accepts only while it has seen no later term, and
+// a leader of a later term needs a majority, which shares a voter with
+// this one: so no later leader had committed anything when that majority
+// answered, which was after the call began.
+//
+// Only the answers to the heartbeats sent here count. raft's VerifyLeader
+// counts the next answer each replication goroutine receives after it
+// registers, also the answer to a heartbeat or an AppendEntries that was
+// on its way before it was called, which may have been given before a
+// read arrived and before another leader was elected
+// (TestReadRoundCountsOnlyItsOwnHeartbeats). And it goes through raft's
+// main loop twice, behind the log appends and their fsyncs; this round
+// does not.
+//
+// The round ends with errNoMajority when the voters that answered cannot
+// make a majority any more, or when none came within HeartbeatTimeout
+// (a follower that stopped answering: the heartbeat already sent ends on
+// the transport's own timeout, its answer unread). A voter that an
+// earlier round's heartbeat is still on its way to gets none from this
+// round and does not count for it: a follower that stopped (SIGSTOP, a
+// link that drops everything) holds one heartbeat, not one per round,
+// each on a connection of its own (TestReadRoundsKeepOneHeartbeatPerVoter).
+func (n *Node) leaderRound(term uint64) error {
+	self := raft.ServerID(n.o.ID)
+	var others []raft.Server
+	voters, selfVoter := 0, false
+	for _, sv := range n.r.GetConfiguration().Configuration().Servers {
+		if sv.Suffrage != raft.Voter {
+			continue
+		}
+		voters++
+		if sv.ID == self {
+			selfVoter = true
+			continue
+		}
+		others = append(others, sv)
+	}
+	need := voters/2 + 1
+	if selfVoter {
+		need--
+	}
+	switch {
+	case need <= 0:
+		return nil
+	case len(others) < need:
+		return errNoMajority
+	}
+	addr := n.trans.EncodePeer(self, n.trans.LocalAddr())
+	hdr := raft.RPCHeader{ProtocolVersion: raft.ProtocolVersionMax, ID: []byte(self), Addr: addr}
+	acks := make(chan bool, len(others)) // buffered: a round that ended leaves its senders unblocked
+	left := 0
+	for _, sv := range others {
+		if _, busy := n.beating.LoadOrStore(sv.ID, struct{}{}); busy {
+			continue
+		}
+		left++
+		go func() {
+			req := raft.AppendEntriesRequest{RPCHeader: hdr, Term: term, Leader: addr}
+			var resp raft.AppendEntriesResponse
+			err := n.trans.AppendEntries(sv.ID, sv.Address, &req, &resp)
+			n.beating.Delete(sv.ID) // before the answer: the next round may send again at once
+			acks <- err == nil && resp.Success && resp.Term == term
+		}()
+	}
+	if left < need {
+		return errNoMajority
+	}
+	t := time.NewTimer(n.o.HeartbeatTimeout)
+	defer t.Stop()
+	for got := 0; ; {
+		select {
+		case ok := <-acks:
+			left--
+			if ok {
+				if got++; got >= need {
+					return nil
+				}
+			}
+			if got+left < need {
+				return errNoMajority
+			}
+		case <-t.C:
+			return errNoMajority
+		case <-n.stop:
+			return errNoMajority
+		}
+	}
 }
 
 // fsmIndexAt is the index the state machine has applied once it reflects

@@ -329,16 +329,32 @@ func (s *server) Batch(ctx context.Context, in *clusterpb.BatchRequest) (*cluste
 }
 
 // batchReads answers the reads of a Batch (items[i] for i in idx): one
-// leadership round (readIndex) for all of them, then each on the engine.
-// A Begin that the node no longer finds Done after the round (it expired
+// leadership round for all of them (beginRead, endRead), and each on the
+// engine. The engine is read while the round runs: what it gives is a
+// committed state of the log that this node, if the round confirms it
+// leads, had reached when it was read, after every read here arrived; so
+// it holds every write completed before then, unless the node had not
+// applied up to the round's index yet, and then it is read again after
+// that (endRead). A Begin that the node does not find Done (it expired
 // meanwhile), and any item after a failed round, runs as its own call,
 // which gives it the answer it would have had alone.
 func (s *server) batchReads(ctx context.Context, items []*clusterpb.BatchItem, idx []int, out []*clusterpb.BatchResult) {
-	var rerr error
+	var (
+		round *readRound
+		rerr  error
+	)
 	for _, i := range idx {
 		if l, ok := items[i].GetCall().(*clusterpb.BatchItem_Lookup); !ok || !l.Lookup.GetFollowerRead() {
-			rerr = s.n.readIndex(ctx, false)
+			round, rerr = s.n.beginRead()
 			break
+		}
+	}
+	at := s.n.fsm.index.Load()
+	s.readItems(ctx, items, idx, out)
+	if round != nil {
+		var current bool
+		if current, rerr = s.n.endRead(ctx, round, at); rerr == nil && !current {
+			s.readItems(ctx, items, idx, out)
 		}
 	}
 	for _, i := range idx {
@@ -347,30 +363,46 @@ func (s *server) batchReads(ctx context.Context, items []*clusterpb.BatchItem, i
 		case *clusterpb.BatchItem_Lookup:
 			if rerr != nil && !call.Lookup.GetFollowerRead() {
 				out[i] = itemResult(nil, toStatus(rerr))
-				continue
 			}
-			req, err := reqFromPB(call.Lookup.Request)
-			var res *clusterpb.Result
-			if err == nil {
-				err = s.onEngine(func(e *idem.Engine) error {
-					r, err := e.Lookup(ctx, req)
-					res = resultToPB(r)
-					return err
-				})
-			}
-			out[i] = itemResult(res, toStatus(err))
 			continue
 		case *clusterpb.BatchItem_Begin:
-			if rerr == nil {
-				if req, err := reqFromPB(call.Begin.Request); err == nil {
-					if r, ok := s.localDone(ctx, req); ok {
-						out[i] = itemResult(resultToPB(r), nil)
-						continue
-					}
-				}
+			if rerr == nil && out[i] != nil {
+				continue
 			}
 		}
 		out[i] = s.item(ctx, it)
+	}
+}
+
+// readItems reads the engine for batchReads: a Lookup's result (or
+// error), a Begin's Done result (else nil: it runs as its own call).
+func (s *server) readItems(ctx context.Context, items []*clusterpb.BatchItem, idx []int, out []*clusterpb.BatchResult) {
+	e, done, err := s.n.fsm.engine()
+	if err == nil {
+		defer done()
+	}
+	for _, i := range idx {
+		out[i] = nil
+		switch call := items[i].GetCall().(type) {
+		case *clusterpb.BatchItem_Lookup:
+			req, rerr := reqFromPB(call.Lookup.Request)
+			var res *clusterpb.Result
+			if rerr == nil && err == nil {
+				var r idem.Result
+				r, rerr = e.Lookup(ctx, req)
+				res = resultToPB(r)
+			}
+			if rerr == nil {
+				rerr = err
+			}
+			out[i] = itemResult(res, toStatus(rerr))
+		case *clusterpb.BatchItem_Begin:
+			if req, rerr := reqFromPB(call.Begin.Request); rerr == nil && err == nil && len(req.Acked) == 0 {
+				if r, rerr := e.Lookup(ctx, req); rerr == nil && r.Status == idem.Done {
+					out[i] = itemResult(resultToPB(r), nil)
+				}
+			}
+		}
 	}
 }
 

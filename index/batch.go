@@ -39,6 +39,14 @@ type Batch struct {
 	// back to back) fills it in place rather than allocating an entry and
 	// dropping this one. nil otherwise.
 	claim *Entry
+	// read is the key that the last Get read through get, not from the
+	// batch (readMode its mode, readEntry what get returned), until the
+	// next Add: the Add of that key's own operation (the caller's Get,
+	// its classification, then its Add) finds it without probing at again,
+	// and knows the key is not in at yet. nil: none.
+	read      []byte
+	readMode  byte
+	readEntry *Entry
 }
 
 // NewBatch returns an empty batch record appended at lsn (0 when not
@@ -59,18 +67,35 @@ func (b *Batch) Reset(lsn wal.LSN) {
 	b.step = b.step[:0]
 	b.last = nil
 	b.claim = nil
+	b.read, b.readEntry = nil, nil
 }
 
 // Get returns key's state as the operations added so far leave it.
 func (b *Batch) Get(key []byte, mode byte) (*Entry, error) {
 	b.claim = nil // the caller may keep what it reads: never changed in place
-	return b.lookup(key, mode)
+	if sameBytes(key, b.last) {
+		return b.out[len(b.out)-1].Next, nil
+	}
+	if mode == b.readMode && sameBytes(key, b.read) {
+		return b.readEntry, nil
+	}
+	if i, ok := b.at[string(key)]; ok {
+		return b.out[i].Next, nil
+	}
+	en, err := b.get(key, mode)
+	if err == nil {
+		b.read, b.readMode, b.readEntry = key, mode, en
+	}
+	return en, err
 }
 
 // lookup is Get for the operations' own transitions.
 func (b *Batch) lookup(key []byte, mode byte) (*Entry, error) {
 	if sameBytes(key, b.last) {
 		return b.out[len(b.out)-1].Next, nil
+	}
+	if mode == b.readMode && sameBytes(key, b.read) {
+		return b.readEntry, nil // not changed since: no Add came between
 	}
 	if i, ok := b.at[string(key)]; ok {
 		return b.out[i].Next, nil
@@ -95,6 +120,8 @@ func (b *Batch) Add(op *wal.Op, key []byte) ([]Transition, error) {
 	reuse := b.claim
 	b.claim = nil
 	step, err := appendTransitions(b.step[:0], op, b.lsn, claimLSN, key, reuse, b.getFn)
+	read := b.read
+	b.read, b.readEntry = nil, nil // op may change it: read through the batch again
 	if err != nil {
 		return nil, err
 	}
@@ -107,7 +134,9 @@ func (b *Batch) Add(op *wal.Op, key []byte) ([]Transition, error) {
 			b.out[len(b.out)-1].Next = t.Next
 			continue
 		}
-		if i, ok := b.at[string(t.Key)]; ok {
+		if sameBytes(t.Key, read) {
+			read = nil // Get found it absent from at; added below
+		} else if i, ok := b.at[string(t.Key)]; ok {
 			b.out[i].Next = t.Next
 			continue
 		}
@@ -147,5 +176,6 @@ func (b *Batch) Transitions() []Transition {
 	clear(b.at) // the indices no longer hold; Reset before the next Add
 	b.last = nil
 	b.claim = nil
+	b.read, b.readEntry = nil, nil
 	return out
 }

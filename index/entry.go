@@ -172,6 +172,26 @@ func Transitions(op *wal.Op, lsn wal.LSN, get func(key []byte, mode byte) (*Entr
 	return appendTransitions(nil, op, lsn, op.ClaimLSN, nil, nil, get)
 }
 
+// AppendTransitions is Transitions that appends the changes to out (which
+// may be a caller's buffer with room: the engine's single-request path
+// then allocates no slice) and takes key, the entry key of op's request
+// when the caller has it (nil: computed from op; it must be the key that
+// op's scope and id or client make). The transitions of a request name key
+// itself as their Key, so its bytes must not change while they are in use.
+// For a claim record, claim (when not nil) is filled with the claim's
+// entry instead of one allocated here: it must be an entry that nothing
+// refers to (the engine's is carried in the Claim it hands out).
+func AppendTransitions(out []Transition, op *wal.Op, lsn wal.LSN, key []byte, claim *Entry, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, error) {
+	if op.Type == wal.OpBatch {
+		ts, err := Transitions(op, lsn, get)
+		if err != nil {
+			return nil, err
+		}
+		return append(out, ts...), nil
+	}
+	return appendTransitionsInto(out, op, lsn, op.ClaimLSN, key, nil, claim, get)
+}
+
 // appendTransitions appends the transitions of op, appended at lsn, to
 // out. claimLSN is the claim a commit or abort must find: op.ClaimLSN, or
 // in a batch the batch's LSN for an operation naming claim 0 (the claim
@@ -181,6 +201,13 @@ func Transitions(op *wal.Op, lsn wal.LSN, get func(key []byte, mode byte) (*Entr
 // a commit of an id whose current entry it is fills it in place instead of
 // allocating its own.
 func appendTransitions(out []Transition, op *wal.Op, lsn, claimLSN wal.LSN, key []byte, reuse *Entry, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, error) {
+	return appendTransitionsInto(out, op, lsn, claimLSN, key, reuse, nil, get)
+}
+
+// appendTransitionsInto is appendTransitions that, when op is a claim and
+// claimInto is not nil, fills claimInto (which nothing else refers to) with
+// the claim's entry instead of allocating one.
+func appendTransitionsInto(out []Transition, op *wal.Op, lsn, claimLSN wal.LSN, key []byte, reuse, claimInto *Entry, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, error) {
 	// Acked ids are removed first: they name earlier requests.
 	for _, id := range op.Acked {
 		k := EntryKey(nil, op.Scope, ModeID, id)
@@ -261,7 +288,12 @@ func appendTransitions(out []Transition, op *wal.Op, lsn, claimLSN wal.LSN, key 
 		n.LeaseUntil = op.LeaseUntil
 		n.ClaimExpires = op.ExpiresAt
 		n.LSN = lsn
-		next = &n
+		// As for a commit below: n stays on the stack, and the entry
+		// stored is the caller's when it gave one.
+		if next = claimInto; next == nil {
+			next = new(Entry)
+		}
+		*next = n
 	case wal.OpCommit, wal.OpCommitAdvance:
 		if prev == nil || !prev.InFlight || prev.ClaimLSN != claimLSN {
 			return nil, fmt.Errorf("%w: commit at LSN %d names claim %d", ErrNoClaim, lsn, claimLSN)

@@ -2,6 +2,7 @@ package index
 
 import (
 	"errors"
+	"reflect"
 	"testing"
 
 	"github.com/idemdb/idem/wal"
@@ -80,5 +81,63 @@ func TestTransitionsFenceStaleClaims(t *testing.T) {
 	ts, err = Transitions(clientOp(wal.OpAbort, 7), 20, clients)
 	if n := ts[0].Next; err != nil || n == nil || n.InFlight || n.Seq != 3 || !n.Committed {
 		t.Fatalf("client abort of the current claim (seq 3 stays): %v %+v", err, ts)
+	}
+}
+
+// TestAppendTransitions: AppendTransitions gives what Transitions gives,
+// appended after what out holds, names the caller's key (no key of its
+// own) and, with room in out, allocates only the new entry: a claim of a
+// new id, then its commit, as the engine's single-request path makes them.
+func TestAppendTransitions(t *testing.T) {
+	key := EntryKey(nil, "s", ModeID, []byte("x"))
+	claim := &wal.Op{Type: wal.OpClaim, Flags: wal.ClaimFlagNew, Scope: "s", ID: []byte("x"), Time: 10, LeaseUntil: 20}
+	absent := func([]byte, byte) (*Entry, error) { return nil, nil }
+	want, err := Transitions(claim, 7, absent)
+	if err != nil {
+		t.Fatal(err)
+	}
+	head := Transition{Key: []byte("before")}
+	buf := make([]Transition, 1, 4)
+	buf[0] = head
+	got, err := AppendTransitions(buf, claim, 7, key, nil, absent)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 2 || got[0].Key == nil || string(got[0].Key) != "before" || &got[0] != &buf[0] {
+		t.Fatalf("AppendTransitions did not append to out: %+v", got)
+	}
+	if g, w := got[1], want[0]; string(g.Key) != string(w.Key) || g.Mode != w.Mode || g.Prev != nil || !reflect.DeepEqual(g.Next, w.Next) {
+		t.Fatalf("claim: got %+v (next %+v), want %+v (next %+v)", g, g.Next, w, w.Next)
+	}
+	if &got[1].Key[0] != &key[0] {
+		t.Fatal("the transition does not name the caller's key")
+	}
+	claimed := got[1].Next
+	// A claim fills the entry it is given (and allocates nothing then).
+	var into Entry
+	allocs := testing.AllocsPerRun(100, func() {
+		ts, err := AppendTransitions(buf[:0], claim, 7, key, &into, absent)
+		if err != nil || ts[0].Next != &into || !reflect.DeepEqual(&into, claimed) {
+			t.Fatalf("claim into a given entry: %v %+v", err, ts)
+		}
+	})
+	if allocs != 0 {
+		t.Fatalf("a claim with room in out, its key and its entry given: %v allocations, want 0", allocs)
+	}
+	commit := &wal.Op{Type: wal.OpCommit, Scope: "s", ID: []byte("x"), ClaimLSN: 7, Time: 15, Reply: []byte("r")}
+	current := func([]byte, byte) (*Entry, error) { return claimed, nil }
+	allocs = testing.AllocsPerRun(100, func() {
+		if _, err := AppendTransitions(buf[:0], commit, 9, key, nil, current); err != nil {
+			t.Fatal(err)
+		}
+	})
+	if allocs != 1 {
+		t.Fatalf("a commit with room in out and its key given: %v allocations, want 1 (its entry)", allocs)
+	}
+	// A record kind with no single key (a batch) goes through Transitions.
+	batch := &wal.Op{Type: wal.OpBatch, Ops: []wal.Op{*claim}}
+	got, err = AppendTransitions(buf[:1], batch, 11, nil, nil, absent)
+	if err != nil || len(got) != 2 || string(got[1].Key) != string(key) || got[1].Next == nil || !got[1].Next.InFlight {
+		t.Fatalf("batch: %v %+v", err, got)
 	}
 }

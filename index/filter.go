@@ -20,7 +20,7 @@ import (
 // Pebble or present in a pending set: one 64-byte block per key, one bit
 // set in each of its eight 64-bit words (about 1% false positives at 10
 // bits per key). A key is added before it can be read anywhere: when an
-// update in a pending set makes it present (addPending, under pmu, before
+// update in a pending set makes it present (addPending, before
 // the set shows it), when Load writes it, and, when the filter is built,
 // from the pending sets and by a scan of Pebble's entry keys. A key that
 // is present is in the filter already, so changes of present keys (a
@@ -131,6 +131,16 @@ func (ix *Index) filterAddLocked(key []byte) {
 func (ix *Index) filterAbsent(key []byte) bool {
 	f := ix.filter.Load()
 	return f != nil && !f.mayContain(ix.keyHash(key))
+}
+
+// MayContain reports whether key may be stored, from the key filter alone
+// (no lock, no probe of the pending sets or Pebble): false means that Get
+// would answer nil, as of the moment of the call (every key is added to
+// the filter before any read can find it). It is true without a filter
+// (the first one not built yet, turned off, or dropped) and once the index
+// has failed, so that the caller's Get reports the failure.
+func (ix *Index) MayContain(key []byte) bool {
+	return !ix.filterAbsent(key) || ix.failure() != nil
 }
 
 // FilterBuilds returns how many key filters were built since Open.

@@ -128,41 +128,81 @@ func (ix *Index) lookupPending(key []byte) (e *Entry, ok bool) {
 	return nil, false
 }
 
+// pendChunk is about the number of transitions that addPending publishes
+// per hold of pmu's write lock (whole records: a record's transitions are
+// published together). A reader that the key filter lets through (a key
+// present, or a false positive) waits for one chunk, not for a whole
+// applier batch, which at hundreds of callers holds thousands of records.
+const pendChunk = 256
+
 // addPending merges a run of key updates into the mutable set and starts an
 // ingest when it is full. ix.applyMu is held.
+//
+// The updates go in chunks of whole records (pendChunk), each published
+// under pmu's write lock. A key becomes visible to readers when its chunk
+// is; the key filter holds it before (filterAddLocked, see filter.go):
+// the keys a chunk makes present are added to it first, without pmu (the
+// filter is safe for concurrent use, and a key it holds too early costs a
+// reader only the probes of the sets). Only the applier, which holds
+// applyMu, writes the mutable set, so between chunks the set is always a
+// prefix of the run applied record by record; the engine only reads keys
+// whose records were all applied by an earlier Apply (their slots stay
+// pinned until then), and so never sees a run in part.
 func (ix *Index) addPending(ups []*Update, ingestAt int64) error {
-	ix.pmu.Lock()
 	s := ix.mut
 	delta, rdelta := int64(0), int64(0)
-	for _, u := range ups {
-		for _, t := range u.Transitions {
-			p := s.m[string(t.Key)]
-			if p == nil {
-				p = s.add(t.Key, t.Prev)
-				s.bytes += int64(len(t.Key)) + pendingOverhead
-			}
-			// Counts follow the key's first prev and last next, as if the
-			// updates were applied one by one.
-			d, r := contribution(p.prev, t.Next)
-			od, or := contribution(p.prev, p.next)
-			delta += d - od
-			rdelta += r - or
-			s.bytes += entryMem(t.Next) - entryMem(p.next)
-			if t.Next != nil && p.next == nil {
-				// Absent to present: the key may be new to the key filter.
-				// (A present key is there already: added when it became
-				// present, or by the scan that built the filter.)
-				ix.filterAddLocked(t.Key)
-			}
-			p.next = t.Next
-		}
-	}
-	count, replies := ix.count.Load()+delta, ix.replies.Load()+rdelta
 	last := ups[len(ups)-1].LSN
-	s.last, s.count, s.replies = last, count, replies
-	ix.pmu.Unlock()
-	ix.count.Store(count)
-	ix.replies.Store(replies)
+	for len(ups) > 0 {
+		n, m := 0, 0
+		for n < len(ups) && (n == 0 || m < pendChunk) {
+			m += len(ups[n].Transitions)
+			n++
+		}
+		chunk := ups[:n]
+		ups = ups[n:]
+		for _, u := range chunk {
+			for i := range u.Transitions {
+				// Absent to present: the key may be new to the key
+				// filter. (A present key is there already: added when it
+				// became present, or by the scan that built the filter.)
+				if t := &u.Transitions[i]; t.Next != nil && t.Prev == nil {
+					ix.filterAddLocked(t.Key)
+				}
+			}
+		}
+		ix.pmu.Lock()
+		for _, u := range chunk {
+			for _, t := range u.Transitions {
+				p := s.m[string(t.Key)]
+				if p == nil {
+					p = s.add(t.Key, t.Prev)
+					s.bytes += int64(len(t.Key)) + pendingOverhead
+				}
+				// Counts follow the key's first prev and last next, as if
+				// the updates were applied one by one.
+				d, r := contribution(p.prev, t.Next)
+				od, or := contribution(p.prev, p.next)
+				delta += d - od
+				rdelta += r - or
+				s.bytes += entryMem(t.Next) - entryMem(p.next)
+				if t.Next != nil && p.next == nil && t.Prev != nil {
+					// Absent in the set but present by t.Prev: the pass
+					// above did not add it (the engine's records never
+					// disagree so; the set decides, as it always did).
+					ix.filterAddLocked(t.Key)
+				}
+				p.next = t.Next
+			}
+		}
+		if len(ups) == 0 {
+			// The run's end: the set's meta rows as of its last record.
+			s.last = last
+			s.count, s.replies = ix.count.Load()+delta, ix.replies.Load()+rdelta
+		}
+		ix.pmu.Unlock()
+	}
+	ix.count.Store(s.count)
+	ix.replies.Store(s.replies)
 	ix.applied.Store(uint64(last))
 	ix.maybeRebuildFilterLocked()
 	if s.bytes >= ingestAt {

@@ -2,7 +2,10 @@ package index
 
 import (
 	"fmt"
+	"math/rand/v2"
 	"runtime"
+	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/cockroachdb/pebble/v2/vfs"
@@ -57,4 +60,100 @@ func TestPendingSetAllocations(t *testing.T) {
 		t.Fatal(err)
 	}
 	check("ingested")
+}
+
+// TestPendingChunksUnderReaders: the applier publishes a run of updates in
+// chunks (addPending) while readers look keys up. Every key of a run whose
+// Apply returned reads back as its last update left it, and at every
+// moment a key that the pending set shows is in the key filter (the
+// filter learns a key before the set shows it, else Get, which asks the
+// filter first, would call a stored key absent). Each run claims 1,000
+// new keys and then commits them, so a key's claim and commit are in
+// different chunks, and a small IngestBytes freezes and ingests sets as
+// it goes. Run it with -race too: the set is written under pmu only.
+func TestPendingChunksUnderReaders(t *testing.T) {
+	m := &filterModel{t: t, fs: vfs.NewMem()}
+	ix, err := Open(Options{FS: m.fs, Dir: "ix", IngestBytes: 512 << 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ix.Close(false)
+	m.ix = ix
+	ix.StartFilter()
+	m.waitReady()
+	const runs, perRun, readers = 40, 1000, 2
+	key := func(i int) []byte { return EntryKey(nil, "s", ModeID, []byte(fmt.Sprintf("id-%07d", i))) }
+	keys := make([][]byte, runs*perRun)
+	for i := range keys {
+		keys[i] = key(i)
+	}
+	// The commit of key i: LSN run*2*perRun + perRun + j + 1 (j: its place
+	// in its run); its claim's is perRun less.
+	commitLSN := func(i int) wal.LSN { return wal.LSN(i/perRun*2*perRun + perRun + i%perRun + 1) }
+	var applied atomic.Int64 // runs whose Apply returned
+	var stop atomic.Bool
+	var wg sync.WaitGroup
+	errs := make(chan string, readers)
+	for r := range readers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(uint64(r), 5))
+			for !stop.Load() {
+				done := int(applied.Load())
+				// A key of the run being applied: shown by the set
+				// means held by the filter.
+				if done < runs {
+					k := keys[done*perRun+rng.IntN(perRun)]
+					if e, ok := ix.lookupPending(k); ok && e != nil && !ix.MayContain(k) {
+						errs <- fmt.Sprintf("key %q is in the pending set (%+v) but not in the key filter", k, e)
+						return
+					}
+				}
+				// A key of a run applied before the read began: its commit.
+				if done > 0 {
+					i := rng.IntN(done * perRun)
+					got, err := ix.Get(keys[i])
+					if err != nil || got == nil || !got.Committed || got.CommitLSN != commitLSN(i) {
+						errs <- fmt.Sprintf("Get(%q) after its run was applied: %+v, %v; want the commit of LSN %d", keys[i], got, err, commitLSN(i))
+						return
+					}
+				}
+			}
+		}()
+	}
+	for run := range runs {
+		// Apply wants LSN order: the run's claims, then its commits.
+		ups := make([]*Update, 0, 2*perRun)
+		claims := make([]*Entry, perRun)
+		for j := range perRun {
+			i := run*perRun + j
+			lsn := commitLSN(i) - perRun
+			claims[j] = &Entry{InFlight: true, ClaimLSN: lsn, LeaseUntil: 1 << 62, LSN: lsn}
+			ups = append(ups, &Update{LSN: lsn, Transitions: []Transition{{Key: keys[i], Mode: ModeID, Next: claims[j]}}})
+		}
+		for j := range perRun {
+			i := run*perRun + j
+			lsn := commitLSN(i)
+			c := &Entry{Committed: true, CommitTime: int64(lsn), CommitLSN: lsn, ReplyKept: true, Reply: []byte("r"), LSN: lsn}
+			ups = append(ups, &Update{LSN: lsn, Transitions: []Transition{{Key: keys[i], Mode: ModeID, Prev: claims[j], Next: c}}})
+		}
+		if err := ix.Apply(ups); err != nil {
+			t.Fatal(err)
+		}
+		applied.Store(int64(run + 1))
+		select {
+		case e := <-errs:
+			stop.Store(true)
+			wg.Wait()
+			t.Fatal(e)
+		default:
+		}
+	}
+	stop.Store(true)
+	wg.Wait()
+	close(errs)
+	for e := range errs {
+		t.Fatal(e)
+	}
 }
