@@ -137,6 +137,7 @@ type batchBufs struct {
 	items []batchItem
 	wadv  []wal.Advance
 	keys  [][]byte
+	ck    clientKeys // the advanced clients' keys, built once per batch
 }
 
 var batchItemsPool = sync.Pool{New: func() any { return new(batchBufs) }}
@@ -190,6 +191,7 @@ func (b *engineBatch) release() {
 	clear(items)
 	clear(bufs.wadv[:cap(bufs.wadv)])
 	clear(bufs.keys[:cap(bufs.keys)])
+	bufs.ck.reset()
 	bufs.items, bufs.wadv, bufs.keys = items[:0], bufs.wadv[:0], bufs.keys[:0]
 	batchItemsPool.Put(bufs)
 }
@@ -210,7 +212,7 @@ func (b *engineBatch) checkAdvances(adv []Advance, own []byte) ([]wal.Advance, [
 			bufs.keys = make([][]byte, 0, n+len(b.items))
 		}
 	}
-	wadv, keys, err := b.e.checkAdvancesInto(bufs.wadv, bufs.keys, adv, own)
+	wadv, keys, err := b.e.checkAdvancesInto(bufs.wadv, bufs.keys, &bufs.ck, adv, own)
 	if err == nil {
 		bufs.wadv = appendShared(bufs.wadv, len(wadv))
 		bufs.keys = appendShared(bufs.keys, len(keys))

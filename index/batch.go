@@ -1,6 +1,7 @@
 package index
 
 import (
+	"bytes"
 	"fmt"
 	"unsafe"
 
@@ -47,6 +48,18 @@ type Batch struct {
 	read      []byte
 	readMode  byte
 	readEntry *Entry
+	// scratch is where advanceKey builds a client's key to look it up.
+	scratch []byte
+	// fills are the entries an operation's advances fill in place once
+	// all of them apply (advanceTransitions).
+	fills []advanceFill
+}
+
+// advanceFill is an entry of the batch that an advance of the current
+// operation raises to seq.
+type advanceFill struct {
+	e   *Entry
+	seq uint64
 }
 
 // NewBatch returns an empty batch record appended at lsn (0 when not
@@ -119,7 +132,7 @@ func (b *Batch) Add(op *wal.Op, key []byte) ([]Transition, error) {
 	}
 	reuse := b.claim
 	b.claim = nil
-	step, err := appendTransitions(b.step[:0], op, b.lsn, claimLSN, key, reuse, b.getFn)
+	step, err := appendTransitions(b.step[:0], op, b.lsn, claimLSN, key, reuse, b, b.getFn)
 	read := b.read
 	b.read, b.readEntry = nil, nil // op may change it: read through the batch again
 	if err != nil {
@@ -148,6 +161,29 @@ func (b *Batch) Add(op *wal.Op, key []byte) ([]Transition, error) {
 		b.last = t.Key
 	}
 	return step, nil
+}
+
+// advanceKey returns the entry key of the sequence-mode client (scope,
+// client) for an advance. When an earlier operation of the record changed
+// that key (found), key is that transition's own bytes (nothing is
+// allocated: a sink advances the same few partitions item after item),
+// prev the key's state as the record leaves it, and fill prev itself when
+// the record made it, i.e. it is not the state the record started from:
+// nothing but the batch refers to such an entry (Get's callers read it and
+// let go; Add's transitions are only valid until the next Add), so an
+// advance may overwrite it rather than allocate another. Otherwise key is
+// a new slice, and prev is to be read with get.
+func (b *Batch) advanceKey(scope, client string) (key []byte, prev, fill *Entry, found bool) {
+	b.scratch = EntryKey(b.scratch[:0], scope, ModeClient, unsafe.Slice(unsafe.StringData(client), len(client)))
+	i, ok := b.at[string(b.scratch)]
+	if !ok {
+		return bytes.Clone(b.scratch), nil, nil, false
+	}
+	t := &b.out[i]
+	if t.Next != nil && t.Next != t.Prev {
+		fill = t.Next
+	}
+	return t.Key, t.Next, fill, true
 }
 
 // sameBytes says whether a and b are the same slice (not only equal
