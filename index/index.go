@@ -199,6 +199,7 @@ func Open(o Options) (*Index, error) {
 		}
 	}
 	popts.EnsureDefaults() // MakeWriterOptions below needs the defaults filled in
+	tunePebble(popts)
 	sched := newGatedScheduler()
 	popts.Experimental.CompactionScheduler = sched
 	db, err := ix.openPebble(o.Dir, popts, plog, cache)

@@ -1,0 +1,84 @@
+package index
+
+import (
+	"crypto/rand"
+	"testing"
+
+	"github.com/cockroachdb/pebble/v2"
+	"github.com/cockroachdb/pebble/v2/vfs"
+	"github.com/idemdb/idem/wal"
+)
+
+// TestCompressionFollowsReplies: every table the index writes, the ingested
+// ones and a compaction's output alike, uses snappyAdaptive (tuning.go):
+// replies that compress are stored compressed, and replies that do not are
+// stored as they are (the compressor stopped trying on most blocks, which
+// only the CPU profile shows).
+func TestCompressionFollowsReplies(t *testing.T) {
+	const sets, per, replyLen = 4, 2000, 128
+	for _, c := range []struct {
+		name     string
+		compress bool
+	}{{"zero-replies", true}, {"random-replies", false}} {
+		t.Run(c.name, func(t *testing.T) {
+			ix, err := Open(Options{FS: vfs.NewMem(), Dir: "ix", IngestBytes: 1 << 30})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer ix.Close(false)
+			lsn := wal.LSN(0)
+			for range sets {
+				ts := make([]Transition, 0, per)
+				for range per {
+					lsn++
+					id := make([]byte, 16)
+					_, _ = rand.Read(id)
+					reply := make([]byte, replyLen)
+					if !c.compress {
+						_, _ = rand.Read(reply)
+					}
+					k := EntryKey(nil, "s", ModeID, id)
+					e := &Entry{Committed: true, ReplyKept: true, Reply: reply, CommitTime: int64(lsn), CommitLSN: lsn, LSN: lsn}
+					ts = append(ts, Transition{Key: k, Mode: ModeID, Next: e})
+				}
+				if err := ix.Apply([]*Update{{LSN: lsn, Transitions: ts}}); err != nil {
+					t.Fatal(err)
+				}
+				if err := ix.Flush(); err != nil { // one ingest per set
+					t.Fatal(err)
+				}
+			}
+			check := func(when string) {
+				levels, err := ix.db.SSTables(pebble.WithProperties())
+				if err != nil {
+					t.Fatal(err)
+				}
+				size, tables := uint64(0), 0
+				for level, ts := range levels {
+					for _, tb := range ts {
+						tables++
+						size += tb.Size
+						if got := tb.Properties.CompressionName; got != snappyAdaptive.Name {
+							t.Errorf("%s: L%d table %s written with compression %q, want %q", when, level, tb.FileNum, got, snappyAdaptive.Name)
+						}
+					}
+				}
+				// Uncompressed, the replies alone would take raw bytes;
+				// compressed, a zero reply takes a few, and a row about
+				// 60 with its random key and the entry's fields.
+				raw := uint64(sets * per * replyLen)
+				if c.compress && size > raw*3/4 {
+					t.Errorf("%s: %d tables of %d bytes hold %d bytes of zero replies: not compressed", when, tables, size, raw)
+				}
+				if !c.compress && size < raw {
+					t.Errorf("%s: %d tables of %d bytes hold %d bytes of random replies", when, tables, size, raw)
+				}
+			}
+			check("ingested")
+			if err := ix.db.Compact(t.Context(), []byte{0}, []byte{0xff}, false); err != nil {
+				t.Fatal(err)
+			}
+			check("compacted")
+		})
+	}
+}
