@@ -71,7 +71,7 @@ func benchBatchPut(b *testing.B, o Options, per int, claims bool) {
 	defer runtime.UnlockOSThread()
 	b.ReportAllocs()
 	b.ResetTimer()
-	start, cpu0, tcpu0 := time.Now(), cputime.Process(), threadCPU()
+	start, cpu0, tcpu0 := time.Now(), cputime.Process(), cputime.Thread()
 	fn := func(context.Context) ([]byte, error) { return benchReply, nil }
 	for done := 0; done < b.N && per == 0; done++ {
 		if _, err := e.Do(bg, Request{ID: ids[done]}, fn); err != nil {
@@ -105,7 +105,7 @@ func benchBatchPut(b *testing.B, o Options, per int, claims bool) {
 		}
 		done += n
 	}
-	tcpu := threadCPU() - tcpu0
+	tcpu := cputime.Thread() - tcpu0
 	b.ReportMetric(float64(b.N)/time.Since(start).Seconds(), "items/s")
 	b.ReportMetric(float64(tcpu.Nanoseconds())/float64(b.N), "run-cpu-ns/item")
 	b.ReportMetric(float64((cputime.Process()-cpu0).Nanoseconds())/float64(b.N), "cpu-ns/item")
