@@ -408,6 +408,24 @@ func TestClientBatchesOfLargeReplies(t *testing.T) {
 // heldTransport is an in-memory raft transport whose successful
 // heartbeats can be held back: the follower has handled the heartbeat,
 // and its answer reaches the sender only once release is closed.
+// newHeldCluster starts a 3-node cluster whose transports are
+// heldTransports; held returns a node's.
+func newHeldCluster(t testing.TB, tune func(o *NodeOptions)) (cc *chaosCluster, held func(id string) *heldTransport) {
+	hts := map[string]*heldTransport{}
+	var mu sync.Mutex
+	cc = newChaosClusterWrapped(t, 3, tune, func(id string, tr *raft.InmemTransport) raft.Transport {
+		mu.Lock()
+		defer mu.Unlock()
+		hts[id] = &heldTransport{InmemTransport: tr}
+		return hts[id]
+	})
+	return cc, func(id string) *heldTransport {
+		mu.Lock()
+		defer mu.Unlock()
+		return hts[id]
+	}
+}
+
 type heldTransport struct {
 	*raft.InmemTransport
 	mu      sync.Mutex         // guards release, held, stuck and unstick
@@ -454,17 +472,10 @@ func (h *heldTransport) AppendEntries(id raft.ServerID, target raft.ServerAddres
 // verification registered meanwhile, also the answer to a heartbeat sent
 // before.
 func TestReadRoundCountsOnlyItsOwnHeartbeats(t *testing.T) {
-	hts := map[string]*heldTransport{}
-	var hmu sync.Mutex
-	cc := newChaosClusterWrapped(t, 3, func(o *NodeOptions) {
+	cc, heldOf := newHeldCluster(t, func(o *NodeOptions) {
 		// Long enough that the leader keeps its lease while its answers
 		// are held (about HeartbeatTimeout/2), and that no election runs.
 		o.HeartbeatTimeout, o.ElectionTimeout = 4*time.Second, 4*time.Second
-	}, func(id string, tr *raft.InmemTransport) raft.Transport {
-		hmu.Lock()
-		defer hmu.Unlock()
-		hts[id] = &heldTransport{InmemTransport: tr}
-		return hts[id]
 	})
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
@@ -480,9 +491,7 @@ func TestReadRoundCountsOnlyItsOwnHeartbeats(t *testing.T) {
 		t.Fatalf("lookup before the cut: %v %v", out, err)
 	}
 	// Hold the answers to the leader's next heartbeat to each follower.
-	hmu.Lock()
-	ht := hts[old]
-	hmu.Unlock()
+	ht := heldOf(old)
 	release := make(chan struct{})
 	released := false
 	defer func() {
@@ -561,14 +570,7 @@ func TestReadRoundCountsOnlyItsOwnHeartbeats(t *testing.T) {
 // would hold a connection of raft's TCP transport (its pool is empty
 // while they wait) until the transport's timeout.
 func TestReadRoundsKeepOneHeartbeatPerVoter(t *testing.T) {
-	hts := map[string]*heldTransport{}
-	var hmu sync.Mutex
-	cc := newChaosClusterWrapped(t, 3, nil, func(id string, tr *raft.InmemTransport) raft.Transport {
-		hmu.Lock()
-		defer hmu.Unlock()
-		hts[id] = &heldTransport{InmemTransport: tr}
-		return hts[id]
-	})
+	cc, heldOf := newHeldCluster(t, nil)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	c := dial(t, cc.testCluster, "app")
@@ -577,9 +579,7 @@ func TestReadRoundsKeepOneHeartbeatPerVoter(t *testing.T) {
 		t.Fatal(err)
 	}
 	leader := cc.leader(30 * time.Second)
-	hmu.Lock()
-	ht := hts[leader]
-	hmu.Unlock()
+	ht := heldOf(leader)
 	unstick := make(chan struct{})
 	defer close(unstick)
 	ht.mu.Lock()
