@@ -97,7 +97,7 @@ func TestFrameEncodedOutsideTheLock(t *testing.T) {
 					t.Fatalf("Append 2: %v", err)
 				}
 			case <-time.After(time.Minute): // a hang guard, not a measurement
-				t.Fatal("record 2 never became durable: a lost wake-up of the flusher")
+				t.Fatal("record 2 never became durable: a lost wake-up (of the flusher, or of a wait for record 1's frame)")
 			}
 			if err := w.Close(); err != nil {
 				t.Fatal(err)

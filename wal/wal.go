@@ -374,7 +374,7 @@ func Open(o Options, after LSN, fn func(Record) error) (*WAL, ScanResult, error)
 	w.mu.syncTarget = out.lastLSN
 	w.mu.curC = make(chan struct{})
 	w.mu.nextC = make(chan struct{})
-	w.mu.fills, w.fl.spareFills = new(fills), new(fills)
+	w.mu.fills, w.fl.spareFills = newFills(), newFills()
 	w.workC = make(chan struct{}, 1)
 	w.doneC = make(chan struct{})
 	w.fl.lastSync = time.Now()
@@ -603,37 +603,61 @@ func (w *WAL) append(typ byte, payload []byte, v any, fn func(LSN) any) (LSN, er
 }
 
 // fills counts the frames of one group-commit buffer that were reserved
-// (under w.mu) and are still being encoded by their appenders (without
-// it), so that nobody reads or moves the buffer before they are
-// complete. There are two, swapped with the buffers.
+// (under w.mu) and encoded (by their appenders, without it), so that
+// nobody reads or moves the buffer before they are complete. There are
+// two, swapped with the buffers. An append costs one atomic add here:
+// only a waiter (the flusher, or an appender growing the buffer: one at a
+// time, see wait) publishes a target for the encoders to compare with.
 type fills struct {
-	n  atomic.Int64 // frames reserved and not yet encoded
-	wg sync.WaitGroup
+	reserved int64        // frames reserved; guarded by w.mu while the buffer takes frames
+	filled   atomic.Int64 // frames encoded
+	// target, when not zero, is the reserved count a waiter waits for:
+	// the encoder that brings filled to it sends a token on c.
+	target atomic.Int64
+	c      chan struct{} // capacity 1
 }
 
-// add counts a reserved frame; w.mu is held, so add never runs together
-// with wait on the same fills (WaitGroup's rule for reuse).
-func (f *fills) add() {
-	f.n.Add(1)
-	f.wg.Add(1)
-}
+func newFills() *fills { return &fills{c: make(chan struct{}, 1)} }
 
-// done marks a reserved frame as encoded.
+// add counts a reserved frame; w.mu is held.
+func (f *fills) add() { f.reserved++ }
+
+// done marks a reserved frame as encoded. Either the waiter sees the
+// new count after publishing its target, or this sees the target after
+// adding (sequentially consistent atomics), so a waiter is never left
+// blocked.
 func (f *fills) done() {
-	// Done first: once n reads 0, the WaitGroup's count is 0 too.
-	f.wg.Done()
-	f.n.Add(-1)
+	if f.filled.Add(1) == f.target.Load() {
+		select {
+		case f.c <- struct{}{}:
+		default: // a token is pending already
+		}
+	}
 }
 
 // wait returns once every reserved frame is encoded. It is called by the
 // flusher for the buffer it took (no appender reserves in it any more)
-// and by an appender growing the buffer (it holds w.mu, so nobody else
-// reserves meanwhile).
+// and by an appender growing the buffer (it holds w.mu, so nobody
+// reserves meanwhile); never by both on one fills. A token left over from
+// an earlier wait only costs one more look at filled.
 func (f *fills) wait(w *WAL) {
-	if f.n.Load() != 0 {
-		w.fillWaits.Add(1)
-		f.wg.Wait()
+	n := f.reserved
+	if f.filled.Load() == n {
+		return
 	}
+	w.fillWaits.Add(1)
+	f.target.Store(n)
+	for f.filled.Load() != n {
+		<-f.c
+	}
+	f.target.Store(0)
+}
+
+// reset empties f once the buffer it counts was written; the flusher calls
+// it before the buffer (and f) are handed to appenders again.
+func (f *fills) reset() {
+	f.reserved = 0
+	f.filled.Store(0)
 }
 
 // wake makes sure the flusher runs soon.
@@ -1006,6 +1030,7 @@ func (w *WAL) flush() (exit bool) {
 	// The appenders of the last frames taken may still be encoding them;
 	// until they are done, buf is neither written nor recycled.
 	fills.wait(w)
+	fills.reset()
 	w.fl.spareFills = fills
 	// Whatever path this flush leaves by, its waiters are woken (most
 	// paths do it earlier, right after the write or fsync).
