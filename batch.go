@@ -137,6 +137,7 @@ type batchBufs struct {
 	items []batchItem
 	wadv  []wal.Advance
 	keys  [][]byte
+	ck    clientKeys // the advanced clients' keys, built once per batch
 }
 
 var batchItemsPool = sync.Pool{New: func() any { return new(batchBufs) }}
@@ -190,6 +191,7 @@ func (b *engineBatch) release() {
 	clear(items)
 	clear(bufs.wadv[:cap(bufs.wadv)])
 	clear(bufs.keys[:cap(bufs.keys)])
+	bufs.ck.reset()
 	bufs.items, bufs.wadv, bufs.keys = items[:0], bufs.wadv[:0], bufs.keys[:0]
 	batchItemsPool.Put(bufs)
 }
@@ -210,7 +212,7 @@ func (b *engineBatch) checkAdvances(adv []Advance, own []byte) ([]wal.Advance, [
 			bufs.keys = make([][]byte, 0, n+len(b.items))
 		}
 	}
-	wadv, keys, err := b.e.checkAdvancesInto(bufs.wadv, bufs.keys, adv, own)
+	wadv, keys, err := b.e.checkAdvancesInto(bufs.wadv, bufs.keys, &bufs.ck, adv, own)
 	if err == nil {
 		bufs.wadv = appendShared(bufs.wadv, len(wadv))
 		bufs.keys = appendShared(bufs.keys, len(keys))
@@ -432,6 +434,13 @@ type batchRun struct {
 	// lastKey and lastSl are the key get looked up last and its slot.
 	lastKey []byte
 	lastSl  *slot
+	// itemKey and itemSl are the key of the item being classified and its
+	// slot once known (a Commit's or Abort's claim hands it on, a Begin's
+	// or Put's first read finds it): get answers itemKey from itemSl
+	// without probing the shard's map again (the overlay reads the key a
+	// second time when the item's operation is added). nil: unknown.
+	itemKey []byte
+	itemSl  *slot
 	buf     []byte    // wal.MaxBatchHeader reserved, then the record's operations
 	nops    int       // operations in buf
 	cost    int       // their wal.BatchCost
@@ -469,7 +478,7 @@ func (e *Engine) putBatchRun(r *batchRun) {
 	if cap(r.buf) > 2*batchRecordBytes {
 		return
 	}
-	r.b, r.out, r.lastKey, r.lastSl = nil, nil, nil, nil
+	r.b, r.out, r.lastKey, r.lastSl, r.itemKey, r.itemSl = nil, nil, nil, nil, nil, nil
 	r.buf = r.buf[:wal.MaxBatchHeader]
 	r.nops, r.cost, r.first, r.fatal = 0, 0, 0, nil
 	r.st = struct{ misses, takeovers, expired, acked, seq uint64 }{}
@@ -488,9 +497,12 @@ func (e *Engine) putBatchRun(r *batchRun) {
 // checkAdvances', an index.EntryKey or SeqKey the transitions made), and
 // remembers it for the item being classified.
 func (r *batchRun) get(key []byte, mode byte) (*index.Entry, error) {
-	sl, err := r.e.slotLockedKeep(key, true)
-	if err != nil {
-		return nil, err
+	sl := r.itemSl
+	if sl == nil || sl.evicted || !sameSlice(key, r.itemKey) {
+		var err error
+		if sl, err = r.e.slotLockedKeep(key, true); err != nil {
+			return nil, err
+		}
 	}
 	r.lastKey, r.lastSl = key, sl
 	return r.e.current(sl, mode), nil
@@ -498,11 +510,19 @@ func (r *batchRun) get(key []byte, mode byte) (*index.Entry, error) {
 
 // getItem returns the entry of item it's key as the batch so far leaves
 // it, and notes the key's slot in it.sl when it is read from the table.
+// The slot of a Commit's or Abort's claim, while not evicted (an
+// in-flight slot never is, unless it was taken over), is the key's slot
+// in its shard's map (only eviction takes a slot out): get takes it
+// without a lookup.
 func (r *batchRun) getItem(it *batchItem) (*index.Entry, error) {
-	r.lastSl = nil
+	r.lastSl, r.itemKey, r.itemSl = nil, it.k.key, nil
+	if it.claim != nil && it.claim.ec.sl != nil && !it.claim.ec.sl.evicted {
+		r.itemSl = it.claim.ec.sl
+	}
 	cur, err := r.bt.Get(it.k.key, it.k.mode)
 	if err == nil && r.lastSl != nil && sameSlice(r.lastKey, it.k.key) {
 		it.sl = r.lastSl
+		r.itemSl = it.sl
 	}
 	return cur, err
 }
@@ -799,6 +819,21 @@ func (r *batchRun) abandon(err error) {
 // run finished.
 func (r *batchRun) finish() {
 	e := r.e
+	// The claims of the Begin items come from one allocation (a slab)
+	// rather than one each: a caller keeping some of them keeps the
+	// slab's memory (~200 bytes a claim) until it drops them all, which
+	// the batch's callers do together (a sink commits a fetched batch's
+	// claims in one batch).
+	nclaims := 0
+	for i := range r.b.items {
+		if it := &r.b.items[i]; it.kind == bBegin && it.rec >= 0 {
+			nclaims++
+		}
+	}
+	var claims []Claim
+	if nclaims > 0 {
+		claims = make([]Claim, nclaims)
+	}
 	var wait wal.LSN
 	for i := range r.b.items {
 		it := &r.b.items[i]
@@ -811,8 +846,11 @@ func (r *batchRun) finish() {
 		}
 		switch it.kind {
 		case bBegin:
-			c := newEngineClaim(e, it.k, r.lsns[it.rec], it.fp, it.lease)
-			c.ec.sl = it.sl // nil, or the key's slot when the run read it (write checks evicted)
+			c := &claims[0]
+			claims = claims[1:]
+			// sl: nil, or the key's slot when the run read it (write checks evicted).
+			c.ec = engineClaim{e: e, k: it.k, lsn: r.lsns[it.rec], fp: it.fp, sl: it.sl}
+			c.leaseUntil = it.lease
 			r.out[i].Result = Result{Status: Fresh, Claim: c, LeaseUntil: it.lease, Seq: it.k.seq, ExpiresAt: it.expires}
 		case bPut:
 			r.out[i].Result = Result{Status: Fresh, LeaseUntil: it.lease, Seq: it.k.seq, ExpiresAt: it.expires}

@@ -192,13 +192,55 @@ func (c *Claim) CommitAdvance(ctx context.Context, reply []byte, adv ...Advance)
 // to lock: own (the committed key; nil for none) first, then one per
 // advance.
 func (e *Engine) checkAdvances(adv []Advance, own []byte) ([]wal.Advance, [][]byte, error) {
-	return e.checkAdvancesInto(nil, nil, adv, own)
+	return e.checkAdvancesInto(nil, nil, nil, adv, own)
 }
+
+// clientKeys remembers the client keys that checkAdvancesInto built for a
+// batch: the items of a stream sink's batch advance the same few
+// partitions, and each item sharing one key's bytes spares building it
+// again (keys are never changed once built). It holds the last
+// len(clientKeys.few) distinct clients.
+type clientKeys struct {
+	few  [16]clientKey
+	n    int // entries of few in use
+	next int // the entry the next new key replaces once few is full
+}
+
+type clientKey struct {
+	scope, client string
+	key           []byte
+}
+
+// key returns the entry key of the client (scope, client), built once.
+func (c *clientKeys) key(scope, client string) []byte {
+	if c == nil {
+		return index.EntryKey(nil, scope, index.ModeClient, []byte(client))
+	}
+	for i := range c.few[:c.n] {
+		if x := &c.few[i]; x.client == client && x.scope == scope {
+			return x.key
+		}
+	}
+	k := index.EntryKey(nil, scope, index.ModeClient, []byte(client))
+	x := clientKey{scope: scope, client: client, key: k}
+	if c.n < len(c.few) {
+		c.few[c.n] = x
+		c.n++
+	} else {
+		c.few[c.next] = x
+		c.next = (c.next + 1) % len(c.few)
+	}
+	return k
+}
+
+// reset forgets the keys (a batch's buffers going back to their pool).
+func (c *clientKeys) reset() { *c = clientKeys{} }
 
 // checkAdvancesInto is checkAdvances that puts the advances and the keys
 // at the end of wbuf and kbuf when they have the room (a batch's reused
-// buffers), and allocates them otherwise.
-func (e *Engine) checkAdvancesInto(wbuf []wal.Advance, kbuf [][]byte, adv []Advance, own []byte) ([]wal.Advance, [][]byte, error) {
+// buffers), and allocates them otherwise; the client keys come from ck
+// when not nil (a batch's, shared by its items).
+func (e *Engine) checkAdvancesInto(wbuf []wal.Advance, kbuf [][]byte, ck *clientKeys, adv []Advance, own []byte) ([]wal.Advance, [][]byte, error) {
 	if len(adv) > maxAdvances {
 		return nil, nil, invalid("%d advances exceed %d", len(adv), maxAdvances)
 	}
@@ -230,7 +272,7 @@ func (e *Engine) checkAdvancesInto(wbuf []wal.Advance, kbuf [][]byte, adv []Adva
 		if a.Seq == 0 {
 			return nil, nil, invalid("advance %d: client %q to sequence number 0 (numbers start at 1)", i, a.Client)
 		}
-		k := index.EntryKey(nil, a.Scope, index.ModeClient, []byte(a.Client))
+		k := ck.key(a.Scope, a.Client)
 		if !seen.Add(k) {
 			return nil, nil, invalid("advance %d: client %q in scope %q is named twice or is the committed key", i, a.Client, a.Scope)
 		}

@@ -91,24 +91,24 @@ const logCacheEntries = 1024
 // Node is a running member of an idem cluster: raft, the state machine
 // over an idem engine, and the gRPC services Idem and Cluster.
 type Node struct {
-	o      NodeOptions
-	r      *raft.Raft
-	fsm    *fsm
-	logs   *raftwal.WAL
-	logc   raft.LogStore // logs through raft's cache (confirmLeadership reads entry types)
-	meta   *metadb.BoltMetaDB
-	trans  raft.Transport
-	grpc   *grpc.Server
-	glis   net.Listener
-	log    *slog.Logger
-	ready  atomic.Uint64 // the term in which this node, as leader, applied a barrier
-	reads  readRounds    // linearizable reads' shared leadership confirmations
+	o     NodeOptions
+	r     *raft.Raft
+	fsm   *fsm
+	logs  *raftwal.WAL
+	logc  raft.LogStore // logs through raft's cache (confirmLeadership reads entry types)
+	meta  *metadb.BoltMetaDB
+	trans raft.Transport
+	grpc  *grpc.Server
+	glis  net.Listener
+	log   *slog.Logger
+	ready atomic.Uint64 // the term in which this node, as leader, applied a barrier
+	reads readRounds    // linearizable reads' shared leadership confirmations
 	// beating holds the voters a read round's heartbeat is on its way to
 	// (leaderRound): one at a time each.
 	beating sync.Map // raft.ServerID -> struct{}
-	stop   chan struct{}
-	wg     sync.WaitGroup
-	closed atomic.Bool
+	stop    chan struct{}
+	wg      sync.WaitGroup
+	closed  atomic.Bool
 }
 
 func (o *NodeOptions) check() error {

@@ -1,6 +1,7 @@
 package index
 
 import (
+	"bytes"
 	"fmt"
 	"unsafe"
 
@@ -39,6 +40,26 @@ type Batch struct {
 	// back to back) fills it in place rather than allocating an entry and
 	// dropping this one. nil otherwise.
 	claim *Entry
+	// read is the key that the last Get read through get, not from the
+	// batch (readMode its mode, readEntry what get returned), until the
+	// next Add: the Add of that key's own operation (the caller's Get,
+	// its classification, then its Add) finds it without probing at again,
+	// and knows the key is not in at yet. nil: none.
+	read      []byte
+	readMode  byte
+	readEntry *Entry
+	// scratch is where advanceKey builds a client's key to look it up.
+	scratch []byte
+	// fills are the entries an operation's advances fill in place once
+	// all of them apply (advanceTransitions).
+	fills []advanceFill
+}
+
+// advanceFill is an entry of the batch that an advance of the current
+// operation raises to seq.
+type advanceFill struct {
+	e   *Entry
+	seq uint64
 }
 
 // NewBatch returns an empty batch record appended at lsn (0 when not
@@ -59,18 +80,35 @@ func (b *Batch) Reset(lsn wal.LSN) {
 	b.step = b.step[:0]
 	b.last = nil
 	b.claim = nil
+	b.read, b.readEntry = nil, nil
 }
 
 // Get returns key's state as the operations added so far leave it.
 func (b *Batch) Get(key []byte, mode byte) (*Entry, error) {
 	b.claim = nil // the caller may keep what it reads: never changed in place
-	return b.lookup(key, mode)
+	if sameBytes(key, b.last) {
+		return b.out[len(b.out)-1].Next, nil
+	}
+	if mode == b.readMode && sameBytes(key, b.read) {
+		return b.readEntry, nil
+	}
+	if i, ok := b.at[string(key)]; ok {
+		return b.out[i].Next, nil
+	}
+	en, err := b.get(key, mode)
+	if err == nil {
+		b.read, b.readMode, b.readEntry = key, mode, en
+	}
+	return en, err
 }
 
 // lookup is Get for the operations' own transitions.
 func (b *Batch) lookup(key []byte, mode byte) (*Entry, error) {
 	if sameBytes(key, b.last) {
 		return b.out[len(b.out)-1].Next, nil
+	}
+	if mode == b.readMode && sameBytes(key, b.read) {
+		return b.readEntry, nil // not changed since: no Add came between
 	}
 	if i, ok := b.at[string(key)]; ok {
 		return b.out[i].Next, nil
@@ -94,7 +132,9 @@ func (b *Batch) Add(op *wal.Op, key []byte) ([]Transition, error) {
 	}
 	reuse := b.claim
 	b.claim = nil
-	step, err := appendTransitions(b.step[:0], op, b.lsn, claimLSN, key, reuse, b.getFn)
+	step, err := appendTransitions(b.step[:0], op, b.lsn, claimLSN, key, reuse, b, b.getFn)
+	read := b.read
+	b.read, b.readEntry = nil, nil // op may change it: read through the batch again
 	if err != nil {
 		return nil, err
 	}
@@ -107,7 +147,9 @@ func (b *Batch) Add(op *wal.Op, key []byte) ([]Transition, error) {
 			b.out[len(b.out)-1].Next = t.Next
 			continue
 		}
-		if i, ok := b.at[string(t.Key)]; ok {
+		if sameBytes(t.Key, read) {
+			read = nil // Get found it absent from at; added below
+		} else if i, ok := b.at[string(t.Key)]; ok {
 			b.out[i].Next = t.Next
 			continue
 		}
@@ -119,6 +161,29 @@ func (b *Batch) Add(op *wal.Op, key []byte) ([]Transition, error) {
 		b.last = t.Key
 	}
 	return step, nil
+}
+
+// advanceKey returns the entry key of the sequence-mode client (scope,
+// client) for an advance. When an earlier operation of the record changed
+// that key (found), key is that transition's own bytes (nothing is
+// allocated: a sink advances the same few partitions item after item),
+// prev the key's state as the record leaves it, and fill prev itself when
+// the record made it, i.e. it is not the state the record started from:
+// nothing but the batch refers to such an entry (Get's callers read it and
+// let go; Add's transitions are only valid until the next Add), so an
+// advance may overwrite it rather than allocate another. Otherwise key is
+// a new slice, and prev is to be read with get.
+func (b *Batch) advanceKey(scope, client string) (key []byte, prev, fill *Entry, found bool) {
+	b.scratch = EntryKey(b.scratch[:0], scope, ModeClient, unsafe.Slice(unsafe.StringData(client), len(client)))
+	i, ok := b.at[string(b.scratch)]
+	if !ok {
+		return bytes.Clone(b.scratch), nil, nil, false
+	}
+	t := &b.out[i]
+	if t.Next != nil && t.Next != t.Prev {
+		fill = t.Next
+	}
+	return t.Key, t.Next, fill, true
 }
 
 // sameBytes says whether a and b are the same slice (not only equal
@@ -147,5 +212,6 @@ func (b *Batch) Transitions() []Transition {
 	clear(b.at) // the indices no longer hold; Reset before the next Add
 	b.last = nil
 	b.claim = nil
+	b.read, b.readEntry = nil, nil
 	return out
 }

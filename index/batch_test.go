@@ -123,3 +123,96 @@ func TestBatchCommitFillsItsClaim(t *testing.T) {
 		}
 	}
 }
+
+// TestBatchAdvanceFillsItsEntry: an advance of a client that an earlier
+// operation of the record raised (a sink advancing the same partitions
+// item after item) reuses that transition's key and fills the entry the
+// record made in place; each client keeps its own entry, an entry the
+// record did not make (the stored state, which others hold) is never
+// changed, an operation whose advances cannot all apply changes nothing,
+// and the record ends as the same operations one record each leave it.
+func TestBatchAdvanceFillsItsEntry(t *testing.T) {
+	key := func(c string) []byte { return EntryKey(nil, "s", ModeClient, []byte(c)) }
+	base := &Entry{Committed: true, Seq: 1, CommitTime: 1, CommitLSN: 1, LSN: 1}
+	claimed := &Entry{InFlight: true, ClaimLSN: 2, ClaimSeq: 1, LeaseUntil: 99, LSN: 2}
+	stored := map[string]*Entry{string(key("d")): base, string(key("c")): claimed}
+	get := func(k []byte, _ byte) (*Entry, error) { return stored[string(k)], nil }
+	adv := func(seqs ...any) wal.Op {
+		op := wal.Op{Type: wal.OpAdvance, Time: 9}
+		for i := 0; i < len(seqs); i += 2 {
+			op.Advances = append(op.Advances, wal.Advance{Scope: "s", Client: seqs[i].(string), Seq: uint64(seqs[i+1].(int))})
+		}
+		return op
+	}
+	ops := []wal.Op{
+		adv("p0", 1), adv("p1", 1), adv("p0", 2, "p1", 2), adv("p0", 3),
+		adv("p1", 5, "d", 2), adv("d", 4), adv("p1", 4), // p1: 4 < 5, no change
+	}
+	b := NewBatch(0, get, 4)
+	made := map[string]*Entry{}
+	keys := map[string][]byte{}
+	for i := range ops {
+		step, err := b.Add(&ops[i], nil)
+		if err != nil {
+			t.Fatalf("op %d: %v", i, err)
+		}
+		for _, tr := range step {
+			c := string(tr.Key[len(tr.Key)-2:])
+			if c == "\x01d" {
+				c = "d"
+			}
+			if made[c] == nil {
+				made[c], keys[c] = tr.Next, tr.Key
+				continue
+			}
+			if tr.Next != made[c] {
+				t.Errorf("op %d: advance of %q allocated an entry instead of filling the record's", i, c)
+			}
+			if !sameBytes(tr.Key, keys[c]) {
+				t.Errorf("op %d: advance of %q built its key again", i, c)
+			}
+		}
+	}
+	// A claim in flight: the whole operation fails, p0 stays at 3.
+	bad := adv("p0", 9, "c", 1)
+	if _, err := b.Add(&bad, nil); !errors.Is(err, ErrBadAdvance) {
+		t.Fatalf("advance of a client in flight: %v", err)
+	}
+	want := map[string]uint64{"p0": 3, "p1": 5, "d": 4}
+	for c, seq := range want {
+		en, err := b.Get(key(c), ModeClient)
+		if err != nil || en == nil || en.Seq != seq || !en.Committed {
+			t.Errorf("client %q: %+v %v, want sequence number %d", c, en, err, seq)
+		}
+	}
+	if base.Seq != 1 || base.LSN != 1 {
+		t.Errorf("the stored entry was changed in place: %+v", base)
+	}
+	ts := b.Transitions()
+
+	// The same operations one record each, over a copy of the state.
+	ref := map[string]*Entry{}
+	for k, v := range stored {
+		ref[k] = v
+	}
+	for i := range ops {
+		rts, err := Transitions(&ops[i], 0, func(k []byte, _ byte) (*Entry, error) { return ref[string(k)], nil })
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, tr := range rts {
+			ref[string(tr.Key)] = tr.Next
+		}
+	}
+	if len(ts) != len(want) {
+		t.Fatalf("%d transitions, want %d: %+v", len(ts), len(want), ts)
+	}
+	for _, tr := range ts {
+		if w := ref[string(tr.Key)]; !equalEntry(w, tr.Next) {
+			t.Errorf("key %q: batch %+v, one record each %+v", tr.Key, tr.Next, w)
+		}
+		if tr.Prev != stored[string(tr.Key)] {
+			t.Errorf("key %q: Prev %+v, want the stored state %+v", tr.Key, tr.Prev, stored[string(tr.Key)])
+		}
+	}
+}

@@ -169,7 +169,7 @@ func Transitions(op *wal.Op, lsn wal.LSN, get func(key []byte, mode byte) (*Entr
 		}
 		return b.Transitions(), nil
 	}
-	return appendTransitions(nil, op, lsn, op.ClaimLSN, nil, nil, get)
+	return appendTransitions(nil, op, lsn, op.ClaimLSN, nil, nil, nil, get)
 }
 
 // AppendTransitions is Transitions that appends the changes to out (which
@@ -189,7 +189,7 @@ func AppendTransitions(out []Transition, op *wal.Op, lsn wal.LSN, key []byte, cl
 		}
 		return append(out, ts...), nil
 	}
-	return appendTransitionsInto(out, op, lsn, op.ClaimLSN, key, nil, claim, get)
+	return appendTransitionsInto(out, op, lsn, op.ClaimLSN, key, nil, claim, nil, get)
 }
 
 // appendTransitions appends the transitions of op, appended at lsn, to
@@ -199,15 +199,17 @@ func AppendTransitions(out []Transition, op *wal.Op, lsn wal.LSN, key []byte, cl
 // when the caller has it (nil: computed). reuse, if not nil, is an entry
 // that nothing but the caller refers to (a Batch's claim that nobody read):
 // a commit of an id whose current entry it is fills it in place instead of
-// allocating its own.
-func appendTransitions(out []Transition, op *wal.Op, lsn, claimLSN wal.LSN, key []byte, reuse *Entry, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, error) {
-	return appendTransitionsInto(out, op, lsn, claimLSN, key, reuse, nil, get)
+// allocating its own. ov is the Batch whose record op belongs to (nil for a
+// record of its own): its advances find their clients through it
+// (advanceTransitions).
+func appendTransitions(out []Transition, op *wal.Op, lsn, claimLSN wal.LSN, key []byte, reuse *Entry, ov *Batch, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, error) {
+	return appendTransitionsInto(out, op, lsn, claimLSN, key, reuse, nil, ov, get)
 }
 
 // appendTransitionsInto is appendTransitions that, when op is a claim and
 // claimInto is not nil, fills claimInto (which nothing else refers to) with
 // the claim's entry instead of allocating one.
-func appendTransitionsInto(out []Transition, op *wal.Op, lsn, claimLSN wal.LSN, key []byte, reuse, claimInto *Entry, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, error) {
+func appendTransitionsInto(out []Transition, op *wal.Op, lsn, claimLSN wal.LSN, key []byte, reuse, claimInto *Entry, ov *Batch, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, error) {
 	// Acked ids are removed first: they name earlier requests.
 	for _, id := range op.Acked {
 		k := EntryKey(nil, op.Scope, ModeID, id)
@@ -248,7 +250,7 @@ func appendTransitionsInto(out []Transition, op *wal.Op, lsn, claimLSN wal.LSN, 
 		return out, nil
 	}
 	if op.Type == wal.OpAdvance {
-		return advanceTransitions(out, op, lsn, nil, get)
+		return advanceTransitions(out, op, lsn, nil, ov, get)
 	}
 	mode, ident := ModeID, op.ID
 	if op.Client != "" {
@@ -342,7 +344,7 @@ func appendTransitionsInto(out []Transition, op *wal.Op, lsn, claimLSN wal.LSN, 
 	}
 	out = append(out, Transition{Key: k, Mode: mode, Prev: prev, Next: next})
 	if op.Type == wal.OpCommitAdvance {
-		return advanceTransitions(out, op, lsn, k, get)
+		return advanceTransitions(out, op, lsn, k, ov, get)
 	}
 	return out, nil
 }
@@ -448,19 +450,39 @@ var ErrBadAdvance = errors.New("index: advance cannot apply")
 // promises that N-1 is never retried, as a claim does) and its older
 // sequence keys (an advance is not a request of the client: it ends the
 // reply window); one already at or past seq is unchanged (no transition).
-func advanceTransitions(out []Transition, op *wal.Op, lsn wal.LSN, committed []byte, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, error) {
+//
+// In a batch record (ov not nil) a client whose key an earlier operation of
+// the record changed already is found through ov (Batch.advanceKey): its
+// key's bytes are that transition's, and an entry the record made for it
+// (a stream sink advances the same few partitions item after item) is
+// filled in place rather than a new one allocated; the fills are done once
+// every advance of op is known to apply, so that an error leaves nothing
+// of op applied.
+func advanceTransitions(out []Transition, op *wal.Op, lsn wal.LSN, committed []byte, ov *Batch, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, error) {
 	var seen KeySet
 	if committed != nil {
 		seen.Add(committed)
 	}
+	if ov != nil {
+		ov.fills = ov.fills[:0]
+	}
 	for _, a := range op.Advances {
-		k := EntryKey(nil, a.Scope, ModeClient, []byte(a.Client))
+		var k []byte
+		var prev, fill *Entry
+		found := false
+		if ov != nil {
+			k, prev, fill, found = ov.advanceKey(a.Scope, a.Client)
+		} else {
+			k = EntryKey(nil, a.Scope, ModeClient, []byte(a.Client))
+		}
 		if a.Client == "" || a.Seq == 0 || !seen.Add(k) {
 			return nil, fmt.Errorf("%w: %s at LSN %d: advance of client %q in scope %q to %d (empty, zero, repeated or the committed key)", ErrBadAdvance, wal.OpName(op.Type), lsn, a.Client, a.Scope, a.Seq)
 		}
-		prev, err := get(k, ModeClient)
-		if err != nil {
-			return nil, err
+		if !found {
+			var err error
+			if prev, err = get(k, ModeClient); err != nil {
+				return nil, err
+			}
 		}
 		if prev != nil && prev.InFlight {
 			return nil, fmt.Errorf("%w: %s at LSN %d: client %q in scope %q has a claim in flight", ErrBadAdvance, wal.OpName(op.Type), lsn, a.Client, a.Scope)
@@ -469,12 +491,24 @@ func advanceTransitions(out []Transition, op *wal.Op, lsn wal.LSN, committed []b
 			continue
 		}
 		if prev != nil && prev.KeptFrom != 0 {
+			var err error
 			if out, err = dropSeqKeys(out, a.Scope, a.Client, prev.KeptFrom, prev.Seq-1, get); err != nil {
 				return nil, err
 			}
 		}
-		next := &Entry{Committed: true, Seq: a.Seq, CommitTime: op.Time, CommitLSN: lsn, LSN: lsn}
+		next := fill
+		if next == nil {
+			next = &Entry{Committed: true, Seq: a.Seq, CommitTime: op.Time, CommitLSN: lsn, LSN: lsn}
+		} else {
+			ov.fills = append(ov.fills, advanceFill{e: fill, seq: a.Seq})
+		}
 		out = append(out, Transition{Key: k, Mode: ModeClient, Prev: prev, Next: next})
+	}
+	if ov != nil {
+		for _, f := range ov.fills {
+			*f.e = Entry{Committed: true, Seq: f.seq, CommitTime: op.Time, CommitLSN: lsn, LSN: lsn}
+		}
+		ov.fills = ov.fills[:0]
 	}
 	return out, nil
 }
