@@ -109,8 +109,10 @@
 //
 // # Durability
 //
-// Appenders encode frames into an in-memory buffer under a mutex. The
-// flusher goroutine swaps that buffer out, writes it with one WriteAt at the
+// Appenders take their LSNs and their frames' places in an in-memory buffer
+// under a mutex, in LSN order, and encode the frames (payload copy and
+// checksum) after releasing it. The flusher goroutine swaps that buffer
+// out, waits until every frame reserved in it is encoded, writes it with one WriteAt at the
 // logical end of the active segment, and fdatasyncs according to the
 // SyncMode; then it publishes the written and synced LSNs, wakes waiters (by
 // closing a per-generation channel) and reports the fsynced records to

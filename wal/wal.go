@@ -100,6 +100,18 @@ type Options struct {
 	// wait for the goroutine running it). Values are retained until their
 	// fsync, which in SyncNever mode may be a whole segment later.
 	OnSynced func(recs []Synced)
+
+	hooks *testHooks // nil outside tests
+}
+
+// testHooks let tests stop the WAL's goroutines at chosen points.
+type testHooks struct {
+	// beforeFill is called by every append between reserving its frame
+	// and encoding it.
+	beforeFill func(LSN)
+	// idle is called by the flusher when it found no work and is about to
+	// block until woken.
+	idle func()
 }
 
 // Synced is a record made durable, as reported to Options.OnSynced.
@@ -136,7 +148,8 @@ var (
 
 // WAL is an append-only, segmented, group-committed write-ahead log.
 //
-// Appenders encode frames into a shared buffer under mu; a single flusher
+// Appenders reserve their frames' places (and LSNs) in a shared buffer under
+// mu and encode the frames there after releasing it; a single flusher
 // goroutine swaps that buffer out, writes it with one WriteAt, fdatasyncs per
 // SyncMode, publishes progress through atomics and wakes waiters by closing
 // a channel. All file I/O on segments happens on the flusher goroutine,
@@ -158,6 +171,9 @@ type WAL struct {
 	// syncNanos is the time spent in the group commit's fdatasyncs.
 	syncNanos atomic.Uint64
 	writes    atomic.Uint64
+	// fillWaits counts the flushes that found a frame of the buffer they
+	// took still being copied by its appender (see fills).
+	fillWaits atomic.Uint64
 
 	tornTailsCut int // set by Open, immutable afterwards
 
@@ -165,7 +181,14 @@ type WAL struct {
 		sync.Mutex
 		// buf holds encoded frames appended since the flusher last took the
 		// buffer; its first frame has LSN written+1 once the flusher caught up.
+		// An appender reserves its frame's bytes (and LSN) under mu and
+		// encodes the frame after releasing it, so the bytes of a frame
+		// are only complete once fills says so.
 		buf []byte
+		// fills counts the frames of buf reserved and not yet encoded. The
+		// flusher waits for it after taking buf, before writing it; growing
+		// buf waits for it too (the frames move).
+		fills *fills
 		// recs holds (LSN, type, value) of the frames in buf, for OnSynced;
 		// empty when OnSynced is nil.
 		recs []Synced
@@ -207,14 +230,15 @@ type WAL struct {
 	// fl is owned by the flusher goroutine (and by Open before it starts and
 	// Close after it exits).
 	fl struct {
-		active    *segFile
-		spareBuf  []byte   // the buffer written last time, recycled for appenders
-		spareRecs []Synced // likewise for recs
-		unsynced  []Synced // written but not yet fsynced, for OnSynced
-		lastSync  time.Time
-		sinceSync int64       // bytes written since the last fsync
-		timer     *time.Timer // SyncInterval mode
-		woken     int         // waiters woken by the last notify
+		active     *segFile
+		spareBuf   []byte   // the buffer written last time, recycled for appenders
+		spareRecs  []Synced // likewise for recs
+		spareFills *fills   // likewise for fills (zero: every frame encoded)
+		unsynced   []Synced // written but not yet fsynced, for OnSynced
+		lastSync   time.Time
+		sinceSync  int64       // bytes written since the last fsync
+		timer      *time.Timer // SyncInterval mode
+		woken      int         // waiters woken by the last notify
 		// prepC receives the result of the background preparation of the
 		// spare file (preparePrealloc); nil when none was started since the
 		// last rotation (or Open).
@@ -350,6 +374,7 @@ func Open(o Options, after LSN, fn func(Record) error) (*WAL, ScanResult, error)
 	w.mu.syncTarget = out.lastLSN
 	w.mu.curC = make(chan struct{})
 	w.mu.nextC = make(chan struct{})
+	w.mu.fills, w.fl.spareFills = newFills(), newFills()
 	w.workC = make(chan struct{}, 1)
 	w.doneC = make(chan struct{})
 	w.fl.lastSync = time.Now()
@@ -514,6 +539,10 @@ func (w *WAL) append(typ byte, payload []byte, v any, fn func(LSN) any) (LSN, er
 		return 0, fmt.Errorf("wal: payload of %d bytes exceeds MaxRecordSize %d", len(payload), w.opts.MaxRecordSize)
 	}
 	n := frameSize(len(payload))
+	// Only the LSN and the frame's place in buf are decided under mu; the
+	// frame (a copy and a checksum of the payload) is encoded after
+	// releasing it, which keeps the critical section that every appender
+	// of the engine queues on short.
 	w.mu.Lock()
 	if err := w.mu.err; err != nil {
 		w.mu.Unlock()
@@ -531,15 +560,19 @@ func (w *WAL) append(typ byte, payload []byte, v any, fn func(LSN) any) (LSN, er
 	w.mu.nextLSN++
 	off := len(w.mu.buf)
 	if cap(w.mu.buf)-off < n {
+		// The frames still being encoded into buf must be complete
+		// before they are copied. Their appenders do not need mu to
+		// finish, and buf settles at its working size (it is recycled),
+		// so this wait is rare.
+		w.mu.fills.wait(w)
 		nb := make([]byte, off, max(2*cap(w.mu.buf), off+n, 64<<10))
 		copy(nb, w.mu.buf)
 		w.mu.buf = nb
 	}
 	w.mu.buf = w.mu.buf[:off+n]
-	// Every record up to synced was fsynced before this frame can be
-	// written: recovery uses it to tell lost fsynced frames from a torn
-	// tail (see "Torn tail vs corruption" in doc.go).
-	putFrame(w.mu.buf[off:], lsn, LSN(w.synced.Load()), typ, payload)
+	frame := w.mu.buf[off : off+n]
+	f := w.mu.fills
+	f.add()
 	w.mu.lastOff = off
 	if fn != nil {
 		v = fn(lsn)
@@ -550,10 +583,81 @@ func (w *WAL) append(typ byte, payload []byte, v any, fn func(LSN) any) (LSN, er
 	signal := !w.mu.signaled
 	w.mu.signaled = true
 	w.mu.Unlock()
+	// Woken now, the flusher takes this frame's buffer sooner; it waits
+	// for the frame below before writing it. Waking after encoding would
+	// hold back every record appended meanwhile behind this one (they
+	// see signaled and leave the wake-up to this append).
 	if signal {
 		w.wake()
 	}
+	if h := w.opts.hooks; h != nil && h.beforeFill != nil {
+		h.beforeFill(lsn)
+	}
+	// Every record up to synced was fsynced before this frame can be
+	// written (the flusher writes it only after f.done): recovery uses it
+	// to tell lost fsynced frames from a torn tail (see "Torn tail vs
+	// corruption" in doc.go).
+	putFrame(frame, lsn, LSN(w.synced.Load()), typ, payload)
+	f.done()
 	return lsn, nil
+}
+
+// fills counts the frames of one group-commit buffer that were reserved
+// (under w.mu) and encoded (by their appenders, without it), so that
+// nobody reads or moves the buffer before they are complete. There are
+// two, swapped with the buffers. An append costs one atomic add here:
+// only a waiter (the flusher, or an appender growing the buffer: one at a
+// time, see wait) publishes a target for the encoders to compare with.
+type fills struct {
+	reserved int64        // frames reserved; guarded by w.mu while the buffer takes frames
+	filled   atomic.Int64 // frames encoded
+	// target, when not zero, is the reserved count a waiter waits for:
+	// the encoder that brings filled to it sends a token on c.
+	target atomic.Int64
+	c      chan struct{} // capacity 1
+}
+
+func newFills() *fills { return &fills{c: make(chan struct{}, 1)} }
+
+// add counts a reserved frame; w.mu is held.
+func (f *fills) add() { f.reserved++ }
+
+// done marks a reserved frame as encoded. Either the waiter sees the
+// new count after publishing its target, or this sees the target after
+// adding (sequentially consistent atomics), so a waiter is never left
+// blocked.
+func (f *fills) done() {
+	if f.filled.Add(1) == f.target.Load() {
+		select {
+		case f.c <- struct{}{}:
+		default: // a token is pending already
+		}
+	}
+}
+
+// wait returns once every reserved frame is encoded. It is called by the
+// flusher for the buffer it took (no appender reserves in it any more)
+// and by an appender growing the buffer (it holds w.mu, so nobody
+// reserves meanwhile); never by both on one fills. A token left over from
+// an earlier wait only costs one more look at filled.
+func (f *fills) wait(w *WAL) {
+	n := f.reserved
+	if f.filled.Load() == n {
+		return
+	}
+	w.fillWaits.Add(1)
+	f.target.Store(n)
+	for f.filled.Load() != n {
+		<-f.c
+	}
+	f.target.Store(0)
+}
+
+// reset empties f once the buffer it counts was written; the flusher calls
+// it before the buffer (and f) are handed to appenders again.
+func (f *fills) reset() {
+	f.reserved = 0
+	f.filled.Store(0)
 }
 
 // wake makes sure the flusher runs soon.
@@ -848,6 +952,9 @@ func (w *WAL) run() {
 		if w.hasWork() {
 			continue
 		}
+		if h := w.opts.hooks; h != nil && h.idle != nil {
+			h.idle()
+		}
 		var timerC <-chan time.Time
 		if w.fl.timer != nil {
 			timerC = w.fl.timer.C
@@ -906,8 +1013,8 @@ func (w *WAL) flush() (exit bool) {
 	w.gather()
 
 	w.mu.Lock()
-	buf, recs, lastOff := w.mu.buf, w.mu.recs, w.mu.lastOff
-	w.mu.buf, w.mu.recs = w.fl.spareBuf[:0], w.fl.spareRecs[:0]
+	buf, recs, lastOff, fills := w.mu.buf, w.mu.recs, w.mu.lastOff, w.mu.fills
+	w.mu.buf, w.mu.recs, w.mu.fills = w.fl.spareBuf[:0], w.fl.spareRecs[:0], w.fl.spareFills
 	last := w.mu.nextLSN - 1
 	syncWanted := w.mu.syncTarget > LSN(w.synced.Load())
 	closing := w.mu.closing
@@ -920,6 +1027,11 @@ func (w *WAL) flush() (exit bool) {
 	w.mu.curC, w.mu.nextC = w.mu.nextC, w.mu.curC
 	w.mu.curWaiters, w.mu.nextWaiters = w.mu.nextWaiters, 0
 	w.mu.Unlock()
+	// The appenders of the last frames taken may still be encoding them;
+	// until they are done, buf is neither written nor recycled.
+	fills.wait(w)
+	fills.reset()
+	w.fl.spareFills = fills
 	// Whatever path this flush leaves by, its waiters are woken (most
 	// paths do it earlier, right after the write or fsync).
 	defer func() {
