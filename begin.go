@@ -147,6 +147,27 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 	defer e.leave()
 	fp := fingerprint(&req)
 	now := e.o.Clock()
+	// The claim's record, made and encoded before the shard's lock is
+	// taken (at hundreds of callers that lock is the engine's most
+	// contended): it depends on the key's entry only through
+	// wal.ClaimFlagNew, set here as for a key without one (a new id: nearly
+	// every claim), and encoded again under the lock when the key turns
+	// out to hold an entry. Its time was read before the lock already.
+	// A request that claims nothing (Done, InFlight, an error) wasted the
+	// encoding, which costs far less than the lock's hold time it saves.
+	op := &wal.Op{}
+	lease, expiresAt := e.claimOp(op, k, &req, fp, nil, now)
+	pb := payloadPool.Get().(*[]byte)
+	defer func() {
+		if pb != nil {
+			putPayload(pb)
+		}
+	}()
+	payload, err := wal.EncodeOp((*pb)[:0], op)
+	*pb = payload
+	if err != nil {
+		return Result{}, k, err
+	}
 	var (
 		unlock func()
 		sl     *slot
@@ -195,8 +216,12 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 		e.st.expired.Add(1) // retention or TTL ran out: runs again as new (T+61m for a one-hour TTL)
 	}
 	// Claim it.
-	op := &wal.Op{}
-	lease, expiresAt := e.claimOp(op, k, &req, fp, cur, now)
+	if cur != nil && op.Flags&wal.ClaimFlagNew != 0 {
+		// Not a new id after all (expired, or taken over): the record
+		// made above, without wal.ClaimFlagNew, is encoded below.
+		e.claimOp(op, k, &req, fp, cur, now)
+		payload = nil
+	}
 	// The claim handed out, allocated with the updates that its record
 	// and its finish go through (claimUpdates) and with its entry.
 	fc := &freshClaim{}
@@ -205,8 +230,17 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 		unlock()
 		return Result{}, k, err
 	}
-	lsn, err := e.appendOpSlot(op, ts, k.key, sl, &fc.ups.claim)
+	var lsn wal.LSN
+	if payload != nil {
+		if lsn, err = e.appendRecordSlot(op.Type, payload, ts, k.key, sl, &fc.ups.claim); err == nil {
+			e.countRemovals(removals(op.Type, ts))
+		}
+	} else {
+		lsn, err = e.appendOpSlot(op, ts, k.key, sl, &fc.ups.claim)
+	}
 	unlock()
+	putPayload(pb) // the WAL copied it
+	pb = nil
 	if err != nil {
 		return Result{}, k, err
 	}

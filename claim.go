@@ -387,6 +387,38 @@ func (c *engineClaim) write(typ byte, reply []byte, adv []wal.Advance, keys [][]
 	}
 	defer e.leave()
 	k := c.k
+	op := &wal.Op{}
+	var (
+		payload []byte
+		pb      *[]byte // payload's pooled buffer, returned once appended
+	)
+	defer func() {
+		if pb != nil {
+			putPayload(pb)
+		}
+	}()
+	if keys == nil {
+		// Commit and Abort: the record depends on the claim alone, so its
+		// time, its copy of the reply and its encoding (compression
+		// included) are made before the shard's lock is taken, shortening
+		// the time the key's shard is held (at hundreds of callers its
+		// lock is the engine's most contended). The time is still no
+		// earlier than any record of the key before it (those were
+		// appended before Begin handed the claim out), and a record that
+		// the key gets after it takes its own time after its caller took
+		// the lock that this one releases; the LSN, the check that the
+		// claim is held and the slot's update stay under the lock.
+		// CommitAdvance, which changes other clients' keys, reads its
+		// time under their locks as before.
+		finishOp(op, typ, k, c.lsn, e.o.Clock().UnixNano(), reply, adv)
+		pb = payloadPool.Get().(*[]byte)
+		var err error
+		payload, err = wal.EncodeOp((*pb)[:0], op)
+		*pb = payload
+		if err != nil {
+			return err
+		}
+	}
 	var (
 		unlock func()
 		sl     *slot
@@ -422,8 +454,9 @@ func (c *engineClaim) write(typ byte, reply []byte, adv []wal.Advance, keys [][]
 			return err
 		}
 	}
-	op := &wal.Op{}
-	finishOp(op, typ, k, c.lsn, e.o.Clock().UnixNano(), reply, adv)
+	if keys != nil {
+		finishOp(op, typ, k, c.lsn, e.o.Clock().UnixNano(), reply, adv)
+	}
 	var (
 		up *pinnedUpdate
 		ts []index.Transition
@@ -437,7 +470,16 @@ func (c *engineClaim) write(typ byte, reply []byte, adv []wal.Advance, keys [][]
 		return err
 	}
 	c.ups = nil // appended below (or failed for good): never handed out again
-	lsn, err := e.appendOpSlot(op, ts, k.key, sl, up)
+	var lsn wal.LSN
+	if payload != nil {
+		if lsn, err = e.appendRecordSlot(op.Type, payload, ts, k.key, sl, up); err == nil {
+			e.countRemovals(removals(op.Type, ts))
+		}
+		putPayload(pb) // the WAL copied it
+		pb = nil
+	} else {
+		lsn, err = e.appendOpSlot(op, ts, k.key, sl, up)
+	}
 	var waiters chan struct{}
 	if err == nil {
 		waiters, sl.waiters = sl.waiters, nil

@@ -14,6 +14,13 @@ import (
 
 var payloadPool = sync.Pool{New: func() any { b := make([]byte, 0, 512); return &b }}
 
+// putPayload returns a payloadPool buffer, unless it grew past 64 KiB.
+func putPayload(pb *[]byte) {
+	if cap(*pb) <= 64<<10 {
+		payloadPool.Put(pb)
+	}
+}
+
 // ---- keys and the in-memory table ----
 
 // reqKey is a validated request identity.
@@ -393,11 +400,7 @@ func (e *Engine) appendOpSlot(op *wal.Op, ts []index.Transition, key []byte, sl 
 	// The payload is copied into the WAL's buffer by AppendWith: encode it
 	// into a pooled buffer.
 	pb := payloadPool.Get().(*[]byte)
-	defer func() {
-		if cap(*pb) <= 64<<10 {
-			payloadPool.Put(pb)
-		}
-	}()
+	defer putPayload(pb)
 	payload, err := wal.EncodeOp((*pb)[:0], op)
 	*pb = payload
 	if err != nil {
