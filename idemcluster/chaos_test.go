@@ -460,8 +460,18 @@ func TestChaosLeaderIsolated(t *testing.T) {
 	cc := newChaosCluster(t, 3, nil)
 	w := startWriteLoad(t, cc, 3)
 	w.progress(t, 20, 30*time.Second, "before the partition")
-	old := cc.leader(30 * time.Second)
-	oldTerm := cc.nodes[old].Raft().CurrentTerm()
+	// The leader and the term it leads in: read again when an election
+	// came between the two looks (the term read would be the next
+	// leader's, and the check of the new leader's term below would fail).
+	var old string
+	var oldTerm uint64
+	for {
+		old = cc.leader(30 * time.Second)
+		oldTerm = cc.nodes[old].Raft().CurrentTerm()
+		if cc.nodes[old].IsLeader() && cc.nodes[old].Raft().CurrentTerm() == oldTerm {
+			break
+		}
+	}
 	cc.isolate(old)
 	// At once, while it may still think it leads: a Begin it can append
 	// but never commit.

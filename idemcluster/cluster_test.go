@@ -100,6 +100,24 @@ func (tc *testCluster) leader(within time.Duration) string {
 	return ""
 }
 
+// applyOnLeader applies c on the node that leads now, and again on the
+// next leader when leadership moved before the entry committed (raft's
+// "not leader", or leadership lost after the append: the same command is
+// sent again, as a client retries). Applying on the node found leading a
+// moment earlier fails by chance when an election (200 ms timeouts on a
+// loaded machine) moves leadership in between.
+func (tc *testCluster) applyOnLeader(ctx context.Context, c *command) (*applied, error) {
+	tc.t.Helper()
+	for {
+		a, err := tc.nodes[tc.leader(30*time.Second)].apply(ctx, c)
+		var nl *errNotLeader
+		if (errors.As(err, &nl) || errors.Is(err, idem.ErrInDoubt)) && ctx.Err() == nil {
+			continue
+		}
+		return a, err
+	}
+}
+
 func dial(t *testing.T, tc *testCluster, owner string) *Client {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -206,37 +224,36 @@ func TestClusterClaimsAcrossRetries(t *testing.T) {
 	c := dial(t, tc, "owner-1")
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	leader := tc.nodes[tc.leader(30*time.Second)]
 	req := idem.Request{ID: []byte("x")}
 	begin := &command{Op: cmdBegin, Req: toWire(req), Owner: "owner-1", Token: []byte("tok-1")}
-	a1, err := leader.apply(ctx, begin)
+	a1, err := tc.applyOnLeader(ctx, begin)
 	if err != nil || a1.err != nil || a1.res.Status != idem.Fresh {
 		t.Fatalf("first begin: %+v %v", a1, err)
 	}
-	a2, err := leader.apply(ctx, begin) // the retry of the same Begin
+	a2, err := tc.applyOnLeader(ctx, begin) // the retry of the same Begin
 	if err != nil || a2.err != nil || a2.res.Status != idem.Fresh || string(a2.token) != "tok-1" {
 		t.Fatalf("retried begin: %+v %v", a2, err)
 	}
 	other := &command{Op: cmdBegin, Req: toWire(req), Owner: "owner-2", Token: []byte("tok-2")}
-	if a, err := leader.apply(ctx, other); err != nil || a.res.Status != idem.InFlight {
+	if a, err := tc.applyOnLeader(ctx, other); err != nil || a.res.Status != idem.InFlight {
 		t.Fatalf("another owner's begin: %+v %v", a, err)
 	}
 	commit := &command{Op: cmdCommit, Key: keyOf(&req), Owner: "owner-1", Token: []byte("tok-1"), Reply: []byte("r")}
 	for i := range 2 { // the second is a retry after a lost answer
-		if a, err := leader.apply(ctx, commit); err != nil || a.err != nil {
+		if a, err := tc.applyOnLeader(ctx, commit); err != nil || a.err != nil {
 			t.Fatalf("commit %d: %+v %v", i, a, err)
 		}
 	}
 	abort := &command{Op: cmdAbort, Key: keyOf(&req), Owner: "owner-1", Token: []byte("tok-1")}
-	if a, _ := leader.apply(ctx, abort); !errors.Is(a.err, idem.ErrLeaseLost) {
-		t.Fatalf("abort of a committed claim: %+v", a)
+	if a, err := tc.applyOnLeader(ctx, abort); err != nil || !errors.Is(a.err, idem.ErrLeaseLost) {
+		t.Fatalf("abort of a committed claim: %+v %v", a, err)
 	}
 	if r, err := c.Lookup(ctx, req); err != nil || r.Status != idem.Done || string(r.Reply) != "r" {
 		t.Fatalf("lookup: %+v %v", r, err)
 	}
 	stale := &command{Op: cmdCommit, Key: keyOf(&req), Owner: "owner-2", Token: []byte("tok-2"), Reply: []byte("s")}
-	if a, _ := leader.apply(ctx, stale); !errors.Is(a.err, idem.ErrLeaseLost) {
-		t.Fatalf("a commit by a token that never held the claim: %+v", a)
+	if a, err := tc.applyOnLeader(ctx, stale); err != nil || !errors.Is(a.err, idem.ErrLeaseLost) {
+		t.Fatalf("a commit by a token that never held the claim: %+v %v", a, err)
 	}
 }
 
@@ -313,7 +330,10 @@ func TestClusterJoin(t *testing.T) {
 		t.Fatalf("join: %v", err)
 	}
 	tc.nodes["n4"] = n4
-	f := leader.Raft().GetConfiguration()
+	// Asked of the node that leads now: the join is committed, so any
+	// leader has it, while the node that led before may have lost
+	// leadership since and not have it yet.
+	f := tc.nodes[tc.leader(30*time.Second)].Raft().GetConfiguration()
 	if err := f.Error(); err != nil || len(f.Configuration().Servers) != 4 {
 		t.Fatalf("configuration after the join: %+v %v", f.Configuration(), err)
 	}
@@ -393,7 +413,10 @@ func TestClusterRemoveAndFollowerReads(t *testing.T) {
 	if err := c.Remove(ctx, victim); err != nil {
 		t.Fatalf("remove %s: %v", victim, err)
 	}
-	f := tc.nodes[leader].Raft().GetConfiguration()
+	// Asked of the node that leads now (the removal is committed, so any
+	// leader has it; the one that led before may have lost leadership
+	// since and not have it yet).
+	f := tc.nodes[tc.leader(30*time.Second)].Raft().GetConfiguration()
 	if err := f.Error(); err != nil || len(f.Configuration().Servers) != 2 {
 		t.Fatalf("configuration after removing %s: %+v %v", victim, f.Configuration(), err)
 	}

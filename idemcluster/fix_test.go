@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/hashicorp/raft"
 	"github.com/idemdb/idem"
 	"github.com/idemdb/idem/idemcluster/clusterpb"
 	"google.golang.org/grpc"
@@ -28,11 +29,23 @@ func TestReadAfterBarrierAnswers(t *testing.T) {
 	if _, err := idem.Do(ctx, c, req, func(context.Context) ([]byte, error) { return []byte("r"), nil }); err != nil {
 		t.Fatal(err)
 	}
-	leader := tc.nodes[tc.leader(30*time.Second)]
-	if err := leader.Raft().Barrier(10 * time.Second).Error(); err != nil {
-		t.Fatal(err)
+	// The barrier on the node that leads now, again on the next leader
+	// when leadership moves meanwhile (200 ms timeouts on a loaded
+	// machine): a barrier refused as "not leader" is not what this pins.
+	for {
+		err := tc.nodes[tc.leader(30*time.Second)].Raft().Barrier(10 * time.Second).Error()
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, raft.ErrNotLeader) && !errors.Is(err, raft.ErrLeadershipLost) || ctx.Err() != nil {
+			t.Fatal(err)
+		}
 	}
-	rctx, rcancel := context.WithTimeout(ctx, 3*time.Second)
+	// The read that waited for the commit index never answered at all (no
+	// entry follows the barrier): a generous bound tells that from an
+	// answer delayed by an election on a loaded machine, which a 3 s
+	// bound did not.
+	rctx, rcancel := context.WithTimeout(ctx, 30*time.Second)
 	defer rcancel()
 	r, err := c.Lookup(rctx, req)
 	if err != nil || r.Status != idem.Done || string(r.Reply) != "r" {
@@ -99,6 +112,7 @@ type withhold struct {
 	n       atomic.Int32
 	reached chan struct{} // closed when the withheld RPC's answer came
 	release chan struct{}
+	addr    string // the node the withheld RPC went to (set before reached is closed)
 }
 
 func newWithhold() *withhold {
@@ -113,6 +127,7 @@ func (w *withhold) intercept(ctx context.Context, method string, req, reply any,
 		w.n.Add(-1)
 		return err
 	}
+	w.addr = cc.Target()
 	close(w.reached)
 	select {
 	case <-w.release:
@@ -167,6 +182,42 @@ func TestBeginWithLostAnswerIsInDoubt(t *testing.T) {
 	}
 }
 
+// withheldPeer is the client's connection to the node whose answer w
+// withholds, once it does: the queue to watch is that one's, whichever
+// node the client ended up sending to.
+func withheldPeer(t *testing.T, ctx context.Context, c *Client, w *withhold) *peer {
+	t.Helper()
+	select {
+	case <-w.reached:
+	case <-ctx.Done():
+		t.Fatal("the first Begin did not reach the cluster")
+	}
+	p, err := c.peer(w.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// awaitQueued waits until a call waits in p's batch queue, within ctx
+// (the loops it replaces had no bound: a call that never queued there
+// hung the test until go test's -timeout).
+func awaitQueued(t *testing.T, ctx context.Context, p *peer) {
+	t.Helper()
+	for {
+		p.batch.mu.Lock()
+		n := len(p.batch.queue)
+		p.batch.mu.Unlock()
+		if n > 0 {
+			return
+		}
+		if ctx.Err() != nil {
+			t.Fatalf("no call waits behind the withheld batch to %s: %v", p.addr, ctx.Err())
+		}
+		time.Sleep(time.Millisecond) // polling the client's queue
+	}
+}
+
 // A Begin still queued behind a batch on the wire when its ctx ends is
 // never sent: it returns ctx's error (not ErrInDoubt) and claims nothing.
 func TestQueuedBeginWithEndedContextIsNotSent(t *testing.T) {
@@ -181,28 +232,19 @@ func TestQueuedBeginWithEndedContextIsNotSent(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	p, err := c.peer(leader.Addr())
-	if err != nil {
-		t.Fatal(err)
-	}
 	first := make(chan error, 1)
 	go func() {
 		_, err := c.Begin(ctx, idem.Request{ID: []byte("first")})
 		first <- err
 	}()
-	<-w.reached // the first batch is on the wire, its answer withheld
+	p := withheldPeer(t, ctx, c, w) // the first batch is on the wire, its answer withheld
 	bctx, bcancel := context.WithCancel(ctx)
 	queued := make(chan error, 1)
 	go func() {
 		_, err := c.Begin(bctx, idem.Request{ID: []byte("queued")})
 		queued <- err
 	}()
-	for n := 0; n == 0; { // the second Begin waits for the next batch
-		p.batch.mu.Lock()
-		n = len(p.batch.queue)
-		p.batch.mu.Unlock()
-		time.Sleep(time.Millisecond)
-	}
+	awaitQueued(t, ctx, p) // the second Begin waits for the next batch
 	bcancel()
 	if err := <-queued; !errors.Is(err, context.Canceled) || errors.Is(err, idem.ErrInDoubt) {
 		t.Fatalf("a Begin cancelled while queued: %v, want context.Canceled", err)
@@ -232,16 +274,12 @@ func TestQueuedCallWithEndedAttemptIsNotSent(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	p, err := c.peer(leader.Addr())
-	if err != nil {
-		t.Fatal(err)
-	}
 	first := make(chan error, 1)
 	go func() {
 		_, err := c.Begin(ctx, idem.Request{ID: []byte("first")})
 		first <- err
 	}()
-	<-w.reached // the first batch is on the wire, its answer withheld
+	p := withheldPeer(t, ctx, c, w) // the first batch is on the wire, its answer withheld
 	late := &clusterpb.BatchItem{Call: &clusterpb.BatchItem_Begin{Begin: &clusterpb.BeginRequest{
 		Request: &clusterpb.Request{Id: []byte("late")}, Owner: "attempt", Token: []byte("late-token")}}}
 	queued := make(chan error, 1)
@@ -249,12 +287,7 @@ func TestQueuedCallWithEndedAttemptIsNotSent(t *testing.T) {
 		_, err := p.batch.do(ctx, time.Now(), late) // an attempt that has ended already
 		queued <- err
 	}()
-	for n := 0; n == 0; { // it waits for the next batch
-		p.batch.mu.Lock()
-		n = len(p.batch.queue)
-		p.batch.mu.Unlock()
-		time.Sleep(time.Millisecond)
-	}
+	awaitQueued(t, ctx, p) // it waits for the next batch
 	close(w.release)
 	if err := <-queued; !errors.Is(err, errNotSent) || !strings.Contains(fmt.Sprint(err), "code = DeadlineExceeded") {
 		t.Fatalf("a call whose attempt ended while queued: %v, want errNotSent with DeadlineExceeded", err)
