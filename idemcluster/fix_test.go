@@ -218,26 +218,34 @@ func awaitQueued(t *testing.T, ctx context.Context, p *peer) {
 	}
 }
 
-// A Begin still queued behind a batch on the wire when its ctx ends is
-// never sent: it returns ctx's error (not ErrInDoubt) and claims nothing.
-func TestQueuedBeginWithEndedContextIsNotSent(t *testing.T) {
+// firstBatchWithheld starts a 3-node cluster and a client (owner) to its
+// leader whose Begin of "first" is on the wire with its answer withheld
+// (released by closing w.release; first receives that Begin's error).
+func firstBatchWithheld(t *testing.T, owner string) (ctx context.Context, c *Client, w *withhold, p *peer, first chan error) {
+	t.Helper()
 	tc := newTestCluster(t, 3)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	w := newWithhold()
+	t.Cleanup(cancel)
+	w = newWithhold()
 	leader := tc.nodes[tc.leader(30*time.Second)]
-	c, err := Dial(ctx, []string{leader.Addr()}, &Options{Owner: "queued", AttemptTimeout: 30 * time.Second,
+	c, err := Dial(ctx, []string{leader.Addr()}, &Options{Owner: owner, AttemptTimeout: 30 * time.Second,
 		DialOptions: []grpc.DialOption{grpc.WithChainUnaryInterceptor(w.intercept)}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer c.Close()
-	first := make(chan error, 1)
+	t.Cleanup(func() { c.Close() })
+	first = make(chan error, 1)
 	go func() {
 		_, err := c.Begin(ctx, idem.Request{ID: []byte("first")})
 		first <- err
 	}()
-	p := withheldPeer(t, ctx, c, w) // the first batch is on the wire, its answer withheld
+	return ctx, c, w, withheldPeer(t, ctx, c, w), first
+}
+
+// A Begin still queued behind a batch on the wire when its ctx ends is
+// never sent: it returns ctx's error (not ErrInDoubt) and claims nothing.
+func TestQueuedBeginWithEndedContextIsNotSent(t *testing.T) {
+	ctx, c, w, p, first := firstBatchWithheld(t, "queued")
 	bctx, bcancel := context.WithCancel(ctx)
 	queued := make(chan error, 1)
 	go func() {
@@ -263,23 +271,7 @@ func TestQueuedBeginWithEndedContextIsNotSent(t *testing.T) {
 // never sent (the batcher keeps no timer per call: the batch that would
 // carry it drops it), and says so: errNotSent, DeadlineExceeded.
 func TestQueuedCallWithEndedAttemptIsNotSent(t *testing.T) {
-	tc := newTestCluster(t, 3)
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	w := newWithhold()
-	leader := tc.nodes[tc.leader(30*time.Second)]
-	c, err := Dial(ctx, []string{leader.Addr()}, &Options{Owner: "attempt", AttemptTimeout: 30 * time.Second,
-		DialOptions: []grpc.DialOption{grpc.WithChainUnaryInterceptor(w.intercept)}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	first := make(chan error, 1)
-	go func() {
-		_, err := c.Begin(ctx, idem.Request{ID: []byte("first")})
-		first <- err
-	}()
-	p := withheldPeer(t, ctx, c, w) // the first batch is on the wire, its answer withheld
+	ctx, c, w, p, first := firstBatchWithheld(t, "attempt")
 	late := &clusterpb.BatchItem{Call: &clusterpb.BatchItem_Begin{Begin: &clusterpb.BeginRequest{
 		Request: &clusterpb.Request{Id: []byte("late")}, Owner: "attempt", Token: []byte("late-token")}}}
 	queued := make(chan error, 1)
