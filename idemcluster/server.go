@@ -544,5 +544,6 @@ func (s *server) Status(ctx context.Context, in *clusterpb.StatusRequest) (*clus
 		return nil, toStatus(err)
 	}
 	return &clusterpb.StatusResponse{NodeId: s.n.o.ID, State: s.n.r.State().String(), LeaderId: string(leader),
-		LeaderGrpcAddr: s.n.leaderAddr(), AppliedIndex: s.n.r.AppliedIndex(), LastIndex: s.n.r.LastIndex(), Members: m}, nil
+		LeaderGrpcAddr: s.n.leaderAddr(), AppliedIndex: s.n.r.AppliedIndex(), LastIndex: s.n.r.LastIndex(), Members: m,
+		Term: s.n.r.CurrentTerm()}, nil
 }
