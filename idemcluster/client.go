@@ -196,8 +196,8 @@ func (c *Client) Close() error {
 
 // pendingFinish is a claim finish being sent on a context of its own.
 type pendingFinish struct {
-	what   string             // "commit of scope "s" id "x"", for Close's error
-	cancel context.CancelFunc // stops it (Close)
+	item   *clusterpb.BatchItem // the commit or abort (what names it, for Close's error)
+	cancel context.CancelFunc   // stops it (Close)
 	// abandoned: its caller stopped waiting; stopped: Close stopped it.
 	// Guarded by Client.mu.
 	abandoned, stopped bool
@@ -518,7 +518,7 @@ func (b *claimBackend) finish(ctx context.Context, item *clusterpb.BatchItem) er
 		bound = max(bound, time.Until(d))
 	}
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), bound)
-	pf := &pendingFinish{what: describeFinish(item), cancel: cancel}
+	pf := &pendingFinish{item: item, cancel: cancel}
 	c.mu.Lock()
 	if c.closing {
 		c.mu.Unlock()
@@ -541,10 +541,10 @@ func (b *claimBackend) finish(ctx context.Context, item *clusterpb.BatchItem) er
 		delete(c.finishes, pf)
 		switch {
 		case pf.stopped && err != nil:
-			c.noteUnfinished(pf.what + " (still being sent when Close gave up)")
+			c.noteUnfinished(pf.what() + " (still being sent when Close gave up)")
 		case pf.abandoned && err != nil:
-			c.noteUnfinished(fmt.Sprintf("%s (ended after its caller left: %v)", pf.what, err))
-			c.log.Warn("idemcluster: a claim's finish ended without an outcome after its caller stopped waiting", "finish", pf.what, "error", err)
+			c.noteUnfinished(fmt.Sprintf("%s (ended after its caller left: %v)", pf.what(), err))
+			c.log.Warn("idemcluster: a claim's finish ended without an outcome after its caller stopped waiting", "finish", pf.what(), "error", err)
 		}
 		done <- err
 	}()
@@ -566,6 +566,11 @@ func (b *claimBackend) finish(ctx context.Context, item *clusterpb.BatchItem) er
 }
 
 // describeFinish names a claim's finish for Close's error.
+// what names the finish ("commit of scope "s" id "x""), made only when
+// a message needs it: formatting it for every finish cost a Sprintf per
+// request.
+func (pf *pendingFinish) what() string { return describeFinish(pf.item) }
+
 func describeFinish(item *clusterpb.BatchItem) string {
 	op, ref := "commit", item.GetCommit().GetClaim()
 	if a := item.GetAbort(); a != nil {
