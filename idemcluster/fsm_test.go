@@ -420,3 +420,34 @@ func TestSegmentSplitsOnSharedNames(t *testing.T) {
 		t.Fatalf("the batch wrote %d engine records, want 3 (a segment per shared name)", n)
 	}
 }
+
+// stuckFuture is a raft future that is never answered until release is
+// closed, as raft leaves one its buffered apply channel took as it shut
+// down.
+type stuckFuture struct{ release chan struct{} }
+
+func (f stuckFuture) Error() error {
+	<-f.release
+	return raft.ErrRaftShutdown
+}
+
+// TestAwaitEndsWhenTheNodeStops: a node waiting for a raft future stops
+// waiting when it stops (its Close waits for its own goroutines, and
+// raft never answers a future it took as it shut down: a test's Close
+// hung 10 minutes in watchLeadership's Barrier).
+func TestAwaitEndsWhenTheNodeStops(t *testing.T) {
+	f := stuckFuture{release: make(chan struct{})}
+	defer close(f.release)
+	n := &Node{stop: make(chan struct{})}
+	got := make(chan error, 1)
+	go func() { got <- n.await(f) }()
+	close(n.stop)
+	select {
+	case err := <-got:
+		if !errors.Is(err, errStopped) {
+			t.Fatalf("await after the node stopped: %v, want errStopped", err)
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("await still waiting a minute after the node stopped")
+	}
+}
