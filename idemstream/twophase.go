@@ -154,6 +154,25 @@ type eventClaim struct {
 	more  []int  // the positions of its repeats (a batch may repeat an id)
 	fresh bool   // looked up absent: to run
 	err   error  // the lookup's
+	// hint, when not nil, is what the engine's LookupHint read of the
+	// event for its Put (idem.PutHint): the key validated and its slot
+	// found once, by the lookup.
+	hint *idem.PutHint
+}
+
+// hintLookuper is the engine's LookupHint: a Lookup that hands its read
+// on to the Put that follows (idem.PutHint).
+type hintLookuper interface {
+	LookupHint(ctx context.Context, req idem.Request, h *idem.PutHint) (idem.Result, error)
+}
+
+// put adds c's Put with rec to b: through its hint when it has one.
+func (c *eventClaim) put(b idem.Batch, escope string, ttl time.Duration, rec []byte) {
+	if c.hint != nil {
+		c.hint.Put(b, rec)
+		return
+	}
+	b.Put(c.req(escope, ttl), rec)
 }
 
 // req is c's request in the event scope escope (id, fingerprint, TTL).
@@ -872,7 +891,7 @@ func (t *TwoPhase[Txn]) recordCheckpoint(ctx context.Context, k uint64, handle [
 	b.Put(idem.Request{Scope: t.scope, ID: ckptID("c", k)}, rec, adv...)
 	var enc eventRecordEncoder
 	for _, c := range fresh {
-		b.Put(c.req(t.escope, t.opts.TTL), enc.encode(nil, k, c.ev.Partition, c.ev.Offset))
+		c.put(b, t.escope, t.opts.TTL, enc.encode(nil, k, c.ev.Partition, c.ev.Offset))
 	}
 	res, err := b.Run(context.WithoutCancel(ctx))
 	if err != nil {
@@ -925,11 +944,27 @@ func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event, firstFr
 		byID[id] = c
 		order = append(order, c)
 	}
+	// An engine's lookups hand their reads on to the Puts of the fresh
+	// events (hints[j] for order[j]).
+	hl, _ := t.st.(hintLookuper)
+	var hints []idem.PutHint
+	if hl != nil {
+		hints = make([]idem.PutHint, len(order))
+	}
 	// lookup classifies order[j]: fresh, or its outcome (at its first
 	// position) or error.
 	lookup := func(j int) {
 		c := order[j]
-		r, err := t.st.Lookup(ctx, c.req(t.escope, t.opts.TTL))
+		var r idem.Result
+		var err error
+		if hl != nil {
+			r, err = hl.LookupHint(ctx, c.req(t.escope, t.opts.TTL), &hints[j])
+			if err == nil && r.Status == idem.Absent {
+				c.hint = &hints[j]
+			}
+		} else {
+			r, err = t.st.Lookup(ctx, c.req(t.escope, t.opts.TTL))
+		}
 		_, o, err := classifyEvent(r, err, t.escope, t.who, c.ev)
 		c.err, c.fresh = err, err == nil && r.Status == idem.Absent
 		if err == nil && !c.fresh {
