@@ -516,3 +516,108 @@ func TestCheckpointLookupFailsAfterBegin(t *testing.T) {
 	l.check(t)
 	checkExactlyOnce(t, l.committed, evs)
 }
+
+// TestCheckpointLargeBatchLookups: a checkpoint of parallelLookupMin
+// distinct events or more on an engine is looked up on two goroutines
+// (the second half by a helper). Every event gets its outcome whichever
+// half it is in: repeated ids share their first delivery's, committed
+// ones replay, a committed id with another payload fails with
+// ErrConflict, the new ones are applied once; a batch whose new events
+// are all in the helper's half begins its transaction after the lookups;
+// a lookup failing in the helper's half aborts the checkpoint.
+func TestCheckpointLargeBatchLookups(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	w := newWorld()
+	st := &lookupFailStore{Engine: openEngine(t, w.mem, nil)}
+	defer st.Close()
+	l := newTxnLedger(w)
+	tp, _, err := NewTwoPhase[*ledgerTxn](ctx, st, "tx", l, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	evs := makeEvents(3*parallelLookupMin, 3, parallelLookupMin/2)
+	var pre []Event // committed by checkpoint 1
+	for i, ev := range evs[:3*parallelLookupMin] {
+		if i%3 == 0 {
+			pre = append(pre, ev)
+		}
+	}
+	solo := Event{ID: []byte("solo"), Partition: "p2", Offset: 1 << 20, Payload: []byte("z")}
+	if outs, err := tp.Checkpoint(ctx, append(pre, solo)); err != nil || len(outs) != len(pre)+1 || outs[0].Status != Applied {
+		t.Fatalf("checkpoint 1: %v", err)
+	}
+	conflict := solo // committed, in no other delivery of the batch
+	conflict.Payload = []byte("another payload")
+	big := append(append([]Event(nil), evs...), conflict) // the conflict is in the helper's half
+	outs, err := tp.Checkpoint(ctx, big)
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := map[string]Outcome{}
+	for i, o := range outs {
+		id := string(big[i].ID)
+		if i == len(big)-1 {
+			if o.Status != Failed || !errors.Is(o.Err, ErrConflict) {
+				t.Fatalf("the conflicting delivery of %s: %+v, want ErrConflict", id, o)
+			}
+			continue
+		}
+		want := Applied
+		var n int
+		if _, err := fmt.Sscanf(id, "ev-%d", &n); err != nil {
+			t.Fatal(err)
+		}
+		if n%3 == 0 {
+			want = Replayed // in pre
+		}
+		if o.Status != want {
+			t.Fatalf("event %d (%s): %+v, want %v", i, id, o, want)
+		}
+		if f, ok := first[id]; ok && (f.Status != o.Status || f.Checkpoint != o.Checkpoint) {
+			t.Fatalf("repeated %s: %+v, first delivery %+v", id, o, f)
+		} else if !ok {
+			first[id] = o
+		}
+	}
+	// New events only in the second half: the transaction begins after
+	// the lookups, once.
+	late := append([]Event(nil), pre...)
+	for i := range parallelLookupMin {
+		late = append(late, Event{ID: []byte(fmt.Sprintf("late-%04d", i)), Partition: "p0", Offset: uint64(10000 + i), Payload: []byte("x")})
+	}
+	l.mu.Lock()
+	began := len(l.txns)
+	l.mu.Unlock()
+	outs, err = tp.Checkpoint(ctx, late)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, o := range outs {
+		if want := map[bool]Status{true: Replayed, false: Applied}[i < len(pre)]; o.Status != want {
+			t.Fatalf("event %d (%s): %+v, want %v", i, late[i].ID, o, want)
+		}
+	}
+	l.mu.Lock()
+	began = len(l.txns) - began
+	l.mu.Unlock()
+	if began != 1 {
+		t.Fatalf("%d transactions begun for one checkpoint", began)
+	}
+	// A lookup failing in the helper's half aborts the checkpoint.
+	more := make([]Event, 0, 2*parallelLookupMin)
+	for i := range 2 * parallelLookupMin {
+		more = append(more, Event{ID: []byte(fmt.Sprintf("more-%04d", i)), Partition: "p1", Offset: uint64(20000 + i), Payload: []byte("y")})
+	}
+	bad := string(more[len(more)-1].ID)
+	st.failID.Store(&bad)
+	if _, err := tp.Checkpoint(ctx, more); !errors.Is(err, errLookupFailed) {
+		t.Fatalf("checkpoint with a failing lookup in the helper's half: %v, want the lookup's error", err)
+	}
+	st.failID.Store(nil)
+	if outs, err = tp.Checkpoint(ctx, more); err != nil || outs[len(outs)-1].Status != Applied {
+		t.Fatalf("retried checkpoint: %v", err)
+	}
+	l.check(t)
+	checkExactlyOnce(t, l.committed, append(append(append(evs, solo), late[len(pre):]...), more...))
+}
