@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"runtime"
 	"slices"
 	"strconv"
 	"sync"
@@ -917,8 +916,7 @@ func (t *TwoPhase[Txn]) recordCheckpoint(ctx context.Context, k uint64, handle [
 // store), so an event absent here is still absent when the checkpoint is
 // recorded. firstFresh, if not nil, is called once, from this goroutine,
 // as soon as a fresh event is found (on a store without batches, whose
-// lookups run concurrently, and for a fresh event in the second half of a
-// large batch, which a helper looks up: after the lookups).
+// lookups run concurrently: after them).
 func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event, firstFresh func()) ([]Outcome, []*eventClaim, error) {
 	outs := make([]Outcome, len(events))
 	// byID is keyed by the events' own id bytes, not copies: events
@@ -975,35 +973,13 @@ func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event, firstFr
 		}
 	}
 	if _, ok := t.st.(idem.Batcher); ok {
-		// An embedded engine answers from memory: this goroutine looks
-		// the batch up in order, except that a large batch's second half
-		// goes to a helper on a second core (the lookups are the longest
-		// step of a checkpoint on the caller's goroutine, and the rest of
-		// it waits for them).
-		n := len(order)
-		var helper chan struct{}
-		if n >= parallelLookupMin && runtime.GOMAXPROCS(0) > 1 {
-			n = (len(order) + 1) / 2
-			helper = make(chan struct{})
-			go func(from int) {
-				defer close(helper)
-				for j := from; j < len(order); j++ {
-					lookup(j)
-				}
-			}(n)
-			// Wait for the helper however this returns (firstFresh may
-			// panic: it calls the sink's BeginTransaction).
-			defer func() { <-helper }()
-		}
-		for j := range n {
+		// An embedded engine answers from memory: no goroutines.
+		for j := range order {
 			lookup(j)
 			if firstFresh != nil && order[j].fresh {
 				firstFresh()
 				firstFresh = nil
 			}
-		}
-		if helper != nil {
-			<-helper
 		}
 	} else {
 		parallelN(len(order), 64, lookup)
@@ -1028,10 +1004,6 @@ func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event, firstFr
 	}
 	return outs, fresh, nil
 }
-
-// parallelLookupMin is the number of distinct events from which a
-// checkpoint on an engine looks them up on two goroutines (lookupBatch).
-const parallelLookupMin = 128
 
 // finishUnfinished commits the sink's transaction of a recorded checkpoint
 // (retrying). Its events are committed in idem already (with the
