@@ -1,9 +1,12 @@
 // Package proctest holds what the tests that run idem as OS processes
-// share (idemcluster's `idem serve` tests, examples/cluster's fleet):
-// loopback addresses for processes that bind them themselves, a process
-// that is started, signalled and restarted with the same arguments, and a
-// gRPC stats handler that tells when a request has been handed to its
-// connection (so that a test gates on that rather than sleeping).
+// share (idemcluster's `idem serve` tests, examples/cluster's fleet,
+// idemraft's process test): loopback addresses for processes that bind
+// them themselves, a process that is started, signalled and restarted with
+// the same arguments, a gRPC stats handler that tells when a request has
+// been handed to its connection (so that a test gates on that rather than
+// sleeping), and the leader of a cluster of such processes, paused before
+// it is acted on so that a test that means to kill the leader does
+// (PauseLeader).
 package proctest
 
 import (
@@ -15,11 +18,15 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"sort"
 	"strconv"
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
+	"github.com/idemdb/idem/idemcluster/clusterpb"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/stats"
 )
 
@@ -158,16 +165,17 @@ func (p *Proc) Signal(sig syscall.Signal) {
 	_ = p.cmd.Process.Signal(sig)
 }
 
-// Kill sends sig and returns once the process has exited (a stopped
-// process is continued first when sig is SIGKILL).
+// Kill sends sig and returns once the process has exited. SIGKILL ends a
+// stopped (SIGSTOP) process without it running again; other signals are
+// followed by SIGCONT, so that a stopped process receives them.
 func (p *Proc) Kill(sig syscall.Signal) {
 	if !p.Running() {
 		return
 	}
-	if sig == syscall.SIGKILL {
-		_ = p.cmd.Process.Signal(syscall.SIGCONT) // a stopped process dies only when continued
-	}
 	_ = p.cmd.Process.Signal(sig)
+	if sig != syscall.SIGKILL {
+		_ = p.cmd.Process.Signal(syscall.SIGCONT)
+	}
 	<-p.exited
 }
 
@@ -215,3 +223,193 @@ func (s *SentCounter) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context
 func (s *SentCounter) HandleConn(context.Context, stats.ConnStats)                       {}
 
 var _ stats.Handler = (*SentCounter)(nil)
+
+// View is a raft node's own view, asked of the node itself (no leader
+// following): its state ("Leader", "Follower", "Candidate", ...) and the
+// leader it follows ("" when it knows none).
+type View struct {
+	State, LeaderID string
+}
+
+// Member is a node of a raft cluster run as a process, as PauseLeader and
+// Leader see it. *Proc gives Name, Running, Signal and Kill (Name must be
+// the node's raft id); the test adds View (ServeNode does for `idem
+// serve`).
+type Member interface {
+	Name() string
+	Running() bool
+	Signal(sig syscall.Signal)
+	Kill(sig syscall.Signal)
+	View(ctx context.Context) (View, error)
+}
+
+// ServeNode is an `idem serve` process as a Member: its view is what its
+// Status RPC answers on Conn, a connection to that node alone.
+type ServeNode struct {
+	*Proc
+	Conn grpc.ClientConnInterface
+}
+
+// View implements Member.
+func (n *ServeNode) View(ctx context.Context) (View, error) {
+	st, err := clusterpb.NewClusterClient(n.Conn).Status(ctx, &clusterpb.StatusRequest{})
+	if err != nil {
+		return View{}, err
+	}
+	return View{State: st.State, LeaderID: st.LeaderId}, nil
+}
+
+// views asks the running members for their views, concurrently, each
+// bounded by a second. ok is false when one of them did not answer.
+func views(ctx context.Context, nodes []Member) (out map[Member]View, ok bool) {
+	type answer struct {
+		m   Member
+		v   View
+		err error
+	}
+	ch := make(chan answer, len(nodes))
+	n := 0
+	for _, m := range nodes {
+		if !m.Running() {
+			continue
+		}
+		n++
+		go func() {
+			vctx, cancel := context.WithTimeout(ctx, time.Second)
+			defer cancel()
+			v, err := m.View(vctx)
+			ch <- answer{m, v, err}
+		}()
+	}
+	out, ok = map[Member]View{}, true
+	for range n {
+		a := <-ch
+		out[a.m] = a.v
+		ok = ok && a.err == nil
+	}
+	return out, ok
+}
+
+// agreed is the member every running member (but skip) agrees leads: it
+// says it is the leader, and every other one names it. nil when they do
+// not agree, or one did not answer.
+func agreed(ctx context.Context, nodes []Member, skip Member) Member {
+	var asked []Member
+	for _, m := range nodes {
+		if m != skip {
+			asked = append(asked, m)
+		}
+	}
+	vs, ok := views(ctx, asked)
+	if !ok {
+		return nil
+	}
+	var lead Member
+	for m, v := range vs {
+		if v.State == "Leader" && v.LeaderID == m.Name() {
+			lead = m
+		}
+	}
+	if lead == nil {
+		return nil
+	}
+	for _, v := range vs {
+		if v.LeaderID != lead.Name() {
+			return nil
+		}
+	}
+	return lead
+}
+
+// Leader waits until the running members but skip (nil: all) agree on a
+// leader among them (it says it leads, and every other one names it) and
+// returns it. It fails the test when ctx ends first. What it returns led a
+// moment ago: a test that must act on the leader itself pauses it with
+// PauseLeader.
+func Leader(ctx context.Context, t testing.TB, nodes []Member, skip Member) Member {
+	t.Helper()
+	for {
+		if lead := agreed(ctx, nodes, skip); lead != nil {
+			return lead
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("proctest: the nodes agree on no leader: %v", ctx.Err())
+		case <-time.After(20 * time.Millisecond): // polling the nodes' views
+		}
+	}
+}
+
+// Paused is a leader paused by PauseLeader.
+type Paused struct {
+	Lead  Member
+	Tries int // leaders paused until the others confirmed one
+	// views are the other running members' views once Lead was paused:
+	// each a follower naming Lead.
+	views map[Member]View
+}
+
+// PauseLeader pauses (SIGSTOP) the node that leads and returns it, still
+// paused. A node named leader a moment ago may have lost the leadership
+// since (an election on a loaded machine), so the check is made once the
+// node is paused: every other running member must still be a follower
+// naming it as leader. A follower names the leader of its current term and
+// votes for no other candidate while it knows one (raft's leader
+// stickiness), so no other node can lead or have led in a later term: the
+// paused node is the one whose loss forces an election. When the others
+// disagree, the node is continued (SIGCONT) and the leader looked for
+// again. The caller kills the node (SIGKILL ends a paused process without
+// it running again) or continues it, then may call NextLeader.
+func PauseLeader(ctx context.Context, t testing.TB, nodes []Member) *Paused {
+	t.Helper()
+	for tries := 1; ; tries++ {
+		lead := Leader(ctx, t, nodes, nil)
+		lead.Signal(syscall.SIGSTOP)
+		vs, ok := views(ctx, others(nodes, lead))
+		still := ok && len(vs) > 0
+		for _, v := range vs {
+			still = still && v.State == "Follower" && v.LeaderID == lead.Name()
+		}
+		if still {
+			return &Paused{Lead: lead, Tries: tries, views: vs}
+		}
+		lead.Signal(syscall.SIGCONT)
+		t.Logf("proctest: %s was paused as leader, but the others then said %s: continued, looking again", lead.Name(), describe(vs))
+		if ctx.Err() != nil {
+			t.Fatalf("proctest: no leader paused: %v", ctx.Err())
+		}
+	}
+}
+
+// NextLeader waits until the running members but the paused one agree on
+// a leader, and checks that it was one of the followers of the paused
+// node when it was paused: an election followed the leader's loss. It
+// fails the test otherwise (the node paused did not lead).
+func (p *Paused) NextLeader(ctx context.Context, t testing.TB, nodes []Member) Member {
+	t.Helper()
+	next := Leader(ctx, t, others(nodes, p.Lead), nil)
+	if v, ok := p.views[next]; !ok || v.State != "Follower" || v.LeaderID != p.Lead.Name() {
+		t.Fatalf("proctest: %s leads after %s was paused, but said %q, leader %q when it was paused: %s was not the leader (the others said %s)",
+			next.Name(), p.Lead.Name(), v.State, v.LeaderID, p.Lead.Name(), describe(p.views))
+	}
+	return next
+}
+
+func others(nodes []Member, skip Member) []Member {
+	var out []Member
+	for _, m := range nodes {
+		if m != skip {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+func describe(vs map[Member]View) string {
+	var parts []string
+	for m, v := range vs {
+		parts = append(parts, m.Name()+": "+v.State+", leader "+strconv.Quote(v.LeaderID))
+	}
+	sort.Strings(parts)
+	return strings.Join(parts, "; ")
+}
