@@ -173,22 +173,13 @@ func TestServeDeposedLeaderAnswersNothingStale(t *testing.T) {
 	// stats handler says when each request has been handed to the
 	// connection; the one to the node paused as leader is used.
 	const probes = 8
-	sent, conns := map[string]*proctest.SentCounter{}, map[string]*grpc.ClientConn{}
+	addrs := map[string]string{}
 	for id, n := range pc.nodes {
-		sent[id] = proctest.NewSentCounter(probes + 1)
-		cc, err := grpc.NewClient(n.grpc, grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithStatsHandler(sent[id]))
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer cc.Close()
-		if _, err := clusterpb.NewClusterClient(cc).Status(ctx, &clusterpb.StatusRequest{}); err != nil {
-			t.Fatal(err)
-		}
-		sent[id].Drain() // the Status request's own message
-		conns[id] = cc
+		addrs[id] = n.grpc
 	}
+	pr := proctest.Probes(ctx, t, addrs, probes+1)
 	p := proctest.PauseLeader(ctx, t, pc.members)
-	old, cc := p.Lead.Name(), conns[p.Lead.Name()]
+	old, cc := p.Lead.Name(), pr[p.Lead.Name()].Conn
 	t.Logf("leader %s paused (try %d)", old, p.Tries)
 	// A new leader among the others commits "after" (Do returns once one
 	// is elected: the old one is paused past the election timeout).
@@ -241,7 +232,7 @@ func TestServeDeposedLeaderAnswersNothingStale(t *testing.T) {
 	}
 	for range probes {
 		select {
-		case <-sent[old].C:
+		case <-pr[old].Sent.C:
 		case <-ctx.Done():
 			t.Fatalf("the requests to the paused leader were not sent: %v", ctx.Err())
 		}

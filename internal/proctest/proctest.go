@@ -27,6 +27,7 @@ import (
 
 	"github.com/idemdb/idem/idemcluster/clusterpb"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/stats"
 )
 
@@ -189,6 +190,36 @@ func (p *Proc) WaitExit(ctx context.Context) *os.ProcessState {
 		p.t.Fatalf("%s did not exit: %v", p.name, ctx.Err())
 		return nil
 	}
+}
+
+// Probe is a connection of a test's own to one node, with a SentCounter,
+// for requests the test queues to the node while it is paused.
+type Probe struct {
+	Conn *grpc.ClientConn
+	Sent *SentCounter
+}
+
+// Probes connects to each node (name -> gRPC address) with a SentCounter
+// holding n reports, before anything is paused: each connection has
+// answered a Status request, whose report is drained. The test's cleanup
+// closes them.
+func Probes(ctx context.Context, t testing.TB, addrs map[string]string, n int) map[string]*Probe {
+	t.Helper()
+	out := map[string]*Probe{}
+	for name, addr := range addrs {
+		sent := NewSentCounter(n)
+		cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithStatsHandler(sent))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { cc.Close() })
+		if _, err := clusterpb.NewClusterClient(cc).Status(ctx, &clusterpb.StatusRequest{}); err != nil {
+			t.Fatalf("proctest: Status of %s: %v", name, err)
+		}
+		sent.Drain() // the Status request's own message
+		out[name] = &Probe{Conn: cc, Sent: sent}
+	}
+	return out
 }
 
 // SentCounter is a gRPC client stats.Handler (grpc.WithStatsHandler) that
