@@ -130,7 +130,7 @@ func TestServeProcessesSIGKILL(t *testing.T) {
 		p.Lead.Kill(syscall.SIGKILL)
 		next := p.NextLeader(ctx, t, pc.members)
 		leaderKills++
-		t.Logf("kill %d: leader %s paused (try %d) and SIGKILLed; %s, its follower, elected", leaderKills, p.Lead.Name(), p.Tries, next.Name())
+		t.Logf("kill %d: leader %s of term %d paused (try %d) and SIGKILLed; %s, its follower, elected in a later term", leaderKills, p.Lead.Name(), p.Term, p.Tries, next.Name())
 		pc.start(ctx, pc.nodes[p.Lead.Name()])
 	}
 	if leaderKills != 2 {
@@ -180,7 +180,7 @@ func TestServeDeposedLeaderAnswersNothingStale(t *testing.T) {
 	pr := proctest.Probes(ctx, t, addrs, probes+1)
 	p := proctest.PauseLeader(ctx, t, pc.members)
 	old, cc := p.Lead.Name(), pr[p.Lead.Name()].Conn
-	t.Logf("leader %s paused (try %d)", old, p.Tries)
+	t.Logf("leader %s of term %d paused (try %d)", old, p.Term, p.Tries)
 	// A new leader among the others commits "after" (Do returns once one
 	// is elected: the old one is paused past the election timeout).
 	var others []string

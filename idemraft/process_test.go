@@ -59,6 +59,7 @@ type nodeState struct {
 	Leader    bool
 	RaftState string // raft.RaftState's String: "Leader", "Follower", ...
 	LeaderID  string // the leader it follows ("" when it knows none)
+	Term      uint64 // its current term
 	LastIndex uint64
 	State     counterState
 }
@@ -127,7 +128,7 @@ func nodeMain(id raft.ServerID, dir, peers string) error {
 	mux.Handle("/apply", h)
 	mux.HandleFunc("/state", func(w http.ResponseWriter, _ *http.Request) {
 		_, leader := r.LeaderWithID()
-		json.NewEncoder(w).Encode(nodeState{ID: string(id), Leader: r.State() == raft.Leader, RaftState: r.State().String(), LeaderID: string(leader),
+		json.NewEncoder(w).Encode(nodeState{ID: string(id), Leader: r.State() == raft.Leader, RaftState: r.State().String(), LeaderID: string(leader), Term: r.CurrentTerm(),
 			LastIndex: fsm.Stats().LastIndex, State: app.state()})
 	})
 	return http.Serve(hl, mux)
@@ -174,7 +175,7 @@ func (n *procNode) Kill(sig syscall.Signal) {
 }
 func (n *procNode) View(ctx context.Context) (proctest.View, error) {
 	st, err := n.state(ctx)
-	return proctest.View{State: st.RaftState, LeaderID: st.LeaderID}, err
+	return proctest.View{State: st.RaftState, LeaderID: st.LeaderID, Term: st.Term}, err
 }
 
 // state is the node's /state.
@@ -358,8 +359,8 @@ func TestProcessesSIGKILL(t *testing.T) {
 		next := p.NextLeader(ctx, t, members)
 		leaderKills++
 		start(l)
-		t.Logf("SIGKILL %d: leader %s paused (try %d) and killed after %d requests; %s, its follower, elected; restarted (%d done by then)",
-			leaderKills, l.id, p.Tries, at, next.Name(), done.Load())
+		t.Logf("SIGKILL %d: leader %s of term %d paused (try %d) and killed after %d requests; %s, its follower, elected in a later term; restarted (%d done by then)",
+			leaderKills, l.id, p.Term, p.Tries, at, next.Name(), done.Load())
 	}
 	wg.Wait()
 	close(errc)

@@ -324,8 +324,8 @@ func killLeader(ctx context.Context, t *testing.T, tc *testCluster, i int, probe
 	t1 := time.Now()
 	lead.start(ctx)
 	tc.caughtUp(ctx, lead)
-	t.Logf("kill %d: leader %s paused (try %d) and killed; %s, its follower, says it leads after %v; a request sent at the kill answered after %v; %s restarted and caught up in %v",
-		i+1, lead.id, p.Tries, next.id, el.Round(time.Millisecond), gap.Round(time.Millisecond), lead.id, time.Since(t1).Round(time.Millisecond))
+	t.Logf("kill %d: leader %s of term %d paused (try %d) and killed; %s, its follower, says it leads after %v; a request sent at the kill answered after %v; %s restarted and caught up in %v",
+		i+1, lead.id, p.Term, p.Tries, next.id, el.Round(time.Millisecond), gap.Round(time.Millisecond), lead.id, time.Since(t1).Round(time.Millisecond))
 	return gap
 }
 
@@ -410,5 +410,5 @@ func pauseLeader(ctx context.Context, t *testing.T, tc *testCluster, transfer fu
 		said[a]++
 	}
 	tc.caughtUp(ctx, lead)
-	t.Logf("pause: leader %s stopped (try %d); %s, its follower, elected, %d transfers made; asked before SIGCONT, %s answered %v; caught up", lead.id, p.Tries, next.id, len(keys), lead.id, said)
+	t.Logf("pause: leader %s of term %d stopped (try %d); %s, its follower, elected, %d transfers made; asked before SIGCONT, %s answered %v; caught up", lead.id, p.Term, p.Tries, next.id, len(keys), lead.id, said)
 }

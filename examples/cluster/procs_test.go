@@ -158,7 +158,8 @@ func (tc *testCluster) leader(ctx context.Context, skip *node) *node {
 	if skip != nil {
 		s = skip.m
 	}
-	return tc.node(proctest.Leader(ctx, tc.t, tc.members, s))
+	lead, _ := proctest.Leader(ctx, tc.t, tc.members, s)
+	return tc.node(lead)
 }
 
 // caughtUp waits until the running nodes (n among them) agree on a

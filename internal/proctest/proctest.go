@@ -12,6 +12,7 @@ package proctest
 import (
 	"bufio"
 	"context"
+	"fmt"
 	"math/rand/v2"
 	"net"
 	"os"
@@ -256,10 +257,11 @@ func (s *SentCounter) HandleConn(context.Context, stats.ConnStats)              
 var _ stats.Handler = (*SentCounter)(nil)
 
 // View is a raft node's own view, asked of the node itself (no leader
-// following): its state ("Leader", "Follower", "Candidate", ...) and the
-// leader it follows ("" when it knows none).
+// following): its state ("Leader", "Follower", "Candidate", ...), the
+// leader it follows ("" when it knows none) and its current term.
 type View struct {
 	State, LeaderID string
+	Term            uint64
 }
 
 // Member is a node of a raft cluster run as a process, as PauseLeader and
@@ -287,7 +289,7 @@ func (n *ServeNode) View(ctx context.Context) (View, error) {
 	if err != nil {
 		return View{}, err
 	}
-	return View{State: st.State, LeaderID: st.LeaderId}, nil
+	return View{State: st.State, LeaderID: st.LeaderId, Term: st.Term}, nil
 }
 
 // views asks the running members for their views, concurrently, each
@@ -321,19 +323,13 @@ func views(ctx context.Context, nodes []Member) (out map[Member]View, ok bool) {
 	return out, ok
 }
 
-// agreed is the member every running member (but skip) agrees leads: it
-// says it is the leader, and every other one names it. nil when they do
-// not agree, or one did not answer.
-func agreed(ctx context.Context, nodes []Member, skip Member) Member {
-	var asked []Member
-	for _, m := range nodes {
-		if m != skip {
-			asked = append(asked, m)
-		}
-	}
-	vs, ok := views(ctx, asked)
+// agreed is the member every running member (but skip) agrees leads, and
+// its term: it says it is the leader, and every other one names it, in the
+// same term. nil when they do not agree, or one did not answer.
+func agreed(ctx context.Context, nodes []Member, skip Member) (Member, uint64) {
+	vs, ok := views(ctx, others(nodes, skip))
 	if !ok {
-		return nil
+		return nil, 0
 	}
 	var lead Member
 	for m, v := range vs {
@@ -342,26 +338,27 @@ func agreed(ctx context.Context, nodes []Member, skip Member) Member {
 		}
 	}
 	if lead == nil {
-		return nil
+		return nil, 0
 	}
+	term := vs[lead].Term
 	for _, v := range vs {
-		if v.LeaderID != lead.Name() {
-			return nil
+		if v.LeaderID != lead.Name() || v.Term != term {
+			return nil, 0
 		}
 	}
-	return lead
+	return lead, term
 }
 
 // Leader waits until the running members but skip (nil: all) agree on a
-// leader among them (it says it leads, and every other one names it) and
-// returns it. It fails the test when ctx ends first. What it returns led a
-// moment ago: a test that must act on the leader itself pauses it with
-// PauseLeader.
-func Leader(ctx context.Context, t testing.TB, nodes []Member, skip Member) Member {
+// leader among them (it says it leads, and every other one names it, all
+// in one term) and returns it and the term. It fails the test when ctx
+// ends first. What it returns led a moment ago: a test that must act on
+// the leader itself pauses it with PauseLeader.
+func Leader(ctx context.Context, t testing.TB, nodes []Member, skip Member) (Member, uint64) {
 	t.Helper()
 	for {
-		if lead := agreed(ctx, nodes, skip); lead != nil {
-			return lead
+		if lead, term := agreed(ctx, nodes, skip); lead != nil {
+			return lead, term
 		}
 		select {
 		case <-ctx.Done():
@@ -374,9 +371,10 @@ func Leader(ctx context.Context, t testing.TB, nodes []Member, skip Member) Memb
 // Paused is a leader paused by PauseLeader.
 type Paused struct {
 	Lead  Member
-	Tries int // leaders paused until the others confirmed one
+	Term  uint64 // the term it leads
+	Tries int    // leaders paused until the others confirmed one
 	// views are the other running members' views once Lead was paused:
-	// each a follower naming Lead.
+	// each a follower naming Lead, in Term.
 	views map[Member]View
 }
 
@@ -384,28 +382,28 @@ type Paused struct {
 // paused. A node named leader a moment ago may have lost the leadership
 // since (an election on a loaded machine), so the check is made once the
 // node is paused: every other running member must still be a follower
-// naming it as leader. A follower names the leader of its current term and
-// votes for no other candidate while it knows one (raft's leader
-// stickiness), so no other node can lead or have led in a later term: the
-// paused node is the one whose loss forces an election. When the others
-// disagree, the node is continued (SIGCONT) and the leader looked for
-// again. The caller kills the node (SIGKILL ends a paused process without
-// it running again) or continues it, then may call NextLeader.
+// naming it as leader in the term they all agreed on before the pause. A
+// term has one leader, and a later term's needs the vote of one of them
+// (raft's majority), which would have moved it to that term: the paused
+// node led the newest term, and its loss forces an election. When the
+// others disagree, the node is continued (SIGCONT) and the leader looked
+// for again. The caller kills the node (SIGKILL ends a paused process
+// without it running again) or continues it, then may call NextLeader.
 func PauseLeader(ctx context.Context, t testing.TB, nodes []Member) *Paused {
 	t.Helper()
 	for tries := 1; ; tries++ {
-		lead := Leader(ctx, t, nodes, nil)
+		lead, term := Leader(ctx, t, nodes, nil)
 		lead.Signal(syscall.SIGSTOP)
 		vs, ok := views(ctx, others(nodes, lead))
 		still := ok && len(vs) > 0
 		for _, v := range vs {
-			still = still && v.State == "Follower" && v.LeaderID == lead.Name()
+			still = still && v.State == "Follower" && v.LeaderID == lead.Name() && v.Term == term
 		}
 		if still {
-			return &Paused{Lead: lead, Tries: tries, views: vs}
+			return &Paused{Lead: lead, Term: term, Tries: tries, views: vs}
 		}
 		lead.Signal(syscall.SIGCONT)
-		t.Logf("proctest: %s was paused as leader, but the others then said %s: continued, looking again", lead.Name(), describe(vs))
+		t.Logf("proctest: %s was paused as leader of term %d, but the others then said %s: continued, looking again", lead.Name(), term, describe(vs))
 		if ctx.Err() != nil {
 			t.Fatalf("proctest: no leader paused: %v", ctx.Err())
 		}
@@ -413,15 +411,16 @@ func PauseLeader(ctx context.Context, t testing.TB, nodes []Member) *Paused {
 }
 
 // NextLeader waits until the running members but the paused one agree on
-// a leader, and checks that it was one of the followers of the paused
-// node when it was paused: an election followed the leader's loss. It
-// fails the test otherwise (the node paused did not lead).
+// a leader, and checks that it leads a later term than the paused node did
+// and was one of its followers when it was paused: an election followed
+// the leader's loss. It fails the test otherwise (the node paused did not
+// lead).
 func (p *Paused) NextLeader(ctx context.Context, t testing.TB, nodes []Member) Member {
 	t.Helper()
-	next := Leader(ctx, t, others(nodes, p.Lead), nil)
-	if v, ok := p.views[next]; !ok || v.State != "Follower" || v.LeaderID != p.Lead.Name() {
-		t.Fatalf("proctest: %s leads after %s was paused, but said %q, leader %q when it was paused: %s was not the leader (the others said %s)",
-			next.Name(), p.Lead.Name(), v.State, v.LeaderID, p.Lead.Name(), describe(p.views))
+	next, term := Leader(ctx, t, others(nodes, p.Lead), nil)
+	if v, ok := p.views[next]; !ok || v.State != "Follower" || v.LeaderID != p.Lead.Name() || term <= p.Term {
+		t.Fatalf("proctest: %s leads in term %d after %s was paused as leader of term %d, but said %q, leader %q, term %d when it was paused: %s was not the leader (the others said %s)",
+			next.Name(), term, p.Lead.Name(), p.Term, v.State, v.LeaderID, v.Term, p.Lead.Name(), describe(p.views))
 	}
 	return next
 }
@@ -439,7 +438,7 @@ func others(nodes []Member, skip Member) []Member {
 func describe(vs map[Member]View) string {
 	var parts []string
 	for m, v := range vs {
-		parts = append(parts, m.Name()+": "+v.State+", leader "+strconv.Quote(v.LeaderID))
+		parts = append(parts, fmt.Sprintf("%s: %s, leader %q, term %d", m.Name(), v.State, v.LeaderID, v.Term))
 	}
 	sort.Strings(parts)
 	return strings.Join(parts, "; ")
