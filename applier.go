@@ -134,6 +134,7 @@ func (e *Engine) applyBatch(batch []*pinnedUpdate, ups []*index.Update) []*index
 			sl.sh.mu.Lock()
 			if sl.dirty == u.LSN {
 				sl.dirty = 0
+				sl.sh.queueClean(sl)
 			}
 			sl.sh.mu.Unlock()
 			continue
@@ -147,6 +148,7 @@ func (e *Engine) applyBatch(batch []*pinnedUpdate, ups []*index.Update) []*index
 				if !sl.evicted {
 					if sl.dirty == u.LSN {
 						sl.dirty = 0
+						sh.queueClean(sl)
 					}
 					sh.mu.Unlock()
 					continue
@@ -157,6 +159,7 @@ func (e *Engine) applyBatch(batch []*pinnedUpdate, ups []*index.Update) []*index
 			}
 			if sl := sh.m[string(t.Key)]; sl != nil && sl.dirty == u.LSN {
 				sl.dirty = 0
+				sh.queueClean(sl)
 			}
 			sh.mu.Unlock()
 		}
