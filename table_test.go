@@ -140,3 +140,35 @@ func TestEvictionKeepsShardsWithinTheirShare(t *testing.T) {
 		t.Fatalf("%d of %d shards over their share", over, numShards)
 	}
 }
+
+// TestFreshClaimsAreNotShared: Begin takes its claim from a pool before
+// the shard's lock and puts it back when the request claims nothing
+// (InFlight, Done, an error); a claim handed out is never put back, so no
+// two live claims share an object, and each commits its own reply.
+func TestFreshClaimsAreNotShared(t *testing.T) {
+	e := openMem(t, vfs.NewMem(), nil)
+	defer e.Close()
+	held := map[*Claim]string{}
+	for i := range 50 {
+		a := fmt.Sprint("a-", i)
+		r := mustBegin(t, e, Request{ID: id(a)}, Fresh)
+		if other, ok := held[r.Claim]; ok {
+			t.Fatalf("%s got the claim object of %s, still in flight", a, other)
+		}
+		held[r.Claim] = a
+		mustBegin(t, e, Request{ID: id(a)}, InFlight) // claims nothing: its claim goes back
+		if i > 0 {
+			mustBegin(t, e, Request{ID: id("a-0")}, InFlight)
+		}
+	}
+	for c, a := range held {
+		if err := c.Commit(bg, id("reply of "+a)); err != nil {
+			t.Fatalf("commit %s: %v", a, err)
+		}
+	}
+	for _, a := range held {
+		if d := mustBegin(t, e, Request{ID: id(a)}, Done); string(d.Reply) != "reply of "+a {
+			t.Fatalf("%s: reply %q", a, d.Reply)
+		}
+	}
+}
