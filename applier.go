@@ -31,7 +31,7 @@ func (e *Engine) onSynced(recs []wal.Synced) {
 		switch u := r.Value.(type) {
 		case *pinnedUpdate: // appendRecord's
 			ups = append(ups, u)
-			n += u.MemSize()
+			n += u.mem
 		case *index.Update: // Forget's
 			if u != nil {
 				ups = append(ups, &pinnedUpdate{Update: *u})
