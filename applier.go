@@ -145,7 +145,6 @@ func (e *Engine) applyBatch(batch []*pinnedUpdate, ups []*index.Update, us *unpi
 				if !sl.evicted {
 					if sl.dirty == u.LSN {
 						sl.dirty = 0
-						sh.queueClean(sl)
 					}
 					sh.mu.Unlock()
 					continue
@@ -156,7 +155,6 @@ func (e *Engine) applyBatch(batch []*pinnedUpdate, ups []*index.Update, us *unpi
 			}
 			if sl := sh.m[string(t.Key)]; sl != nil && sl.dirty == u.LSN {
 				sl.dirty = 0
-				sh.queueClean(sl)
 			}
 			sh.mu.Unlock()
 		}
@@ -188,8 +186,8 @@ type unpinRec struct {
 
 // unpinSlots unpins the slots of the records of one key in batch (those
 // with u.slot: claims, commits, aborts), applied to the index: a slot
-// whose newest change is that record is clean, and goes into its shard's
-// eviction queue. They are grouped by shard (a counting sort), so that
+// whose newest change is that record is clean (evictable unless in flight
+// or waited on). They are grouped by shard (a counting sort), so that
 // each shard's lock is taken once per batch rather than once per record:
 // at hundreds of callers a batch holds thousands of records over the 256
 // shards, whose locks the callers contend for.
@@ -226,7 +224,6 @@ func (e *Engine) unpinSlots(batch []*pinnedUpdate, us *unpinScratch) {
 		for _, r := range us.recs[start:end] {
 			if r.sl.dirty == r.lsn {
 				r.sl.dirty = 0
-				sh.queueClean(r.sl)
 			}
 		}
 		sh.mu.Unlock()

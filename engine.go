@@ -125,15 +125,6 @@ type shard struct {
 	hintKey []byte
 	hint    *slot
 	getHint func(key []byte, mode byte) (*index.Entry, error)
-	// clean[cleanHead:] (guarded by mu) is the eviction queue: slots of m
-	// that were evictable (clean, unpinned) when queued, oldest first,
-	// each at most once (slot.queued). A slot is queued when installed
-	// and when the applier makes it clean; eviction takes slots from the
-	// front and drops those pinned again since (the applier queues them
-	// again once clean), so it reads only slots it can mostly evict, not
-	// a random sample of the map (see evictLocked).
-	clean     []*slot
-	cleanHead int
 }
 
 // slot caches one key's entry. It is pinned (never evicted) while the entry
@@ -148,10 +139,6 @@ type slot struct {
 	// decides from the slot alone (one cache line, not two).
 	inFlight bool
 	evicted  bool // dropped from sh.m by eviction (for holders of a slot pointer)
-	queued   bool // in sh.clean (guarded by sh.mu)
-	// key is the slot's key in sh.m (its bytes, shared with the map's
-	// key), which eviction deletes without rebuilding it.
-	key string
 }
 
 type counters struct {

@@ -167,9 +167,7 @@ func (e *Engine) installLocked(sh *shard, key []byte, en *index.Entry, keep bool
 	} else {
 		k = string(key)
 	}
-	sl.key = k
 	sh.m[k] = sl
-	sh.queueClean(sl)
 	sh.installs++
 	sh.bytes += sl.size
 	e.evictLocked(sh, sl)
@@ -290,10 +288,8 @@ func slotSize(key []byte, en *index.Entry) int64 {
 
 // evictLocked drops clean, unpinned slots while the shard is over its share
 // of CacheSize, never the slot keep (just loaded: its caller is about to use
-// it). It takes them from the shard's queue of clean slots (sh.clean),
-// oldest first: a slot queued there was evictable when queued, so a pass
-// mostly reads slots that it evicts, instead of sampling the map at random
-// (a cache miss per slot looked at, most of them pinned under load).
+// it). Go's map iteration order is random, which makes this a random
+// eviction: cheap, and good enough in front of Pebble's own cache.
 func (e *Engine) evictLocked(sh *shard, keep *slot) {
 	limit := e.o.CacheSize / numShards
 	if sh.bytes <= limit {
@@ -301,78 +297,27 @@ func (e *Engine) evictLocked(sh *shard, keep *slot) {
 	}
 	target := limit - limit/8
 	// Look at a bounded number of slots: when most are pinned (a burst of
-	// claims, or SyncNever before its next fsync) the queue holds few
-	// evictable ones. The shard may then stay over its share until slots
-	// are unpinned (the applier queues them then); pinned slots are
-	// needed anyway.
-	requeue := false
-	for seen := 0; sh.bytes > target && seen < evictScan; seen++ {
-		sl := sh.popClean()
-		if sl == nil {
-			break
+	// claims, or SyncNever before its next fsync) a full scan on every
+	// insert would be quadratic. The shard may then stay over its share
+	// until slots are unpinned; pinned slots are needed anyway.
+	seen := 0
+	for k, sl := range sh.m {
+		if sh.bytes <= target || seen >= evictScan {
+			return
 		}
-		if sl == keep {
-			requeue = true // evictable later: back in the queue below
+		seen++
+		if sl.dirty != 0 || sl.waiters != nil || sl.inFlight || sl == keep {
 			continue
 		}
-		if !sl.evictable() {
-			continue // pinned again since it was queued: queued again once clean
-		}
-		delete(sh.m, sl.key)
+		delete(sh.m, k)
 		sl.evicted = true
 		sh.gen++
 		sh.bytes -= sl.size
-	}
-	if requeue {
-		sh.queueClean(keep)
 	}
 }
 
 // evictScan bounds the slots one eviction pass looks at.
 const evictScan = 64
-
-// evictable says whether sl may leave its map: clean (its records applied
-// to the index), not in flight and waited on by nobody. Its shard's lock
-// is held.
-func (sl *slot) evictable() bool {
-	return sl.dirty == 0 && sl.waiters == nil && !sl.inFlight
-}
-
-// queueClean puts sl at the back of sh's eviction queue if it is evictable
-// and not queued yet (sh's lock is held): when installed, and when the
-// applier makes it clean. Every way a slot becomes evictable again goes
-// through the applier: a slot stops being in flight or waited on only by a
-// new record, which makes it dirty until applied.
-func (sh *shard) queueClean(sl *slot) {
-	if sl.queued || !sl.evictable() {
-		return
-	}
-	sl.queued = true
-	sh.clean = append(sh.clean, sl)
-}
-
-// popClean takes the slot at the front of sh's eviction queue (nil: the
-// queue is empty); sh's lock is held. The queue's slice is reused: emptied,
-// it starts again at its beginning, and a front grown past half of it is
-// moved back, so its memory stays proportional to the slots queued.
-func (sh *shard) popClean() *slot {
-	if sh.cleanHead == len(sh.clean) {
-		return nil
-	}
-	sl := sh.clean[sh.cleanHead]
-	sh.clean[sh.cleanHead] = nil
-	sh.cleanHead++
-	switch {
-	case sh.cleanHead == len(sh.clean):
-		sh.clean, sh.cleanHead = sh.clean[:0], 0
-	case sh.cleanHead >= 256 && sh.cleanHead*2 >= len(sh.clean):
-		n := copy(sh.clean, sh.clean[sh.cleanHead:])
-		clear(sh.clean[n:])
-		sh.clean, sh.cleanHead = sh.clean[:n], 0
-	}
-	sl.queued = false
-	return sl
-}
 
 // setLocked publishes a new entry for a slot after its record was appended.
 // The slot must be key's slot in the map (a dirty entry that is not in the

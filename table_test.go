@@ -78,12 +78,11 @@ func TestNewIDReadsNoIndex(t *testing.T) {
 	}
 }
 
-// TestEvictionKeepsShardsWithinTheirShare: eviction takes its slots from
-// each shard's queue of clean slots (sh.clean), which the applier fills as
-// it unpins them. After many requests, all applied, loading stored ids
-// (each load runs an eviction pass) brings every shard back to its share
-// of CacheSize: the slots of the requests, pinned when they were made and
-// queued again by the applier once clean, were found and evicted.
+// TestEvictionKeepsShardsWithinTheirShare: the applier unpins the slots
+// of what it applied (unpinSlots, grouped by shard), and eviction then
+// finds them. After many requests, all applied, loading stored ids (each
+// load runs an eviction pass) brings every shard back to its share of
+// CacheSize: no slot of a request was left pinned.
 func TestEvictionKeepsShardsWithinTheirShare(t *testing.T) {
 	const perShard = 2048
 	e := openMem(t, vfs.NewMem(), &Options{CacheSize: perShard * numShards})
