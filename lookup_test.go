@@ -58,7 +58,18 @@ func TestAbsentReadInstallsNoSlot(t *testing.T) {
 	}
 	// A stored id whose slot was evicted is read from the index, installed
 	// and answered Done.
-	key := e.mustKey(t, Request{ID: id("stored")})
+	evictSlot(e, e.mustKey(t, Request{ID: id("stored")}))
+	if l, err := e.Lookup(bg, Request{ID: id("stored")}); err != nil || l.Status != Done || string(l.Reply) != "reply" {
+		t.Fatalf("lookup of an evicted id: %v %q %v", l.Status, l.Reply, err)
+	}
+	if _, installs := tableSlots(e); installs != installs0+1 {
+		t.Fatalf("the stored id's read installed %d slots, want 1", installs-installs0)
+	}
+}
+
+// evictSlot drops key's slot from the table as eviction does (the slot
+// must be clean: its changes applied to the index).
+func evictSlot(e *Engine, key []byte) {
 	sh := e.shardOf(key)
 	sh.mu.Lock()
 	if sl := sh.m[string(key)]; sl != nil {
@@ -68,12 +79,6 @@ func TestAbsentReadInstallsNoSlot(t *testing.T) {
 		sh.bytes -= sl.size
 	}
 	sh.mu.Unlock()
-	if l, err := e.Lookup(bg, Request{ID: id("stored")}); err != nil || l.Status != Done || string(l.Reply) != "reply" {
-		t.Fatalf("lookup of an evicted id: %v %q %v", l.Status, l.Reply, err)
-	}
-	if _, installs := tableSlots(e); installs != installs0+1 {
-		t.Fatalf("the stored id's read installed %d slots, want 1", installs-installs0)
-	}
 }
 
 // mustKey returns r's index entry key.

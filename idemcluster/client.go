@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"runtime"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -43,6 +44,11 @@ type Options struct {
 	// are on the wire to a node go together in one Batch RPC (each still
 	// answered, retried and bounded as its own call).
 	NoBatching bool
+	// CloseTimeout bounds how long Close waits for the claim finishes
+	// still being sent after their callers stopped waiting (default 10 s:
+	// several elections, which take 1-2 s; negative: Close does not wait).
+	// Close then stops them and names them in its error.
+	CloseTimeout time.Duration
 	// DialOptions are added to the gRPC dial (default: plaintext).
 	DialOptions []grpc.DialOption
 	// Logger receives the client's retries (default: discard).
@@ -65,9 +71,17 @@ type Client struct {
 	closing bool             // Close began: no claim finish starts
 	closed  bool             // Close closed the connections: no call dials again
 
-	// finishing counts the claim finishes being sent (Close waits for
-	// them); Add only under mu while !closing.
-	finishing sync.WaitGroup
+	// finishes are the claim finishes being sent on a context of their
+	// own (claimBackend.finish); Close waits for them, then stops those
+	// left. finishing counts their goroutines (Add only under mu while
+	// !closing). unfinished names the finishes that ended without an
+	// outcome after their callers stopped waiting, for Close's error (at
+	// most maxUnfinished names, moreUnfinished counts the rest). mu
+	// guards finishes, unfinished and moreUnfinished.
+	finishes       map[*pendingFinish]struct{}
+	finishing      sync.WaitGroup
+	unfinished     []string
+	moreUnfinished int
 
 	st struct{ hits, misses, conflicts, collisions, gaps, already, leaseLost atomic.Uint64 }
 }
@@ -86,6 +100,9 @@ func Dial(ctx context.Context, addrs []string, opts *Options) (*Client, error) {
 	}
 	if c.o.AttemptTimeout <= 0 {
 		c.o.AttemptTimeout = 5 * time.Second
+	}
+	if c.o.CloseTimeout == 0 {
+		c.o.CloseTimeout = defaultCloseTimeout
 	}
 	if c.o.Owner == "" {
 		b := make([]byte, 8)
@@ -113,15 +130,50 @@ func Dial(ctx context.Context, addrs []string, opts *Options) (*Client, error) {
 // Owner is the client's owner identity.
 func (c *Client) Owner() string { return c.o.Owner }
 
-// Close closes the client's connections. It first waits for the claim
-// finishes still being sent whose callers stopped waiting (each bounded
-// by finishTimeout, see claimBackend), so that a finish the caller was
-// told is in doubt is not dropped by Close.
+// defaultCloseTimeout is Options.CloseTimeout's default.
+const defaultCloseTimeout = 10 * time.Second
+
+// maxUnfinished bounds the finishes Close's error names one by one.
+const maxUnfinished = 32
+
+// Close closes the client's connections. A claim's Commit or Abort whose
+// caller's ctx ended goes on being sent (claimBackend.finish), so Close
+// first waits for those, at most Options.CloseTimeout (default 10 s),
+// then stops the ones left. It returns within that bound even when no
+// node can be reached: the stopped finishes return at once, and nothing
+// else waits for the network. Its error, then, matches idem.ErrInDoubt
+// and names each claim whose finish stayed in doubt: those it stopped,
+// and those whose finish ended without an outcome earlier, after their
+// callers had stopped waiting (its bound ended, or a definite refusal
+// such as ErrLeaseLost that no caller saw). The Owner's InDoubt lists
+// such claims, after a restart too, to be finished again. A finish begun
+// after Close is ErrClosed; one whose ctx never ends (its caller waits
+// for the outcome) is not waited for and returns an error once the
+// connections are closed.
 func (c *Client) Close() error {
 	c.mu.Lock()
 	c.closing = true
 	c.mu.Unlock()
-	c.finishing.Wait()
+	if c.o.CloseTimeout > 0 {
+		idle := make(chan struct{})
+		go func() {
+			c.finishing.Wait()
+			close(idle)
+		}()
+		t := time.NewTimer(c.o.CloseTimeout)
+		select {
+		case <-idle:
+		case <-t.C:
+		}
+		t.Stop()
+	}
+	c.mu.Lock()
+	for pf := range c.finishes {
+		pf.stopped = true
+		pf.cancel()
+	}
+	c.mu.Unlock()
+	c.finishing.Wait() // the stopped finishes return at once
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.closed = true
@@ -130,7 +182,35 @@ func (c *Client) Close() error {
 		errs = append(errs, p.cc.Close())
 		delete(c.peers, a)
 	}
+	if n := len(c.unfinished); n > 0 {
+		more := ""
+		if c.moreUnfinished > 0 {
+			more = fmt.Sprintf("; and %d more", c.moreUnfinished)
+		}
+		errs = append(errs, fmt.Errorf("%w: idemcluster: Close: %d claim finishes ended without an outcome their callers saw (the Owner's InDoubt lists the claims still held, to finish them again): %s%s",
+			idem.ErrInDoubt, n+c.moreUnfinished, strings.Join(c.unfinished, "; "), more))
+		c.unfinished, c.moreUnfinished = nil, 0
+	}
 	return errors.Join(errs...)
+}
+
+// pendingFinish is a claim finish being sent on a context of its own.
+type pendingFinish struct {
+	what   string             // "commit of scope "s" id "x"", for Close's error
+	cancel context.CancelFunc // stops it (Close)
+	// abandoned: its caller stopped waiting; stopped: Close stopped it.
+	// Guarded by Client.mu.
+	abandoned, stopped bool
+}
+
+// noteUnfinished records, for Close's error, a finish that ended without
+// an outcome its caller saw (under mu).
+func (c *Client) noteUnfinished(what string) {
+	if len(c.unfinished) < maxUnfinished {
+		c.unfinished = append(c.unfinished, what)
+	} else {
+		c.moreUnfinished++
+	}
 }
 
 // peer is a node as the client reaches it: one connection (HTTP/2: every
@@ -392,31 +472,68 @@ func (b *claimBackend) finish(ctx context.Context, item *clusterpb.BatchItem) er
 	if ctx.Done() == nil { // ctx never ends: the caller waits for the outcome
 		return send(ctx)
 	}
-	c.mu.Lock()
-	if c.closing {
-		c.mu.Unlock()
-		return fmt.Errorf("idemcluster: %w: the client is closed", idem.ErrClosed)
-	}
-	c.finishing.Add(1)
-	c.mu.Unlock()
 	bound := finishTimeout
 	if d, ok := ctx.Deadline(); ok {
 		bound = max(bound, time.Until(d))
 	}
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), bound)
-	done := make(chan error, 1)
+	pf := &pendingFinish{what: describeFinish(item), cancel: cancel}
+	c.mu.Lock()
+	if c.closing {
+		c.mu.Unlock()
+		cancel()
+		return fmt.Errorf("idemcluster: %w: the client is closed", idem.ErrClosed)
+	}
+	if c.finishes == nil {
+		c.finishes = map[*pendingFinish]struct{}{}
+	}
+	c.finishes[pf] = struct{}{}
+	c.finishing.Add(1)
+	c.mu.Unlock()
+	done := make(chan error, 1) // sent to under mu, so that the caller's leaving and the end are ordered
 	go func() {
 		defer c.finishing.Done()
 		defer cancel()
-		done <- send(fctx)
+		err := send(fctx)
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		delete(c.finishes, pf)
+		switch {
+		case pf.stopped && err != nil:
+			c.noteUnfinished(pf.what + " (still being sent when Close gave up)")
+		case pf.abandoned && err != nil:
+			c.noteUnfinished(fmt.Sprintf("%s (ended after its caller left: %v)", pf.what, err))
+			c.log.Warn("idemcluster: a claim's finish ended without an outcome after its caller stopped waiting", "finish", pf.what, "error", err)
+		}
+		done <- err
 	}()
 	select {
 	case err := <-done:
 		return err
 	case <-ctx.Done():
-		return fmt.Errorf("%w: idemcluster: the claim's finish was still being sent when ctx ended (%w); it goes on for up to %v",
-			idem.ErrInDoubt, ctx.Err(), bound.Round(time.Second))
 	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	select {
+	case err := <-done: // it ended meanwhile
+		return err
+	default:
+	}
+	pf.abandoned = true
+	return fmt.Errorf("%w: idemcluster: the claim's finish was still being sent when ctx ended (%w); it goes on for up to %v, or until Close gives up (Close's error names it then)",
+		idem.ErrInDoubt, ctx.Err(), bound.Round(time.Second))
+}
+
+// describeFinish names a claim's finish for Close's error.
+func describeFinish(item *clusterpb.BatchItem) string {
+	op, ref := "commit", item.GetCommit().GetClaim()
+	if a := item.GetAbort(); a != nil {
+		op, ref = "abort", a.GetClaim()
+	}
+	if ref.GetClient() != "" {
+		return fmt.Sprintf("%s of scope %q client %q seq %d", op, ref.GetScope(), ref.GetClient(), ref.GetSeq())
+	}
+	return fmt.Sprintf("%s of scope %q id %q", op, ref.GetScope(), ref.GetId())
 }
 
 // Lookup is idem.Engine.Lookup on the cluster (linearizable unless

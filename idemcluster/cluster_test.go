@@ -58,7 +58,26 @@ func newTestCluster(t testing.TB, n int) *testCluster {
 		}
 	})
 	tc.leader(30 * time.Second)
+	tc.addressesKnown(30 * time.Second)
 	return tc
+}
+
+// addressesKnown waits until every node's members table has every
+// node's gRPC address (each node advertises its own once it sees a
+// leader: an entry in the log, which a test counting entries must not
+// meet halfway).
+func (tc *testCluster) addressesKnown(within time.Duration) {
+	tc.t.Helper()
+	eventually(tc.t, within, "every node's members table has every node's gRPC address", func() bool {
+		for _, nd := range tc.nodes {
+			for id, m := range tc.nodes {
+				if nd.fsm.member(id) != m.Addr() {
+					return false
+				}
+			}
+		}
+		return true
+	})
 }
 
 // stop stops node id abruptly (no leadership transfer), as a crash of

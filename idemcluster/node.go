@@ -258,12 +258,13 @@ func StartNode(opts *NodeOptions) (*Node, error) {
 	clusterpb.RegisterIdemServer(n.grpc, s)
 	clusterpb.RegisterClusterServer(n.grpc, s)
 	reflection.Register(n.grpc)
-	n.wg.Add(2)
+	n.wg.Add(3)
 	go func() {
 		defer n.wg.Done()
 		_ = n.grpc.Serve(gl)
 	}()
 	go n.watchLeadership()
+	go n.advertiseLoop()
 	if !has && o.Join != "" {
 		if err := n.join(o.Join); err != nil {
 			return nil, err

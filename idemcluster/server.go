@@ -530,8 +530,13 @@ func (s *server) Remove(ctx context.Context, in *clusterpb.RemoveRequest) (*clus
 	if err := s.n.r.RemoveServer(raft.ServerID(in.NodeId), 0, 30*time.Second).Error(); err != nil {
 		return nil, toStatus(fmt.Errorf("idemcluster: remove %s: %w", in.NodeId, err))
 	}
+	// The node is removed. Dropping its address from the members table is
+	// tidying only (the table is read for the configuration's members),
+	// and fails when the leader removed itself and stepped down: the
+	// removal is still what the caller gets, not an error that it would
+	// retry on the next leader, which knows no such member.
 	if err := s.write(ctx, &command{Op: cmdMember, Node: in.NodeId}); err != nil {
-		return nil, err
+		s.n.log.Info("idemcluster: removed a node; its address stays in the members table", "node", in.NodeId, "error", err)
 	}
 	m, err := s.members()
 	return &clusterpb.RemoveResponse{Members: m}, toStatus(err)
@@ -544,5 +549,6 @@ func (s *server) Status(ctx context.Context, in *clusterpb.StatusRequest) (*clus
 		return nil, toStatus(err)
 	}
 	return &clusterpb.StatusResponse{NodeId: s.n.o.ID, State: s.n.r.State().String(), LeaderId: string(leader),
-		LeaderGrpcAddr: s.n.leaderAddr(), AppliedIndex: s.n.r.AppliedIndex(), LastIndex: s.n.r.LastIndex(), Members: m}, nil
+		LeaderGrpcAddr: s.n.leaderAddr(), AppliedIndex: s.n.r.AppliedIndex(), LastIndex: s.n.r.LastIndex(), Members: m,
+		Term: s.n.r.CurrentTerm()}, nil
 }

@@ -29,9 +29,9 @@ comma-separated: the command finds the leader from there.
 
   idem cluster status           every member (voter or not, raft and gRPC
                                 addresses), the leader, and each node's own
-                                view: its raft state, the last index in its
-                                log and the last one it applied. Exit 1 when
-                                no node answers or none knows a leader.
+                                view: its raft state and term, the last index
+                                in its log and the last one it applied. Exit 1
+                                when no node answers or none knows a leader.
   idem cluster remove <node-id> asks the leader to remove the node from the
                                 cluster (raft's RemoveServer). Refused: a node
                                 that is not a member, the last voter. Needs a
@@ -132,6 +132,7 @@ type nodeView struct {
 	Voter        bool   `json:"voter"`
 	Member       bool   `json:"member"`          // in the configuration shown
 	State        string `json:"state,omitempty"` // the node's raft state, as it reports it
+	Term         uint64 `json:"term,omitempty"`  // the node's raft term, as it reports it
 	LeaderID     string `json:"leader_id,omitempty"`
 	AppliedIndex uint64 `json:"applied_index,omitempty"`
 	LastIndex    uint64 `json:"last_index,omitempty"`
@@ -141,6 +142,7 @@ type nodeView struct {
 type clusterStatus struct {
 	Leader     string      `json:"leader"` // "" when no node knows one
 	LeaderGRPC string      `json:"leader_grpc_addr,omitempty"`
+	Term       uint64      `json:"term,omitempty"` // the leader's term, when the leader answered
 	Voters     int         `json:"voters"`
 	Nodes      []*nodeView `json:"nodes"`
 }
@@ -204,28 +206,38 @@ func (o *clusterOpts) gatherStatus(ctx context.Context, addrs []string) (*cluste
 			conf = st
 		}
 	}
-	// Ask the members the addresses given do not cover.
+	// Ask the members the addresses given do not cover, and those that
+	// the leader's view names when the first view came from a follower
+	// that had not applied their addresses yet.
 	asked := map[string]bool{}
 	for _, a := range addrs {
 		asked[a] = true
 	}
-	var more []string
-	for _, m := range conf.Members {
-		if m.GrpcAddr != "" && !asked[m.GrpcAddr] {
-			more = append(more, m.GrpcAddr)
+	all := append([]string(nil), addrs...)
+	for {
+		var more []string
+		for _, m := range conf.Members {
+			if m.GrpcAddr != "" && !asked[m.GrpcAddr] {
+				more = append(more, m.GrpcAddr)
+				asked[m.GrpcAddr] = true
+			}
 		}
-	}
-	g2, e2 := askStatus(ctx, more, each)
-	for a, st := range g2 {
-		got[a] = st
-	}
-	for a, err := range e2 {
-		errs[a] = err
-	}
-	if conf.State != "Leader" {
-		for _, st := range g2 {
-			if st.State == "Leader" {
-				conf = st
+		if len(more) == 0 {
+			break
+		}
+		g2, e2 := askStatus(ctx, more, each)
+		for a, st := range g2 {
+			got[a] = st
+		}
+		for a, err := range e2 {
+			errs[a] = err
+		}
+		all = append(all, more...)
+		if conf.State != "Leader" {
+			for _, a := range more {
+				if st := g2[a]; st != nil && st.State == "Leader" {
+					conf = st
+				}
 			}
 		}
 	}
@@ -240,7 +252,6 @@ func (o *clusterOpts) gatherStatus(ctx context.Context, addrs []string) (*cluste
 		byID[m.NodeId] = v
 		out.Nodes = append(out.Nodes, v)
 	}
-	all := append(append([]string(nil), addrs...), more...)
 	for _, a := range all {
 		st := got[a]
 		if st == nil {
@@ -253,7 +264,7 @@ func (o *clusterOpts) gatherStatus(ctx context.Context, addrs []string) (*cluste
 			out.Nodes = append(out.Nodes, v)
 		}
 		v.GRPCAddr = a
-		v.State, v.LeaderID, v.AppliedIndex, v.LastIndex = st.State, st.LeaderId, st.AppliedIndex, st.LastIndex
+		v.State, v.Term, v.LeaderID, v.AppliedIndex, v.LastIndex = st.State, st.Term, st.LeaderId, st.AppliedIndex, st.LastIndex
 		if out.Leader == "" && st.LeaderId != "" {
 			out.Leader, out.LeaderGRPC = st.LeaderId, st.LeaderGrpcAddr
 		}
@@ -263,9 +274,14 @@ func (o *clusterOpts) gatherStatus(ctx context.Context, addrs []string) (*cluste
 		switch {
 		case v.State != "":
 		case v.GRPCAddr == "":
-			v.Error = "not asked: its gRPC address is not known yet (a node's is recorded when it joins or leads); add it to --addr"
+			v.Error = "not asked: its gRPC address is not known yet (a node records its own once it sees a leader); add it to --addr"
 		case errs[v.GRPCAddr] != nil:
 			v.Error = "unreachable: " + oneLine(errs[v.GRPCAddr].Error())
+		}
+	}
+	for _, v := range out.Nodes {
+		if v.State == "Leader" && v.NodeID == out.Leader {
+			out.Term = v.Term
 		}
 	}
 	slices.SortFunc(out.Nodes, func(a, b *nodeView) int { return strings.Compare(a.NodeID, b.NodeID) })
@@ -300,11 +316,14 @@ func printClusterStatus(c *cli, st *clusterStatus) {
 		if st.LeaderGRPC != "" {
 			leader += " (grpc " + st.LeaderGRPC + ")"
 		}
+		if st.Term != 0 {
+			leader += fmt.Sprintf(", term %d", st.Term)
+		}
 	}
 	fmt.Fprintf(c.stdout, "leader:  %s\n", leader)
 	fmt.Fprintf(c.stdout, "members: %d voters, a majority is %d: the cluster serves while %d are up\n\n", st.Voters, st.Voters/2+1, st.Voters/2+1)
 	tw := tabwriter.NewWriter(c.stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "NODE\tSUFFRAGE\tSTATE\tRAFT\tGRPC\tLAST INDEX\tAPPLIED")
+	fmt.Fprintln(tw, "NODE\tSUFFRAGE\tSTATE\tTERM\tRAFT\tGRPC\tLAST INDEX\tAPPLIED")
 	var notes []string
 	dash := func(s string) string {
 		if s == "" {
@@ -320,12 +339,12 @@ func printClusterStatus(c *cli, st *clusterStatus) {
 		case v.Voter:
 			suffrage = "voter"
 		}
-		state, last, applied := v.State, fmt.Sprint(v.LastIndex), fmt.Sprint(v.AppliedIndex)
+		state, term, last, applied := v.State, fmt.Sprint(v.Term), fmt.Sprint(v.LastIndex), fmt.Sprint(v.AppliedIndex)
 		if v.State == "" {
-			state, last, applied = "?", "-", "-"
+			state, term, last, applied = "?", "-", "-", "-"
 			notes = append(notes, v.NodeID+": "+v.Error)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", v.NodeID, suffrage, state, dash(v.RaftAddr), dash(v.GRPCAddr), last, applied)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", v.NodeID, suffrage, state, term, dash(v.RaftAddr), dash(v.GRPCAddr), last, applied)
 	}
 	tw.Flush()
 	if len(notes) > 0 {

@@ -112,18 +112,25 @@ func (tc *testCluster) steady() (string, uint64) {
 // 1 or names fewer nodes: that is not what the callers check.
 func (tc *testCluster) whileSteady(args ...string) (leader string, code int, stdout, stderr string) {
 	tc.t.Helper()
+	leader, _, code, stdout, stderr = tc.whileSteadyTerm(args...)
+	return leader, code, stdout, stderr
+}
+
+// whileSteadyTerm is whileSteady that also returns the leader's term.
+func (tc *testCluster) whileSteadyTerm(args ...string) (leader string, term uint64, code int, stdout, stderr string) {
+	tc.t.Helper()
 	for deadline := time.Now().Add(60 * time.Second); ; {
 		if time.Now().After(deadline) {
 			tc.t.Fatalf("no run of idem %s within 60s began and ended with one leader in one term", strings.Join(args, " "))
 		}
-		leader, term := tc.steady()
+		leader, term = tc.steady()
 		if leader == "" {
 			time.Sleep(20 * time.Millisecond) // polling raft's state
 			continue
 		}
 		code, stdout, stderr = runCmd(tc.t, args...)
 		if l, t := tc.steady(); l == leader && t == term {
-			return leader, code, stdout, stderr
+			return leader, term, code, stdout, stderr
 		}
 	}
 }
@@ -184,15 +191,16 @@ func TestClusterStatus(t *testing.T) {
 	// election in between, on a loaded machine, would leave the command
 	// no leader to name (exit 1).
 	args := []string{"cluster", "status", "--addr", tc.addrs()}
-	leader, code, out, errs := tc.whileSteady(args...)
+	leader, term, code, out, errs := tc.whileSteadyTerm(args...)
 	if code != 0 {
 		t.Fatalf("idem %s: exit %d, want 0\nstdout:\n%s\nstderr:\n%s", strings.Join(args, " "), code, out, errs)
 	}
-	if !strings.Contains(out, "leader:  "+leader+" (grpc "+tc.grpc[leader]+")") {
-		t.Fatalf("status does not name the leader %s:\n%s", leader, out)
+	if !strings.Contains(out, fmt.Sprintf("leader:  %s (grpc %s), term %d\n", leader, tc.grpc[leader], term)) {
+		t.Fatalf("status does not name the leader %s and its term %d:\n%s", leader, term, out)
 	}
 	for id, addr := range tc.grpc {
-		if !regexp.MustCompile(`(?m)^` + id + `\s+voter\s+(Leader|Follower|Candidate)\s+127\.0\.0\.1:\d+\s+` + regexp.QuoteMeta(addr) + `\s+\d+\s+\d+$`).MatchString(out) {
+		// Steady throughout the run: every node was in the leader's term.
+		if !regexp.MustCompile(`(?m)^` + id + `\s+voter\s+(Leader|Follower)\s+` + fmt.Sprint(term) + `\s+127\.0\.0\.1:\d+\s+` + regexp.QuoteMeta(addr) + `\s+\d+\s+\d+$`).MatchString(out) {
 			t.Errorf("status has no line for %s at %s:\n%s", id, addr, out)
 		}
 	}
@@ -201,22 +209,46 @@ func TestClusterStatus(t *testing.T) {
 	}
 	t.Logf("idem cluster status:\n%s", out)
 
-	// One address is enough: the members whose gRPC address the leader
-	// knows are asked too, the others are named with what to do.
-	// (Run while one node leads and the others follow it, as above: a
-	// follower's election timeout during the run made n2 a candidate that
-	// knows no leader, and the run exited 1.)
-	st := statusJSON(t, tc, tc.addrs("n2"))
-	if st.Leader == "" || st.Voters != 3 || len(st.Nodes) != 3 {
-		t.Fatalf("status --json from n2: %+v", st)
-	}
-	for _, v := range st.Nodes {
-		if v.State == "" && !strings.Contains(v.Error, "add it to --addr") {
-			t.Errorf("%s: no state and no reason: %+v", v.NodeID, v)
+	// One address is enough: every member's gRPC address is in the
+	// cluster's members table (each node records its own once it sees a
+	// leader), so the others are asked too. (Run while one node leads and
+	// the others follow it, as above: a follower's election timeout
+	// during the run made n2 a candidate that knows no leader, and the
+	// run exited 1.) Right after the start a node may not have recorded
+	// its address yet: it is named with what to do, and asked again.
+	args = []string{"cluster", "status", "--addr", tc.addrs("n2"), "--json"}
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		_, term, code, out, errs := tc.whileSteadyTerm(args...)
+		var st clusterStatus
+		if err := json.Unmarshal([]byte(out), &st); code != 0 || err != nil {
+			t.Fatalf("idem %s: exit %d, want 0 (%v)\nstdout:\n%s\nstderr:\n%s", strings.Join(args, " "), code, err, out, errs)
 		}
-		if v.NodeID == "n2" && v.State == "" {
-			t.Errorf("n2 was asked but has no state: %+v", v)
+		if st.Leader == "" || st.Voters != 3 || len(st.Nodes) != 3 {
+			t.Fatalf("status --json from n2: %+v", st)
 		}
+		asked := 0
+		for _, v := range st.Nodes {
+			switch {
+			case v.State == "" && !strings.Contains(v.Error, "add it to --addr"):
+				t.Errorf("%s: no state and no reason: %+v", v.NodeID, v)
+			case v.NodeID == "n2" && v.State == "":
+				t.Errorf("n2 was asked but has no state: %+v", v)
+			case v.State != "" && v.Term != term:
+				t.Errorf("%s: term %d, want %d: %+v", v.NodeID, v.Term, term, v)
+			case v.State != "":
+				asked++
+			}
+		}
+		if asked == 3 {
+			if st.Term != term || st.LeaderGRPC != tc.grpc[st.Leader] {
+				t.Fatalf("status --json from n2: leader %s at %q in term %d, want the leader's term %d and address %s", st.Leader, st.LeaderGRPC, st.Term, term, tc.grpc[st.Leader])
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("status --json from n2 asked %d of the 3 nodes (the others' gRPC addresses not known):\n%s", asked, out)
+		}
+		time.Sleep(20 * time.Millisecond) // until every node recorded its address
 	}
 }
 

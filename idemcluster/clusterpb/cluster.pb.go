@@ -1745,12 +1745,15 @@ func (x *ItemStatus) GetDetails() []*anypb.Any {
 }
 
 type Member struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	NodeId        string                 `protobuf:"bytes,1,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
-	RaftAddr      string                 `protobuf:"bytes,2,opt,name=raft_addr,json=raftAddr,proto3" json:"raft_addr,omitempty"`
-	GrpcAddr      string                 `protobuf:"bytes,3,opt,name=grpc_addr,json=grpcAddr,proto3" json:"grpc_addr,omitempty"`
-	Voter         bool                   `protobuf:"varint,4,opt,name=voter,proto3" json:"voter,omitempty"`
-	Leader        bool                   `protobuf:"varint,5,opt,name=leader,proto3" json:"leader,omitempty"`
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	NodeId   string                 `protobuf:"bytes,1,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
+	RaftAddr string                 `protobuf:"bytes,2,opt,name=raft_addr,json=raftAddr,proto3" json:"raft_addr,omitempty"`
+	// grpc_addr is from the cluster's members table, replicated through the
+	// log: every member records its own once it has seen a leader
+	// (Advertise), a joining node when it joins. Empty until then.
+	GrpcAddr      string `protobuf:"bytes,3,opt,name=grpc_addr,json=grpcAddr,proto3" json:"grpc_addr,omitempty"`
+	Voter         bool   `protobuf:"varint,4,opt,name=voter,proto3" json:"voter,omitempty"`
+	Leader        bool   `protobuf:"varint,5,opt,name=leader,proto3" json:"leader,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2057,8 +2060,11 @@ type StatusResponse struct {
 	AppliedIndex   uint64                 `protobuf:"varint,5,opt,name=applied_index,json=appliedIndex,proto3" json:"applied_index,omitempty"`
 	LastIndex      uint64                 `protobuf:"varint,6,opt,name=last_index,json=lastIndex,proto3" json:"last_index,omitempty"`
 	Members        []*Member              `protobuf:"bytes,7,rep,name=members,proto3" json:"members,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// term is the node's current raft term; every election starts a higher
+	// one.
+	Term          uint64 `protobuf:"varint,8,opt,name=term,proto3" json:"term,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *StatusResponse) Reset() {
@@ -2138,6 +2144,103 @@ func (x *StatusResponse) GetMembers() []*Member {
 		return x.Members
 	}
 	return nil
+}
+
+func (x *StatusResponse) GetTerm() uint64 {
+	if x != nil {
+		return x.Term
+	}
+	return 0
+}
+
+// AdvertiseRequest is a member's own gRPC address, to be recorded in the
+// cluster's members table.
+type AdvertiseRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	NodeId        string                 `protobuf:"bytes,1,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
+	GrpcAddr      string                 `protobuf:"bytes,2,opt,name=grpc_addr,json=grpcAddr,proto3" json:"grpc_addr,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AdvertiseRequest) Reset() {
+	*x = AdvertiseRequest{}
+	mi := &file_cluster_proto_msgTypes[37]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AdvertiseRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AdvertiseRequest) ProtoMessage() {}
+
+func (x *AdvertiseRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_cluster_proto_msgTypes[37]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AdvertiseRequest.ProtoReflect.Descriptor instead.
+func (*AdvertiseRequest) Descriptor() ([]byte, []int) {
+	return file_cluster_proto_rawDescGZIP(), []int{37}
+}
+
+func (x *AdvertiseRequest) GetNodeId() string {
+	if x != nil {
+		return x.NodeId
+	}
+	return ""
+}
+
+func (x *AdvertiseRequest) GetGrpcAddr() string {
+	if x != nil {
+		return x.GrpcAddr
+	}
+	return ""
+}
+
+type AdvertiseResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AdvertiseResponse) Reset() {
+	*x = AdvertiseResponse{}
+	mi := &file_cluster_proto_msgTypes[38]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AdvertiseResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AdvertiseResponse) ProtoMessage() {}
+
+func (x *AdvertiseResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_cluster_proto_msgTypes[38]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AdvertiseResponse.ProtoReflect.Descriptor instead.
+func (*AdvertiseResponse) Descriptor() ([]byte, []int) {
+	return file_cluster_proto_rawDescGZIP(), []int{38}
 }
 
 var File_cluster_proto protoreflect.FileDescriptor
@@ -2262,7 +2365,7 @@ const file_cluster_proto_rawDesc = "" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\"C\n" +
 	"\x0eRemoveResponse\x121\n" +
 	"\amembers\x18\x01 \x03(\v2\x17.idem.cluster.v1.MemberR\amembers\"\x0f\n" +
-	"\rStatusRequest\"\xfd\x01\n" +
+	"\rStatusRequest\"\x91\x02\n" +
 	"\x0eStatusResponse\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12\x14\n" +
 	"\x05state\x18\x02 \x01(\tR\x05state\x12\x1b\n" +
@@ -2271,7 +2374,12 @@ const file_cluster_proto_rawDesc = "" +
 	"\rapplied_index\x18\x05 \x01(\x04R\fappliedIndex\x12\x1d\n" +
 	"\n" +
 	"last_index\x18\x06 \x01(\x04R\tlastIndex\x121\n" +
-	"\amembers\x18\a \x03(\v2\x17.idem.cluster.v1.MemberR\amembers*T\n" +
+	"\amembers\x18\a \x03(\v2\x17.idem.cluster.v1.MemberR\amembers\x12\x12\n" +
+	"\x04term\x18\b \x01(\x04R\x04term\"H\n" +
+	"\x10AdvertiseRequest\x12\x17\n" +
+	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12\x1b\n" +
+	"\tgrpc_addr\x18\x02 \x01(\tR\bgrpcAddr\"\x13\n" +
+	"\x11AdvertiseResponse*T\n" +
 	"\x06Status\x12\x11\n" +
 	"\rSTATUS_ABSENT\x10\x00\x12\x10\n" +
 	"\fSTATUS_FRESH\x10\x01\x12\x0f\n" +
@@ -2288,11 +2396,12 @@ const file_cluster_proto_rawDesc = "" +
 	"\vClientState\x12#.idem.cluster.v1.ClientStateRequest\x1a$.idem.cluster.v1.ClientStateResponse\x12L\n" +
 	"\aInDoubt\x12\x1f.idem.cluster.v1.InDoubtRequest\x1a .idem.cluster.v1.InDoubtResponse\x12I\n" +
 	"\x06Forget\x12\x1e.idem.cluster.v1.ForgetRequest\x1a\x1f.idem.cluster.v1.ForgetResponse\x12F\n" +
-	"\x05Batch\x12\x1d.idem.cluster.v1.BatchRequest\x1a\x1e.idem.cluster.v1.BatchResponse2\xe4\x01\n" +
+	"\x05Batch\x12\x1d.idem.cluster.v1.BatchRequest\x1a\x1e.idem.cluster.v1.BatchResponse2\xb8\x02\n" +
 	"\aCluster\x12C\n" +
 	"\x04Join\x12\x1c.idem.cluster.v1.JoinRequest\x1a\x1d.idem.cluster.v1.JoinResponse\x12I\n" +
 	"\x06Remove\x12\x1e.idem.cluster.v1.RemoveRequest\x1a\x1f.idem.cluster.v1.RemoveResponse\x12I\n" +
-	"\x06Status\x12\x1e.idem.cluster.v1.StatusRequest\x1a\x1f.idem.cluster.v1.StatusResponseB.Z,github.com/idemdb/idem/idemcluster/clusterpbb\x06proto3"
+	"\x06Status\x12\x1e.idem.cluster.v1.StatusRequest\x1a\x1f.idem.cluster.v1.StatusResponse\x12R\n" +
+	"\tAdvertise\x12!.idem.cluster.v1.AdvertiseRequest\x1a\".idem.cluster.v1.AdvertiseResponseB.Z,github.com/idemdb/idem/idemcluster/clusterpbb\x06proto3"
 
 var (
 	file_cluster_proto_rawDescOnce sync.Once
@@ -2307,7 +2416,7 @@ func file_cluster_proto_rawDescGZIP() []byte {
 }
 
 var file_cluster_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_cluster_proto_msgTypes = make([]protoimpl.MessageInfo, 37)
+var file_cluster_proto_msgTypes = make([]protoimpl.MessageInfo, 39)
 var file_cluster_proto_goTypes = []any{
 	(Status)(0),                   // 0: idem.cluster.v1.Status
 	(*Request)(nil),               // 1: idem.cluster.v1.Request
@@ -2347,18 +2456,20 @@ var file_cluster_proto_goTypes = []any{
 	(*RemoveResponse)(nil),        // 35: idem.cluster.v1.RemoveResponse
 	(*StatusRequest)(nil),         // 36: idem.cluster.v1.StatusRequest
 	(*StatusResponse)(nil),        // 37: idem.cluster.v1.StatusResponse
-	(*durationpb.Duration)(nil),   // 38: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil), // 39: google.protobuf.Timestamp
-	(*anypb.Any)(nil),             // 40: google.protobuf.Any
+	(*AdvertiseRequest)(nil),      // 38: idem.cluster.v1.AdvertiseRequest
+	(*AdvertiseResponse)(nil),     // 39: idem.cluster.v1.AdvertiseResponse
+	(*durationpb.Duration)(nil),   // 40: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil), // 41: google.protobuf.Timestamp
+	(*anypb.Any)(nil),             // 42: google.protobuf.Any
 }
 var file_cluster_proto_depIdxs = []int32{
-	38, // 0: idem.cluster.v1.Request.ttl:type_name -> google.protobuf.Duration
-	38, // 1: idem.cluster.v1.Request.keep_replies_for:type_name -> google.protobuf.Duration
+	40, // 0: idem.cluster.v1.Request.ttl:type_name -> google.protobuf.Duration
+	40, // 1: idem.cluster.v1.Request.keep_replies_for:type_name -> google.protobuf.Duration
 	0,  // 2: idem.cluster.v1.Result.status:type_name -> idem.cluster.v1.Status
 	2,  // 3: idem.cluster.v1.Result.claim:type_name -> idem.cluster.v1.ClaimRef
-	39, // 4: idem.cluster.v1.Result.lease_until:type_name -> google.protobuf.Timestamp
-	39, // 5: idem.cluster.v1.Result.committed_at:type_name -> google.protobuf.Timestamp
-	39, // 6: idem.cluster.v1.Result.expires_at:type_name -> google.protobuf.Timestamp
+	41, // 4: idem.cluster.v1.Result.lease_until:type_name -> google.protobuf.Timestamp
+	41, // 5: idem.cluster.v1.Result.committed_at:type_name -> google.protobuf.Timestamp
+	41, // 6: idem.cluster.v1.Result.expires_at:type_name -> google.protobuf.Timestamp
 	1,  // 7: idem.cluster.v1.BeginRequest.request:type_name -> idem.cluster.v1.Request
 	3,  // 8: idem.cluster.v1.BeginResponse.result:type_name -> idem.cluster.v1.Result
 	2,  // 9: idem.cluster.v1.CommitRequest.claim:type_name -> idem.cluster.v1.ClaimRef
@@ -2370,10 +2481,10 @@ var file_cluster_proto_depIdxs = []int32{
 	3,  // 15: idem.cluster.v1.WaitResponse.result:type_name -> idem.cluster.v1.Result
 	4,  // 16: idem.cluster.v1.AdvanceRequest.advances:type_name -> idem.cluster.v1.Advance
 	2,  // 17: idem.cluster.v1.InDoubtClaim.claim:type_name -> idem.cluster.v1.ClaimRef
-	39, // 18: idem.cluster.v1.InDoubtClaim.claimed_at:type_name -> google.protobuf.Timestamp
-	39, // 19: idem.cluster.v1.InDoubtClaim.lease_until:type_name -> google.protobuf.Timestamp
+	41, // 18: idem.cluster.v1.InDoubtClaim.claimed_at:type_name -> google.protobuf.Timestamp
+	41, // 19: idem.cluster.v1.InDoubtClaim.lease_until:type_name -> google.protobuf.Timestamp
 	22, // 20: idem.cluster.v1.InDoubtResponse.claims:type_name -> idem.cluster.v1.InDoubtClaim
-	39, // 21: idem.cluster.v1.ForgetRequest.before:type_name -> google.protobuf.Timestamp
+	41, // 21: idem.cluster.v1.ForgetRequest.before:type_name -> google.protobuf.Timestamp
 	27, // 22: idem.cluster.v1.BatchRequest.items:type_name -> idem.cluster.v1.BatchItem
 	5,  // 23: idem.cluster.v1.BatchItem.begin:type_name -> idem.cluster.v1.BeginRequest
 	7,  // 24: idem.cluster.v1.BatchItem.commit:type_name -> idem.cluster.v1.CommitRequest
@@ -2382,7 +2493,7 @@ var file_cluster_proto_depIdxs = []int32{
 	29, // 27: idem.cluster.v1.BatchResponse.results:type_name -> idem.cluster.v1.BatchResult
 	30, // 28: idem.cluster.v1.BatchResult.status:type_name -> idem.cluster.v1.ItemStatus
 	3,  // 29: idem.cluster.v1.BatchResult.result:type_name -> idem.cluster.v1.Result
-	40, // 30: idem.cluster.v1.ItemStatus.details:type_name -> google.protobuf.Any
+	42, // 30: idem.cluster.v1.ItemStatus.details:type_name -> google.protobuf.Any
 	31, // 31: idem.cluster.v1.JoinResponse.members:type_name -> idem.cluster.v1.Member
 	31, // 32: idem.cluster.v1.RemoveResponse.members:type_name -> idem.cluster.v1.Member
 	31, // 33: idem.cluster.v1.StatusResponse.members:type_name -> idem.cluster.v1.Member
@@ -2400,22 +2511,24 @@ var file_cluster_proto_depIdxs = []int32{
 	32, // 45: idem.cluster.v1.Cluster.Join:input_type -> idem.cluster.v1.JoinRequest
 	34, // 46: idem.cluster.v1.Cluster.Remove:input_type -> idem.cluster.v1.RemoveRequest
 	36, // 47: idem.cluster.v1.Cluster.Status:input_type -> idem.cluster.v1.StatusRequest
-	6,  // 48: idem.cluster.v1.Idem.Begin:output_type -> idem.cluster.v1.BeginResponse
-	8,  // 49: idem.cluster.v1.Idem.Commit:output_type -> idem.cluster.v1.CommitResponse
-	10, // 50: idem.cluster.v1.Idem.Abort:output_type -> idem.cluster.v1.AbortResponse
-	12, // 51: idem.cluster.v1.Idem.Lookup:output_type -> idem.cluster.v1.LookupResponse
-	14, // 52: idem.cluster.v1.Idem.Wait:output_type -> idem.cluster.v1.WaitResponse
-	16, // 53: idem.cluster.v1.Idem.Ack:output_type -> idem.cluster.v1.AckResponse
-	18, // 54: idem.cluster.v1.Idem.Advance:output_type -> idem.cluster.v1.AdvanceResponse
-	20, // 55: idem.cluster.v1.Idem.ClientState:output_type -> idem.cluster.v1.ClientStateResponse
-	23, // 56: idem.cluster.v1.Idem.InDoubt:output_type -> idem.cluster.v1.InDoubtResponse
-	25, // 57: idem.cluster.v1.Idem.Forget:output_type -> idem.cluster.v1.ForgetResponse
-	28, // 58: idem.cluster.v1.Idem.Batch:output_type -> idem.cluster.v1.BatchResponse
-	33, // 59: idem.cluster.v1.Cluster.Join:output_type -> idem.cluster.v1.JoinResponse
-	35, // 60: idem.cluster.v1.Cluster.Remove:output_type -> idem.cluster.v1.RemoveResponse
-	37, // 61: idem.cluster.v1.Cluster.Status:output_type -> idem.cluster.v1.StatusResponse
-	48, // [48:62] is the sub-list for method output_type
-	34, // [34:48] is the sub-list for method input_type
+	38, // 48: idem.cluster.v1.Cluster.Advertise:input_type -> idem.cluster.v1.AdvertiseRequest
+	6,  // 49: idem.cluster.v1.Idem.Begin:output_type -> idem.cluster.v1.BeginResponse
+	8,  // 50: idem.cluster.v1.Idem.Commit:output_type -> idem.cluster.v1.CommitResponse
+	10, // 51: idem.cluster.v1.Idem.Abort:output_type -> idem.cluster.v1.AbortResponse
+	12, // 52: idem.cluster.v1.Idem.Lookup:output_type -> idem.cluster.v1.LookupResponse
+	14, // 53: idem.cluster.v1.Idem.Wait:output_type -> idem.cluster.v1.WaitResponse
+	16, // 54: idem.cluster.v1.Idem.Ack:output_type -> idem.cluster.v1.AckResponse
+	18, // 55: idem.cluster.v1.Idem.Advance:output_type -> idem.cluster.v1.AdvanceResponse
+	20, // 56: idem.cluster.v1.Idem.ClientState:output_type -> idem.cluster.v1.ClientStateResponse
+	23, // 57: idem.cluster.v1.Idem.InDoubt:output_type -> idem.cluster.v1.InDoubtResponse
+	25, // 58: idem.cluster.v1.Idem.Forget:output_type -> idem.cluster.v1.ForgetResponse
+	28, // 59: idem.cluster.v1.Idem.Batch:output_type -> idem.cluster.v1.BatchResponse
+	33, // 60: idem.cluster.v1.Cluster.Join:output_type -> idem.cluster.v1.JoinResponse
+	35, // 61: idem.cluster.v1.Cluster.Remove:output_type -> idem.cluster.v1.RemoveResponse
+	37, // 62: idem.cluster.v1.Cluster.Status:output_type -> idem.cluster.v1.StatusResponse
+	39, // 63: idem.cluster.v1.Cluster.Advertise:output_type -> idem.cluster.v1.AdvertiseResponse
+	49, // [49:64] is the sub-list for method output_type
+	34, // [34:49] is the sub-list for method input_type
 	34, // [34:34] is the sub-list for extension type_name
 	34, // [34:34] is the sub-list for extension extendee
 	0,  // [0:34] is the sub-list for field type_name
@@ -2438,7 +2551,7 @@ func file_cluster_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_cluster_proto_rawDesc), len(file_cluster_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   37,
+			NumMessages:   39,
 			NumExtensions: 0,
 			NumServices:   2,
 		},

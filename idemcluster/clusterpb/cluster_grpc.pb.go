@@ -520,9 +520,10 @@ var Idem_ServiceDesc = grpc.ServiceDesc{
 }
 
 const (
-	Cluster_Join_FullMethodName   = "/idem.cluster.v1.Cluster/Join"
-	Cluster_Remove_FullMethodName = "/idem.cluster.v1.Cluster/Remove"
-	Cluster_Status_FullMethodName = "/idem.cluster.v1.Cluster/Status"
+	Cluster_Join_FullMethodName      = "/idem.cluster.v1.Cluster/Join"
+	Cluster_Remove_FullMethodName    = "/idem.cluster.v1.Cluster/Remove"
+	Cluster_Status_FullMethodName    = "/idem.cluster.v1.Cluster/Status"
+	Cluster_Advertise_FullMethodName = "/idem.cluster.v1.Cluster/Advertise"
 )
 
 // ClusterClient is the client API for Cluster service.
@@ -534,6 +535,13 @@ type ClusterClient interface {
 	Join(ctx context.Context, in *JoinRequest, opts ...grpc.CallOption) (*JoinResponse, error)
 	Remove(ctx context.Context, in *RemoveRequest, opts ...grpc.CallOption) (*RemoveResponse, error)
 	Status(ctx context.Context, in *StatusRequest, opts ...grpc.CallOption) (*StatusResponse, error)
+	// Advertise records a member's gRPC address in the members table: one
+	// log entry, none when the table has that address already. Only the
+	// leader takes it (NOT_LEADER otherwise), and only for a node in the
+	// raft configuration (NOT_FOUND otherwise: it never adds a member).
+	// Every node calls it on the leader while the table it has applied
+	// lacks its own address, so every member's address reaches every node.
+	Advertise(ctx context.Context, in *AdvertiseRequest, opts ...grpc.CallOption) (*AdvertiseResponse, error)
 }
 
 type clusterClient struct {
@@ -574,6 +582,16 @@ func (c *clusterClient) Status(ctx context.Context, in *StatusRequest, opts ...g
 	return out, nil
 }
 
+func (c *clusterClient) Advertise(ctx context.Context, in *AdvertiseRequest, opts ...grpc.CallOption) (*AdvertiseResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(AdvertiseResponse)
+	err := c.cc.Invoke(ctx, Cluster_Advertise_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // ClusterServer is the server API for Cluster service.
 // All implementations must embed UnimplementedClusterServer
 // for forward compatibility.
@@ -583,6 +601,13 @@ type ClusterServer interface {
 	Join(context.Context, *JoinRequest) (*JoinResponse, error)
 	Remove(context.Context, *RemoveRequest) (*RemoveResponse, error)
 	Status(context.Context, *StatusRequest) (*StatusResponse, error)
+	// Advertise records a member's gRPC address in the members table: one
+	// log entry, none when the table has that address already. Only the
+	// leader takes it (NOT_LEADER otherwise), and only for a node in the
+	// raft configuration (NOT_FOUND otherwise: it never adds a member).
+	// Every node calls it on the leader while the table it has applied
+	// lacks its own address, so every member's address reaches every node.
+	Advertise(context.Context, *AdvertiseRequest) (*AdvertiseResponse, error)
 	mustEmbedUnimplementedClusterServer()
 }
 
@@ -601,6 +626,9 @@ func (UnimplementedClusterServer) Remove(context.Context, *RemoveRequest) (*Remo
 }
 func (UnimplementedClusterServer) Status(context.Context, *StatusRequest) (*StatusResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Status not implemented")
+}
+func (UnimplementedClusterServer) Advertise(context.Context, *AdvertiseRequest) (*AdvertiseResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Advertise not implemented")
 }
 func (UnimplementedClusterServer) mustEmbedUnimplementedClusterServer() {}
 func (UnimplementedClusterServer) testEmbeddedByValue()                 {}
@@ -677,6 +705,24 @@ func _Cluster_Status_Handler(srv interface{}, ctx context.Context, dec func(inte
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Cluster_Advertise_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(AdvertiseRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ClusterServer).Advertise(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Cluster_Advertise_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ClusterServer).Advertise(ctx, req.(*AdvertiseRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Cluster_ServiceDesc is the grpc.ServiceDesc for Cluster service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -695,6 +741,10 @@ var Cluster_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Status",
 			Handler:    _Cluster_Status_Handler,
+		},
+		{
+			MethodName: "Advertise",
+			Handler:    _Cluster_Advertise_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},
