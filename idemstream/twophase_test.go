@@ -461,6 +461,16 @@ func (s *lookupFailStore) Lookup(ctx context.Context, req idem.Request) (idem.Re
 	return s.Engine.Lookup(ctx, req)
 }
 
+// LookupHint is the engine's lookup that TwoPhase uses (a Lookup that
+// hands its read on to the Put): it fails as Lookup does.
+func (s *lookupFailStore) LookupHint(ctx context.Context, req idem.Request, h *idem.PutHint) (idem.Result, error) {
+	if id := s.failID.Load(); id != nil && string(req.ID) == *id {
+		*h = idem.PutHint{}
+		return idem.Result{}, errLookupFailed
+	}
+	return s.Engine.LookupHint(ctx, req, h)
+}
+
 // TestCheckpointLookupFailsAfterBegin: the checkpoint's transaction begins
 // (and its opening is written) at the first new event found, while the
 // rest of the batch is looked up; a lookup that fails after that aborts
