@@ -1,7 +1,9 @@
 package idemstream
 
 import (
+	"bytes"
 	"context"
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -933,6 +935,16 @@ func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event, firstFr
 		}
 		id := unsafe.String(unsafe.SliceData(ev.ID), len(ev.ID))
 		if c := byID[id]; c != nil {
+			if c.fp != nil {
+				// A repeat with another payload is not the same event:
+				// a conflict, as a redelivery of a committed id would be.
+				if s := sha256.Sum256(ev.Payload); !bytes.Equal(s[:], c.fp) {
+					outs[i] = Outcome{Status: Failed, Partition: ev.Partition, Offset: ev.Offset,
+						Err: fmt.Errorf("%w: %s, event %q (partition %q, offset %d): repeats the event at partition %q, offset %d of the same batch with another payload",
+							ErrConflict, t.who, ev.ID, ev.Partition, ev.Offset, c.ev.Partition, c.ev.Offset)}
+					continue
+				}
+			}
 			c.more = append(c.more, i)
 			continue
 		}
