@@ -3,6 +3,7 @@ package idem
 import (
 	"context"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/idemdb/idem/index"
@@ -31,7 +32,7 @@ func (e *Engine) onSynced(recs []wal.Synced) {
 		switch u := r.Value.(type) {
 		case *pinnedUpdate: // appendRecord's
 			ups = append(ups, u)
-			n += u.MemSize()
+			n += u.mem
 		case *index.Update: // Forget's
 			if u != nil {
 				ups = append(ups, &pinnedUpdate{Update: *u})
@@ -58,6 +59,7 @@ func (e *Engine) applier() {
 	var (
 		batch []*pinnedUpdate
 		ups   []*index.Update // batch's updates, for the index
+		us    unpinScratch    // applyBatch's grouping of slots by shard
 		held  int64           // backlog bytes of batch
 		open  = true          // applyCh is not closed
 	)
@@ -103,7 +105,7 @@ func (e *Engine) applier() {
 			}
 			drain()
 		}
-		ups = e.applyBatch(batch, ups)
+		ups = e.applyBatch(batch, ups, &us)
 		clear(batch)
 		e.backlogBytes.Add(-held)
 		e.backlog.Release(held)
@@ -113,7 +115,7 @@ func (e *Engine) applier() {
 // applyBatch applies durable records to the index and unpins the slots
 // they changed. After a failure it does nothing: the applier keeps
 // draining so that the WAL never blocks.
-func (e *Engine) applyBatch(batch []*pinnedUpdate, ups []*index.Update) []*index.Update {
+func (e *Engine) applyBatch(batch []*pinnedUpdate, ups []*index.Update, us *unpinScratch) []*index.Update {
 	if e.failed.Load() != nil {
 		return ups
 	}
@@ -129,14 +131,10 @@ func (e *Engine) applyBatch(batch []*pinnedUpdate, ups []*index.Update) []*index
 		e.o.Logger.Error("idem: index apply failed; the engine stops accepting writes", "err", err)
 		return ups
 	}
+	e.unpinSlots(batch, us)
 	for _, u := range batch {
-		if sl := u.slot; sl != nil {
-			sl.sh.mu.Lock()
-			if sl.dirty == u.LSN {
-				sl.dirty = 0
-			}
-			sl.sh.mu.Unlock()
-			continue
+		if u.slot != nil {
+			continue // unpinned above
 		}
 		for i, t := range u.Transitions {
 			var sh *shard
@@ -171,3 +169,66 @@ func (e *Engine) applyBatch(batch []*pinnedUpdate, ups []*index.Update) []*index
 }
 
 // payloadPool holds record encoding buffers (see appendOp).
+
+// unpinScratch is the applier's reusable memory for unpinSlots.
+type unpinScratch struct {
+	// next[i] is, while unpinSlots places the records, where shard i's
+	// next one goes in recs (counted one place ahead, then summed).
+	next [numShards + 1]int32
+	recs []unpinRec
+}
+
+// unpinRec is a slot to unpin if it still carries lsn, its record's LSN.
+type unpinRec struct {
+	sl  *slot
+	lsn wal.LSN
+}
+
+// unpinSlots unpins the slots of the records of one key in batch (those
+// with u.slot: claims, commits, aborts), applied to the index: a slot
+// whose newest change is that record is clean (evictable unless in flight
+// or waited on). They are grouped by shard (a counting sort), so that
+// each shard's lock is taken once per batch rather than once per record:
+// at hundreds of callers a batch holds thousands of records over the 256
+// shards, whose locks the callers contend for.
+func (e *Engine) unpinSlots(batch []*pinnedUpdate, us *unpinScratch) {
+	n := 0
+	for _, u := range batch {
+		if u.slot != nil {
+			us.next[u.slot.sh.idx+1]++
+			n++
+		}
+	}
+	if n == 0 {
+		return
+	}
+	for i := 1; i <= numShards; i++ {
+		us.next[i] += us.next[i-1] // next[i]: where shard i's records start
+	}
+	us.recs = slices.Grow(us.recs[:0], n)[:n]
+	for _, u := range batch {
+		if sl := u.slot; sl != nil {
+			us.recs[us.next[sl.sh.idx]] = unpinRec{sl: sl, lsn: u.LSN}
+			us.next[sl.sh.idx]++
+		}
+	}
+	// Now next[i] is where shard i's records end (and shard i+1's start).
+	start := int32(0)
+	for i := range numShards {
+		end := us.next[i]
+		if end == start {
+			continue
+		}
+		sh := &e.shards[i]
+		sh.mu.Lock()
+		for _, r := range us.recs[start:end] {
+			if r.sl.dirty == r.lsn {
+				r.sl.dirty = 0
+			}
+		}
+		sh.mu.Unlock()
+		start = end
+	}
+	clear(us.next[:])
+	clear(us.recs) // the slots may be evicted: hold no pointer to them
+}

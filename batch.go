@@ -90,6 +90,7 @@ type batchCall struct {
 	adv   []Advance
 	scope string
 	ids   [][]byte
+	hint  *PutHint // Put: what LookupHint read of req (PutHint.Put); nil: none
 }
 
 // batchItem is a call and what Run found out about it.
@@ -311,11 +312,11 @@ func (b *engineBatch) check(i int, set *shardSet) error {
 	it.rec, it.waitRec = -1, -1
 	switch it.kind {
 	case bBegin, bPut:
-		k, err := e.validate(&it.req)
+		k, fp, err := e.batchKey(&it.batchCall)
 		if err != nil {
 			return err
 		}
-		it.k, it.fp = k, fingerprint(&it.req)
+		it.k, it.fp = k, fp
 		set.add(e, k.key)
 		for _, a := range k.ackKey {
 			set.add(e, a)
@@ -518,6 +519,9 @@ func (r *batchRun) getItem(it *batchItem) (*index.Entry, error) {
 	r.lastSl, r.itemKey, r.itemSl = nil, it.k.key, nil
 	if it.claim != nil && it.claim.ec.sl != nil && !it.claim.ec.sl.evicted {
 		r.itemSl = it.claim.ec.sl
+	}
+	if sl := it.hintSlot(); sl != nil {
+		r.itemSl = sl
 	}
 	cur, err := r.bt.Get(it.k.key, it.k.mode)
 	if err == nil && r.lastSl != nil && sameSlice(r.lastKey, it.k.key) {

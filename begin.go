@@ -3,6 +3,7 @@ package idem
 import (
 	"context"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/idemdb/idem/index"
@@ -168,6 +169,12 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 	if err != nil {
 		return Result{}, k, err
 	}
+	// The claim handed out, allocated with the updates that its record
+	// and its finish go through (claimUpdates) and with its entry: taken
+	// before the shard's lock too (an allocation of several hundred bytes
+	// under it was part of its hold), from a pool that gets it back when
+	// the request claims nothing.
+	fc := freshClaimPool.Get().(*freshClaim)
 	var (
 		unlock func()
 		sl     *slot
@@ -175,6 +182,7 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 	if len(k.ackKey) == 0 {
 		sl, unlock, err = e.lockSlot(k.key)
 		if err != nil {
+			freshClaimPool.Put(fc)
 			return Result{}, k, err
 		}
 	} else {
@@ -182,11 +190,15 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 		sl, err = e.slotLocked(k.key)
 		if err != nil {
 			unlock()
+			freshClaimPool.Put(fc)
 			return Result{}, k, err
 		}
 	}
 	cur := e.current(sl, k.mode)
 	v, res, verr, takeover, expired := e.classifyLocked(cur, k, fp, now, nil)
+	if v != vClaim {
+		freshClaimPool.Put(fc) // untouched: nothing below uses it
+	}
 	switch v {
 	case vDone:
 		unlock()
@@ -222,12 +234,11 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 		e.claimOp(op, k, &req, fp, cur, now)
 		payload = nil
 	}
-	// The claim handed out, allocated with the updates that its record
-	// and its finish go through (claimUpdates) and with its entry.
-	fc := &freshClaim{}
 	ts, err := sl.sh.transitionsHinted(fc.ups.claimTs[:0], op, k.key, sl, &fc.entry)
 	if err != nil {
 		unlock()
+		*fc = freshClaim{} // nothing refers to it: the record was not appended
+		freshClaimPool.Put(fc)
 		return Result{}, k, err
 	}
 	var lsn wal.LSN
@@ -258,6 +269,12 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 	c.leaseUntil = lease
 	return Result{Status: Fresh, Claim: c, LeaseUntil: lease, Seq: k.seq, ExpiresAt: expiresAt}, k, nil
 }
+
+// freshClaimPool holds zero freshClaims for Begin, which takes one before
+// the shard's lock and puts it back when the request claims nothing. A
+// claim handed out is never put back: the caller, the WAL and the table
+// keep it.
+var freshClaimPool = sync.Pool{New: func() any { return new(freshClaim) }}
 
 // claimOp fills op with the claim record of the request req (key k,
 // fingerprint fp) whose key holds cur, made at now, and returns the

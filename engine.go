@@ -118,6 +118,7 @@ type shard struct {
 	// allocate a method value per call.
 	unlock func()
 	e      *Engine // immutable
+	idx    int     // immutable: its index in Engine.shards
 	// hintKey and hint (guarded by mu) are the key and slot that getHint
 	// (getHinted bound once) answers without a lookup, while a caller
 	// holding mu computes a record's transitions (transitionsHinted).
@@ -170,6 +171,7 @@ func Open(dir string, opts *Options) (*Engine, error) {
 		e.shards[i].m = make(map[string]*slot)
 		e.shards[i].unlock = e.shards[i].mu.Unlock
 		e.shards[i].e = e
+		e.shards[i].idx = i
 		e.shards[i].getHint = e.shards[i].getHinted
 	}
 	if err := e.lockDir(); err != nil {

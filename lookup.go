@@ -17,6 +17,12 @@ import (
 // *SequenceGapError; *AlreadyCommittedError). Acked ids in req are
 // ignored: a read removes nothing. ctx is consulted before the read.
 func (e *Engine) Lookup(ctx context.Context, req Request) (Result, error) {
+	return e.lookup(ctx, req, nil)
+}
+
+// lookup is Lookup, and with h LookupHint: it then installs the key's slot
+// when absent (as Begin does) and fills h.
+func (e *Engine) lookup(ctx context.Context, req Request, h *PutHint) (Result, error) {
 	k, err := e.validate(&req)
 	if err != nil {
 		return Result{}, err
@@ -28,7 +34,7 @@ func (e *Engine) Lookup(ctx context.Context, req Request) (Result, error) {
 		return Result{}, err
 	}
 	defer e.leave()
-	sl, unlock, err := e.lockSlotRead(k.key)
+	sl, unlock, err := e.lockSlotFor(k.key, h == nil)
 	if err != nil {
 		return Result{}, err
 	}
@@ -37,8 +43,12 @@ func (e *Engine) Lookup(ctx context.Context, req Request) (Result, error) {
 		return res, verr
 	}
 	cur := e.current(sl, k.mode)
-	v, res, verr := e.readLocked(cur, k, fingerprint(&req), e.o.Clock())
+	fp := fingerprint(&req)
+	v, res, verr := e.readLocked(cur, k, fp, e.o.Clock())
 	unlock()
+	if h != nil {
+		*h = PutHint{e: e, req: req, k: k, fp: fp, sl: sl}
+	}
 	if v == vDone {
 		if err := e.waitDurable(cur.CommitLSN); err != nil {
 			return Result{}, err

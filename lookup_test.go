@@ -58,7 +58,18 @@ func TestAbsentReadInstallsNoSlot(t *testing.T) {
 	}
 	// A stored id whose slot was evicted is read from the index, installed
 	// and answered Done.
-	key := e.mustKey(t, Request{ID: id("stored")})
+	evictSlot(e, e.mustKey(t, Request{ID: id("stored")}))
+	if l, err := e.Lookup(bg, Request{ID: id("stored")}); err != nil || l.Status != Done || string(l.Reply) != "reply" {
+		t.Fatalf("lookup of an evicted id: %v %q %v", l.Status, l.Reply, err)
+	}
+	if _, installs := tableSlots(e); installs != installs0+1 {
+		t.Fatalf("the stored id's read installed %d slots, want 1", installs-installs0)
+	}
+}
+
+// evictSlot drops key's slot from the table as eviction does (the slot
+// must be clean: its changes applied to the index).
+func evictSlot(e *Engine, key []byte) {
 	sh := e.shardOf(key)
 	sh.mu.Lock()
 	if sl := sh.m[string(key)]; sl != nil {
@@ -68,12 +79,6 @@ func TestAbsentReadInstallsNoSlot(t *testing.T) {
 		sh.bytes -= sl.size
 	}
 	sh.mu.Unlock()
-	if l, err := e.Lookup(bg, Request{ID: id("stored")}); err != nil || l.Status != Done || string(l.Reply) != "reply" {
-		t.Fatalf("lookup of an evicted id: %v %q %v", l.Status, l.Reply, err)
-	}
-	if _, installs := tableSlots(e); installs != installs0+1 {
-		t.Fatalf("the stored id's read installed %d slots, want 1", installs-installs0)
-	}
 }
 
 // mustKey returns r's index entry key.
@@ -108,11 +113,13 @@ func TestAbsentReadLinearizable(t *testing.T) {
 	// 3 once its Commit returned.
 	var phase [ids]atomic.Int32
 	name := func(i int) []byte { return []byte(fmt.Sprint("id-", i)) }
-	var wg sync.WaitGroup
+	var wg, wgW sync.WaitGroup
 	for w := range writers {
 		wg.Add(1)
+		wgW.Add(1)
 		go func() {
 			defer wg.Done()
+			defer wgW.Done()
 			for i := w; i < ids; i += writers {
 				phase[i].Store(1)
 				res, err := e.Begin(bg, Request{ID: name(i)})
@@ -130,6 +137,31 @@ func TestAbsentReadLinearizable(t *testing.T) {
 			}
 		}()
 	}
+	// Once the writers are done, more new ids (bounded) while no read
+	// went to the index without the lock: their installs evict the
+	// writers' slots, which a slow applier can have kept pinned past
+	// every install the writers made.
+	writersDone := make(chan struct{})
+	go func() { wgW.Wait(); close(writersDone) }()
+	deadline := time.Now().Add(20 * time.Second)
+	var fillers sync.WaitGroup
+	fillers.Add(1)
+	go func() {
+		defer fillers.Done()
+		<-writersDone
+		for k := 0; hooked.Load() == 0 && time.Now().Before(deadline); k++ {
+			id := []byte(fmt.Sprint("filler-", k))
+			res, err := e.Begin(bg, Request{ID: id})
+			if err != nil || res.Status != Fresh {
+				t.Errorf("begin %s: %v %v", id, res.Status, err)
+				return
+			}
+			if err := res.Claim.Commit(bg, id); err != nil {
+				t.Errorf("commit %s: %v", id, err)
+				return
+			}
+		}
+	}()
 	rank := map[Status]int32{Absent: 0, InFlight: 1, Done: 2}
 	for r := range readers {
 		wg.Add(1)
@@ -137,7 +169,10 @@ func TestAbsentReadLinearizable(t *testing.T) {
 			defer wg.Done()
 			rng := rand.New(rand.NewPCG(uint64(r), 24))
 			seen := make([]int32, ids) // highest rank seen per id
-			for range 5000 {
+			// 5,000 reads, then more (bounded) until one went to the
+			// index without the lock: under load the writers can be
+			// slow enough that no committed id was evicted yet.
+			for n := 0; n < 5000 || (hooked.Load() == 0 && time.Now().Before(deadline)); n++ {
 				i := rng.IntN(ids)
 				before := phase[i].Load()
 				var l Result
@@ -174,6 +209,7 @@ func TestAbsentReadLinearizable(t *testing.T) {
 		}()
 	}
 	wg.Wait()
+	fillers.Wait()
 	if hooked.Load() == 0 {
 		t.Fatal("no read went to the index without its lock: the test covers nothing")
 	}

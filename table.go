@@ -424,6 +424,12 @@ func (e *Engine) appendOpSlot(op *wal.Op, ts []index.Transition, key []byte, sl 
 type pinnedUpdate struct {
 	index.Update
 	slot *slot
+	// mem is the update's index.Update.MemSize, which the applier's
+	// backlog counts: computed by the appender while the update is in
+	// its processor's cache, not by the WAL's flusher (onSynced), whose
+	// time delays the next fsync and which would read every record's
+	// transitions and entries again, mostly from memory.
+	mem int64
 	// slots, for a record of several keys (a batch), holds the slot of
 	// transition i's key as the writer found it (nil: unknown). The
 	// applier unpins through it: a slot not evicted is its key's slot
@@ -472,6 +478,7 @@ func (e *Engine) appendRecordSlots(typ byte, payload []byte, ts []index.Transiti
 // the key's slot in its shard's map.
 func (e *Engine) appendUpdate(typ byte, payload []byte, up *pinnedUpdate) (wal.LSN, error) {
 	ts := up.Transitions
+	up.mem = up.MemSize()
 	lsn, err := e.w.AppendWith(typ, payload, func(lsn wal.LSN) any {
 		up.LSN = lsn
 		index.Stamp(ts, typ, lsn)

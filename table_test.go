@@ -77,3 +77,97 @@ func TestNewIDReadsNoIndex(t *testing.T) {
 		t.Fatal("no stored id was read from the index: the hook counts nothing")
 	}
 }
+
+// TestEvictionKeepsShardsWithinTheirShare: the applier unpins the slots
+// of what it applied (unpinSlots, grouped by shard), and eviction then
+// finds them. After many requests, all applied, loading stored ids (each
+// load runs an eviction pass) brings every shard back to its share of
+// CacheSize: no slot of a request was left pinned.
+func TestEvictionKeepsShardsWithinTheirShare(t *testing.T) {
+	const perShard = 2048
+	e := openMem(t, vfs.NewMem(), &Options{CacheSize: perShard * numShards})
+	defer e.Close()
+	const n = 40 * numShards // about 40 slots of ~200 bytes per shard: 4x its share
+	for i := range n {
+		r := mustBegin(t, e, Request{ID: id(fmt.Sprint("req-", i))}, Fresh)
+		if err := r.Claim.Commit(bg, id("reply")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitApplied(t, e)
+	// The applier unpins a batch's slots after it applied it: wait until
+	// no slot is dirty.
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		dirty := 0
+		for i := range e.shards {
+			sh := &e.shards[i]
+			sh.mu.Lock()
+			for _, sl := range sh.m {
+				if sl.dirty != 0 {
+					dirty++
+				}
+			}
+			sh.mu.Unlock()
+		}
+		if dirty == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d slots still dirty after 10s", dirty)
+		}
+	}
+	// Lookups of stored ids: each one whose slot was evicted loads it,
+	// and that load's eviction pass runs on its shard.
+	for i := range n {
+		if l, err := e.Lookup(bg, Request{ID: id(fmt.Sprint("req-", i))}); err != nil || l.Status != Done {
+			t.Fatalf("lookup req-%d: %v %v", i, l.Status, err)
+		}
+	}
+	over := 0
+	for i := range e.shards {
+		sh := &e.shards[i]
+		sh.mu.Lock()
+		if sh.bytes > perShard+512 { // its share, plus at most the slot just loaded
+			over++
+			if over <= 3 {
+				t.Errorf("shard %d holds %d bytes in %d slots, its share is %d", i, sh.bytes, len(sh.m), perShard)
+			}
+		}
+		sh.mu.Unlock()
+	}
+	if over > 0 {
+		t.Fatalf("%d of %d shards over their share", over, numShards)
+	}
+}
+
+// TestFreshClaimsAreNotShared: Begin takes its claim from a pool before
+// the shard's lock and puts it back when the request claims nothing
+// (InFlight, Done, an error); a claim handed out is never put back, so no
+// two live claims share an object, and each commits its own reply.
+func TestFreshClaimsAreNotShared(t *testing.T) {
+	e := openMem(t, vfs.NewMem(), nil)
+	defer e.Close()
+	held := map[*Claim]string{}
+	for i := range 50 {
+		a := fmt.Sprint("a-", i)
+		r := mustBegin(t, e, Request{ID: id(a)}, Fresh)
+		if other, ok := held[r.Claim]; ok {
+			t.Fatalf("%s got the claim object of %s, still in flight", a, other)
+		}
+		held[r.Claim] = a
+		mustBegin(t, e, Request{ID: id(a)}, InFlight) // claims nothing: its claim goes back
+		if i > 0 {
+			mustBegin(t, e, Request{ID: id("a-0")}, InFlight)
+		}
+	}
+	for c, a := range held {
+		if err := c.Commit(bg, id("reply of "+a)); err != nil {
+			t.Fatalf("commit %s: %v", a, err)
+		}
+	}
+	for _, a := range held {
+		if d := mustBegin(t, e, Request{ID: id(a)}, Done); string(d.Reply) != "reply of "+a {
+			t.Fatalf("%s: reply %q", a, d.Reply)
+		}
+	}
+}

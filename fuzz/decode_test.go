@@ -147,8 +147,10 @@ func makeSample() (sample, error) {
 	if err := e.Forget(ctx, clk.Now().Add(-8*time.Second)); err != nil {
 		return s, err
 	}
-	for e.Stats().AppliedLSN < e.Stats().LastLSN {
-		time.Sleep(time.Millisecond)
+	for deadline := time.Now().Add(30 * time.Second); e.Stats().AppliedLSN < e.Stats().LastLSN; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			return s, fmt.Errorf("the index applied LSN %d of %d in 30 s", e.Stats().AppliedLSN, e.Stats().LastLSN)
+		}
 	}
 	var buf bytes.Buffer
 	if _, err := e.Snapshot(ctx, &buf); err != nil {

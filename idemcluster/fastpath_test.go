@@ -144,7 +144,12 @@ func TestClientCoalescesCalls(t *testing.T) {
 	defer cancel()
 	cb := &countBatches{}
 	leader := tc.nodes[tc.leader(30*time.Second)]
-	c, err := Dial(ctx, []string{leader.Addr()}, &Options{Owner: "app", DialOptions: []grpc.DialOption{grpc.WithUnaryInterceptor(cb.intercept)}})
+	// The held batch lasts as long as its calls' attempts: long enough that
+	// it is still on the wire when the others have queued on a loaded
+	// machine (with the default 5 s it ended first, and its successor took
+	// the queue).
+	c, err := Dial(ctx, []string{leader.Addr()}, &Options{Owner: "app", AttemptTimeout: 60 * time.Second,
+		DialOptions: []grpc.DialOption{grpc.WithUnaryInterceptor(cb.intercept)}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -350,7 +355,12 @@ func TestClientBatchesOfLargeReplies(t *testing.T) {
 	defer cancel()
 	cb := &countBatches{}
 	leader := tc.nodes[tc.leader(30*time.Second)]
-	c, err := Dial(ctx, []string{leader.Addr()}, &Options{Owner: "app", DialOptions: []grpc.DialOption{grpc.WithUnaryInterceptor(cb.intercept)}})
+	// The held batch lasts as long as its calls' attempts: long enough that
+	// it is still on the wire when the others have queued on a loaded
+	// machine (with the default 5 s it ended first, and its successor took
+	// the queue).
+	c, err := Dial(ctx, []string{leader.Addr()}, &Options{Owner: "app", AttemptTimeout: 60 * time.Second,
+		DialOptions: []grpc.DialOption{grpc.WithUnaryInterceptor(cb.intercept)}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -37,29 +37,22 @@ func buildIdem(t *testing.T) string {
 // upLine is the line `idem serve` prints once its node is up.
 var upLine = regexp.MustCompile(`idem serve: node \S+ up: `)
 
-// procNode is one `idem serve` process of a procCluster.
+// procNode is one `idem serve` process of a procCluster; as a
+// proctest.Member its view is its Status RPC, asked of it alone.
 type procNode struct {
 	id, raft, grpc string
-	p              *proctest.Proc
+	proctest.ServeNode
 }
 
 // procCluster is three `idem serve` processes on loopback, on addresses
 // below the ephemeral port range (proctest.FreeAddrs: a node restarted on
 // its addresses finds them free).
 type procCluster struct {
-	nodes map[string]*procNode
+	nodes   map[string]*procNode
+	members []proctest.Member
 }
 
-func (pc *procCluster) start(ctx context.Context, n *procNode) { n.p.Start(ctx, upLine) }
-
-// kill sends sig to node id; for SIGKILL it returns once the process exited.
-func (pc *procCluster) kill(id string, sig syscall.Signal) {
-	if sig == syscall.SIGKILL {
-		pc.nodes[id].p.Kill(sig)
-		return
-	}
-	pc.nodes[id].p.Signal(sig)
-}
+func (pc *procCluster) start(ctx context.Context, n *procNode) { n.Start(ctx, upLine) }
 
 func (pc *procCluster) addrs() []string {
 	var out []string
@@ -82,29 +75,20 @@ func newProcCluster(ctx context.Context, t *testing.T) *procCluster {
 	}
 	for _, id := range []string{"n1", "n2", "n3"} {
 		n := pc.nodes[id]
-		n.p = proctest.New(t, dir, id, nil, bin, "serve", "--node-id", id, "--dir", filepath.Join(dir, id),
+		n.Proc = proctest.New(t, dir, id, nil, bin, "serve", "--node-id", id, "--dir", filepath.Join(dir, id),
 			"--raft-addr", n.raft, "--grpc-addr", n.grpc, "--peers", strings.Join(peers, ","))
+		cc, err := grpc.NewClient(n.grpc, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { cc.Close() })
+		n.Conn = cc
+		pc.members = append(pc.members, n)
 	}
 	for _, id := range []string{"n1", "n2", "n3"} {
 		pc.start(ctx, pc.nodes[id])
 	}
 	return pc
-}
-
-// leaderOf is the leader the node c reaches names (polled until one does).
-func leaderOf(ctx context.Context, t *testing.T, c *Client) string {
-	t.Helper()
-	for {
-		st, err := c.Status(ctx)
-		if err == nil && st.LeaderId != "" {
-			return st.LeaderId
-		}
-		select {
-		case <-ctx.Done():
-			t.Fatalf("no leader: %v", ctx.Err())
-		case <-time.After(20 * time.Millisecond): // polling the node's state
-		}
-	}
 }
 
 // TestServeProcessesSIGKILL runs three `idem serve` processes, kills the
@@ -124,6 +108,7 @@ func TestServeProcessesSIGKILL(t *testing.T) {
 	defer c.Close()
 	acked := map[string]string{}
 	runs := map[string]int{}
+	leaderKills := 0
 	for round := range 3 {
 		for i := range 40 {
 			id := fmt.Sprintf("k%d-%d", round, i)
@@ -139,9 +124,17 @@ func TestServeProcessesSIGKILL(t *testing.T) {
 		if round == 2 {
 			break
 		}
-		l := leaderOf(ctx, t, c)
-		pc.kill(l, syscall.SIGKILL)
-		pc.start(ctx, pc.nodes[l])
+		// The leader itself, paused as leader, then killed: a node named
+		// leader a moment ago may be a follower by now.
+		p := proctest.PauseLeader(ctx, t, pc.members)
+		p.Lead.Kill(syscall.SIGKILL)
+		next := p.NextLeader(ctx, t, pc.members)
+		leaderKills++
+		t.Logf("kill %d: leader %s of term %d paused (try %d) and SIGKILLed; %s, its follower, elected in a later term", leaderKills, p.Lead.Name(), p.Term, p.Tries, next.Name())
+		pc.start(ctx, pc.nodes[p.Lead.Name()])
+	}
+	if leaderKills != 2 {
+		t.Fatalf("%d leader SIGKILLs, want 2", leaderKills)
 	}
 	for id, want := range acked {
 		r, err := c.Begin(ctx, idem.Request{Scope: "p", ID: []byte(id)})
@@ -176,20 +169,18 @@ func TestServeDeposedLeaderAnswersNothingStale(t *testing.T) {
 	if _, err := idem.Do(ctx, c, idem.Request{ID: []byte("before")}, func(context.Context) ([]byte, error) { return []byte("b"), nil }); err != nil {
 		t.Fatal(err)
 	}
-	old := leaderOf(ctx, t, c)
-	// A connection of its own to the old leader, made before the pause.
+	// A connection of its own to each node, made before the pause, whose
+	// stats handler says when each request has been handed to the
+	// connection; the one to the node paused as leader is used.
 	const probes = 8
-	sent := proctest.NewSentCounter(probes + 1)
-	cc, err := grpc.NewClient(pc.nodes[old].grpc, grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithStatsHandler(sent))
-	if err != nil {
-		t.Fatal(err)
+	addrs := map[string]string{}
+	for id, n := range pc.nodes {
+		addrs[id] = n.grpc
 	}
-	defer cc.Close()
-	if _, err := clusterpb.NewClusterClient(cc).Status(ctx, &clusterpb.StatusRequest{}); err != nil {
-		t.Fatal(err)
-	}
-	sent.Drain() // the Status request's own message
-	pc.kill(old, syscall.SIGSTOP)
+	pr := proctest.Probes(ctx, t, addrs, probes+1)
+	p := proctest.PauseLeader(ctx, t, pc.members)
+	old, cc := p.Lead.Name(), pr[p.Lead.Name()].Conn
+	t.Logf("leader %s of term %d paused (try %d)", old, p.Term, p.Tries)
 	// A new leader among the others commits "after" (Do returns once one
 	// is elected: the old one is paused past the election timeout).
 	var others []string
@@ -206,6 +197,7 @@ func TestServeDeposedLeaderAnswersNothingStale(t *testing.T) {
 	if _, err := idem.Do(ctx, c2, idem.Request{ID: []byte("after")}, func(context.Context) ([]byte, error) { return []byte("a"), nil }); err != nil {
 		t.Fatal(err)
 	}
+	next := p.NextLeader(ctx, t, pc.members)
 	ic := clusterpb.NewIdemClient(cc)
 	answers := make(chan string, probes) // "stale: ..." is a failure
 	for i := range probes {
@@ -240,12 +232,12 @@ func TestServeDeposedLeaderAnswersNothingStale(t *testing.T) {
 	}
 	for range probes {
 		select {
-		case <-sent.C:
+		case <-pr[old].Sent.C:
 		case <-ctx.Done():
 			t.Fatalf("the requests to the paused leader were not sent: %v", ctx.Err())
 		}
 	}
-	pc.kill(old, syscall.SIGCONT)
+	p.Lead.Signal(syscall.SIGCONT)
 	said := map[string]int{}
 	for range probes {
 		a := <-answers
@@ -255,7 +247,7 @@ func TestServeDeposedLeaderAnswersNothingStale(t *testing.T) {
 		}
 		said[a]++
 	}
-	t.Logf("asked before SIGCONT, the deposed leader %s answered %v", old, said)
+	t.Logf("asked before SIGCONT, the deposed leader %s answered %v (%s elected without it)", old, said, next.Name())
 	if r, err := c.Lookup(ctx, idem.Request{ID: []byte("after")}); err != nil || r.Status != idem.Done {
 		t.Fatalf("lookup through the cluster: %+v %v", r, err)
 	}

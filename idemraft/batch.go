@@ -21,8 +21,9 @@ var _ raft.BatchingFSM = (*FSM)(nil)
 // keep the same dedup set.
 //
 // The entries are taken in runs. A command's request is looked up in the
-// dedup set (idem.Engine.Lookup, which answers what Begin would) at the
-// entry's log time; the application then gets the new requests' operations
+// dedup set (idem.Engine.LookupHint: Lookup, which answers what Begin
+// would, keeping the request's key and slot for its Put) at the entry's
+// log time; the application then gets the new requests' operations
 // and the entries that are not commands, in log order, in one ApplyBatch
 // call when it implements raft.BatchingFSM (one Apply per entry
 // otherwise, and configuration changes to its StoreConfiguration); and the
@@ -60,6 +61,10 @@ var batchApplyPool = sync.Pool{New: func() any { return new(batchApply) }}
 // maxKeptEnvs bounds the envelope buffer a pooled batchApply keeps.
 const maxKeptEnvs = 1 << 20
 
+// maxKeptHints bounds the hints a pooled batchApply keeps (a few hundred
+// bytes each).
+const maxKeptHints = 4096
+
 // batchApply is one ApplyBatch call.
 type batchApply struct {
 	f    *FSM
@@ -78,6 +83,12 @@ type batchApply struct {
 	// writes. A hash shared by two keys only ends a run early, which
 	// changes no result (the results do not depend on where runs end).
 	written map[uint64]struct{}
+	// hints holds what the lookups of the run's new requests read
+	// (idem.PutHint), in run order: the n-th new request's Put reuses
+	// hints[n] (its key, validated once, and its slot in the engine's
+	// table) instead of reading its key again. hints[fresh] is the
+	// lookup being made; cleared at each reset.
+	hints []idem.PutHint
 
 	// Scratch of flush, kept for the next run (cleared after each).
 	results []any           // the application's results by run position
@@ -174,7 +185,10 @@ func (a *batchApply) run() {
 			}
 		}
 		f.now.Store(a.clk)
-		res, err := f.cur.e.Lookup(context.Background(), d.req)
+		if len(a.hints) <= a.fresh {
+			a.hints = append(a.hints, idem.PutHint{})
+		}
+		res, err := f.cur.e.LookupHint(context.Background(), d.req, &a.hints[a.fresh])
 		if resp := f.answered(l.Index, res, err); resp != nil {
 			if f.Err() != nil {
 				a.refuse(i)
@@ -251,6 +265,10 @@ func (a *batchApply) reset() {
 	}
 	a.fresh = 0
 	clear(a.written)
+	clear(a.hints) // what they read: requests, keys and slots
+	if cap(a.hints) > maxKeptHints {
+		a.hints = nil
+	}
 }
 
 // flush applies the run: the application first (new requests' operations
@@ -322,8 +340,8 @@ func (a *batchApply) write(resps []Response) bool {
 	// TestCommitCopiesReply covers Batch.Put), so envs is reused by the
 	// next run.
 	envs, from := a.envs.buf.Bytes(), 0
-	for n, p := range a.items {
-		b.Put(a.pending[p].d.req, envs[from:a.ends[n]:a.ends[n]])
+	for n := range a.items {
+		a.hints[n].Put(b, envs[from:a.ends[n]:a.ends[n]])
 		from = a.ends[n]
 	}
 	out, err := b.Run(context.Background())

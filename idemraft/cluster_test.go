@@ -7,6 +7,7 @@ import (
 	"io"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -28,6 +29,7 @@ type tnode struct {
 	trans   raft.Transport // *raft.InmemTransport, or a *raft.NetworkTransport with clusterOpts.tcp
 	app     *counterFSM
 	fsm     *FSM
+	given   *restoreLog // what raft was given: fsm, recording its restores (nil without clusterOpts.wrap)
 	r       *raft.Raft
 	up      bool
 	restart int // incarnations
@@ -155,6 +157,7 @@ func (c *cluster) start(nd *tnode) {
 	app := newCounterFSM()
 	var fsm raft.FSM = app
 	var w *FSM
+	var given *restoreLog
 	if c.o.wrap {
 		var err error
 		eo := testEngineOptions()
@@ -171,13 +174,17 @@ func (c *cluster) start(nd *tnode) {
 		if err != nil {
 			c.t.Fatal(err)
 		}
-		fsm = w
+		given = &restoreLog{FSM: w}
+		fsm = given
 	}
 	r, err := raft.NewRaft(raftConfig(nd.id, c.o), fsm, nd.store, nd.store, nd.snaps, nd.trans)
 	if err != nil {
 		c.t.Fatal(err)
 	}
-	nd.app, nd.fsm, nd.r, nd.up = app, w, r, true
+	if given != nil {
+		given.returned.Store(true)
+	}
+	nd.app, nd.fsm, nd.given, nd.r, nd.up = app, w, given, r, true
 	nd.restart++
 }
 
@@ -254,6 +261,50 @@ func (c *cluster) shutdown() {
 	for _, nd := range nodes {
 		c.stop(nd)
 	}
+}
+
+// restoreLog is the FSM a test node gives raft: its *FSM (every method
+// promoted, so raft still sees a raft.BatchingFSM), with a record of every
+// snapshot it restored, in order. A restore that ends before NewRaft
+// returned is NewRaft's own, from the node's newest snapshot; any later one
+// is an InstallSnapshot from the leader (or a user restore), which a node
+// may receive at any moment after it started.
+type restoreLog struct {
+	*FSM
+	returned atomic.Bool // NewRaft returned
+
+	mu       sync.Mutex // guards restores
+	restores []restored
+}
+
+// restored is one snapshot restored by a restoreLog.
+type restored struct {
+	index   uint64 // the snapshot's last index (the FSM's LastIndex after the restore)
+	atStart bool   // it began before NewRaft returned
+}
+
+// Restore implements raft.FSM. raft calls it from one goroutine at a time
+// (NewRaft's, then its FSM goroutine, which also applies), so LastIndex
+// read afterwards is the index of the snapshot just restored.
+func (r *restoreLog) Restore(rc io.ReadCloser) error {
+	atStart := !r.returned.Load()
+	if err := r.FSM.Restore(rc); err != nil {
+		return err
+	}
+	r.mu.Lock()
+	r.restores = append(r.restores, restored{index: r.FSM.Stats().LastIndex, atStart: atStart})
+	r.mu.Unlock()
+	return nil
+}
+
+// first returns the first snapshot this incarnation restored, if any.
+func (r *restoreLog) first() (restored, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if len(r.restores) == 0 {
+		return restored{}, false
+	}
+	return r.restores[0], true
 }
 
 func (nd *tnode) current() (*raft.Raft, *FSM, *counterFSM, bool) {

@@ -2,6 +2,7 @@ package idemraft
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -104,31 +105,55 @@ func Command(req idem.Request, op []byte) ([]byte, error) {
 	if err := checkRequest(req); err != nil {
 		return nil, err
 	}
-	var buf bytes.Buffer
-	buf.Grow(len(commandMagic) + 1 + len(op) + len(req.ID) + 64)
-	buf.WriteString(commandMagic)
-	var body any
-	if req.KeepReplies == 0 && req.KeepRepliesFor == 0 {
-		buf.WriteByte(kindCommand)
-		body = &wireCommand{
-			Scope: req.Scope, ID: req.ID, Client: req.Client, Seq: req.Seq,
-			Fingerprint: req.Fingerprint, Acked: req.Acked, TTL: int64(req.TTL), Op: op,
-		}
+	window := req.KeepReplies != 0 || req.KeepRepliesFor != 0
+	w := getEnvelopeWriter()
+	defer putEnvelopeWriter(w)
+	w.buf.Grow(len(commandMagic) + 1 + len(op) + len(req.ID) + len(req.Scope) + len(req.Client) + len(req.Fingerprint) + 64)
+	w.buf.WriteString(commandMagic)
+	if window {
+		w.buf.WriteByte(kindWindowCommand)
 	} else {
-		buf.WriteByte(kindWindowCommand)
-		body = &wireWindowCommand{
-			Scope: req.Scope, ID: req.ID, Client: req.Client, Seq: req.Seq,
-			Fingerprint: req.Fingerprint, Acked: req.Acked, TTL: int64(req.TTL), Op: op,
-			KeepReplies: int64(req.KeepReplies), KeepRepliesFor: int64(req.KeepRepliesFor),
+		w.buf.WriteByte(kindCommand)
+	}
+	writeCommand(w.enc, &req, op, window)
+	if w.buf.Len() > MaxCommandSize {
+		return nil, fmt.Errorf("%w: command of %d bytes exceeds %d", idem.ErrInvalidRequest, w.buf.Len(), MaxCommandSize)
+	}
+	return bytes.Clone(w.buf.Bytes()), nil
+}
+
+// writeCommand encodes a command's body, wireCommand (or, with window,
+// wireWindowCommand) holding req and op, with the msgpack library's
+// low-level Encoder: the calls its reflection makes for those structs
+// (EncodeUint64 and EncodeInt64 for the numbers, in 9 bytes, nil for a nil
+// slice), so the bytes are msgpack.Marshal's (TestCommandEncoding), without
+// reflection and with one allocation per command (the copy Command
+// returns). enc writes to a bytes.Buffer, which cannot fail.
+func writeCommand(enc *msgpack.Encoder, req *idem.Request, op []byte, window bool) {
+	n := 8
+	if window {
+		n = 10
+	}
+	_ = enc.EncodeArrayLen(n)
+	_ = enc.EncodeString(req.Scope)
+	_ = enc.EncodeBytes(req.ID)
+	_ = enc.EncodeString(req.Client)
+	_ = enc.EncodeUint64(req.Seq)
+	_ = enc.EncodeBytes(req.Fingerprint)
+	if req.Acked == nil {
+		_ = enc.EncodeNil()
+	} else {
+		_ = enc.EncodeArrayLen(len(req.Acked))
+		for _, a := range req.Acked {
+			_ = enc.EncodeBytes(a)
 		}
 	}
-	if err := msgpack.NewEncoder(&buf).Encode(body); err != nil {
-		return nil, fmt.Errorf("idemraft: encode command: %w", err)
+	_ = enc.EncodeInt64(int64(req.TTL))
+	_ = enc.EncodeBytes(op)
+	if window {
+		_ = enc.EncodeInt64(int64(req.KeepReplies))
+		_ = enc.EncodeInt64(int64(req.KeepRepliesFor))
 	}
-	if buf.Len() > MaxCommandSize {
-		return nil, fmt.Errorf("%w: command of %d bytes exceeds %d", idem.ErrInvalidRequest, buf.Len(), MaxCommandSize)
-	}
-	return buf.Bytes(), nil
 }
 
 func checkRequest(req idem.Request) error {
@@ -221,6 +246,15 @@ func decodeCommand(data []byte) (decoded, error) {
 // (the fingerprint, the scope and client strings:
 // TestDedupSetKeepsNoLogBytes).
 func decodeRequest(body []byte, window bool) (req idem.Request, op []byte, err error) {
+	if req, op, ok := decodeCanonical(body, window); ok {
+		return req, op, nil
+	}
+	return decodeGeneral(body, window)
+}
+
+// decodeGeneral is decodeRequest for any body: the library's Decoder
+// reads each value.
+func decodeGeneral(body []byte, window bool) (req idem.Request, op []byte, err error) {
 	r := getWireReader(body)
 	defer putWireReader(r)
 	want := 8
@@ -261,6 +295,150 @@ func decodeRequest(body []byte, window bool) (req idem.Request, op []byte, err e
 	req.TTL = time.Duration(ttl)
 	req.KeepReplies, req.KeepRepliesFor = int(keep), time.Duration(keepFor)
 	return req, op, nil
+}
+
+// decodeCanonical is decodeRequest's fast path for a body exactly as
+// Command writes it (writeCommand: a fixarray, strings and byte strings as
+// str or bin or nil, numbers as uint64 and int64 in 9 bytes, the acked ids
+// as nil or an array): nearly every entry. Those encodings have one
+// meaning to the library's Decoder, so it reads what decodeRequest's
+// general path reads from them, in a single pass over body without the
+// Decoder's per-byte reads. Anything else (another encoding the library
+// accepts, a value out of range, a short or long body) gives ok false,
+// and the general path reads it or says what is wrong
+// (TestDecodeCanonical; FuzzDecodeCommand compares both with
+// msgpack.Unmarshal).
+func decodeCanonical(body []byte, window bool) (req idem.Request, op []byte, ok bool) {
+	c := canonReader{b: body, ok: true}
+	want := byte(0x98) // fixarray of 8
+	if window {
+		want = 0x9a
+	}
+	if len(body) == 0 || body[0] != want {
+		return req, nil, false
+	}
+	c.off = 1
+	req.Scope = string(c.bytes())
+	req.ID = c.bytes()
+	req.Client = string(c.bytes())
+	req.Seq = c.uint64()
+	req.Fingerprint = bytes.Clone(c.bytes())
+	if k := c.arrayLen(); k > len(body)-c.off { // each id takes a byte at least
+		return req, nil, false
+	} else if k > 0 {
+		req.Acked = make([][]byte, k)
+		for j := range req.Acked {
+			req.Acked[j] = c.bytes()
+		}
+	}
+	req.TTL = time.Duration(c.uint64())
+	op = c.bytes()
+	if window {
+		keep := int64(c.uint64())
+		req.KeepRepliesFor = time.Duration(c.uint64())
+		if keep < 0 || keep > idem.MaxKeepReplies {
+			return req, nil, false
+		}
+		req.KeepReplies = int(keep)
+	}
+	if !c.ok || c.off != len(body) {
+		return req, nil, false
+	}
+	return req, op, true
+}
+
+// canonReader reads the encodings decodeCanonical takes; ok turns false
+// at the first other byte or at the end of b.
+type canonReader struct {
+	b   []byte
+	off int
+	ok  bool
+}
+
+// n reads an unsigned big-endian number of size bytes.
+func (c *canonReader) n(size int) int {
+	if !c.ok || len(c.b)-c.off < size {
+		c.ok = false
+		return 0
+	}
+	v := 0
+	for _, x := range c.b[c.off : c.off+size] {
+		v = v<<8 | int(x)
+	}
+	c.off += size
+	return v
+}
+
+// bytes reads a str, bin or nil (nil) as a slice of b capped at its length.
+func (c *canonReader) bytes() []byte {
+	if !c.ok || c.off >= len(c.b) {
+		c.ok = false
+		return nil
+	}
+	code := c.b[c.off]
+	c.off++
+	var n int
+	switch {
+	case code == 0xc0: // nil
+		return nil
+	case code >= 0xa0 && code <= 0xbf: // fixstr
+		n = int(code & 0x1f)
+	case code == 0xd9 || code == 0xc4: // str8, bin8
+		n = c.n(1)
+	case code == 0xda || code == 0xc5: // str16, bin16
+		n = c.n(2)
+	case code == 0xdb || code == 0xc6: // str32, bin32
+		n = c.n(4)
+	default:
+		c.ok = false
+		return nil
+	}
+	if !c.ok || n > len(c.b)-c.off {
+		c.ok = false
+		return nil
+	}
+	v := c.b[c.off : c.off+n : c.off+n]
+	c.off += n
+	return v
+}
+
+// uint64 reads a uint64 or an int64 in 9 bytes (0xcf, 0xd3) as its 64 bits:
+// the caller converts an int64's.
+func (c *canonReader) uint64() uint64 {
+	if !c.ok || len(c.b)-c.off < 9 {
+		c.ok = false
+		return 0
+	}
+	code := c.b[c.off]
+	if code != 0xcf && code != 0xd3 {
+		c.ok = false
+		return 0
+	}
+	v := binary.BigEndian.Uint64(c.b[c.off+1:])
+	c.off += 9
+	return v
+}
+
+// arrayLen reads nil (-1) or an array header.
+func (c *canonReader) arrayLen() int {
+	if !c.ok || c.off >= len(c.b) {
+		c.ok = false
+		return 0
+	}
+	code := c.b[c.off]
+	c.off++
+	switch {
+	case code == 0xc0:
+		return -1
+	case code >= 0x90 && code <= 0x9f:
+		return int(code & 0x0f)
+	case code == 0xdc:
+		return c.n(2)
+	case code == 0xdd:
+		return c.n(4)
+	}
+	c.ok = false
+	return 0
 }
 
 // wireReader reads the msgpack values of a command or an envelope with

@@ -102,11 +102,17 @@ func TestClusterExactlyOnceLinearizable(t *testing.T) {
 			time.Sleep(200 * time.Millisecond)
 			snaps, _ := l.snaps.List()
 			c.start(l)
-			if _, w, _, _ := l.current(); len(snaps) > 0 {
+			if len(snaps) > 0 {
 				// NewRaft restored the newest snapshot before returning, and
-				// will replay the log after it.
-				if w.Stats().Restores != 1 {
-					t.Fatalf("%s restarted with %d snapshots but restored %d", l.id, len(snaps), w.Stats().Restores)
+				// will replay the log after it. (The new leader may send the
+				// node a newer snapshot at any moment after: only the first
+				// restore of this incarnation is NewRaft's.)
+				l.mu.Lock()
+				given := l.given
+				l.mu.Unlock()
+				if first, ok := given.first(); !ok || !first.atStart || first.index != snaps[0].Index {
+					t.Fatalf("%s restarted with %d snapshots (newest at index %d), but NewRaft did not restore it: first restore %+v (any: %v), %d restores so far",
+						l.id, len(snaps), snaps[0].Index, first, ok, given.Stats().Restores)
 				}
 				restartsFromSnapshot++
 			}

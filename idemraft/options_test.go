@@ -5,7 +5,9 @@ import (
 	"context"
 	"io"
 	"io/fs"
+	"math/rand/v2"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -201,6 +203,138 @@ func TestEnvelopeEncoding(t *testing.T) {
 			if err != nil || back.Kind != kind || !bytes.Equal(back.Reply, env.Reply) || back.Msg != env.Msg {
 				t.Fatalf("kind %d, %d bytes: decoded %v %v", kind, n, back.Kind, err)
 			}
+		}
+	}
+}
+
+// TestCommandEncoding: Command writes the bytes msgpack.Marshal writes for
+// the command structs (wireCommand, wireWindowCommand) after the prefix
+// and kind byte, for requests with and without each field (nil and empty
+// slices, every integer size, lengths at msgpack's str and bin format
+// boundaries), and they decode back to the request.
+func TestCommandEncoding(t *testing.T) {
+	rng := rand.New(rand.NewPCG(24, 1))
+	pick := func(vals ...int) int { return vals[rng.IntN(len(vals))] }
+	blob := func() []byte {
+		switch n := pick(-1, 0, 1, 31, 32, 255, 256, 65535, 65536); n {
+		case -1:
+			return nil
+		default:
+			return bytes.Repeat([]byte{'b'}, n)
+		}
+	}
+	nums := []uint64{0, 1, 127, 128, 255, 256, 65535, 65536, 1<<32 - 1, 1 << 32, 1<<63 - 1}
+	for i := range 400 {
+		req := idem.Request{Scope: strings.Repeat("s", pick(0, 1, 31, 32, 255)), Fingerprint: blob(), TTL: time.Duration(nums[rng.IntN(len(nums))])}
+		if rng.IntN(2) == 0 {
+			req.ID = append([]byte("id-"), blob()...)
+		} else {
+			req.Client, req.Seq = strings.Repeat("c", pick(1, 32, 256)), max(1, nums[rng.IntN(len(nums))])
+			if rng.IntN(2) == 0 {
+				req.KeepReplies, req.KeepRepliesFor = pick(0, 1, 200, idem.MaxKeepReplies), time.Duration(nums[rng.IntN(len(nums))])
+			}
+		}
+		switch rng.IntN(3) {
+		case 1:
+			req.Acked = [][]byte{}
+		case 2:
+			for range pick(1, 2, 16) {
+				req.Acked = append(req.Acked, append([]byte("a-"), blob()...))
+			}
+		}
+		op := blob()
+		got, err := Command(req, op)
+		if err != nil {
+			t.Fatalf("case %d: %v", i, err)
+		}
+		var body any = &wireCommand{Scope: req.Scope, ID: req.ID, Client: req.Client, Seq: req.Seq,
+			Fingerprint: req.Fingerprint, Acked: req.Acked, TTL: int64(req.TTL), Op: op}
+		kind := kindCommand
+		if req.KeepReplies != 0 || req.KeepRepliesFor != 0 {
+			kind = kindWindowCommand
+			body = &wireWindowCommand{Scope: req.Scope, ID: req.ID, Client: req.Client, Seq: req.Seq,
+				Fingerprint: req.Fingerprint, Acked: req.Acked, TTL: int64(req.TTL), Op: op,
+				KeepReplies: int64(req.KeepReplies), KeepRepliesFor: int64(req.KeepRepliesFor)}
+		}
+		enc, err := msgpack.Marshal(body)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := append(append([]byte(commandMagic), kind), enc...)
+		if !bytes.Equal(got, want) {
+			t.Fatalf("case %d (%+v): Command wrote\n%x\nmsgpack writes\n%x", i, req, got[:min(len(got), 96)], want[:min(len(want), 96)])
+		}
+		checkCanonical(t, got, true)
+		for range 8 { // damaged copies: the fast path reads them as the general one, or leaves them to it
+			bad := bytes.Clone(got)
+			switch rng.IntN(3) {
+			case 0:
+				bad = bad[:rng.IntN(len(bad))]
+			case 1:
+				bad[rng.IntN(len(bad))] = byte(rng.IntN(256))
+			default:
+				bad = append(bad, byte(rng.IntN(256)))
+			}
+			checkCanonical(t, bad, false)
+		}
+		d, err := decodeCommand(got)
+		if err != nil || d.kind != kind || !bytes.Equal(d.op, op) || d.req.Scope != req.Scope || !bytes.Equal(d.req.ID, req.ID) ||
+			d.req.Client != req.Client || d.req.Seq != req.Seq || d.req.TTL != req.TTL || len(d.req.Acked) != len(req.Acked) ||
+			d.req.KeepReplies != req.KeepReplies || d.req.KeepRepliesFor != req.KeepRepliesFor {
+			t.Fatalf("case %d: decoded %+v %v, want %+v", i, d.req, err, req)
+		}
+	}
+}
+
+// checkCanonical checks that decodeCanonical reads the command b exactly
+// as decodeGeneral does whenever it reads it, and (want) that it does.
+func checkCanonical(t *testing.T, b []byte, want bool) {
+	t.Helper()
+	if len(b) <= len(commandMagic) {
+		return
+	}
+	kind, body := b[len(commandMagic)], b[len(commandMagic)+1:]
+	if kind != kindCommand && kind != kindWindowCommand {
+		return
+	}
+	req, op, ok := decodeCanonical(body, kind == kindWindowCommand)
+	if want && !ok {
+		t.Fatalf("the fast path refused Command's output %x", b)
+	}
+	if !ok {
+		return
+	}
+	greq, gop, err := decodeGeneral(body, kind == kindWindowCommand)
+	if err != nil || !reflect.DeepEqual(req, greq) || !bytes.Equal(op, gop) {
+		t.Fatalf("%x: the fast path read %+v %q, the general one %+v %q %v", b, req, op, greq, gop, err)
+	}
+}
+
+// TestDecodeCanonical: the general path still reads what the fast path
+// leaves to it: numbers in compact encodings, a body in an array16.
+func TestDecodeCanonical(t *testing.T) {
+	req := idem.Request{Scope: "s", Client: "c", Seq: 3, TTL: time.Second, KeepReplies: 4, KeepRepliesFor: time.Minute, Acked: [][]byte{[]byte("a")}}
+	var buf bytes.Buffer
+	enc := msgpack.NewEncoder(&buf)
+	enc.UseCompactInts(true)
+	if err := enc.Encode(&wireWindowCommand{Scope: req.Scope, Client: req.Client, Seq: req.Seq, Acked: req.Acked, TTL: int64(req.TTL), Op: []byte("op"),
+		KeepReplies: int64(req.KeepReplies), KeepRepliesFor: int64(req.KeepRepliesFor)}); err != nil {
+		t.Fatal(err)
+	}
+	compact := append([]byte(commandMagic+string(kindWindowCommand)), buf.Bytes()...)
+	canon, err := Command(req, []byte("op"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	body := canon[len(commandMagic)+1:]
+	array16 := append([]byte(commandMagic+string(kindWindowCommand)+"\xdc\x00\x0a"), body[1:]...)
+	for name, b := range map[string][]byte{"compact ints": compact, "array16": array16} {
+		if _, _, ok := decodeCanonical(b[len(commandMagic)+1:], true); ok {
+			t.Fatalf("%s: the fast path took it", name)
+		}
+		d, err := decodeCommand(b)
+		if err != nil || !reflect.DeepEqual(d.req, idem.Request{Scope: "s", Client: "c", Seq: 3, Fingerprint: nil, TTL: time.Second, KeepReplies: 4, KeepRepliesFor: time.Minute, Acked: [][]byte{[]byte("a")}}) || string(d.op) != "op" {
+			t.Fatalf("%s: %+v %q %v", name, d.req, d.op, err)
 		}
 	}
 }

@@ -28,6 +28,7 @@ import (
 	"github.com/hashicorp/raft"
 	raftboltdb "github.com/hashicorp/raft-boltdb/v2"
 	"github.com/idemdb/idem"
+	"github.com/idemdb/idem/internal/proctest"
 )
 
 // TestMain runs a cluster node of TestProcessesSIGKILL when IDEMRAFT_NODE
@@ -56,6 +57,9 @@ func (l tcpLayer) Dial(a raft.ServerAddress, timeout time.Duration) (net.Conn, e
 type nodeState struct {
 	ID        string
 	Leader    bool
+	RaftState string // raft.RaftState's String: "Leader", "Follower", ...
+	LeaderID  string // the leader it follows ("" when it knows none)
+	Term      uint64 // its current term
 	LastIndex uint64
 	State     counterState
 }
@@ -123,7 +127,9 @@ func nodeMain(id raft.ServerID, dir, peers string) error {
 	mux := http.NewServeMux()
 	mux.Handle("/apply", h)
 	mux.HandleFunc("/state", func(w http.ResponseWriter, _ *http.Request) {
-		json.NewEncoder(w).Encode(nodeState{ID: string(id), Leader: r.State() == raft.Leader, LastIndex: fsm.Stats().LastIndex, State: app.state()})
+		_, leader := r.LeaderWithID()
+		json.NewEncoder(w).Encode(nodeState{ID: string(id), Leader: r.State() == raft.Leader, RaftState: r.State().String(), LeaderID: string(leader), Term: r.CurrentTerm(),
+			LastIndex: fsm.Stats().LastIndex, State: app.state()})
 	})
 	return http.Serve(hl, mux)
 }
@@ -138,6 +144,53 @@ type procNode struct {
 	cmd         *exec.Cmd
 	stdin       io.WriteCloser
 	exited      chan struct{}
+}
+
+// The node as a proctest.Member (PauseLeader finds and pauses the leader).
+func (n *procNode) Name() string { return string(n.id) }
+func (n *procNode) Running() bool {
+	if n.cmd == nil {
+		return false
+	}
+	select {
+	case <-n.exited:
+		return false
+	default:
+		return true
+	}
+}
+func (n *procNode) Signal(sig syscall.Signal) {
+	if n.Running() {
+		n.cmd.Process.Signal(sig)
+	}
+}
+
+// Kill sends sig and waits for the process to exit (SIGKILL ends a
+// paused process too).
+func (n *procNode) Kill(sig syscall.Signal) {
+	if n.Running() {
+		n.cmd.Process.Signal(sig)
+		<-n.exited
+	}
+}
+func (n *procNode) View(ctx context.Context) (proctest.View, error) {
+	st, err := n.state(ctx)
+	return proctest.View{State: st.RaftState, LeaderID: st.LeaderID, Term: st.Term}, err
+}
+
+// state is the node's /state.
+func (n *procNode) state(ctx context.Context) (nodeState, error) {
+	var st nodeState
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, n.url+"/state", nil)
+	if err != nil {
+		return st, err
+	}
+	res, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return st, err
+	}
+	defer res.Body.Close()
+	return st, json.NewDecoder(res.Body).Decode(&st)
 }
 
 // TestProcessesSIGKILL runs 3 nodes as OS processes (raft's network
@@ -206,44 +259,27 @@ func TestProcessesSIGKILL(t *testing.T) {
 		n.cmd, n.exited = cmd, make(chan struct{})
 		go func(cmd *exec.Cmd, ch chan struct{}) { cmd.Wait(); close(ch) }(cmd, n.exited)
 	}
-	kill := func(n *procNode) {
-		n.cmd.Process.Signal(syscall.SIGKILL)
-		<-n.exited
-	}
 	for _, n := range nodes {
 		start(n)
 	}
 	t.Cleanup(func() {
 		for _, n := range nodes {
 			n.stdin.Close()
-			kill(n)
+			n.Kill(syscall.SIGKILL)
 		}
 	})
-	hc := &http.Client{Timeout: 3 * time.Second}
+	var members []proctest.Member
+	for _, n := range nodes {
+		members = append(members, n)
+	}
 	state := func(n *procNode) (nodeState, error) {
-		var st nodeState
-		res, err := hc.Get(n.url + "/state")
-		if err != nil {
-			return st, err
-		}
-		defer res.Body.Close()
-		return st, json.NewDecoder(res.Body).Decode(&st)
+		sctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+		defer cancel()
+		return n.state(sctx)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
-	leader := func() *procNode {
-		for ctx.Err() == nil {
-			for _, n := range nodes {
-				if st, err := state(n); err == nil && st.Leader {
-					return n
-				}
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
-		t.Fatal("no leader")
-		return nil
-	}
-	leader()
+	proctest.Leader(ctx, t, members, nil)
 
 	var hnodes []Node
 	for _, n := range nodes {
@@ -263,6 +299,9 @@ func TestProcessesSIGKILL(t *testing.T) {
 		history []porcupine.Operation
 		done    atomic.Int64
 		killed  atomic.Int64
+		// leaderKills counts the kills of a node paused as leader, whose
+		// follower was elected next (proctest.PauseLeader, NextLeader).
+		leaderKills int
 	)
 	gate := func() { // in step with the kills, as in the in-process test
 		for ctx.Err() == nil && done.Load() >= int64(total)*(killed.Load()+1)/int64(kills+1) {
@@ -310,18 +349,26 @@ func TestProcessesSIGKILL(t *testing.T) {
 		if len(errc) > 0 {
 			break
 		}
-		l := leader()
-		kill(l)
+		// The leader itself, paused as leader, then killed: a node that
+		// said it led a moment ago may be a follower by now.
+		p := proctest.PauseLeader(ctx, t, members)
+		l := p.Lead.(*procNode)
+		l.Kill(syscall.SIGKILL)
 		killed.Add(1)
 		at := done.Load()
-		time.Sleep(500 * time.Millisecond)
+		next := p.NextLeader(ctx, t, members)
+		leaderKills++
 		start(l)
-		t.Logf("SIGKILL %d: leader %s killed after %d requests, restarted (%d done by then)", k+1, l.id, at, done.Load())
+		t.Logf("SIGKILL %d: leader %s of term %d paused (try %d) and killed after %d requests; %s, its follower, elected in a later term; restarted (%d done by then)",
+			leaderKills, l.id, p.Term, p.Tries, at, next.Name(), done.Load())
 	}
 	wg.Wait()
 	close(errc)
 	for err := range errc {
 		t.Fatal(err)
+	}
+	if leaderKills != kills {
+		t.Fatalf("%d leader SIGKILLs, want %d", leaderKills, kills)
 	}
 	if _, err := cl.Do(ctx, idem.Request{ID: []byte("last")}, encodeOp(counterOp{ID: "last", Key: "z", Delta: 1})); err != nil {
 		t.Fatal(err)
@@ -360,5 +407,5 @@ func TestProcessesSIGKILL(t *testing.T) {
 	if res := porcupine.CheckOperationsTimeout(counterModel, history, 60*time.Second); res != porcupine.Ok {
 		t.Fatalf("porcupine: %v", res)
 	}
-	t.Logf("%d requests by %d clients over HTTP, %d leader SIGKILLs, every request applied once on each of 3 replicas, linearizable; %v", total, clients, kills, time.Since(began).Round(time.Millisecond))
+	t.Logf("%d requests by %d clients over HTTP, %d leader SIGKILLs, every request applied once on each of 3 replicas, linearizable; %v", total, clients, leaderKills, time.Since(began).Round(time.Millisecond))
 }

@@ -3,9 +3,11 @@ package idemraft
 import (
 	"context"
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
+	"github.com/hashicorp/raft"
 	"github.com/idemdb/idem"
 )
 
@@ -81,22 +83,30 @@ func TestSubmitInDoubt(t *testing.T) {
 	c := newCluster(t, 3, clusterOpts{wrap: true, timeout: 2 * time.Second})
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	req := idem.Request{Scope: "s", ID: []byte("doubt-1")}
-	cmd, err := Command(req, encodeOp(counterOp{ID: "doubt-1", Key: "k", Delta: 1}))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for {
+	// Each try has an id of its own: a try given up on may have left an
+	// append that commits later.
+	var id string
+	var cmd []byte
+	for try := 1; ; try++ {
+		id = fmt.Sprintf("doubt-%d", try)
+		var err error
+		if cmd, err = Command(idem.Request{Scope: "s", ID: []byte(id)}, encodeOp(counterOp{ID: id, Key: id, Delta: 1})); err != nil {
+			t.Fatal(err)
+		}
 		l := c.waitLeader(30 * time.Second)
 		r, f, _, _ := l.current()
 		c.partition(l, true)
 		wctx, wcancel := context.WithTimeout(ctx, 100*time.Millisecond)
-		_, err := Submit(wctx, r, f, cmd)
+		_, err = Submit(wctx, r, f, cmd)
 		wcancel()
 		c.partition(l, false)
 		var nl *NotLeaderError
-		if errors.As(err, &nl) && ctx.Err() == nil {
-			continue // it stepped down before the append (a stalled machine): again
+		if ctx.Err() == nil && (errors.As(err, &nl) || errors.Is(err, raft.ErrLeadershipLost)) {
+			// It stepped down before the append, or before Submit saw its
+			// ctx end (a stalled machine: the cut-off leader's lease ran
+			// out first): again.
+			t.Logf("try %d: %v", try, err)
+			continue
 		}
 		if !errors.Is(err, idem.ErrInDoubt) || !errors.Is(err, context.DeadlineExceeded) {
 			t.Fatalf("Submit that stopped waiting: %v, want idem.ErrInDoubt and context.DeadlineExceeded", err)
@@ -114,8 +124,8 @@ func TestSubmitInDoubt(t *testing.T) {
 		t.Fatalf("the retry: %+v", resp)
 	}
 	for _, st := range c.converge(t, ctx) {
-		if n := st.Applied["doubt-1"]; n != 1 {
-			t.Fatalf("applied %d times", n)
+		if n := st.Applied[id]; n != 1 {
+			t.Fatalf("%s applied %d times", id, n)
 		}
 	}
 }

@@ -325,14 +325,14 @@ func ackBatch(ctx context.Context, msgs []Message, outs []Outcome, opts ConsumeO
 
 // settle hands one delivery's outcome to the broker (see ackBatch).
 func settle(ctx context.Context, m *Message, o Outcome, opts ConsumeOptions, pc *poisonCounters) {
-	id := string(m.Event.ID)
 	if o.Status.Ackable() {
 		if err := m.Ack(ctx); err != nil {
 			// The effect is committed: a redelivery is replayed.
-			opts.Logger.Warn("idemstream: ack failed; the redelivery will be replayed", "id", id, "err", err)
+			opts.Logger.Warn("idemstream: ack failed; the redelivery will be replayed", "id", string(m.Event.ID), "err", err)
 		}
 		return
 	}
+	id := string(m.Event.ID) // for the logs below: not made per acked event
 	var reason string
 	switch {
 	case permanent(o.Err):

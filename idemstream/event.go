@@ -9,6 +9,7 @@ import (
 	"hash/crc32"
 	"time"
 
+	"github.com/idemdb/idem/internal/msgp"
 	"github.com/vmihailenco/msgpack/v5"
 )
 
@@ -244,13 +245,12 @@ func encodeEventRecord(r *eventRecord) ([]byte, error) {
 
 // eventRecordEncoder encodes event records without an outbox (a result,
 // a position, a checkpoint) byte for byte as encodeEventRecord does
-// (TestEventRecordEncoder), with msgpack's Encoder called field by field
-// (no reflection) into shared chunks: no allocation per event. The slices
-// it returns stay valid (a full chunk is left to them, never reused). Not
-// safe for concurrent use.
+// (TestEventRecordEncoder), appending the msgpack values directly
+// (internal/msgp: no reflection, no Encoder calls) into shared chunks: no
+// allocation per event. The slices it returns stay valid (a full chunk is
+// left to them, never reused). Not safe for concurrent use.
 type eventRecordEncoder struct {
-	w   appendWriter
-	enc *msgpack.Encoder
+	b []byte
 }
 
 // eventRecordOverhead bounds what an event record without an outbox adds
@@ -258,27 +258,20 @@ type eventRecordEncoder struct {
 const eventRecordOverhead = 32
 
 func (e *eventRecordEncoder) encode(result []byte, checkpoint uint64, partition string, offset uint64) []byte {
-	if e.enc == nil {
-		e.enc = msgpack.NewEncoder(&e.w)
-		e.enc.UseCompactInts(true) // as encodeEventRecord
-	}
 	need := eventRecordOverhead + len(partition) + len(result)
-	if cap(e.w.b)-len(e.w.b) < need {
-		e.w.b = make([]byte, 0, max(16<<10, need))
+	if cap(e.b)-len(e.b) < need {
+		e.b = make([]byte, 0, max(16<<10, need))
 	}
-	start := len(e.w.b)
+	start := len(e.b)
 	// encodeEventRecord's encoding: an array of the six fields, version 1.
-	// appendWriter never fails, so neither do these (the Encoder's
-	// primitives fail only with their writer).
-	enc := e.enc
-	_ = enc.EncodeArrayLen(6)
-	_ = enc.EncodeUint(eventRecordVersion)
-	_ = enc.EncodeBytes(result) // nil as nil
-	_ = enc.EncodeString(partition)
-	_ = enc.EncodeUint(offset)
-	_ = enc.EncodeUint(checkpoint)
-	_ = enc.EncodeNil() // no outbox
-	b := e.w.b
+	b := msgp.AppendArrayLen(e.b, 6)
+	b = msgp.AppendUint(b, eventRecordVersion)
+	b = msgp.AppendBytes(b, result) // nil as nil
+	b = msgp.AppendString(b, partition)
+	b = msgp.AppendUint(b, offset)
+	b = msgp.AppendUint(b, checkpoint)
+	b = append(b, 0xc0) // nil: no outbox
+	e.b = b
 	return b[start:len(b):len(b)]
 }
 

@@ -648,6 +648,12 @@ func (sb *sinkBatch) finish() ([]Outcome, []error) {
 		// Once an effect has run, its commit is written whatever ctx says.
 		finRes, err = fin.Run(context.WithoutCancel(ctx))
 	}
+	// The counters are added once for the batch, not per event.
+	var frontierWrites, applied uint64
+	defer func() {
+		s.frontierWrites.Add(frontierWrites)
+		s.applied.Add(applied)
+	}()
 	for n, r := range finItems {
 		ev := &evs[r.i]
 		if r.state != runCommit {
@@ -662,7 +668,7 @@ func (sb *sinkBatch) finish() ([]Outcome, []error) {
 			continue
 		}
 		if ev.Offset != 0 {
-			s.frontierWrites.Add(1)
+			frontierWrites++
 		}
 		if err := s.hookAt(windowAfterCommit, ev); err != nil {
 			errs[r.i] = err
@@ -674,7 +680,7 @@ func (sb *sinkBatch) finish() ([]Outcome, []error) {
 				continue
 			}
 		}
-		s.applied.Add(1)
+		applied++
 		outs[r.i] = Outcome{Status: Applied, Result: r.eff.Result, Partition: ev.Partition, Offset: ev.Offset, ExpiresAt: outs[r.i].ExpiresAt}
 	}
 	if len(adv) > 0 {

@@ -132,7 +132,10 @@ func TestSinkConcurrentDeliveriesRunOnce(t *testing.T) {
 		first <- out
 	}()
 	for runs.Load() == 0 {
-		time.Sleep(time.Millisecond)
+		if ctx.Err() != nil {
+			t.Fatalf("the first delivery never ran its handler: %v", ctx.Err())
+		}
+		time.Sleep(time.Millisecond) // polling the handler's count
 	}
 	out, err := s.Apply(ctx, ev, h) // a second delivery while the first runs
 	if err != nil || out.Status != Busy || out.Status.Ackable() {

@@ -1,7 +1,9 @@
 package idemstream
 
 import (
+	"bytes"
 	"context"
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -9,6 +11,7 @@ import (
 	"strconv"
 	"sync"
 	"time"
+	"unsafe"
 
 	"github.com/idemdb/idem"
 	"github.com/vmihailenco/msgpack/v5"
@@ -143,13 +146,40 @@ type unfinishedCheckpoint struct {
 	tried    bool // Commit was called: retry with RecoverAndCommit
 }
 
-// eventClaim is a distinct event of a checkpoint's batch.
+// eventClaim is a distinct event of a checkpoint's batch. It points into
+// the batch (Checkpoint's events, which outlive it) rather than copying
+// the event and its request: a checkpoint makes one per event.
 type eventClaim struct {
-	ev    Event
-	req   idem.Request // its request (id, fingerprint, TTL)
-	idx   []int        // positions in the batch (a batch may repeat an id)
-	fresh bool         // looked up absent: to run
-	err   error        // the lookup's
+	ev    *Event // its first delivery in the batch
+	fp    []byte // the payload's fingerprint (nil with NoFingerprint)
+	first int    // its first position in the batch
+	more  []int  // the positions of its repeats (a batch may repeat an id)
+	fresh bool   // looked up absent: to run
+	err   error  // the lookup's
+	// hint, when not nil, is what the engine's LookupHint read of the
+	// event for its Put (idem.PutHint): the key validated and its slot
+	// found once, by the lookup.
+	hint *idem.PutHint
+}
+
+// hintLookuper is the engine's LookupHint: a Lookup that hands its read
+// on to the Put that follows (idem.PutHint).
+type hintLookuper interface {
+	LookupHint(ctx context.Context, req idem.Request, h *idem.PutHint) (idem.Result, error)
+}
+
+// put adds c's Put with rec to b: through its hint when it has one.
+func (c *eventClaim) put(b idem.Batch, escope string, ttl time.Duration, rec []byte) {
+	if c.hint != nil {
+		c.hint.Put(b, rec)
+		return
+	}
+	b.Put(c.req(escope, ttl), rec)
+}
+
+// req is c's request in the event scope escope (id, fingerprint, TTL).
+func (c *eventClaim) req(escope string, ttl time.Duration) idem.Request {
+	return idem.Request{Scope: escope, ID: c.ev.ID, Fingerprint: c.fp, TTL: ttl}
 }
 
 type openRecord struct {
@@ -752,7 +782,7 @@ func (t *TwoPhase[Txn]) Checkpoint(ctx context.Context, events []Event) ([]Outco
 		frontier[p] = o
 	}
 	for _, c := range fresh {
-		if err := t.sink.Invoke(ctx, txn, c.ev); err != nil {
+		if err := t.sink.Invoke(ctx, txn, *c.ev); err != nil {
 			if err := waitOpen(); err != nil {
 				return nil, err
 			}
@@ -798,8 +828,9 @@ func (t *TwoPhase[Txn]) Checkpoint(ctx context.Context, events []Event) ([]Outco
 		return nil, err
 	}
 	for _, c := range fresh {
-		for _, i := range c.idx {
-			outs[i] = Outcome{Status: Applied, Partition: c.ev.Partition, Offset: c.ev.Offset, Checkpoint: k}
+		outs[c.first] = Outcome{Status: Applied, Partition: c.ev.Partition, Offset: c.ev.Offset, Checkpoint: k}
+		for _, i := range c.more {
+			outs[i] = outs[c.first]
 		}
 	}
 	if err := t.hookAt(windowBeforeAck, k); err != nil {
@@ -845,7 +876,7 @@ func (t *TwoPhase[Txn]) recordCheckpoint(ctx context.Context, k uint64, handle [
 	for j, c := range fresh {
 		ids[j] = c.ev.ID
 		if fps != nil {
-			fps[j] = c.req.Fingerprint
+			fps[j] = c.fp
 		}
 	}
 	rec, err := seal(&checkpointRecord{K: k, Handle: handle, Events: ids, Fingerprints: fps, Frontier: frontier}, maxSealedBytes)
@@ -862,7 +893,7 @@ func (t *TwoPhase[Txn]) recordCheckpoint(ctx context.Context, k uint64, handle [
 	b.Put(idem.Request{Scope: t.scope, ID: ckptID("c", k)}, rec, adv...)
 	var enc eventRecordEncoder
 	for _, c := range fresh {
-		b.Put(c.req, enc.encode(nil, k, c.ev.Partition, c.ev.Offset))
+		c.put(b, t.escope, t.opts.TTL, enc.encode(nil, k, c.ev.Partition, c.ev.Offset))
 	}
 	res, err := b.Run(context.WithoutCancel(ctx))
 	if err != nil {
@@ -890,10 +921,11 @@ func (t *TwoPhase[Txn]) recordCheckpoint(ctx context.Context, k uint64, handle [
 // lookups run concurrently: after them).
 func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event, firstFresh func()) ([]Outcome, []*eventClaim, error) {
 	outs := make([]Outcome, len(events))
+	// byID is keyed by the events' own id bytes, not copies: events
+	// outlive the map.
 	byID := make(map[string]*eventClaim, len(events))
 	order := make([]*eventClaim, 0, len(events))
 	all := make([]eventClaim, len(events))
-	idx := make([]int, len(events))
 	var fps fingerprints
 	for i := range events {
 		ev := &events[i]
@@ -901,27 +933,55 @@ func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event, firstFr
 			outs[i] = Outcome{Status: Failed, Err: err, Partition: ev.Partition, Offset: ev.Offset}
 			continue
 		}
-		if c := byID[string(ev.ID)]; c != nil {
-			c.idx = append(c.idx, i)
+		id := unsafe.String(unsafe.SliceData(ev.ID), len(ev.ID))
+		if c := byID[id]; c != nil {
+			if c.fp != nil {
+				// A repeat with another payload is not the same event:
+				// a conflict, as a redelivery of a committed id would be.
+				if s := sha256.Sum256(ev.Payload); !bytes.Equal(s[:], c.fp) {
+					outs[i] = Outcome{Status: Failed, Partition: ev.Partition, Offset: ev.Offset,
+						Err: fmt.Errorf("%w: %s, event %q (partition %q, offset %d): repeats the event at partition %q, offset %d of the same batch with another payload",
+							ErrConflict, t.who, ev.ID, ev.Partition, ev.Offset, c.ev.Partition, c.ev.Offset)}
+					continue
+				}
+			}
+			c.more = append(c.more, i)
 			continue
 		}
 		c := &all[i]
-		idx[i] = i
-		*c = eventClaim{ev: *ev, idx: idx[i : i+1 : i+1]} // a repeat appends to a copy
-		c.req = eventRequestFP(t.escope, &c.ev, t.opts.NoFingerprint, t.opts.TTL, &fps)
-		byID[string(ev.ID)] = c
+		*c = eventClaim{ev: ev, first: i}
+		if !t.opts.NoFingerprint {
+			c.fp = fps.of(ev.Payload)
+		}
+		byID[id] = c
 		order = append(order, c)
+	}
+	// An engine's lookups hand their reads on to the Puts of the fresh
+	// events (hints[j] for order[j]).
+	hl, _ := t.st.(hintLookuper)
+	var hints []idem.PutHint
+	if hl != nil {
+		hints = make([]idem.PutHint, len(order))
 	}
 	// lookup classifies order[j]: fresh, or its outcome (at its first
 	// position) or error.
 	lookup := func(j int) {
 		c := order[j]
-		r, err := t.st.Lookup(ctx, c.req)
-		_, o, err := classifyEvent(r, err, t.escope, t.who, &c.ev)
+		var r idem.Result
+		var err error
+		if hl != nil {
+			r, err = hl.LookupHint(ctx, c.req(t.escope, t.opts.TTL), &hints[j])
+			if err == nil && r.Status == idem.Absent {
+				c.hint = &hints[j]
+			}
+		} else {
+			r, err = t.st.Lookup(ctx, c.req(t.escope, t.opts.TTL))
+		}
+		_, o, err := classifyEvent(r, err, t.escope, t.who, c.ev)
 		c.err, c.fresh = err, err == nil && r.Status == idem.Absent
 		if err == nil && !c.fresh {
 			o.outbox = nil
-			outs[c.idx[0]] = o
+			outs[c.first] = o
 		}
 	}
 	if _, ok := t.st.(idem.Batcher); ok {
@@ -940,15 +1000,15 @@ func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event, firstFr
 	for _, c := range order {
 		switch err := c.err; {
 		case errors.Is(err, ErrConflict) || errors.Is(err, ErrCorruptRecord):
-			outs[c.idx[0]] = Outcome{Status: Failed, Err: err, Partition: c.ev.Partition, Offset: c.ev.Offset}
+			outs[c.first] = Outcome{Status: Failed, Err: err, Partition: c.ev.Partition, Offset: c.ev.Offset}
 		case err != nil:
 			return nil, nil, err
 		case c.fresh:
 			fresh = append(fresh, c)
 			continue
 		}
-		for _, i := range c.idx[1:] {
-			outs[i] = outs[c.idx[0]]
+		for _, i := range c.more {
+			outs[i] = outs[c.first]
 		}
 	}
 	if len(fresh) > 0 && firstFresh != nil {

@@ -461,6 +461,16 @@ func (s *lookupFailStore) Lookup(ctx context.Context, req idem.Request) (idem.Re
 	return s.Engine.Lookup(ctx, req)
 }
 
+// LookupHint is the engine's lookup that TwoPhase uses (a Lookup that
+// hands its read on to the Put): it fails as Lookup does.
+func (s *lookupFailStore) LookupHint(ctx context.Context, req idem.Request, h *idem.PutHint) (idem.Result, error) {
+	if id := s.failID.Load(); id != nil && string(req.ID) == *id {
+		*h = idem.PutHint{}
+		return idem.Result{}, errLookupFailed
+	}
+	return s.Engine.LookupHint(ctx, req, h)
+}
+
 // TestCheckpointLookupFailsAfterBegin: the checkpoint's transaction begins
 // (and its opening is written) at the first new event found, while the
 // rest of the batch is looked up; a lookup that fails after that aborts
@@ -505,4 +515,40 @@ func TestCheckpointLookupFailsAfterBegin(t *testing.T) {
 	}
 	l.check(t)
 	checkExactlyOnce(t, l.committed, evs)
+}
+
+// TestCheckpointRepeatWithAnotherPayload: a batch that repeats an event id
+// with another payload gets ErrConflict for the repeat (as a redelivery of
+// a committed id with another payload would), runs the event once, and
+// gives an exact repeat the first delivery's outcome.
+func TestCheckpointRepeatWithAnotherPayload(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	w := newWorld()
+	l := newTxnLedger(w)
+	tp, _, err := newTwoPhaseWithHook(t, ctx, w, l, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tp.Close()
+	evs := []Event{
+		{ID: []byte("x"), Partition: "p", Offset: 1, Payload: []byte("amount=1")},
+		{ID: []byte("x"), Partition: "p", Offset: 2, Payload: []byte("amount=2")},
+		{ID: []byte("x"), Partition: "p", Offset: 3, Payload: []byte("amount=1")},
+	}
+	outs, err := tp.Checkpoint(ctx, evs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if outs[0].Status != Applied || outs[2].Status != Applied {
+		t.Fatalf("first delivery and exact repeat: %+v, %+v; want both Applied", outs[0], outs[2])
+	}
+	if outs[1].Status != Failed || !errors.Is(outs[1].Err, ErrConflict) {
+		t.Fatalf("repeat with another payload: %+v; want Failed with ErrConflict", outs[1])
+	}
+	t.Log(outs[1].Err)
+	if n := l.invokes["x"]; n != 1 {
+		t.Fatalf("x invoked %d times, want 1", n)
+	}
+	l.check(t)
 }

@@ -4,11 +4,13 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"runtime"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
 
 	"github.com/cockroachdb/pebble/v2/vfs"
+	"github.com/idemdb/idem/internal/alloctest"
 	"github.com/idemdb/idem/wal"
 )
 
@@ -16,12 +18,12 @@ import (
 // allocation of its own in the set (its pendEntry and key bytes come out of
 // the set's chunks), and every key reads back through the set and, once
 // ingested, through Pebble.
+//
+// The allocation count is process-wide (runtime.MemStats.Mallocs counts
+// every goroutine's), so a count over the bound may be someone else's: as
+// alloctest does for bytes, the Apply is measured again on a new index, up
+// to alloctest.Runs times, and the test fails only if every run is over.
 func TestPendingSetAllocations(t *testing.T) {
-	ix, err := Open(Options{FS: vfs.NewMem(), Dir: "ix", IngestBytes: 1 << 30, FilterBytes: -1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ix.Close(false)
 	const n = 10_000
 	ups := make([]*Update, n)
 	for i := range ups {
@@ -30,17 +32,34 @@ func TestPendingSetAllocations(t *testing.T) {
 		e := &Entry{Committed: true, CommitTime: int64(lsn), CommitLSN: lsn, LSN: lsn, ReplyKept: true, Reply: []byte("reply")}
 		ups[i] = &Update{LSN: lsn, Transitions: []Transition{{Key: k, Mode: ModeID, Next: e}}}
 	}
-	var m0, m1 runtime.MemStats
-	runtime.ReadMemStats(&m0)
-	if err := ix.Apply(ups); err != nil {
-		t.Fatal(err)
-	}
-	runtime.ReadMemStats(&m1)
 	// Before: a pendEntry and a key string per key (2 per key). Now the
 	// chunks and the map's growth: a few hundred in all. The bound leaves
 	// room for whatever Pebble's idle goroutines allocate meanwhile.
-	if per := float64(m1.Mallocs-m0.Mallocs) / n; per > 0.5 {
-		t.Fatalf("%.2f allocations per new pending key, want < 0.5", per)
+	var ix *Index
+	var pers []float64
+	for len(pers) < alloctest.Runs {
+		if ix != nil {
+			ix.Close(false)
+		}
+		var err error
+		ix, err = Open(Options{FS: vfs.NewMem(), Dir: "ix", IngestBytes: 1 << 30, FilterBytes: -1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var m0, m1 runtime.MemStats
+		runtime.ReadMemStats(&m0)
+		if err := ix.Apply(ups); err != nil {
+			t.Fatal(err)
+		}
+		runtime.ReadMemStats(&m1)
+		pers = append(pers, float64(m1.Mallocs-m0.Mallocs)/n)
+		if pers[len(pers)-1] <= 0.5 {
+			break
+		}
+	}
+	defer ix.Close(false)
+	if per := slices.Min(pers); per > 0.5 {
+		t.Fatalf("%.2f allocations per new pending key, want < 0.5 (each of %d runs: %v)", per, len(pers), pers)
 	}
 	check := func(where string) {
 		t.Helper()

@@ -20,8 +20,6 @@ import (
 	"github.com/idemdb/idem/idemcluster/clusterpb"
 	"github.com/idemdb/idem/idemhttp"
 	"github.com/idemdb/idem/internal/proctest"
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 )
 
@@ -183,6 +181,9 @@ func TestFleet(t *testing.T) {
 	}
 	callersWG.Wait()
 	elapsed := time.Since(start)
+	if len(gaps) != len(events)-1 {
+		t.Fatalf("%d leader SIGKILLs, want %d", len(gaps), len(events)-1)
+	}
 	if n := failed.Load(); n > 0 || ctx.Err() != nil {
 		t.Fatalf("%d failures (%v), the first ones:\n%s", n, ctx.Err(), strings.Join(failures, "\n"))
 	}
@@ -287,12 +288,16 @@ func TestFleet(t *testing.T) {
 	}
 }
 
-// killLeader kills the leader with SIGKILL, sends a probe transfer at
-// once and returns how long it took to be answered (the failover gap as a
-// client sees it), then restarts the node and waits until it caught up.
+// killLeader kills the leader with SIGKILL (paused first, so that the
+// node killed is the one that leads: proctest.PauseLeader), checks that one
+// of its followers is elected, sends a probe transfer at once and returns
+// how long it took to be answered (the failover gap as a client sees it,
+// from the kill; the leader was paused a few milliseconds before), then
+// restarts the node and waits until it caught up.
 func killLeader(ctx context.Context, t *testing.T, tc *testCluster, i int, probe func(key string)) time.Duration {
 	t.Helper()
-	lead := tc.leader(ctx, nil)
+	p := proctest.PauseLeader(ctx, t, tc.members)
+	lead := tc.node(p.Lead)
 	// For the log: when a node first says it leads (polled every 10 ms),
 	// to tell the election's share of the gap from the client's.
 	elected := make(chan time.Duration, 1)
@@ -313,14 +318,14 @@ func killLeader(ctx context.Context, t *testing.T, tc *testCluster, i int, probe
 	lead.p.Kill(syscall.SIGKILL)
 	probe(fmt.Sprintf("probe-%d", i))
 	gap := time.Since(t0)
-	next := tc.leader(ctx, lead)
+	next := tc.node(p.NextLeader(ctx, t, tc.members))
 	stopPoll()
 	el := <-elected
 	t1 := time.Now()
 	lead.start(ctx)
 	tc.caughtUp(ctx, lead)
-	t.Logf("kill %d: leader %s killed; %s says it leads after %v; a request sent at the kill answered after %v; %s restarted and caught up in %v",
-		i+1, lead.id, next.id, el.Round(time.Millisecond), gap.Round(time.Millisecond), lead.id, time.Since(t1).Round(time.Millisecond))
+	t.Logf("kill %d: leader %s of term %d paused (try %d) and killed; %s, its follower, says it leads after %v; a request sent at the kill answered after %v; %s restarted and caught up in %v",
+		i+1, lead.id, p.Term, p.Tries, next.id, el.Round(time.Millisecond), gap.Round(time.Millisecond), lead.id, time.Since(t1).Round(time.Millisecond))
 	return gap
 }
 
@@ -334,22 +339,19 @@ const pausedTransfers = 16
 // its stale state (say a transfer is absent, or hand out its key).
 func pauseLeader(ctx context.Context, t *testing.T, tc *testCluster, transfer func(key string)) {
 	t.Helper()
-	lead := tc.leader(ctx, nil)
-	// A connection of its own, whose stats handler says when each request
-	// has been handed to the connection: the requests are queued to the
-	// paused process before it is continued.
-	sent := proctest.NewSentCounter(pausedTransfers + 1)
-	cc, err := grpc.NewClient(lead.grpc, grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithStatsHandler(sent))
-	if err != nil {
-		t.Fatal(err)
+	// A connection of its own to each node, whose stats handler says when
+	// each request has been handed to the connection (the requests are
+	// queued to the paused process before it is continued); the one to the
+	// node paused as leader is used.
+	addrs := map[string]string{}
+	for _, n := range tc.nodes {
+		addrs[n.id] = n.grpc
 	}
-	defer cc.Close()
-	if _, err := clusterpb.NewClusterClient(cc).Status(ctx, &clusterpb.StatusRequest{}); err != nil {
-		t.Fatal(err) // connected before the pause
-	}
-	sent.Drain() // the Status request's own message
-	lead.p.Signal(syscall.SIGSTOP)
-	next := tc.leader(ctx, lead) // elected without it: it is paused longer than the election timeout
+	probes := proctest.Probes(ctx, t, addrs, pausedTransfers+1)
+	p := proctest.PauseLeader(ctx, t, tc.members)
+	lead := tc.node(p.Lead)
+	cc, sent := probes[lead.id].Conn, probes[lead.id].Sent
+	next := tc.node(p.NextLeader(ctx, t, tc.members)) // elected without it: it is paused longer than the election timeout
 	var keys []string
 	for j := range pausedTransfers {
 		keys = append(keys, fmt.Sprintf("paused-%d", j))
@@ -408,5 +410,5 @@ func pauseLeader(ctx context.Context, t *testing.T, tc *testCluster, transfer fu
 		said[a]++
 	}
 	tc.caughtUp(ctx, lead)
-	t.Logf("pause: leader %s stopped; %s elected, %d transfers made; asked before SIGCONT, %s answered %v; caught up", lead.id, next.id, len(keys), lead.id, said)
+	t.Logf("pause: leader %s of term %d stopped (try %d); %s, its follower, elected, %d transfers made; asked before SIGCONT, %s answered %v; caught up", lead.id, p.Term, p.Tries, next.id, len(keys), lead.id, said)
 }

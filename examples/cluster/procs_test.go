@@ -78,7 +78,8 @@ func binaries(t *testing.T) (idemBin, appBin string) {
 type node struct {
 	id, raft, grpc string
 	p              *proctest.Proc
-	cc             *grpc.ClientConn // to this node only (no leader following)
+	cc             *grpc.ClientConn    // to this node only (no leader following)
+	m              *proctest.ServeNode // p and cc as a proctest.Member
 }
 
 var upLine = regexp.MustCompile(`idem serve: node \S+ up: `)
@@ -95,8 +96,20 @@ func (n *node) status(ctx context.Context) (*clusterpb.StatusResponse, error) {
 
 // testCluster is three `idem serve` processes on loopback.
 type testCluster struct {
-	t     *testing.T
-	nodes []*node
+	t       *testing.T
+	nodes   []*node
+	members []proctest.Member // the nodes' m, in the same order
+}
+
+// node is the node of m.
+func (tc *testCluster) node(m proctest.Member) *node {
+	for _, n := range tc.nodes {
+		if n.id == m.Name() {
+			return n
+		}
+	}
+	tc.t.Fatalf("no node %s", m.Name())
+	return nil
 }
 
 func startCluster(ctx context.Context, t *testing.T, idemBin, dir string) *testCluster {
@@ -117,6 +130,8 @@ func startCluster(ctx context.Context, t *testing.T, idemBin, dir string) *testC
 			t.Fatal(err)
 		}
 		n.cc = cc
+		n.m = &proctest.ServeNode{Proc: n.p, Conn: cc}
+		tc.members = append(tc.members, n.m)
 		t.Cleanup(func() { cc.Close() })
 	}
 	for _, n := range tc.nodes {
@@ -135,41 +150,16 @@ func (tc *testCluster) addrs() string {
 
 // leader waits until the running nodes agree on a leader among them (it
 // says it leads, and every other running node names it) and returns it.
-// A paused node is left out with skip.
+// A paused node is left out with skip. What it returns led a moment ago;
+// killLeader and pauseLeader act on the leader itself (proctest.PauseLeader).
 func (tc *testCluster) leader(ctx context.Context, skip *node) *node {
 	tc.t.Helper()
-	for {
-		var lead *node
-		agree := true
-		var ids []string
-		for _, n := range tc.nodes {
-			if n == skip || !n.p.Running() {
-				continue
-			}
-			st, err := n.status(ctx)
-			if err != nil {
-				agree = false
-				break
-			}
-			ids = append(ids, st.LeaderId)
-			if st.State == "Leader" && st.LeaderId == n.id {
-				lead = n
-			}
-		}
-		if agree && lead != nil {
-			for _, id := range ids {
-				agree = agree && id == lead.id
-			}
-			if agree {
-				return lead
-			}
-		}
-		select {
-		case <-ctx.Done():
-			tc.t.Fatalf("the nodes agree on no leader: %v", ctx.Err())
-		case <-time.After(20 * time.Millisecond): // polling the nodes' state
-		}
+	var s proctest.Member
+	if skip != nil {
+		s = skip.m
 	}
+	lead, _ := proctest.Leader(ctx, tc.t, tc.members, s)
+	return tc.node(lead)
 }
 
 // caughtUp waits until the running nodes (n among them) agree on a

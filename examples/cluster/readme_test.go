@@ -9,6 +9,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/idemdb/idem/internal/proctest"
 )
 
 // TestREADME runs the README's session with the commands it gives: three
@@ -79,6 +81,14 @@ func TestREADME(t *testing.T) {
 			}
 		}
 	}
+	// The node named may have lost the leadership since (an election on a
+	// loaded machine): the one killed is the leader, paused first
+	// (proctest.PauseLeader).
+	p := proctest.PauseLeader(ctx, t, tc.members)
+	if p.Lead.Name() != lead.id {
+		t.Logf("GET /cluster named %s; %s leads now", lead.id, p.Lead.Name())
+		lead = tc.node(p.Lead)
+	}
 	lead.p.Kill(syscall.SIGKILL)
 	// The answer to t-1001 was lost, say: retried through b, it is
 	// answered (by the new leader) with the same bytes; a new transfer
@@ -86,6 +96,8 @@ func TestREADME(t *testing.T) {
 	if r := mustPost(ctx, t, hc, b, "t-1001", body); !bytes.Equal(r.body, first.body) {
 		t.Fatalf("t-1001 after the leader's kill: %v, first %v", r, first)
 	}
+	next := p.NextLeader(ctx, t, tc.members)
+	t.Logf("leader %s killed; %s, its follower, elected", lead.id, next.Name())
 	second := mustPost(ctx, t, hc, a, "t-1002", `{"from":"bob","to":"carol","amount":5}`)
 	if second.code != http.StatusCreated || second.header.Get("Idempotent-Replayed") != "" {
 		t.Fatalf("t-1002: %v", second)

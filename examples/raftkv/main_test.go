@@ -164,23 +164,61 @@ func TestCluster(t *testing.T) {
 	// Kill the leader; at once ask a follower again about order-2 (its
 	// answer was lost, say): 503 with Retry-After while there is no live
 	// leader, then the replay from the new leader.
-	_, lid := f.r.LeaderWithID()
-	var leader *testNode
-	for _, n := range nodes {
-		if n.self.id == lid {
-			leader = n
+	// The leader is the node that says it leads, in the term every node is
+	// in, every node naming it (f's own view may be stale, or empty during
+	// an election on a loaded machine); it still says so just before the
+	// kill.
+	leader, term := steadyLeader(nodes)
+	for leader == nil || leader.r.State() != raft.Leader || leader.r.CurrentTerm() != term {
+		if time.Now().After(deadline) {
+			t.Fatal("the nodes agree on no leader")
 		}
+		time.Sleep(20 * time.Millisecond) // polling raft's state
+		leader, term = steadyLeader(nodes)
 	}
+	lid := leader.self.id
 	leader.kill()
 	for _, n := range nodes {
 		if n != leader {
 			f = n // it still names the dead leader (until its heartbeat timeout)
 		}
 	}
-	if code, b := post(f, "order-2", "7"); code != 200 || b["value"] != 12.0 || b["duplicate"] != true || b["node"] == string(lid) {
+	code, b = post(f, "order-2", "7")
+	if code != 200 || b["value"] != 12.0 || b["duplicate"] != true || b["node"] == string(lid) {
 		t.Fatalf("order-2 after the leader's kill: %d %v", code, b)
+	}
+	// The replay came from a leader elected after the kill: a later term.
+	for _, n := range nodes {
+		if string(n.self.id) == b["node"] {
+			if nt := n.r.CurrentTerm(); nt <= term {
+				t.Fatalf("%s answered the replay in term %d, the killed leader %s led in term %d", n.self.id, nt, lid, term)
+			}
+			t.Logf("leader %s (term %d) killed; %s answered the replay in term %d", lid, term, n.self.id, n.r.CurrentTerm())
+		}
 	}
 	if _, err := parsePeers("n1=a"); err == nil || !strings.Contains(err.Error(), "id=raftaddr=httpaddr") {
 		t.Fatalf("parsePeers: %v", err)
 	}
+}
+
+// steadyLeader is the node that says it leads when every node is in its
+// term and names it, and that term; nil when not so (an election).
+func steadyLeader(nodes []*testNode) (*testNode, uint64) {
+	var leader *testNode
+	term := nodes[0].r.CurrentTerm()
+	for _, n := range nodes {
+		_, id := n.r.LeaderWithID()
+		if n.r.CurrentTerm() != term || id == "" || id != nodes[0].leaderID() {
+			return nil, 0
+		}
+		if n.r.State() == raft.Leader && id == n.self.id {
+			leader = n
+		}
+	}
+	return leader, term
+}
+
+func (n *testNode) leaderID() raft.ServerID {
+	_, id := n.r.LeaderWithID()
+	return id
 }

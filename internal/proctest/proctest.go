@@ -1,25 +1,34 @@
 // Package proctest holds what the tests that run idem as OS processes
-// share (idemcluster's `idem serve` tests, examples/cluster's fleet):
-// loopback addresses for processes that bind them themselves, a process
-// that is started, signalled and restarted with the same arguments, and a
-// gRPC stats handler that tells when a request has been handed to its
-// connection (so that a test gates on that rather than sleeping).
+// share (idemcluster's `idem serve` tests, examples/cluster's fleet,
+// idemraft's process test): loopback addresses for processes that bind
+// them themselves, a process that is started, signalled and restarted with
+// the same arguments, a gRPC stats handler that tells when a request has
+// been handed to its connection (so that a test gates on that rather than
+// sleeping), and the leader of a cluster of such processes, paused before
+// it is acted on so that a test that means to kill the leader does
+// (PauseLeader).
 package proctest
 
 import (
 	"bufio"
 	"context"
+	"fmt"
 	"math/rand/v2"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"sort"
 	"strconv"
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
+	"github.com/idemdb/idem/idemcluster/clusterpb"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/stats"
 )
 
@@ -158,16 +167,17 @@ func (p *Proc) Signal(sig syscall.Signal) {
 	_ = p.cmd.Process.Signal(sig)
 }
 
-// Kill sends sig and returns once the process has exited (a stopped
-// process is continued first when sig is SIGKILL).
+// Kill sends sig and returns once the process has exited. SIGKILL ends a
+// stopped (SIGSTOP) process without it running again; other signals are
+// followed by SIGCONT, so that a stopped process receives them.
 func (p *Proc) Kill(sig syscall.Signal) {
 	if !p.Running() {
 		return
 	}
-	if sig == syscall.SIGKILL {
-		_ = p.cmd.Process.Signal(syscall.SIGCONT) // a stopped process dies only when continued
-	}
 	_ = p.cmd.Process.Signal(sig)
+	if sig != syscall.SIGKILL {
+		_ = p.cmd.Process.Signal(syscall.SIGCONT)
+	}
 	<-p.exited
 }
 
@@ -181,6 +191,36 @@ func (p *Proc) WaitExit(ctx context.Context) *os.ProcessState {
 		p.t.Fatalf("%s did not exit: %v", p.name, ctx.Err())
 		return nil
 	}
+}
+
+// Probe is a connection of a test's own to one node, with a SentCounter,
+// for requests the test queues to the node while it is paused.
+type Probe struct {
+	Conn *grpc.ClientConn
+	Sent *SentCounter
+}
+
+// Probes connects to each node (name -> gRPC address) with a SentCounter
+// holding n reports, before anything is paused: each connection has
+// answered a Status request, whose report is drained. The test's cleanup
+// closes them.
+func Probes(ctx context.Context, t testing.TB, addrs map[string]string, n int) map[string]*Probe {
+	t.Helper()
+	out := map[string]*Probe{}
+	for name, addr := range addrs {
+		sent := NewSentCounter(n)
+		cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithStatsHandler(sent))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { cc.Close() })
+		if _, err := clusterpb.NewClusterClient(cc).Status(ctx, &clusterpb.StatusRequest{}); err != nil {
+			t.Fatalf("proctest: Status of %s: %v", name, err)
+		}
+		sent.Drain() // the Status request's own message
+		out[name] = &Probe{Conn: cc, Sent: sent}
+	}
+	return out
 }
 
 // SentCounter is a gRPC client stats.Handler (grpc.WithStatsHandler) that
@@ -215,3 +255,191 @@ func (s *SentCounter) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context
 func (s *SentCounter) HandleConn(context.Context, stats.ConnStats)                       {}
 
 var _ stats.Handler = (*SentCounter)(nil)
+
+// View is a raft node's own view, asked of the node itself (no leader
+// following): its state ("Leader", "Follower", "Candidate", ...), the
+// leader it follows ("" when it knows none) and its current term.
+type View struct {
+	State, LeaderID string
+	Term            uint64
+}
+
+// Member is a node of a raft cluster run as a process, as PauseLeader and
+// Leader see it. *Proc gives Name, Running, Signal and Kill (Name must be
+// the node's raft id); the test adds View (ServeNode does for `idem
+// serve`).
+type Member interface {
+	Name() string
+	Running() bool
+	Signal(sig syscall.Signal)
+	Kill(sig syscall.Signal)
+	View(ctx context.Context) (View, error)
+}
+
+// ServeNode is an `idem serve` process as a Member: its view is what its
+// Status RPC answers on Conn, a connection to that node alone.
+type ServeNode struct {
+	*Proc
+	Conn grpc.ClientConnInterface
+}
+
+// View implements Member.
+func (n *ServeNode) View(ctx context.Context) (View, error) {
+	st, err := clusterpb.NewClusterClient(n.Conn).Status(ctx, &clusterpb.StatusRequest{})
+	if err != nil {
+		return View{}, err
+	}
+	return View{State: st.State, LeaderID: st.LeaderId, Term: st.Term}, nil
+}
+
+// views asks the running members for their views, concurrently, each
+// bounded by a second. ok is false when one of them did not answer.
+func views(ctx context.Context, nodes []Member) (out map[Member]View, ok bool) {
+	type answer struct {
+		m   Member
+		v   View
+		err error
+	}
+	ch := make(chan answer, len(nodes))
+	n := 0
+	for _, m := range nodes {
+		if !m.Running() {
+			continue
+		}
+		n++
+		go func() {
+			vctx, cancel := context.WithTimeout(ctx, time.Second)
+			defer cancel()
+			v, err := m.View(vctx)
+			ch <- answer{m, v, err}
+		}()
+	}
+	out, ok = map[Member]View{}, true
+	for range n {
+		a := <-ch
+		out[a.m] = a.v
+		ok = ok && a.err == nil
+	}
+	return out, ok
+}
+
+// agreed is the member every running member (but skip) agrees leads, and
+// its term: it says it is the leader, and every other one names it, in the
+// same term. nil when they do not agree, or one did not answer.
+func agreed(ctx context.Context, nodes []Member, skip Member) (Member, uint64) {
+	vs, ok := views(ctx, others(nodes, skip))
+	if !ok {
+		return nil, 0
+	}
+	var lead Member
+	for m, v := range vs {
+		if v.State == "Leader" && v.LeaderID == m.Name() {
+			lead = m
+		}
+	}
+	if lead == nil {
+		return nil, 0
+	}
+	term := vs[lead].Term
+	for _, v := range vs {
+		if v.LeaderID != lead.Name() || v.Term != term {
+			return nil, 0
+		}
+	}
+	return lead, term
+}
+
+// Leader waits until the running members but skip (nil: all) agree on a
+// leader among them (it says it leads, and every other one names it, all
+// in one term) and returns it and the term. It fails the test when ctx
+// ends first. What it returns led a moment ago: a test that must act on
+// the leader itself pauses it with PauseLeader.
+func Leader(ctx context.Context, t testing.TB, nodes []Member, skip Member) (Member, uint64) {
+	t.Helper()
+	for {
+		if lead, term := agreed(ctx, nodes, skip); lead != nil {
+			return lead, term
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("proctest: the nodes agree on no leader: %v", ctx.Err())
+		case <-time.After(20 * time.Millisecond): // polling the nodes' views
+		}
+	}
+}
+
+// Paused is a leader paused by PauseLeader.
+type Paused struct {
+	Lead  Member
+	Term  uint64 // the term it leads
+	Tries int    // leaders paused until the others confirmed one
+	// views are the other running members' views once Lead was paused:
+	// each a follower naming Lead, in Term.
+	views map[Member]View
+}
+
+// PauseLeader pauses (SIGSTOP) the node that leads and returns it, still
+// paused. A node named leader a moment ago may have lost the leadership
+// since (an election on a loaded machine), so the check is made once the
+// node is paused: every other running member must still be a follower
+// naming it as leader in the term they all agreed on before the pause. A
+// term has one leader, and a later term's needs the vote of one of them
+// (raft's majority), which would have moved it to that term: the paused
+// node led the newest term, and its loss forces an election. When the
+// others disagree, the node is continued (SIGCONT) and the leader looked
+// for again. The caller kills the node (SIGKILL ends a paused process
+// without it running again) or continues it, then may call NextLeader.
+func PauseLeader(ctx context.Context, t testing.TB, nodes []Member) *Paused {
+	t.Helper()
+	for tries := 1; ; tries++ {
+		lead, term := Leader(ctx, t, nodes, nil)
+		lead.Signal(syscall.SIGSTOP)
+		vs, ok := views(ctx, others(nodes, lead))
+		still := ok && len(vs) > 0
+		for _, v := range vs {
+			still = still && v.State == "Follower" && v.LeaderID == lead.Name() && v.Term == term
+		}
+		if still {
+			return &Paused{Lead: lead, Term: term, Tries: tries, views: vs}
+		}
+		lead.Signal(syscall.SIGCONT)
+		t.Logf("proctest: %s was paused as leader of term %d, but the others then said %s: continued, looking again", lead.Name(), term, describe(vs))
+		if ctx.Err() != nil {
+			t.Fatalf("proctest: no leader paused: %v", ctx.Err())
+		}
+	}
+}
+
+// NextLeader waits until the running members but the paused one agree on
+// a leader, and checks that it leads a later term than the paused node did
+// and was one of its followers when it was paused: an election followed
+// the leader's loss. It fails the test otherwise (the node paused did not
+// lead).
+func (p *Paused) NextLeader(ctx context.Context, t testing.TB, nodes []Member) Member {
+	t.Helper()
+	next, term := Leader(ctx, t, others(nodes, p.Lead), nil)
+	if v, ok := p.views[next]; !ok || v.State != "Follower" || v.LeaderID != p.Lead.Name() || term <= p.Term {
+		t.Fatalf("proctest: %s leads in term %d after %s was paused as leader of term %d, but said %q, leader %q, term %d when it was paused: %s was not the leader (the others said %s)",
+			next.Name(), term, p.Lead.Name(), p.Term, v.State, v.LeaderID, v.Term, p.Lead.Name(), describe(p.views))
+	}
+	return next
+}
+
+func others(nodes []Member, skip Member) []Member {
+	var out []Member
+	for _, m := range nodes {
+		if m != skip {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+func describe(vs map[Member]View) string {
+	var parts []string
+	for m, v := range vs {
+		parts = append(parts, fmt.Sprintf("%s: %s, leader %q, term %d", m.Name(), v.State, v.LeaderID, v.Term))
+	}
+	sort.Strings(parts)
+	return strings.Join(parts, "; ")
+}

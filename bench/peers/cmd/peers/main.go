@@ -14,6 +14,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"runtime"
 	"runtime/pprof"
 	"strconv"
 	"strings"
@@ -49,7 +50,7 @@ func main() {
 
 func usage() {
 	fmt.Fprintf(os.Stderr, `usage:
-  peers run -peer NAMES -c N [-round R] [-fresh 3s] [-dup 2s] [-out FILE] [-redis ADDR -redis-pid PID] [-postgres URL -postgres-pid PID] [-cpuprofile FILE]
+  peers run -peer NAMES -c N [-round R] [-fresh 3s] [-dup 2s] [-out FILE] [-redis ADDR -redis-pid PID] [-postgres URL -postgres-pid PID] [-cpuprofile FILE] [-mutexprofile FILE] [-blockprofile FILE]
       run each named peer (comma-separated; known: %s) on a new
       store and append its fresh and duplicate rows to FILE (CSV; stdout if none)
   peers summary -in RAW.csv [-csv OUT.csv] [-medians MEDIANS.csv] [-base PEER]
@@ -77,6 +78,8 @@ func run(args []string) error {
 	pgMax := fs.Int("postgres-max-conns", peers.PostgresMaxConns, "PostgreSQL pool size bound")
 	redisMax := fs.Int("redis-max-conns", peers.RedisMaxConns, "Redis pool size bound")
 	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the runs (opening and closing the stores excluded) to this `file`; with -dup 0 it covers the fresh phase only")
+	mutexProfile := fs.String("mutexprofile", "", "write a mutex contention profile of the runs (every contention event sampled) to this `file`; one peer")
+	blockProfile := fs.String("blockprofile", "", "write a blocking profile of the runs (every blocking event sampled) to this `file`; one peer")
 	_ = fs.Parse(args)
 	peers.RedisMaxConns = *redisMax
 	if *names == "" {
@@ -120,6 +123,10 @@ func run(args []string) error {
 			}
 		}()
 	}
+	if (*mutexProfile != "" || *blockProfile != "") && strings.Contains(*names, ",") {
+		return errors.New("run: -mutexprofile and -blockprofile profile one peer: name one in -peer")
+	}
+	profs := lockProfiles{mutex: *mutexProfile, block: *blockProfile}
 	for _, name := range strings.Split(*names, ",") {
 		name = strings.TrimSpace(name)
 		tmp, err := os.MkdirTemp(*dir, "peers-"+name+"-")
@@ -138,7 +145,7 @@ func run(args []string) error {
 				rc.ServerPIDs = []int{*pgPID}
 			}
 		}
-		rows, err := runOne(ctx, name, cfg, rc, prof)
+		rows, err := runOne(ctx, name, cfg, rc, prof, profs)
 		os.RemoveAll(tmp)
 		if err != nil {
 			return fmt.Errorf("peer %s, %d callers: %w", name, *conc, err)
@@ -161,9 +168,53 @@ func run(args []string) error {
 	return nil
 }
 
+// lockProfiles names the files of -mutexprofile and -blockprofile (empty:
+// not asked for).
+type lockProfiles struct{ mutex, block string }
+
+// start turns on the sampling of the profiles asked for, every event
+// (rate 1), so that a run's figures cover peers.Run only.
+func (l lockProfiles) start() {
+	if l.mutex != "" {
+		runtime.SetMutexProfileFraction(1)
+	}
+	if l.block != "" {
+		runtime.SetBlockProfileRate(1)
+	}
+}
+
+// stop turns the sampling off and writes the profiles asked for.
+func (l lockProfiles) stop() error {
+	var errs []error
+	for _, p := range []struct{ name, file string }{{"mutex", l.mutex}, {"block", l.block}} {
+		if p.file == "" {
+			continue
+		}
+		if p.name == "mutex" {
+			runtime.SetMutexProfileFraction(0)
+		} else {
+			runtime.SetBlockProfileRate(0)
+		}
+		f, err := os.Create(p.file)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("-%sprofile: %w", p.name, err))
+			continue
+		}
+		err = pprof.Lookup(p.name).WriteTo(f, 0)
+		if cerr := f.Close(); err == nil {
+			err = cerr
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("-%sprofile %s: %w", p.name, p.file, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
 // runOne opens the peer, runs it and closes it. With prof (-cpuprofile)
-// the CPU profile covers peers.Run only.
-func runOne(ctx context.Context, name string, cfg peers.Config, rc peers.RunConfig, prof *os.File) ([]peers.Result, error) {
+// the CPU profile covers peers.Run only, and so do the mutex and block
+// profiles of lp.
+func runOne(ctx context.Context, name string, cfg peers.Config, rc peers.RunConfig, prof *os.File, lp lockProfiles) ([]peers.Result, error) {
 	octx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	p, err := peers.Open(octx, name, cfg)
 	cancel()
@@ -176,9 +227,13 @@ func runOne(ctx context.Context, name string, cfg peers.Config, rc peers.RunConf
 			return nil, fmt.Errorf("-cpuprofile: %w", err)
 		}
 	}
+	lp.start()
 	rows, err := peers.Run(ctx, p, rc)
 	if prof != nil {
 		pprof.StopCPUProfile()
+	}
+	if perr := lp.stop(); err == nil && perr != nil {
+		err = perr
 	}
 	if cerr := p.Close(); err == nil && cerr != nil {
 		err = fmt.Errorf("close: %w", cerr)

@@ -1,0 +1,185 @@
+package idem
+
+import (
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/cockroachdb/pebble/v2/vfs"
+	"github.com/idemdb/idem/internal/testclock"
+)
+
+// TestPutHintMatchesPut: random programs run on two engines, one looking
+// each Put's request up with LookupHint before the batch and adding it
+// with PutHint.Put (idemraft's pattern), the other with Lookup and
+// Batch.Put, give the same lookups, the same results and the same state.
+// The tables are small, so that many hints' slots are evicted before
+// their batch runs.
+func TestPutHintMatchesPut(t *testing.T) {
+	for seed := uint64(1); seed <= 6; seed++ {
+		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) {
+			clkA, clkB := testclock.New(), testclock.New()
+			a := openMem(t, vfs.NewMem(), &Options{Clock: clkA.Now, Lease: 10 * time.Second, CacheSize: 8 << 10})
+			defer a.Close()
+			b := openMem(t, vfs.NewMem(), &Options{Clock: clkB.Now, Lease: 10 * time.Second, CacheSize: 8 << 10})
+			defer b.Close()
+			p := newBatchProgram(seed)
+			var openA, openB []*Claim
+			hinted := 0
+			for round := 0; round < 150; round++ {
+				steps := p.batch(len(openA))
+				hints := make([]PutHint, len(steps))
+				for i, s := range steps {
+					if s.kind != bPut || len(s.adv) > 0 {
+						continue
+					}
+					ra, erra := a.LookupHint(bg, s.req, &hints[i])
+					rb, errb := b.Lookup(bg, s.req)
+					if da, db := describeResult(BatchResult{ra, erra}), describeResult(BatchResult{rb, errb}); da != db {
+						t.Fatalf("round %d item %d (%+v): LookupHint %s, Lookup %s", round, i, s, da, db)
+					}
+				}
+				ba, bb := a.NewBatch(), b.NewBatch()
+				for i, s := range steps {
+					addStep(bb, s, openB)
+					if s.kind == bPut && len(s.adv) == 0 {
+						hints[i].Put(ba, s.reply)
+						hinted++
+						continue
+					}
+					addStep(ba, s, openA)
+				}
+				outA, err := ba.Run(bg)
+				if err != nil {
+					t.Fatal(err)
+				}
+				outB, err := bb.Run(bg)
+				if err != nil {
+					t.Fatal(err)
+				}
+				for i := range steps {
+					if da, db := describeResult(outA[i]), describeResult(outB[i]); da != db {
+						t.Fatalf("round %d item %d (%+v):\nhinted: %s\nPut:    %s", round, i, steps[i], da, db)
+					}
+					if c := outA[i].Result.Claim; c != nil {
+						openA = append(openA, c)
+					}
+					if c := outB[i].Result.Claim; c != nil {
+						openB = append(openB, c)
+					}
+				}
+				d := time.Duration(p.rng.IntN(4)) * time.Second
+				clkA.Advance(d)
+				clkB.Advance(d)
+			}
+			if hinted == 0 {
+				t.Fatal("the program made no hinted Put")
+			}
+			if sa, sb := observeBatchState(t, a), observeBatchState(t, b); sa != sb {
+				t.Fatalf("state differs:\nhinted:\n%s\nPut:\n%s", sa, sb)
+			}
+		})
+	}
+}
+
+// addStep adds step s to batch b, as runSteps does.
+func addStep(b Batch, s batchStep, open []*Claim) {
+	switch s.kind {
+	case bBegin:
+		b.Begin(s.req)
+	case bPut:
+		b.Put(s.req, s.reply, s.adv...)
+	case bCommit:
+		b.Commit(open[s.claim], s.reply, s.adv...)
+	case bAbort:
+		b.Abort(open[s.claim])
+	case bAck:
+		b.Ack(s.scope, s.ids...)
+	case bAdvance:
+		b.Advance(s.adv...)
+	}
+}
+
+// TestPutHintDecidesNothing: a hint carries no verdict. A request looked
+// up as absent and then written by another batch is Done at its hinted
+// Put (the first reply kept, nothing written), also when its slot was
+// evicted in between (the slot the hint holds is stale then: the run
+// reads the key again); a fingerprint differing from the stored one is
+// ErrConflict.
+func TestPutHintDecidesNothing(t *testing.T) {
+	e := openMem(t, vfs.NewMem(), nil)
+	defer e.Close()
+	for _, evict := range []bool{false, true} {
+		req := Request{ID: id(fmt.Sprint("raced-", evict)), Fingerprint: []byte("fp1")}
+		var h PutHint
+		if r, err := e.LookupHint(bg, req, &h); err != nil || r.Status != Absent {
+			t.Fatalf("evict %v: LookupHint: %v %v", evict, r.Status, err)
+		}
+		if evict {
+			evictSlot(e, e.mustKey(t, req))
+		}
+		b := e.NewBatch()
+		b.Put(req, []byte("first"))
+		if out, err := b.Run(bg); err != nil || out[0].Err != nil || out[0].Result.Status != Fresh {
+			t.Fatalf("evict %v: first Put: %+v %v", evict, out, err)
+		}
+		b = e.NewBatch()
+		h.Put(b, []byte("second"))
+		out, err := b.Run(bg)
+		if err != nil || out[0].Err != nil || out[0].Result.Status != Done || string(out[0].Result.Reply) != "first" {
+			t.Fatalf("evict %v: hinted Put after another Put: %s (batch err %v), want Done \"first\"", evict, describeResult(out[0]), err)
+		}
+		if r, err := e.Lookup(bg, req); err != nil || r.Status != Done || string(r.Reply) != "first" {
+			t.Fatalf("evict %v: Lookup: %v %q %v", evict, r.Status, r.Reply, err)
+		}
+	}
+	// Another fingerprint: the hint keeps the looked-up request's.
+	other := Request{ID: id("raced-false"), Fingerprint: []byte("fp2")}
+	var h PutHint
+	if _, err := e.LookupHint(bg, other, &h); err == nil {
+		t.Fatal("LookupHint of another fingerprint: no error")
+	}
+	b := e.NewBatch()
+	h.Put(b, []byte("x"))
+	if out, err := b.Run(bg); err != nil || !errors.Is(out[0].Err, ErrConflict) {
+		t.Fatalf("hinted Put of another fingerprint: %s (batch err %v), want ErrConflict", describeResult(out[0]), err)
+	}
+}
+
+// TestPutHintUsedByItsEngine: PutHint.Put adds the item with its hint to a
+// batch of the engine that filled it (the run takes the key and slot from
+// it), and a plain Put to any other batch; the zero PutHint adds an item
+// that fails with ErrInvalidRequest.
+func TestPutHintUsedByItsEngine(t *testing.T) {
+	e := openMem(t, vfs.NewMem(), nil)
+	defer e.Close()
+	other := openMem(t, vfs.NewMem(), nil)
+	defer other.Close()
+	req := Request{ID: id("hinted")}
+	var h PutHint
+	if r, err := e.LookupHint(bg, req, &h); err != nil || r.Status != Absent || h.sl == nil {
+		t.Fatalf("LookupHint: %v %v (slot %v)", r.Status, err, h.sl)
+	}
+	b := e.NewBatch()
+	h.Put(b, []byte("r"))
+	if it := b.(*engineBatch).items[0]; it.hint != &h || it.kind != bPut {
+		t.Fatalf("the item has hint %p, kind %v; want the hint %p, a Put", it.hint, it.kind, &h)
+	}
+	bo := other.NewBatch()
+	h.Put(bo, []byte("r"))
+	if it := bo.(*engineBatch).items[0]; it.hint != nil {
+		t.Fatal("another engine's batch took the hint")
+	}
+	for name, bt := range map[string]Batch{"own": b, "other": bo} {
+		if out, err := bt.Run(bg); err != nil || out[0].Err != nil || out[0].Result.Status != Fresh {
+			t.Fatalf("%s: %s (batch err %v), want Fresh", name, describeResult(out[0]), err)
+		}
+	}
+	var zero PutHint
+	b = e.NewBatch()
+	zero.Put(b, []byte("r"))
+	if out, err := b.Run(bg); err != nil || !errors.Is(out[0].Err, ErrInvalidRequest) {
+		t.Fatalf("zero hint: %s (batch err %v), want ErrInvalidRequest", describeResult(out[0]), err)
+	}
+}
