@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"hash/maphash"
 	"io"
 	"os"
 	"path/filepath"
@@ -45,7 +46,11 @@ type claimKey struct {
 // hold the table: the format is frozen): "c<len(scope)>:<scope>/<client>"
 // or "i<len(scope)>:<scope>/<id in lowercase hex>".
 func (k claimKey) String() string {
-	b := make([]byte, 0, 8+len(k.Scope)+len(k.Client)+2*len(k.ID))
+	return string(k.appendName(make([]byte, 0, 8+len(k.Scope)+len(k.Client)+2*len(k.ID))))
+}
+
+// appendName appends the key's name (String) to b.
+func (k claimKey) appendName(b []byte) []byte {
 	if k.Client != "" {
 		b = append(b, 'c')
 	} else {
@@ -60,7 +65,7 @@ func (k claimKey) String() string {
 	} else {
 		b = hex.AppendEncode(b, k.ID)
 	}
-	return string(b)
+	return b
 }
 
 func keyOf(r *idem.Request) claimKey {
@@ -214,9 +219,10 @@ type fsm struct {
 	index  atomic.Uint64                 // the last entry applied
 	notify atomic.Pointer[chan struct{}] // closed and replaced after every applied batch (readers wait on it)
 
-	mu  sync.RWMutex // guards e and gen: Restore and close replace them (write lock); applies and reads use them (read lock)
-	e   *idem.Engine
-	gen int
+	mu      sync.RWMutex // guards e and gen: Restore and close replace them (write lock); applies and reads use them (read lock)
+	e       *idem.Engine
+	gen     int
+	rUnlock func() // mu.RUnlock, made once (engine returns it; a method value made per call is an allocation)
 
 	// tmu guards holds, finished and members against readers on other
 	// goroutines. Only the FSM goroutine writes them (under tmu); it reads
@@ -235,6 +241,7 @@ type fsm struct {
 
 func newFSM(dir string, eopts idem.Options) (*fsm, error) {
 	f := &fsm{dir: dir, eopts: eopts}
+	f.rUnlock = f.mu.RUnlock
 	ch := make(chan struct{})
 	f.notify.Store(&ch)
 	if err := os.RemoveAll(dir); err != nil {
@@ -262,6 +269,7 @@ func newFSM(dir string, eopts idem.Options) (*fsm, error) {
 	f.e = e
 	f.holds = map[string]*held{}
 	f.finished = newFinishedTable(nil)
+	f.seg.seed = maphash.MakeSeed()
 	f.members = map[string]string{}
 	return f, nil
 }
@@ -289,7 +297,7 @@ func (f *fsm) engine() (*idem.Engine, func(), error) {
 		f.mu.RUnlock()
 		return nil, nil, idem.ErrClosed
 	}
-	return f.e, f.mu.RUnlock, nil
+	return f.e, f.rUnlock, nil
 }
 
 // member is the gRPC address of node id, when the members table has it.
@@ -459,10 +467,17 @@ func (f *fsm) purgeFinished() {
 
 // segment is the part of a raft batch collected into one engine batch.
 type segment struct {
-	f       *fsm
-	b       idem.Batch
-	items   []segItem
-	touched map[string]struct{} // keys and tokens of the segment's entries
+	f     *fsm
+	b     idem.Batch
+	items []segItem
+	// touched holds the hashes of the names (claim keys, "t:"+token) the
+	// segment's entries touched. A hash keeps the names' strings from
+	// being built for every command on every node; two names of one hash
+	// only start a new segment early, which changes no answer (each
+	// segment is its entries applied one by one).
+	touched map[uint64]struct{}
+	seed    maphash.Seed // of touched's hashes (the node's own)
+	name    []byte       // reused to hash a name
 }
 
 // maxReusedTouched is the most names a segment's table of touched names
@@ -480,9 +495,9 @@ type segItem struct {
 
 // touch reports whether any of names was touched by the segment so far;
 // if so it runs the segment first. Then it marks them.
-func (s *segment) touch(names ...string) {
+func (s *segment) touch(names ...uint64) {
 	if s.touched == nil {
-		s.touched = map[string]struct{}{}
+		s.touched = map[uint64]struct{}{}
 	}
 	for _, n := range names {
 		if _, ok := s.touched[n]; ok {
@@ -493,6 +508,19 @@ func (s *segment) touch(names ...string) {
 	for _, n := range names {
 		s.touched[n] = struct{}{}
 	}
+}
+
+// keyName is the hash of k's name in touched.
+func (s *segment) keyName(k claimKey) uint64 {
+	s.name = k.appendName(s.name[:0])
+	return maphash.Bytes(s.seed, s.name)
+}
+
+// tokenName is the hash of a token's name ("t:" and the token: no claim
+// key starts so) in touched.
+func (s *segment) tokenName(token []byte) uint64 {
+	s.name = append(append(s.name[:0], "t:"...), token...)
+	return maphash.Bytes(s.seed, s.name)
 }
 
 func (s *segment) batch() idem.Batch {
@@ -510,7 +538,7 @@ func (s *segment) begin(a *applied, c *command) {
 	}
 	req := c.Req.request()
 	k := keyOf(&req).String()
-	s.touch(k, "t:"+string(c.Token))
+	s.touch(s.keyName(keyOf(&req)), s.tokenName(c.Token))
 	ctx := context.Background()
 	// A retry of the same Begin (a lost answer, a leader change) gets its
 	// own claim back, not InFlight against itself.
@@ -534,9 +562,10 @@ func (s *segment) begin(a *applied, c *command) {
 func (s *segment) finish(a *applied, c *command) {
 	f := s.f
 	k := c.Key.String()
-	names := append(make([]string, 0, 2+len(c.Adv)), k, "t:"+string(c.Token))
+	var buf [4]uint64
+	names := append(buf[:0], s.keyName(c.Key), s.tokenName(c.Token))
 	for _, a := range c.Adv {
-		names = append(names, claimKey{Scope: a.Scope, Client: a.Client}.String())
+		names = append(names, s.keyName(claimKey{Scope: a.Scope, Client: a.Client}))
 	}
 	s.touch(names...)
 	h := f.holds[k]

@@ -370,3 +370,84 @@ func TestFinishedTokensSurviveSnapshot(t *testing.T) {
 		}
 	}
 }
+
+// TestSegmentSplitsOnSharedNames: commands of one raft batch that name
+// the same claim key (a Begin of a client's sequence, and an advance of
+// that client in a Commit) or the same token go to the engine in separate
+// segments, so each sees the other's effect as if applied alone (the
+// segment's table of touched names holds hashes of the names: equal names
+// must hash alike whichever command names them).
+func TestSegmentSplitsOnSharedNames(t *testing.T) {
+	f := testFSM(t, "f")
+	lsn := func() uint64 {
+		e, done, err := f.engine()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer done()
+		return e.Stats().LastLSN
+	}
+	x := idem.Request{ID: []byte("x")}
+	y := idem.Request{ID: []byte("y")}
+	client := func(seq uint64) idem.Request { return idem.Request{Scope: "l", Client: "r", Seq: seq} }
+	begin := func(r idem.Request, tok string) command {
+		return command{Op: cmdBegin, Req: toWire(r), Owner: "o", Token: []byte(tok)}
+	}
+	commit := func(r idem.Request, tok string, adv ...idem.Advance) command {
+		return command{Op: cmdCommit, Key: keyOf(&r), Seq: r.Seq, Token: []byte(tok), Reply: []byte("r"), Adv: adv}
+	}
+	logs := fsmLogs(t, []fsmEntry{
+		{c: begin(x, "tx")}, {c: begin(y, "ty")},
+		// One raft batch, each pair sharing a name:
+		{at: time.Millisecond, c: commit(x, "tx", idem.Advance{Scope: "l", Client: "r", Seq: 1})}, // client key c1:l/r
+		{at: time.Millisecond, c: begin(client(2), "t2")},                                         // client key c1:l/r
+		{at: time.Millisecond, c: commit(y, "ty")},                                                // no shared name
+		{at: time.Millisecond, c: commit(client(2), "t2")},                                        // token t2, key c1:l/r
+	})
+	for i, a := range f.ApplyBatch(logs[:2]) {
+		if got := outcome(a); got != "fresh" {
+			t.Fatalf("entry %d: %s (%s)", i+1, got, detail(a))
+		}
+	}
+	before := lsn()
+	for i, a := range f.ApplyBatch(logs[2:]) {
+		if want := []string{"ok", "fresh", "ok", "ok"}[i]; outcome(a) != want {
+			t.Fatalf("entry %d: %s, want %s (%s)", i+3, outcome(a), want, detail(a))
+		}
+	}
+	// Segments: [commit x + advance r], [begin r/2, commit y], [commit r/2].
+	if n := lsn() - before; n != 3 {
+		t.Fatalf("the batch wrote %d engine records, want 3 (a segment per shared name)", n)
+	}
+}
+
+// stuckFuture is a raft future that is never answered until release is
+// closed, as raft leaves one its buffered apply channel took as it shut
+// down.
+type stuckFuture struct{ release chan struct{} }
+
+func (f stuckFuture) Error() error {
+	<-f.release
+	return raft.ErrRaftShutdown
+}
+
+// TestAwaitEndsWhenTheNodeStops: a node waiting for a raft future stops
+// waiting when it stops (its Close waits for its own goroutines, and
+// raft never answers a future it took as it shut down: a test's Close
+// hung 10 minutes in watchLeadership's Barrier).
+func TestAwaitEndsWhenTheNodeStops(t *testing.T) {
+	f := stuckFuture{release: make(chan struct{})}
+	defer close(f.release)
+	n := &Node{stop: make(chan struct{})}
+	got := make(chan error, 1)
+	go func() { got <- n.await(f) }()
+	close(n.stop)
+	select {
+	case err := <-got:
+		if !errors.Is(err, errStopped) {
+			t.Fatalf("await after the node stopped: %v, want errStopped", err)
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("await still waiting a minute after the node stopped")
+	}
+}

@@ -307,7 +307,7 @@ func (n *Node) watchLeadership() {
 		if n.ready.Load() == term {
 			continue
 		}
-		if err := n.r.Barrier(5 * time.Second).Error(); err != nil {
+		if err := n.await(n.r.Barrier(5 * time.Second)); err != nil {
 			continue
 		}
 		if _, err := n.apply(context.Background(), &command{Op: cmdMember, Node: n.o.ID, Addr: n.Addr()}); err != nil {
@@ -354,7 +354,7 @@ func (n *Node) apply(ctx context.Context, c *command) (*applied, error) {
 		timeout = max(time.Until(d), time.Millisecond)
 	}
 	fut := n.r.Apply(data, timeout)
-	if err := fut.Error(); err != nil {
+	if err := n.await(fut); err != nil {
 		switch {
 		case errors.Is(err, raft.ErrNotLeader):
 			return nil, &errNotLeader{leader: n.leaderAddr()}
@@ -369,6 +369,33 @@ func (n *Node) apply(ctx context.Context, c *command) (*applied, error) {
 		return nil, fmt.Errorf("idemcluster: entry %d applied without an answer", fut.Index())
 	}
 	return a, nil
+}
+
+// errStopped is a raft future the node stopped waiting for: it is
+// shutting down.
+var errStopped = errors.New("idemcluster: the node is shutting down")
+
+// await is f.Error(), or errStopped once the node stops. Raft (v1.8)
+// never answers a future that its apply channel took as it shut down:
+// the channel is buffered (BatchApplyCh), so Apply and Barrier can hand
+// it over after the loop that reads it returned, and its Error() then
+// blocks forever. watchLeadership met that in a test's Close (its
+// Barrier taken between the node's stop and raft's shutdown), and Close
+// waited for it (TestAwaitEndsWhenTheNodeStops).
+func (n *Node) await(f raft.Future) error {
+	ch := make(chan error, 1)
+	go func() { ch <- f.Error() }()
+	select {
+	case err := <-ch:
+		return err
+	case <-n.stop:
+		select {
+		case err := <-ch: // answered meanwhile
+			return err
+		default:
+			return errStopped
+		}
+	}
 }
 
 // applyAll appends cmds as one entry (one cmdBatch, or the command itself

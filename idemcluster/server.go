@@ -33,14 +33,20 @@ func reqFromPB(r *clusterpb.Request) (idem.Request, error) {
 }
 
 func reqToPB(r idem.Request) *clusterpb.Request {
-	p := &clusterpb.Request{Scope: r.Scope, Id: r.ID, Client: r.Client, Seq: r.Seq, Fingerprint: r.Fingerprint, Acked: r.Acked, KeepReplies: int32(r.KeepReplies)}
+	p := &clusterpb.Request{}
+	fillReqPB(p, r)
+	return p
+}
+
+// fillReqPB sets p to r (reqToPB into a message the caller allocated).
+func fillReqPB(p *clusterpb.Request, r idem.Request) {
+	*p = clusterpb.Request{Scope: r.Scope, Id: r.ID, Client: r.Client, Seq: r.Seq, Fingerprint: r.Fingerprint, Acked: r.Acked, KeepReplies: int32(r.KeepReplies)}
 	if r.TTL != 0 {
 		p.Ttl = durationpb.New(r.TTL)
 	}
 	if r.KeepRepliesFor != 0 {
 		p.KeepRepliesFor = durationpb.New(r.KeepRepliesFor)
 	}
-	return p
 }
 
 func ts(t time.Time) *timestamppb.Timestamp {
@@ -57,9 +63,51 @@ func tm(t *timestamppb.Timestamp) time.Time {
 	return t.AsTime()
 }
 
+// resultToPB is r as a message, allocated with its timestamps
+// (resultMsgs).
 func resultToPB(r idem.Result) *clusterpb.Result {
-	return &clusterpb.Result{Status: clusterpb.Status(r.Status), Reply: r.Reply, LeaseUntil: ts(r.LeaseUntil),
-		CommittedAt: ts(r.CommittedAt), Seq: r.Seq, ExpiresAt: ts(r.ExpiresAt)}
+	m := &resultMsgs{}
+	m.res = clusterpb.Result{Status: clusterpb.Status(r.Status), Reply: r.Reply, Seq: r.Seq,
+		LeaseUntil: m.time(0, r.LeaseUntil), CommittedAt: m.time(1, r.CommittedAt), ExpiresAt: m.time(2, r.ExpiresAt)}
+	return &m.res
+}
+
+// itemAnswer is a Batch item's answer. A Batch allocates its items'
+// answers as one slice (answers), and a result with its timestamps as
+// one allocation (resultMsgs), instead of two to five messages per item
+// (at 64 calls per batch, 4-5 of a duplicate's 26 allocations; allocation
+// and GC were a fifth of its CPU).
+type itemAnswer struct {
+	out clusterpb.BatchResult
+}
+
+// resultMsgs is a Result and its timestamps, allocated together
+// (resultToPB).
+type resultMsgs struct {
+	res   clusterpb.Result
+	times [3]timestamppb.Timestamp // lease_until, committed_at, expires_at
+}
+
+// answers is a Batch's answers, one per item, in one allocation.
+func answers(n int) []itemAnswer { return make([]itemAnswer, n) }
+
+// time is ts(t) in m's i-th timestamp.
+func (m *resultMsgs) time(i int, t time.Time) *timestamppb.Timestamp {
+	if t.IsZero() {
+		return nil
+	}
+	m.times[i] = timestamppb.Timestamp{Seconds: t.Unix(), Nanos: int32(t.Nanosecond())} // timestamppb.New's
+	return &m.times[i]
+}
+
+// item is itemResult(res, err) in a's BatchResult.
+func (a *itemAnswer) item(res *clusterpb.Result, err error) *clusterpb.BatchResult {
+	a.out = clusterpb.BatchResult{Result: res}
+	if err != nil {
+		st := status.Convert(err).Proto()
+		a.out.Status = &clusterpb.ItemStatus{Code: st.Code, Message: st.Message, Details: st.Details}
+	}
+	return &a.out
 }
 
 func (s *server) Begin(ctx context.Context, in *clusterpb.BeginRequest) (*clusterpb.BeginResponse, error) {
@@ -92,11 +140,17 @@ func beginAnswer(req idem.Request, a *applied, err error) (*clusterpb.BeginRespo
 	if err != nil {
 		return nil, toStatus(err)
 	}
+	return &clusterpb.BeginResponse{Result: beginResult(req, a)}, nil
+}
+
+// beginResult is the result of a Begin whose command was applied (a,
+// without an error): with its claim when Fresh.
+func beginResult(req idem.Request, a *applied) *clusterpb.Result {
 	res := resultToPB(a.res)
 	if a.res.Status == idem.Fresh {
 		res.Claim = &clusterpb.ClaimRef{Scope: req.Scope, Id: req.ID, Client: req.Client, Seq: req.Seq, Owner: a.owner, Token: a.token}
 	}
-	return &clusterpb.BeginResponse{Result: res}, nil
+	return res
 }
 
 // committed answers a Begin of a committed request (a duplicate) as a
@@ -264,6 +318,7 @@ func (s *server) Wait(ctx context.Context, in *clusterpb.WaitRequest) (*clusterp
 // writes.
 func (s *server) Batch(ctx context.Context, in *clusterpb.BatchRequest) (*clusterpb.BatchResponse, error) {
 	out := &clusterpb.BatchResponse{Results: make([]*clusterpb.BatchResult, len(in.Items))}
+	ans := answers(len(in.Items))
 	var (
 		cmds   []*command
 		writes []int // the items of cmds, in order
@@ -300,12 +355,12 @@ func (s *server) Batch(ctx context.Context, in *clusterpb.BatchRequest) (*cluste
 	var wg sync.WaitGroup
 	if len(reads) > 0 {
 		if len(cmds) == 0 {
-			s.batchReads(ctx, in.Items, reads, out.Results)
+			s.batchReads(ctx, in.Items, reads, out.Results, ans)
 		} else {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				s.batchReads(ctx, in.Items, reads, out.Results)
+				s.batchReads(ctx, in.Items, reads, out.Results, ans)
 			}()
 		}
 	}
@@ -316,12 +371,11 @@ func (s *server) Batch(ctx context.Context, in *clusterpb.BatchRequest) (*cluste
 			if aerr == nil {
 				a, err = as[j], as[j].err
 			}
-			if cmds[j].Op == cmdBegin {
-				r, err := beginAnswer(reqs[j], a, nil)
-				out.Results[i] = itemResult(r.GetResult(), err)
+			if err == nil && cmds[j].Op == cmdBegin {
+				out.Results[i] = ans[i].item(beginResult(reqs[j], a), nil)
 				continue
 			}
-			out.Results[i] = itemResult(nil, toStatus(err))
+			out.Results[i] = ans[i].item(nil, toStatus(err))
 		}
 	}
 	wg.Wait()
@@ -338,7 +392,7 @@ func (s *server) Batch(ctx context.Context, in *clusterpb.BatchRequest) (*cluste
 // that (endRead). A Begin that the node does not find Done (it expired
 // meanwhile), and any item after a failed round, runs as its own call,
 // which gives it the answer it would have had alone.
-func (s *server) batchReads(ctx context.Context, items []*clusterpb.BatchItem, idx []int, out []*clusterpb.BatchResult) {
+func (s *server) batchReads(ctx context.Context, items []*clusterpb.BatchItem, idx []int, out []*clusterpb.BatchResult, ans []itemAnswer) {
 	var (
 		round *readRound
 		rerr  error
@@ -350,11 +404,11 @@ func (s *server) batchReads(ctx context.Context, items []*clusterpb.BatchItem, i
 		}
 	}
 	at := s.n.fsm.index.Load()
-	s.readItems(ctx, items, idx, out)
+	s.readItems(ctx, items, idx, out, ans)
 	if round != nil {
 		var current bool
 		if current, rerr = s.n.endRead(ctx, round, at); rerr == nil && !current {
-			s.readItems(ctx, items, idx, out)
+			s.readItems(ctx, items, idx, out, ans)
 		}
 	}
 	for _, i := range idx {
@@ -376,7 +430,7 @@ func (s *server) batchReads(ctx context.Context, items []*clusterpb.BatchItem, i
 
 // readItems reads the engine for batchReads: a Lookup's result (or
 // error), a Begin's Done result (else nil: it runs as its own call).
-func (s *server) readItems(ctx context.Context, items []*clusterpb.BatchItem, idx []int, out []*clusterpb.BatchResult) {
+func (s *server) readItems(ctx context.Context, items []*clusterpb.BatchItem, idx []int, out []*clusterpb.BatchResult, ans []itemAnswer) {
 	e, done, err := s.n.fsm.engine()
 	if err == nil {
 		defer done()
@@ -395,11 +449,11 @@ func (s *server) readItems(ctx context.Context, items []*clusterpb.BatchItem, id
 			if rerr == nil {
 				rerr = err
 			}
-			out[i] = itemResult(res, toStatus(rerr))
+			out[i] = ans[i].item(res, toStatus(rerr))
 		case *clusterpb.BatchItem_Begin:
 			if req, rerr := reqFromPB(call.Begin.Request); rerr == nil && err == nil && len(req.Acked) == 0 {
 				if r, rerr := e.Lookup(ctx, req); rerr == nil && r.Status == idem.Done {
-					out[i] = itemResult(resultToPB(r), nil)
+					out[i] = ans[i].item(resultToPB(r), nil)
 				}
 			}
 		}
