@@ -715,7 +715,20 @@ func (rr *readRounds) run() {
 	}
 }
 
-// Close shuts the node down cleanly: a leader hands leadership over first.
+// Close shuts the node down cleanly: a leader hands leadership over first
+// (raft bounds the transfer by ElectionTimeout). Close does not wait for
+// the gRPC handlers still running: the server's Stop (not GracefulStop:
+// a drain would wait for each RPC, a Wait for its caller's deadline)
+// closes every connection and cancels the handlers' contexts, and a
+// handler waiting for its entry to commit stops waiting when the node
+// stops (Node.await): it answers ErrInDoubt, as the entry may commit
+// through another node, or its connection is gone first (Unavailable);
+// the client retries the same request elsewhere either way. So a handler
+// caught mid-apply does not delay Close (TestCloseWithHandlerMidApply);
+// what Close waits for is raft's shutdown, whose replication to a
+// follower that stopped answering ends at the transport's timeout (5 s
+// on TCP). A handler that runs on after Close finds the engine closed
+// (ErrClosed) and raft shut down.
 func (n *Node) Close() error {
 	if n.closed.Swap(true) {
 		return nil
