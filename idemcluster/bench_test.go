@@ -30,6 +30,22 @@ func BenchmarkClusterFresh(b *testing.B) {
 	benchFresh(b, c)
 }
 
+// BenchmarkClusterFreshRequestCtx is BenchmarkClusterFresh with each
+// request under a ctx that can end, as a request handler's (an HTTP
+// request's, a gRPC call's) is: the claim's finish must go on when the
+// caller stops waiting, which BenchmarkClusterFresh's Background (never
+// ends) does not ask.
+func BenchmarkClusterFreshRequestCtx(b *testing.B) {
+	tc := newTestCluster(b, 3)
+	ctx := context.Background()
+	c, err := Dial(ctx, tc.addrs, &Options{Owner: "bench"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer c.Close()
+	benchFreshCtx(b, c, func() (context.Context, context.CancelFunc) { return context.WithCancel(ctx) })
+}
+
 // BenchmarkEngineFresh is BenchmarkClusterFresh on an embedded engine.
 func BenchmarkEngineFresh(b *testing.B) {
 	e, err := idem.Open(b.TempDir(), nil)
@@ -126,15 +142,26 @@ func report(b *testing.B, start time.Time, cpu time.Duration) {
 }
 
 func benchFresh(b *testing.B, s idem.Store) {
+	benchFreshCtx(b, s, nil)
+}
+
+// benchFreshCtx is benchFresh with each request under a ctx of reqCtx
+// (nil: context.Background for all).
+func benchFreshCtx(b *testing.B, s idem.Store, reqCtx func() (context.Context, context.CancelFunc)) {
 	var n atomic.Int64
 	b.SetParallelism(32) // 64 callers on 2 cores
 	b.ResetTimer()
 	start, cpu := time.Now(), cputime.Process()
 	b.RunParallel(func(pb *testing.PB) {
-		ctx := context.Background()
+		ctx, cancel := context.Background(), context.CancelFunc(func() {})
 		for pb.Next() {
+			if reqCtx != nil {
+				ctx, cancel = reqCtx()
+			}
 			id := fmt.Sprintf("f-%d", n.Add(1))
-			if _, err := idem.Do(ctx, s, idem.Request{ID: []byte(id)}, func(context.Context) ([]byte, error) { return []byte("ok"), nil }); err != nil {
+			_, err := idem.Do(ctx, s, idem.Request{ID: []byte(id)}, func(context.Context) ([]byte, error) { return []byte("ok"), nil })
+			cancel()
+			if err != nil {
 				b.Error(err)
 				return
 			}

@@ -64,22 +64,29 @@ type Client struct {
 	addrs []string
 	log   *slog.Logger
 
-	mu      sync.Mutex       // guards peers, leader, next, closing and closed
-	peers   map[string]*peer // by gRPC address
-	leader  string           // the address calls go to first
-	next    int              // round-robin position when no leader is known
-	closing bool             // Close began: no claim finish starts
-	closed  bool             // Close closed the connections: no call dials again
+	mu     sync.Mutex       // guards peers, leader, next, closed, idle, unfinished and moreUnfinished
+	peers  map[string]*peer // by gRPC address
+	leader string           // the address calls go to first
+	next   int              // round-robin position when no leader is known
+	closed bool             // Close closed the connections: no call dials again
 
-	// finishes are the claim finishes being sent on a context of their
-	// own (claimBackend.finish); Close waits for them, then stops those
-	// left. finishing counts their goroutines (Add only under mu while
-	// !closing). unfinished names the finishes that ended without an
-	// outcome after their callers stopped waiting, for Close's error (at
-	// most maxUnfinished names, moreUnfinished counts the rest). mu
-	// guards finishes, unfinished and moreUnfinished.
-	finishes       map[*pendingFinish]struct{}
-	finishing      sync.WaitGroup
+	// finishes counts the claim finishes under way whose ctx can end
+	// (claimBackend.finish), on their callers' goroutines or, once their
+	// callers stopped waiting, on their own: twice their number, plus
+	// finishesClosing once Close began (then no finish starts). The
+	// finish that brings it to finishesClosing alone closes idle, which
+	// Close made before it set the bit (under mu). Close waits for idle,
+	// at most Options.CloseTimeout, then ends stop: every finish left
+	// ends at once. An atomic word, not mu: a finish per request took
+	// the mutex twice.
+	finishes atomic.Int64
+	idle     chan struct{}
+	stop     context.Context // ended by Close when it stops the finishes left
+	stopAll  context.CancelFunc
+	stopped  <-chan struct{} // stop.Done()
+	// unfinished names the finishes that ended without an outcome their
+	// callers saw, for Close's error (at most maxUnfinished names,
+	// moreUnfinished counts the rest).
 	unfinished     []string
 	moreUnfinished int
 
@@ -95,6 +102,8 @@ func Dial(ctx context.Context, addrs []string, opts *Options) (*Client, error) {
 		return nil, errors.New("idemcluster: Dial: no address")
 	}
 	c := &Client{addrs: append([]string(nil), addrs...), peers: map[string]*peer{}}
+	c.stop, c.stopAll = context.WithCancel(context.Background())
+	c.stopped = c.stop.Done()
 	if opts != nil {
 		c.o = *opts
 	}
@@ -152,14 +161,15 @@ const maxUnfinished = 32
 // connections are closed.
 func (c *Client) Close() error {
 	c.mu.Lock()
-	c.closing = true
+	if c.idle == nil {
+		c.idle = make(chan struct{})
+		if c.finishes.Or(finishesClosing) == 0 {
+			close(c.idle) // no finish under way
+		}
+	}
+	idle := c.idle
 	c.mu.Unlock()
 	if c.o.CloseTimeout > 0 {
-		idle := make(chan struct{})
-		go func() {
-			c.finishing.Wait()
-			close(idle)
-		}()
 		t := time.NewTimer(c.o.CloseTimeout)
 		select {
 		case <-idle:
@@ -167,13 +177,8 @@ func (c *Client) Close() error {
 		}
 		t.Stop()
 	}
-	c.mu.Lock()
-	for pf := range c.finishes {
-		pf.stopped = true
-		pf.cancel()
-	}
-	c.mu.Unlock()
-	c.finishing.Wait() // the stopped finishes return at once
+	c.stopAll()
+	<-idle // the stopped finishes return at once
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.closed = true
@@ -194,13 +199,43 @@ func (c *Client) Close() error {
 	return errors.Join(errs...)
 }
 
-// pendingFinish is a claim finish being sent on a context of its own.
-type pendingFinish struct {
-	item   *clusterpb.BatchItem // the commit or abort (what names it, for Close's error)
-	cancel context.CancelFunc   // stops it (Close)
-	// abandoned: its caller stopped waiting; stopped: Close stopped it.
-	// Guarded by Client.mu.
-	abandoned, stopped bool
+// finishesClosing is the bit of Client.finishes that Close sets; each
+// finish under way counts 2.
+const finishesClosing = 1
+
+// finishBegins counts a finish in, unless Close began.
+func (c *Client) finishBegins() bool {
+	for {
+		v := c.finishes.Load()
+		if v&finishesClosing != 0 {
+			return false
+		}
+		if c.finishes.CompareAndSwap(v, v+2) {
+			return true
+		}
+	}
+}
+
+// finishEnds counts a finish out, and notes it for Close's error when it
+// ended without an outcome its caller saw: Close stopped it (its caller
+// may have seen that error too, as before), or it failed after its
+// caller left (abandoned).
+func (c *Client) finishEnds(item *clusterpb.BatchItem, err error, abandoned bool) {
+	if err != nil && (abandoned || errors.Is(err, errFinishStopped)) {
+		c.mu.Lock()
+		if errors.Is(err, errFinishStopped) {
+			c.noteUnfinished(describeFinish(item) + " (still being sent when Close gave up)")
+		} else {
+			c.noteUnfinished(fmt.Sprintf("%s (ended after its caller left: %v)", describeFinish(item), err))
+		}
+		c.mu.Unlock()
+		if !errors.Is(err, errFinishStopped) {
+			c.log.Warn("idemcluster: a claim's finish ended without an outcome after its caller stopped waiting", "finish", describeFinish(item), "error", err)
+		}
+	}
+	if c.finishes.Add(-2) == finishesClosing {
+		close(c.idle) // the last one Close waits for
+	}
 }
 
 // noteUnfinished records, for Close's error, a finish that ended without
@@ -279,7 +314,7 @@ func (c *Client) forgetLeader(addr string) {
 // known not to have left (errNotSent) returns ctx's error alone. Each
 // attempt runs under ctx bounded by Options.AttemptTimeout.
 func (c *Client) call(ctx context.Context, write bool, fn func(ctx context.Context, p *peer) error) error {
-	return c.retry(ctx, write, func(ctx context.Context, p *peer, deadline time.Time) error {
+	return c.retry(ctx, nil, write, func(ctx context.Context, p *peer, deadline time.Time) error {
 		actx, cancel := context.WithDeadline(ctx, deadline)
 		defer cancel()
 		return fn(actx, p)
@@ -288,22 +323,84 @@ func (c *Client) call(ctx context.Context, write bool, fn func(ctx context.Conte
 
 // batched is call for an item that goes through the node's batcher; the
 // batcher bounds its attempt itself, without a context and a timer per
-// call (they were 6% of a duplicate's CPU).
-func (c *Client) batched(ctx context.Context, write bool, item *clusterpb.BatchItem) (out *clusterpb.Result, err error) {
-	err = c.retry(ctx, write, func(ctx context.Context, p *peer, deadline time.Time) (err error) {
-		out, err = p.batch.do(ctx, deadline, item)
+// call (they were 6% of a duplicate's CPU). fl is a claim finish's loop
+// (nil for any other call).
+func (c *Client) batched(ctx context.Context, fl *finishLoop, write bool, item *clusterpb.BatchItem) (out *clusterpb.Result, err error) {
+	var stop context.Context
+	if fl != nil {
+		stop = c.stop
+	}
+	err = c.retry(ctx, fl, write, func(ctx context.Context, p *peer, deadline time.Time) (err error) {
+		out, err = p.batch.do(ctx, stop, deadline, item)
 		return err
 	})
 	return out, err
 }
 
-// retry is call's loop: try gets ctx and the attempt's deadline.
-func (c *Client) retry(ctx context.Context, write bool, try func(ctx context.Context, p *peer, deadline time.Time) error) error {
-	backoff := 10 * time.Millisecond
+// firstBackoff is the wait before a call's first retry.
+const firstBackoff = 10 * time.Millisecond
+
+// finishLoop is what a claim finish's retry loop follows besides its ctx
+// (claimBackend.finish), and the loop's state, which it carries from the
+// caller's goroutine to one of its own when the caller stops waiting.
+type finishLoop struct {
+	stopped <-chan struct{} // Client.stopped: Close ends the finish
+	// end bounds the finish (finishTimeout from its start, or its
+	// caller's deadline when later). The loop checks it before each
+	// attempt and bounds each attempt and backoff by it: no timer.
+	end time.Time
+	// handOver: the loop's ctx is the caller's, and its end returns
+	// errHandOver with the state below kept for the loop to go on.
+	handOver bool
+	backoff  time.Duration
+	doubt    bool
+	last     error
+}
+
+// errHandOver ends a finish's loop on its caller's goroutine when the
+// caller's ctx ended: the finish goes on on a goroutine of its own.
+var errHandOver = errors.New("idemcluster: the caller stopped waiting for the claim's finish")
+
+// errFinishStopped ends a claim finish that Close stopped.
+var errFinishStopped = fmt.Errorf("%w: idemcluster: Close stopped the claim's finish", idem.ErrClosed)
+
+// over is what ends a loop besides ctx: Close stopped the finish, or its
+// bound passed (nil: neither, or not a finish).
+func (fl *finishLoop) over() error {
+	if fl == nil {
+		return nil
+	}
+	select {
+	case <-fl.stopped:
+		return errFinishStopped
+	default:
+	}
+	if !time.Now().Before(fl.end) {
+		return fmt.Errorf("idemcluster: the claim's finish was sent for its whole bound: %w", context.DeadlineExceeded)
+	}
+	return nil
+}
+
+// retry is call's loop: try gets ctx and the attempt's deadline. fl, for
+// a claim's finish, adds Close's stop and the finish's bound to ctx.
+func (c *Client) retry(ctx context.Context, fl *finishLoop, write bool, try func(ctx context.Context, p *peer, deadline time.Time) error) error {
+	backoff := firstBackoff
 	doubt := false
 	var last error
+	var stopped <-chan struct{} // nil: never
+	if fl != nil {
+		backoff, doubt, last, stopped = fl.backoff, fl.doubt, fl.last, fl.stopped
+	}
 	for attempt := 0; ; attempt++ {
-		if err := ctx.Err(); err != nil {
+		err := ctx.Err()
+		if err != nil && fl != nil && fl.handOver {
+			fl.backoff, fl.doubt, fl.last = backoff, doubt, last
+			return errHandOver
+		}
+		if err == nil {
+			err = fl.over()
+		}
+		if err != nil {
 			if write && doubt {
 				return fmt.Errorf("%w: %w (last: %v)", idem.ErrInDoubt, err, last)
 			}
@@ -320,7 +417,11 @@ func (c *Client) retry(ctx context.Context, write bool, try func(ctx context.Con
 			}
 			return err
 		}
-		err = try(ctx, p, time.Now().Add(c.o.AttemptTimeout))
+		deadline := time.Now().Add(c.o.AttemptTimeout)
+		if fl != nil && fl.end.Before(deadline) {
+			deadline = fl.end
+		}
+		err = try(ctx, p, deadline)
 		if err == nil {
 			return nil
 		}
@@ -338,7 +439,7 @@ func (c *Client) retry(ctx context.Context, write bool, try func(ctx context.Con
 			doubt = true
 			c.forgetLeader(addr)
 		case errors.Is(err, errNotSent): // still queued when its attempt ended: retry
-			if ctx.Err() != nil {
+			if ctx.Err() != nil || fl.over() != nil {
 				continue // the loop's top reports ctx's end
 			}
 		default:
@@ -351,7 +452,7 @@ func (c *Client) retry(ctx context.Context, write bool, try func(ctx context.Con
 				// The request may have reached the node, also when ctx
 				// ended while its answer was on the way.
 				doubt = true
-				if ctx.Err() != nil && st.Code() != codes.Unavailable {
+				if (ctx.Err() != nil || fl.over() != nil) && st.Code() != codes.Unavailable {
 					continue // ctx cut the attempt short; the loop's top reports it
 				}
 				c.forgetLeader(addr)
@@ -360,10 +461,16 @@ func (c *Client) retry(ctx context.Context, write bool, try func(ctx context.Con
 			}
 		}
 		c.log.Debug("idemcluster: retrying", "addr", addr, "attempt", attempt, "error", err)
-		t := time.NewTimer(backoff)
+		wait := backoff
+		if fl != nil {
+			wait = min(wait, time.Until(fl.end))
+		}
+		t := time.NewTimer(wait)
 		select {
 		case <-t.C:
 		case <-ctx.Done():
+			t.Stop()
+		case <-stopped:
 			t.Stop()
 		}
 		// Capped at 100 ms: after a failover the first request waits for
@@ -420,7 +527,7 @@ func (c *Client) Begin(ctx context.Context, req idem.Request) (idem.Result, erro
 	m.in = clusterpb.BeginRequest{Request: &m.req, Owner: c.o.Owner, Token: m.tok[:]}
 	m.call.Begin = &m.in
 	m.item.Call = &m.call
-	out, err := c.batched(ctx, true, &m.item)
+	out, err := c.batched(ctx, nil, true, &m.item)
 	if err != nil {
 		err = fromStatus(err)
 		var ac *idem.AlreadyCommittedError
@@ -442,10 +549,11 @@ func (c *Client) Begin(ctx context.Context, req idem.Request) (idem.Result, erro
 	return r, nil
 }
 
-// beginItem, commitItem and lookupItem hold the messages of one call's
-// batch item (the item, its oneof wrapper, the request and, for a Begin,
-// the token) in one allocation instead of four or five: at 64 callers
-// allocation and GC were a fifth of a duplicate's CPU.
+// beginItem, commitItem, abortItem and lookupItem hold the messages of
+// one call's batch item (the item, its oneof wrapper, the request and,
+// for a Begin, the token; for a finish, its loop's state) in one
+// allocation instead of four or five: at 64 callers allocation and GC
+// were a fifth of a duplicate's CPU.
 type (
 	beginItem struct {
 		item clusterpb.BatchItem
@@ -458,6 +566,13 @@ type (
 		item clusterpb.BatchItem
 		call clusterpb.BatchItem_Commit
 		in   clusterpb.CommitRequest
+		fl   finishLoop
+	}
+	abortItem struct {
+		item clusterpb.BatchItem
+		call clusterpb.BatchItem_Abort
+		in   clusterpb.AbortRequest
+		fl   finishLoop
 	}
 	lookupItem struct {
 		item clusterpb.BatchItem
@@ -481,7 +596,7 @@ func (b *claimBackend) Commit(ctx context.Context, reply []byte, adv []idem.Adva
 	}
 	m.call.Commit = &m.in
 	m.item.Call = &m.call
-	err := b.finish(ctx, &m.item)
+	err := b.finish(ctx, &m.item, &m.fl)
 	if errors.Is(err, idem.ErrLeaseLost) {
 		b.c.st.leaseLost.Add(1)
 	}
@@ -489,7 +604,11 @@ func (b *claimBackend) Commit(ctx context.Context, reply []byte, adv []idem.Adva
 }
 
 func (b *claimBackend) Abort(ctx context.Context) error {
-	return b.finish(ctx, &clusterpb.BatchItem{Call: &clusterpb.BatchItem_Abort{Abort: &clusterpb.AbortRequest{Claim: b.ref}}})
+	m := &abortItem{}
+	m.in = clusterpb.AbortRequest{Claim: b.ref}
+	m.call.Abort = &m.in
+	m.item.Call = &m.call
+	return b.finish(ctx, &m.item, &m.fl)
 }
 
 // finishTimeout bounds how long a claim's finish is sent, retries
@@ -498,79 +617,50 @@ const finishTimeout = 30 * time.Second
 
 // finish sends a claim's commit or abort (item) as idem.Claim's contract
 // asks: once called, the finish is sent whatever ctx says, and ctx bounds
-// only the caller's wait. So it runs on a context of its own (ctx's
-// values without its end, bounded by finishTimeout or by ctx's deadline
-// when that is later), and a caller whose ctx ends first gets an error
-// matching idem.ErrInDoubt while the finish goes on. A finish names the
-// claim's token, so sending it again (the claim InDoubt lists) gets the
-// recorded outcome.
-func (b *claimBackend) finish(ctx context.Context, item *clusterpb.BatchItem) error {
+// only the caller's wait. It is bounded by finishTimeout from its start,
+// or by ctx's deadline when that is later. It runs on the caller's
+// goroutine while the caller waits; when ctx ends first, the caller gets
+// an error matching idem.ErrInDoubt and the finish goes on on a goroutine
+// of its own, under ctx's values without its end (an item on the wire
+// then is sent again: a finish names the claim's token, so a repeat gets
+// the recorded outcome, as a retry after a lost answer does). Close waits
+// for the finishes under way and stops those left, see Close. The common
+// case, a caller that waits for its finish, costs no goroutine, timer,
+// context or lock.
+// fl is the finish's loop state, allocated with item.
+func (b *claimBackend) finish(ctx context.Context, item *clusterpb.BatchItem, fl *finishLoop) error {
 	c := b.c
-	send := func(ctx context.Context) error {
-		_, err := c.batched(ctx, true, item)
+	if ctx.Done() == nil { // ctx never ends: the caller waits for the outcome
+		_, err := c.batched(ctx, nil, true, item)
 		return fromStatus(err)
 	}
-	if ctx.Done() == nil { // ctx never ends: the caller waits for the outcome
-		return send(ctx)
+	start := time.Now()
+	*fl = finishLoop{stopped: c.stopped, end: start.Add(finishTimeout), handOver: true, backoff: firstBackoff}
+	if d, ok := ctx.Deadline(); ok && d.After(fl.end) {
+		fl.end = d
 	}
-	bound := finishTimeout
-	if d, ok := ctx.Deadline(); ok {
-		bound = max(bound, time.Until(d))
-	}
-	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), bound)
-	pf := &pendingFinish{item: item, cancel: cancel}
-	c.mu.Lock()
-	if c.closing {
-		c.mu.Unlock()
-		cancel()
+	if !c.finishBegins() {
 		return fmt.Errorf("idemcluster: %w: the client is closed", idem.ErrClosed)
 	}
-	if c.finishes == nil {
-		c.finishes = map[*pendingFinish]struct{}{}
+	_, err := c.batched(ctx, fl, true, item)
+	if err != errHandOver {
+		err = fromStatus(err)
+		c.finishEnds(item, err, false)
+		return err
 	}
-	c.finishes[pf] = struct{}{}
-	c.finishing.Add(1)
-	c.mu.Unlock()
-	done := make(chan error, 1) // sent to under mu, so that the caller's leaving and the end are ordered
+	left := ctx.Err()
+	fl.handOver = false
 	go func() {
-		defer c.finishing.Done()
-		defer cancel()
-		err := send(fctx)
-		c.mu.Lock()
-		defer c.mu.Unlock()
-		delete(c.finishes, pf)
-		switch {
-		case pf.stopped && err != nil:
-			c.noteUnfinished(pf.what() + " (still being sent when Close gave up)")
-		case pf.abandoned && err != nil:
-			c.noteUnfinished(fmt.Sprintf("%s (ended after its caller left: %v)", pf.what(), err))
-			c.log.Warn("idemcluster: a claim's finish ended without an outcome after its caller stopped waiting", "finish", pf.what(), "error", err)
-		}
-		done <- err
+		_, err := c.batched(context.WithoutCancel(ctx), fl, true, item)
+		c.finishEnds(item, fromStatus(err), true)
 	}()
-	select {
-	case err := <-done:
-		return err
-	case <-ctx.Done():
-	}
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	select {
-	case err := <-done: // it ended meanwhile
-		return err
-	default:
-	}
-	pf.abandoned = true
 	return fmt.Errorf("%w: idemcluster: the claim's finish was still being sent when ctx ended (%w); it goes on for up to %v, or until Close gives up (Close's error names it then)",
-		idem.ErrInDoubt, ctx.Err(), bound.Round(time.Second))
+		idem.ErrInDoubt, left, fl.end.Sub(start).Round(time.Second))
 }
 
-// describeFinish names a claim's finish for Close's error.
-// what names the finish ("commit of scope "s" id "x""), made only when
-// a message needs it: formatting it for every finish cost a Sprintf per
-// request.
-func (pf *pendingFinish) what() string { return describeFinish(pf.item) }
-
+// describeFinish names a claim's finish ("commit of scope "s" id "x"")
+// for Close's error and the log, made only when a message needs it:
+// formatting it for every finish cost a Sprintf per request.
 func describeFinish(item *clusterpb.BatchItem) string {
 	op, ref := "commit", item.GetCommit().GetClaim()
 	if a := item.GetAbort(); a != nil {
@@ -590,7 +680,7 @@ func (c *Client) Lookup(ctx context.Context, req idem.Request) (idem.Result, err
 	m.in = clusterpb.LookupRequest{Request: &m.req, FollowerRead: c.o.FollowerReads}
 	m.call.Lookup = &m.in
 	m.item.Call = &m.call
-	out, err := c.batched(ctx, false, &m.item)
+	out, err := c.batched(ctx, nil, false, &m.item)
 	if err != nil {
 		return idem.Result{Seq: req.Seq}, fromStatus(err)
 	}
@@ -755,12 +845,17 @@ type batchCall struct {
 	err      error // the Batch RPC's own error
 }
 
-// do runs item in an attempt that ends at deadline (or when ctx ends)
-// and returns its result, or its error as a gRPC status error, as the
-// item's own RPC would.
-func (b *batcher) do(ctx context.Context, deadline time.Time, item *clusterpb.BatchItem) (*clusterpb.Result, error) {
+// do runs item in an attempt that ends at deadline (or when ctx or stop
+// ends; stop: nil, or a claim finish's Client.stop) and returns its
+// result, or its error as a gRPC status error, as the item's own RPC
+// would.
+func (b *batcher) do(ctx, stop context.Context, deadline time.Time, item *clusterpb.BatchItem) (*clusterpb.Result, error) {
 	if b.off || b.unary.Load() {
-		return b.single(ctx, deadline, item)
+		return b.single(ctx, stop, deadline, item)
+	}
+	var stopped <-chan struct{} // nil: never
+	if stop != nil {
+		stopped = stop.Done()
 	}
 	bc := &batchCall{item: item, size: proto.Size(item), deadline: deadline, done: make(chan struct{})}
 	b.mu.Lock()
@@ -780,11 +875,16 @@ func (b *batcher) do(ctx context.Context, deadline time.Time, item *clusterpb.Ba
 			return nil, fmt.Errorf("%w: %w", errNotSent, status.FromContextError(ctx.Err()).Err())
 		}
 		return nil, status.FromContextError(ctx.Err()).Err()
+	case <-stopped:
+		if b.unqueue(bc) {
+			return nil, fmt.Errorf("%w: %w", errNotSent, errStoppedStatus)
+		}
+		return nil, errStoppedStatus
 	}
 	if bc.err != nil {
 		if status.Code(bc.err) == codes.Unimplemented {
 			b.unary.Store(true)
-			return b.single(ctx, deadline, item)
+			return b.single(ctx, stop, deadline, item)
 		}
 		return nil, bc.err
 	}
@@ -793,6 +893,9 @@ func (b *batcher) do(ctx context.Context, deadline time.Time, item *clusterpb.Ba
 	}
 	return bc.res.Result, nil
 }
+
+// errStoppedStatus answers a claim finish's call that Close stopped.
+var errStoppedStatus = status.Error(codes.Canceled, "idemcluster: Close stopped the claim's finish")
 
 // errNotSent is a call taken out of its batcher's queue when its ctx
 // ended: it never left, so a write has no outcome to doubt.
@@ -892,10 +995,14 @@ func (b *batcher) sendOne(q []*batchCall, deadline time.Time) {
 	}
 }
 
-// single runs item in an RPC of its own, bounded by deadline.
-func (b *batcher) single(ctx context.Context, deadline time.Time, item *clusterpb.BatchItem) (*clusterpb.Result, error) {
+// single runs item in an RPC of its own, bounded by deadline (and stop,
+// when not nil).
+func (b *batcher) single(ctx, stop context.Context, deadline time.Time, item *clusterpb.BatchItem) (*clusterpb.Result, error) {
 	ctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
+	if stop != nil {
+		defer context.AfterFunc(stop, cancel)()
+	}
 	switch c := item.GetCall().(type) {
 	case *clusterpb.BatchItem_Begin:
 		r, err := b.idem.Begin(ctx, c.Begin)
