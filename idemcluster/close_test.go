@@ -3,11 +3,18 @@ package idemcluster
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/hashicorp/raft"
 	"github.com/idemdb/idem"
+	"github.com/idemdb/idem/idemcluster/clusterpb"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 )
 
 // Close returns even when no node can be reached while claim finishes
@@ -57,4 +64,109 @@ func TestCloseWithUnreachableNodesNamesInDoubtClaims(t *testing.T) {
 		}
 	}
 	t.Logf("Close: %v", err)
+}
+
+// stallTransport delivers a leader's heartbeats but, while stalled, no
+// entries: the leader keeps leading and the entries it appends never
+// commit, so a write's handler waits in apply for as long as the test
+// wants. Pipelining is off so that every AppendEntries comes through here.
+type stallTransport struct {
+	*raft.InmemTransport
+	stalled atomic.Bool
+}
+
+func (s *stallTransport) AppendEntries(id raft.ServerID, target raft.ServerAddress, req *raft.AppendEntriesRequest, resp *raft.AppendEntriesResponse) error {
+	if s.stalled.Load() && len(req.Entries) > 0 {
+		return errors.New("stallTransport: entries held back")
+	}
+	return s.InmemTransport.AppendEntries(id, target, req, resp)
+}
+
+func (s *stallTransport) AppendEntriesPipeline(raft.ServerID, raft.ServerAddress) (raft.AppendPipeline, error) {
+	return nil, raft.ErrPipelineReplicationNotSupported
+}
+
+// A node closed while a gRPC handler waits for its entry to commit
+// (mid-apply) is not held up by it: grpc-go's Server.Stop (the node uses
+// Stop, not GracefulStop, and no WaitForHandlers) closes the connections
+// without waiting for handlers, and the handler's wait ends when the node
+// stops (Node.await), so it answers ErrInDoubt (the entry may still
+// commit elsewhere) or its connection is already gone (Unavailable): the
+// client retries the same request on another node either way.
+func TestCloseWithHandlerMidApply(t *testing.T) {
+	trans := map[string]*stallTransport{}
+	var mu sync.Mutex
+	// Longer timeouts than the chaos tests': fewer elections on a loaded
+	// machine between finding the leader and the Begin reaching it.
+	tune := func(o *NodeOptions) { o.HeartbeatTimeout, o.ElectionTimeout = time.Second, time.Second }
+	cc := newChaosClusterWrapped(t, 3, tune, func(id string, tr *raft.InmemTransport) raft.Transport {
+		mu.Lock()
+		defer mu.Unlock()
+		trans[id] = &stallTransport{InmemTransport: tr}
+		return trans[id]
+	})
+	cc.addressesKnown(30 * time.Second) // no more entries of the nodes' own
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	var (
+		leader string
+		nd     *Node
+		answer chan error
+	)
+	for attempt := 1; ; attempt++ {
+		leader = cc.leader(30 * time.Second)
+		nd = cc.nodes[leader]
+		mu.Lock()
+		st := trans[leader]
+		mu.Unlock()
+		st.stalled.Store(true)
+		commit := nd.Raft().CommitIndex()
+		answer = make(chan error, 1)
+		go func() {
+			_, err := rawIdem(t, cc.addr(leader)).Begin(ctx, &clusterpb.BeginRequest{
+				Request: &clusterpb.Request{Scope: "s", Id: fmt.Appendf(nil, "mid-apply-%d", attempt)}, Owner: "app", Token: fmt.Appendf(nil, "token-%d", attempt)})
+			answer <- err
+		}()
+		// The handler is in apply once its entry is in the leader's log,
+		// uncommitted. An election meanwhile (NOT_LEADER): again on the
+		// next leader.
+		var err error
+		appended := false
+		for !appended && err == nil {
+			select {
+			case err = <-answer:
+			case <-ctx.Done():
+				t.Fatal("the Begin's entry was never appended on the leader")
+			case <-time.After(10 * time.Millisecond):
+				appended = nd.Raft().LastIndex() > commit
+			}
+		}
+		if appended {
+			break
+		}
+		var nl *errNotLeader
+		if !errors.As(fromStatus(err), &nl) {
+			t.Fatalf("the Begin was answered while its entry cannot commit: %v", err)
+		}
+		st.stalled.Store(false)
+		t.Logf("attempt %d: %s no longer leads (%v): again", attempt, leader, err)
+	}
+	closed := make(chan error, 1)
+	go func() { closed <- nd.Close() }()
+	select {
+	case err := <-closed:
+		t.Logf("Close: %v", err)
+	case <-ctx.Done():
+		t.Fatal("Close did not return while a handler waited in apply")
+	}
+	delete(cc.nodes, leader) // closed: the cleanup must not stop it again
+	select {
+	case err := <-answer:
+		if !errors.Is(fromStatus(err), idem.ErrInDoubt) && status.Code(err) != codes.Unavailable {
+			t.Fatalf("the Begin caught mid-apply: %v, want ErrInDoubt or Unavailable", err)
+		}
+		t.Logf("the Begin caught mid-apply: %v", err)
+	case <-ctx.Done():
+		t.Fatal("the Begin caught mid-apply was not answered after Close")
+	}
 }

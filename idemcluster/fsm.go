@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"hash/maphash"
 	"io"
+	"maps"
 	"os"
 	"path/filepath"
 	"sort"
@@ -31,7 +32,8 @@ const (
 	cmdAdvance
 	cmdForget
 	cmdMember
-	cmdBatch // several begin, commit and abort commands in one entry (Cmds), applied in order
+	cmdBatch   // several begin, commit and abort commands in one entry (Cmds), applied in order
+	cmdRemoved // node Node is being removed (appended before raft's removal): a retried Remove is answered as done
 )
 
 // claimKey names a request's key (not its sequence number): a scope and an
@@ -207,7 +209,8 @@ func (t *finishedTable) copyTo(m map[string]finished) {
 
 // fsm is the cluster's state machine: an idem engine whose clock is the
 // log's time, the table of claims handed out (with their owners and
-// tokens), the recently finished tokens and the members' gRPC addresses.
+// tokens), the recently finished tokens, the members' gRPC addresses and
+// the ids of the nodes removed.
 //
 // Raft calls Apply, ApplyBatch, Snapshot and Restore on one goroutine (the
 // FSM goroutine); reads come from the gRPC handlers concurrently.
@@ -224,13 +227,14 @@ type fsm struct {
 	gen     int
 	rUnlock func() // mu.RUnlock, made once (engine returns it; a method value made per call is an allocation)
 
-	// tmu guards holds, finished and members against readers on other
+	// tmu guards holds, finished, members and removed against readers on other
 	// goroutines. Only the FSM goroutine writes them (under tmu); it reads
 	// them without tmu.
 	tmu       sync.Mutex
 	holds     map[string]*held
 	finished  finishedTable
 	members   map[string]string // node id -> gRPC address
+	removed   map[string]int64  // node id -> log time (Unix ns) of the latest removal asked for it (cmdRemoved); never shrinks
 	lastPurge int64             // log time of the last purge of finished (FSM goroutine only)
 
 	// seg is the segment ApplyBatch fills (FSM goroutine only), kept so
@@ -271,6 +275,7 @@ func newFSM(dir string, eopts idem.Options) (*fsm, error) {
 	f.finished = newFinishedTable(nil)
 	f.seg.seed = maphash.MakeSeed()
 	f.members = map[string]string{}
+	f.removed = map[string]int64{}
 	return f, nil
 }
 
@@ -305,6 +310,14 @@ func (f *fsm) member(id string) string {
 	f.tmu.Lock()
 	defer f.tmu.Unlock()
 	return f.members[id]
+}
+
+// wasRemoved reports whether a removal of node id was recorded (cmdRemoved).
+func (f *fsm) wasRemoved(id string) bool {
+	f.tmu.Lock()
+	defer f.tmu.Unlock()
+	_, ok := f.removed[id]
+	return ok
 }
 
 // waitApplied blocks until index is applied or ctx ends.
@@ -433,6 +446,14 @@ func (f *fsm) applyAlone(c *command, index uint64) *applied {
 		} else {
 			f.members[c.Node] = c.Addr
 		}
+		f.tmu.Unlock()
+		return &applied{}
+	case cmdRemoved:
+		if c.Node == "" {
+			return &applied{err: fmt.Errorf("%w: idemcluster: a removal without a node id at entry %d", idem.ErrInvalidRequest, index)}
+		}
+		f.tmu.Lock()
+		f.removed[c.Node] = f.now.Load()
 		f.tmu.Unlock()
 		return &applied{}
 	}
@@ -665,6 +686,7 @@ type snapshotState struct {
 	Holds    map[string]*held    `msgpack:"holds"`
 	Finished map[string]finished `msgpack:"finished"`
 	Members  map[string]string   `msgpack:"members"`
+	Removed  map[string]int64    `msgpack:"removed,omitempty"` // the removed nodes' ids (absent in snapshots of older nodes)
 }
 
 // Snapshot captures the state at the last applied entry (raft calls it on
@@ -687,6 +709,9 @@ func (f *fsm) Snapshot() (raft.FSMSnapshot, error) {
 	f.finished.copyTo(st.Finished)
 	for k, v := range f.members {
 		st.Members[k] = v
+	}
+	if len(f.removed) > 0 {
+		st.Removed = maps.Clone(f.removed)
 	}
 	head, err := msgpack.Marshal(&st)
 	if err != nil {
@@ -771,6 +796,10 @@ func (f *fsm) Restore(rc io.ReadCloser) error {
 	f.members = st.Members
 	if f.members == nil {
 		f.members = map[string]string{}
+	}
+	f.removed = st.Removed
+	if f.removed == nil {
+		f.removed = map[string]int64{}
 	}
 	if st.Index > f.index.Load() {
 		f.applied(st.Index)

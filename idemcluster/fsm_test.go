@@ -451,3 +451,37 @@ func TestAwaitEndsWhenTheNodeStops(t *testing.T) {
 		t.Fatal("await still waiting a minute after the node stopped")
 	}
 }
+
+// The removed nodes' ids are state machine state: a snapshot carries them,
+// so a node restored from one answers a retried Remove as done too.
+func TestRemovedIDsSurviveSnapshot(t *testing.T) {
+	src := testFSM(t, "src")
+	entries := []fsmEntry{
+		{0, command{Op: cmdMember, Node: "n3", Addr: "127.0.0.1:7073"}, "ok"},
+		{0, command{Op: cmdRemoved, Node: "n3"}, "ok"},
+		{0, command{Op: cmdMember, Node: "n3"}, "ok"},
+		{0, command{Op: cmdRemoved}, "invalid"},
+	}
+	for i, l := range fsmLogs(t, entries) {
+		if got := outcome(src.Apply(l)); got != entries[i].want {
+			t.Fatalf("entry %d: %s, want %s", i+1, got, entries[i].want)
+		}
+	}
+	snap, err := src.Snapshot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sink memSink
+	if err := snap.Persist(&sink); err != nil {
+		t.Fatal(err)
+	}
+	snap.Release()
+	dst := testFSM(t, "dst")
+	if err := dst.Restore(io.NopCloser(bytes.NewReader(sink.Bytes()))); err != nil {
+		t.Fatal(err)
+	}
+	if !dst.wasRemoved("n3") || dst.wasRemoved("n9") || dst.member("n3") != "" {
+		t.Fatalf("after the restore: n3 removed %v, n9 removed %v, n3's address %q; want true, false, none",
+			dst.wasRemoved("n3"), dst.wasRemoved("n9"), dst.member("n3"))
+	}
+}

@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -32,11 +33,23 @@ type NodeOptions struct {
 	// Dir holds the node's raft log, raft snapshots and engine (required).
 	Dir string
 	// RaftAddr is the address raft listens on and advertises (required
-	// unless RaftListener is given).
+	// unless RaftListener is given). It must name a host other nodes can
+	// dial: an unspecified one (":7000", "0.0.0.0:7000") is refused.
 	RaftAddr string
 	// GRPCAddr is the address the client protocol listens on (required
 	// unless GRPCListener is given).
 	GRPCAddr string
+	// AdvertiseAddr is the gRPC address the node publishes (host:port):
+	// the one it records in the members table, sends with its join, and
+	// that NOT_LEADER answers and Status name, so other nodes and clients
+	// dial it. Default: the gRPC listener's address, which must then have
+	// a host: a listener on every interface (GRPCAddr ":7071",
+	// "0.0.0.0:7071", "[::]:7071") is refused at start without
+	// AdvertiseAddr, since no other host can dial "[::]:7071". Given, it
+	// must name a host (a name or an IP that is not unspecified) and a
+	// port; it is not checked against the listener (a proxy or NAT may
+	// stand between).
+	AdvertiseAddr string
 	// RaftListener and GRPCListener, when set, are used instead of binding
 	// RaftAddr and GRPCAddr (tests hand over listeners they bound).
 	RaftListener net.Listener
@@ -100,6 +113,7 @@ type Node struct {
 	trans raft.Transport
 	grpc  *grpc.Server
 	glis  net.Listener
+	addr  string // the gRPC address published (NodeOptions.AdvertiseAddr, or glis's)
 	log   *slog.Logger
 	ready atomic.Uint64 // the term in which this node, as leader, applied a barrier
 	reads readRounds    // linearizable reads' shared leadership confirmations
@@ -123,6 +137,10 @@ func (o *NodeOptions) check() error {
 		return errors.New("idemcluster: NodeOptions: give Transport or RaftAddr/RaftListener, not both")
 	case o.GRPCAddr == "" && o.GRPCListener == nil:
 		return errors.New("idemcluster: NodeOptions.GRPCAddr is required")
+	case o.AdvertiseAddr != "":
+		if err := CheckAdvertisable(o.AdvertiseAddr); err != nil {
+			return fmt.Errorf("idemcluster: NodeOptions.AdvertiseAddr: %w", err)
+		}
 	case len(o.Peers) == 0 && o.Join == "":
 		return errors.New("idemcluster: NodeOptions: give Peers (a new cluster) or Join (a running one)")
 	case o.Engine.Clock != nil || o.Engine.FS != nil || o.Engine.RelaxedClaims || o.Engine.KeepSnapshots != 0 || o.Engine.Sync != idem.SyncAlways:
@@ -172,6 +190,22 @@ func StartNode(opts *NodeOptions) (*Node, error) {
 			n.teardown()
 		}
 	}()
+	// The gRPC listener first: an address that cannot be published is
+	// refused before raft starts (and bootstraps).
+	var err error
+	gl := o.GRPCListener
+	if gl == nil {
+		if gl, err = net.Listen("tcp", o.GRPCAddr); err != nil {
+			return nil, fmt.Errorf("idemcluster: gRPC address: %w", err)
+		}
+	}
+	n.glis = gl
+	if n.addr = o.AdvertiseAddr; n.addr == "" {
+		n.addr = gl.Addr().String()
+		if err := CheckAdvertisable(n.addr); err != nil {
+			return nil, fmt.Errorf("idemcluster: the gRPC listener's address cannot be published (NodeOptions.GRPCAddr %q): %w; give NodeOptions.AdvertiseAddr, the host:port other nodes and clients reach this node at", o.GRPCAddr, err)
+		}
+	}
 	for _, d := range []string{"raft", "snapshots"} {
 		if err := os.MkdirAll(filepath.Join(o.Dir, d), 0o755); err != nil {
 			return nil, fmt.Errorf("idemcluster: %w", err)
@@ -246,13 +280,6 @@ func StartNode(opts *NodeOptions) (*Node, error) {
 			return nil, fmt.Errorf("idemcluster: bootstrap: %w", err)
 		}
 	}
-	gl := o.GRPCListener
-	if gl == nil {
-		if gl, err = net.Listen("tcp", o.GRPCAddr); err != nil {
-			return nil, fmt.Errorf("idemcluster: gRPC address: %w", err)
-		}
-	}
-	n.glis = gl
 	n.grpc = grpc.NewServer()
 	s := &server{n: n}
 	clusterpb.RegisterIdemServer(n.grpc, s)
@@ -274,8 +301,35 @@ func StartNode(opts *NodeOptions) (*Node, error) {
 	return n, nil
 }
 
-// Addr is the node's gRPC address.
-func (n *Node) Addr() string { return n.glis.Addr().String() }
+// Addr is the node's published gRPC address (NodeOptions.AdvertiseAddr,
+// or the listener's address).
+func (n *Node) Addr() string { return n.addr }
+
+// ListenAddr is the address the node's gRPC listener is bound to (the
+// same as Addr unless NodeOptions.AdvertiseAddr names another).
+func (n *Node) ListenAddr() string { return n.glis.Addr().String() }
+
+// CheckAdvertisable reports why addr cannot be published as an address
+// other hosts dial: it must be host:port with a host that is a name or an
+// IP other than the unspecified ones (0.0.0.0, ::), and a port number
+// 1-65535. A listener bound to ":7071" has the address "[::]:7071", which
+// names no host.
+func CheckAdvertisable(addr string) error {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return fmt.Errorf("%q is not host:port (%v)", addr, err)
+	}
+	if p, err := strconv.ParseUint(port, 10, 16); err != nil || p == 0 {
+		return fmt.Errorf("%q: the port must be a number 1-65535", addr)
+	}
+	if host == "" {
+		return fmt.Errorf("%q names no host (it means every interface): other hosts cannot dial it", addr)
+	}
+	if ip := net.ParseIP(host); ip != nil && ip.IsUnspecified() {
+		return fmt.Errorf("%q names the unspecified address %s (every interface): other hosts cannot dial it", addr, host)
+	}
+	return nil
+}
 
 // RaftAddr is the node's raft address.
 func (n *Node) RaftAddr() string { return string(n.trans.LocalAddr()) }
@@ -661,7 +715,20 @@ func (rr *readRounds) run() {
 	}
 }
 
-// Close shuts the node down cleanly: a leader hands leadership over first.
+// Close shuts the node down cleanly: a leader hands leadership over first
+// (raft bounds the transfer by ElectionTimeout). Close does not wait for
+// the gRPC handlers still running: the server's Stop (not GracefulStop:
+// a drain would wait for each RPC, a Wait for its caller's deadline)
+// closes every connection and cancels the handlers' contexts, and a
+// handler waiting for its entry to commit stops waiting when the node
+// stops (Node.await): it answers ErrInDoubt, as the entry may commit
+// through another node, or its connection is gone first (Unavailable);
+// the client retries the same request elsewhere either way. So a handler
+// caught mid-apply does not delay Close (TestCloseWithHandlerMidApply);
+// what Close waits for is raft's shutdown, whose replication to a
+// follower that stopped answering ends at the transport's timeout (5 s
+// on TCP). A handler that runs on after Close finds the engine closed
+// (ErrClosed) and raft shut down.
 func (n *Node) Close() error {
 	if n.closed.Swap(true) {
 		return nil
@@ -680,7 +747,9 @@ func (n *Node) teardown() error {
 	}
 	var errs []error
 	if n.grpc != nil {
-		n.grpc.Stop()
+		n.grpc.Stop() // closes glis
+	} else if n.glis != nil {
+		n.glis.Close()
 	}
 	if n.r != nil {
 		errs = append(errs, n.r.Shutdown().Error())
@@ -722,6 +791,12 @@ func raftTransport(o *NodeOptions, hl hclog.Logger) (raft.Transport, error) {
 		if rl, err = net.Listen("tcp", o.RaftAddr); err != nil {
 			return nil, fmt.Errorf("idemcluster: raft address: %w", err)
 		}
+	}
+	// Raft advertises the address its listener has (as raft's own
+	// NewTCPTransport, which refuses it too).
+	if err := CheckAdvertisable(rl.Addr().String()); err != nil {
+		rl.Close()
+		return nil, fmt.Errorf("idemcluster: the raft listener's address cannot be advertised (NodeOptions.RaftAddr %q): %w; give RaftAddr the host other nodes reach this node at", o.RaftAddr, err)
 	}
 	return raft.NewNetworkTransportWithLogger(&tcpLayer{Listener: rl}, 5, 5*time.Second, hl), nil
 }

@@ -533,6 +533,10 @@ func (s *server) members() ([]*clusterpb.Member, error) {
 	return out, nil
 }
 
+// Join adds a node as a voter. It is idempotent: a Join retried after
+// its answer was lost (the node is a voter at that raft address already)
+// appends no configuration change, records the gRPC address only when
+// the members table lacks it, and answers as the first did.
 func (s *server) Join(ctx context.Context, in *clusterpb.JoinRequest) (*clusterpb.JoinResponse, error) {
 	if in.NodeId == "" || in.RaftAddr == "" {
 		return nil, toStatus(fmt.Errorf("%w: join needs a node id and a raft address", idem.ErrInvalidRequest))
@@ -540,10 +544,26 @@ func (s *server) Join(ctx context.Context, in *clusterpb.JoinRequest) (*clusterp
 	if !s.n.IsLeader() {
 		return nil, toStatus(&errNotLeader{leader: s.n.leaderAddr()})
 	}
-	if err := s.n.r.AddVoter(raft.ServerID(in.NodeId), raft.ServerAddress(in.RaftAddr), 0, 30*time.Second).Error(); err != nil {
+	cf := s.n.r.GetConfiguration()
+	if err := cf.Error(); err != nil {
+		return nil, toStatus(fmt.Errorf("idemcluster: join %s: reading the configuration: %w", in.NodeId, err))
+	}
+	joined := false
+	for _, sv := range cf.Configuration().Servers {
+		if string(sv.ID) == in.NodeId && sv.Suffrage == raft.Voter && string(sv.Address) == in.RaftAddr {
+			joined = true
+		}
+	}
+	if joined {
+		// The configuration read is the latest, perhaps not committed yet
+		// (the first attempt's change, still on its way): answer once it is.
+		if err := s.n.committedConfiguration(ctx); err != nil {
+			return nil, toStatus(fmt.Errorf("idemcluster: join %s: %w", in.NodeId, err))
+		}
+	} else if err := s.n.await(s.n.r.AddVoter(raft.ServerID(in.NodeId), raft.ServerAddress(in.RaftAddr), 0, 30*time.Second)); err != nil {
 		return nil, toStatus(fmt.Errorf("idemcluster: add voter %s: %w", in.NodeId, err))
 	}
-	if in.GrpcAddr != "" {
+	if in.GrpcAddr != "" && s.n.fsm.member(in.NodeId) != in.GrpcAddr {
 		if err := s.write(ctx, &command{Op: cmdMember, Node: in.NodeId, Addr: in.GrpcAddr}); err != nil {
 			return nil, err
 		}
@@ -552,13 +572,29 @@ func (s *server) Join(ctx context.Context, in *clusterpb.JoinRequest) (*clusterp
 	return &clusterpb.JoinResponse{Members: m}, toStatus(err)
 }
 
+// Remove removes a node from the cluster. It is idempotent across a lost
+// answer: the removal is recorded in the log (a removed entry, kept in
+// the members table's list of removed ids, in every snapshot) before
+// raft's RemoveServer is appended, so every leader that has the removal
+// has that record, and a Remove of a node that is no longer a member but
+// was removed before succeeds with already_removed set (nothing changes).
+// A node id that never was a member (none by that name was ever removed
+// through Remove) is NOT_FOUND, so a typo still gets a clear error; so is
+// one removed before the cluster recorded removals (older nodes), which
+// is the one case a retry cannot tell apart. The last voter is
+// FAILED_PRECONDITION.
 func (s *server) Remove(ctx context.Context, in *clusterpb.RemoveRequest) (*clusterpb.RemoveResponse, error) {
+	if in.NodeId == "" {
+		return nil, toStatus(fmt.Errorf("%w: remove needs a node id", idem.ErrInvalidRequest))
+	}
 	if !s.n.IsLeader() {
 		return nil, toStatus(&errNotLeader{leader: s.n.leaderAddr()})
 	}
 	// Refuse what raft would accept silently (an unknown id: nothing
 	// changes) or fail on with an error a client retries (the last voter):
-	// both are the caller's mistake, answered at once.
+	// both are the caller's mistake, answered at once. A ready leader has
+	// applied every entry of the earlier terms (its barrier), so it has
+	// the removed record of any removal in its configuration.
 	cf := s.n.r.GetConfiguration()
 	if err := cf.Error(); err != nil {
 		return nil, toStatus(fmt.Errorf("idemcluster: remove %s: reading the configuration: %w", in.NodeId, err))
@@ -576,24 +612,51 @@ func (s *server) Remove(ctx context.Context, in *clusterpb.RemoveRequest) (*clus
 		}
 	}
 	if !found {
-		return nil, status.Errorf(codes.NotFound, "idemcluster: remove %q: no such member (members: %s)", in.NodeId, strings.Join(ids, ", "))
+		if s.n.fsm.wasRemoved(in.NodeId) {
+			if err := s.n.committedConfiguration(ctx); err != nil {
+				return nil, toStatus(fmt.Errorf("idemcluster: remove %s: %w", in.NodeId, err))
+			}
+			m, err := s.members()
+			return &clusterpb.RemoveResponse{Members: m, AlreadyRemoved: true}, toStatus(err)
+		}
+		return nil, status.Errorf(codes.NotFound, "idemcluster: remove %q: no such member, and none by that name was removed (members: %s)", in.NodeId, strings.Join(ids, ", "))
 	}
 	if voter && voters == 1 {
 		return nil, status.Errorf(codes.FailedPrecondition, "idemcluster: remove %q: it is the last voter (a cluster needs one)", in.NodeId)
 	}
-	if err := s.n.r.RemoveServer(raft.ServerID(in.NodeId), 0, 30*time.Second).Error(); err != nil {
+	if err := s.write(ctx, &command{Op: cmdRemoved, Node: in.NodeId}); err != nil {
+		return nil, err
+	}
+	if err := s.n.await(s.n.r.RemoveServer(raft.ServerID(in.NodeId), 0, 30*time.Second)); err != nil {
 		return nil, toStatus(fmt.Errorf("idemcluster: remove %s: %w", in.NodeId, err))
 	}
 	// The node is removed. Dropping its address from the members table is
 	// tidying only (the table is read for the configuration's members),
 	// and fails when the leader removed itself and stepped down: the
 	// removal is still what the caller gets, not an error that it would
-	// retry on the next leader, which knows no such member.
+	// retry on the next leader (which would answer already_removed).
 	if err := s.write(ctx, &command{Op: cmdMember, Node: in.NodeId}); err != nil {
 		s.n.log.Info("idemcluster: removed a node; its address stays in the members table", "node", in.NodeId, "error", err)
 	}
 	m, err := s.members()
 	return &clusterpb.RemoveResponse{Members: m}, toStatus(err)
+}
+
+// committedConfiguration returns once the latest configuration the node
+// has is committed (a barrier: every entry before it is), so that an
+// answer read from it holds on every later leader.
+func (n *Node) committedConfiguration(ctx context.Context) error {
+	timeout := 10 * time.Second
+	if d, ok := ctx.Deadline(); ok {
+		timeout = max(time.Until(d), time.Millisecond)
+	}
+	if err := n.await(n.r.Barrier(timeout)); err != nil {
+		if errors.Is(err, raft.ErrNotLeader) || errors.Is(err, raft.ErrLeadershipLost) {
+			return &errNotLeader{leader: n.leaderAddr()}
+		}
+		return fmt.Errorf("%w: committing the configuration: %v", idem.ErrInDoubt, err)
+	}
+	return nil
 }
 
 func (s *server) Status(ctx context.Context, in *clusterpb.StatusRequest) (*clusterpb.StatusResponse, error) {

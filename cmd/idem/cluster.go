@@ -15,7 +15,9 @@ import (
 	"github.com/idemdb/idem/idemcluster"
 	"github.com/idemdb/idem/idemcluster/clusterpb"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 )
 
 var clusterCmd = &command{
@@ -33,8 +35,11 @@ comma-separated: the command finds the leader from there.
                                 in its log and the last one it applied. Exit 1
                                 when no node answers or none knows a leader.
   idem cluster remove <node-id> asks the leader to remove the node from the
-                                cluster (raft's RemoveServer). Refused: a node
-                                that is not a member, the last voter. Needs a
+                                cluster (raft's RemoveServer). Idempotent: a
+                                node removed before (the command run again
+                                after its answer was lost) is reported as
+                                removed, exit 0. Refused: a node id that never
+                                was a member, the last voter. Needs a
                                 leader, so a majority of the members up. Then
                                 stop the removed node's process; to bring it
                                 back, start it on an empty --dir with --join.
@@ -379,9 +384,21 @@ func (o *clusterOpts) remove(ctx context.Context, c *cli, addrs []string, id str
 			found, voter = true, m.Voter
 		}
 	}
+	if !found {
+		// Not a member: removed before (this command run again after its
+		// answer was lost), which the cluster remembers and answers as
+		// done, or never one (NOT_FOUND).
+		err := cl.Remove(ctx, id)
+		switch {
+		case err == nil:
+			fmt.Fprintf(c.stdout, "%s was removed from the cluster before: nothing to do (members: %s)\n", id, strings.Join(ids, ", "))
+			return nil
+		case status.Code(err) == codes.NotFound:
+			return fmt.Errorf("no node %q in the cluster, and none by that name was removed (members: %s): nothing removed; 'idem cluster status' lists them", id, strings.Join(ids, ", "))
+		}
+		return fmt.Errorf("remove %s: %w", id, err)
+	}
 	switch {
-	case !found:
-		return fmt.Errorf("no node %q in the cluster (members: %s): nothing removed; 'idem cluster status' lists them", id, strings.Join(ids, ", "))
 	case voter && voters == 1:
 		return fmt.Errorf("%s is the cluster's last voter: raft cannot remove it (no member would be left); to retire the cluster stop its process, or --join another node first", id)
 	}

@@ -1927,6 +1927,9 @@ func (x *JoinResponse) GetMembers() []*Member {
 	return nil
 }
 
+// Remove is idempotent: removing a node that is no longer a member, because
+// an earlier Remove (whose answer may have been lost) removed it, succeeds
+// with already_removed set. A node id that never was a member is NOT_FOUND.
 type RemoveRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	NodeId        string                 `protobuf:"bytes,1,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
@@ -1972,10 +1975,13 @@ func (x *RemoveRequest) GetNodeId() string {
 }
 
 type RemoveResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Members       []*Member              `protobuf:"bytes,1,rep,name=members,proto3" json:"members,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Members []*Member              `protobuf:"bytes,1,rep,name=members,proto3" json:"members,omitempty"`
+	// already_removed: the node was removed before this call (a retried
+	// Remove); nothing changed.
+	AlreadyRemoved bool `protobuf:"varint,2,opt,name=already_removed,json=alreadyRemoved,proto3" json:"already_removed,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *RemoveResponse) Reset() {
@@ -2013,6 +2019,13 @@ func (x *RemoveResponse) GetMembers() []*Member {
 		return x.Members
 	}
 	return nil
+}
+
+func (x *RemoveResponse) GetAlreadyRemoved() bool {
+	if x != nil {
+		return x.AlreadyRemoved
+	}
+	return false
 }
 
 type StatusRequest struct {
@@ -2362,9 +2375,10 @@ const file_cluster_proto_rawDesc = "" +
 	"\fJoinResponse\x121\n" +
 	"\amembers\x18\x01 \x03(\v2\x17.idem.cluster.v1.MemberR\amembers\"(\n" +
 	"\rRemoveRequest\x12\x17\n" +
-	"\anode_id\x18\x01 \x01(\tR\x06nodeId\"C\n" +
+	"\anode_id\x18\x01 \x01(\tR\x06nodeId\"l\n" +
 	"\x0eRemoveResponse\x121\n" +
-	"\amembers\x18\x01 \x03(\v2\x17.idem.cluster.v1.MemberR\amembers\"\x0f\n" +
+	"\amembers\x18\x01 \x03(\v2\x17.idem.cluster.v1.MemberR\amembers\x12'\n" +
+	"\x0falready_removed\x18\x02 \x01(\bR\x0ealreadyRemoved\"\x0f\n" +
 	"\rStatusRequest\"\x91\x02\n" +
 	"\x0eStatusResponse\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12\x14\n" +
