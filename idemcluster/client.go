@@ -793,7 +793,10 @@ func (c *Client) join(ctx context.Context, in *clusterpb.JoinRequest) error {
 	}))
 }
 
-// Remove removes a node from the cluster.
+// Remove removes a node from the cluster. It is idempotent: a node that
+// was removed before (a retry after a lost answer, or a second call) is
+// success too, since the cluster's log remembers the ids it removed; a
+// node id that never was a member is an error (NotFound from the leader).
 func (c *Client) Remove(ctx context.Context, nodeID string) error {
 	return fromStatus(c.call(ctx, true, func(ctx context.Context, p *peer) error {
 		_, err := p.cluster.Remove(ctx, &clusterpb.RemoveRequest{NodeId: nodeID})
