@@ -197,20 +197,7 @@ func runSteps(t *testing.T, e *Engine, steps []batchStep, open []*Claim, singly 
 	t.Helper()
 	b := e.NewBatch()
 	for _, s := range steps {
-		switch s.kind {
-		case bBegin:
-			b.Begin(s.req)
-		case bPut:
-			b.Put(s.req, s.reply, s.adv...)
-		case bCommit:
-			b.Commit(open[s.claim], s.reply, s.adv...)
-		case bAbort:
-			b.Abort(open[s.claim])
-		case bAck:
-			b.Ack(s.scope, s.ids...)
-		case bAdvance:
-			b.Advance(s.adv...)
-		}
+		addStep(b, s, open)
 	}
 	var out []BatchResult
 	if singly {

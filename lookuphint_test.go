@@ -83,7 +83,7 @@ func TestPutHintMatchesPut(t *testing.T) {
 	}
 }
 
-// addStep adds step s to batch b, as runSteps does.
+// addStep adds step s to batch b (runSteps' and the hint tests' step).
 func addStep(b Batch, s batchStep, open []*Claim) {
 	switch s.kind {
 	case bBegin:

@@ -20,13 +20,7 @@ import (
 //
 //	go test -run '^$' -bench 'Fresh' -benchtime 3000x ./idemcluster/
 func BenchmarkClusterFresh(b *testing.B) {
-	tc := newTestCluster(b, 3)
-	ctx := context.Background()
-	c, err := Dial(ctx, tc.addrs, &Options{Owner: "bench"})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer c.Close()
+	c := benchClient(b)
 	benchFresh(b, c)
 }
 
@@ -36,13 +30,8 @@ func BenchmarkClusterFresh(b *testing.B) {
 // caller stops waiting, which BenchmarkClusterFresh's Background (never
 // ends) does not ask.
 func BenchmarkClusterFreshRequestCtx(b *testing.B) {
-	tc := newTestCluster(b, 3)
 	ctx := context.Background()
-	c, err := Dial(ctx, tc.addrs, &Options{Owner: "bench"})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer c.Close()
+	c := benchClient(b)
 	benchFreshCtx(b, c, func() (context.Context, context.CancelFunc) { return context.WithCancel(ctx) })
 }
 
@@ -63,13 +52,7 @@ func BenchmarkEngineFresh(b *testing.B) {
 //
 //	go test -run '^$' -bench 'Duplicate' -benchtime 20000x ./idemcluster/
 func BenchmarkClusterDuplicate(b *testing.B) {
-	tc := newTestCluster(b, 3)
-	ctx := context.Background()
-	c, err := Dial(ctx, tc.addrs, &Options{Owner: "bench"})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer c.Close()
+	c := benchClient(b)
 	benchDuplicate(b, c, c.Lookup)
 }
 
@@ -77,13 +60,7 @@ func BenchmarkClusterDuplicate(b *testing.B) {
 // (what a retried request sends): a Begin of a committed id is answered
 // as a linearizable read, with no log entry.
 func BenchmarkClusterDuplicateBegin(b *testing.B) {
-	tc := newTestCluster(b, 3)
-	ctx := context.Background()
-	c, err := Dial(ctx, tc.addrs, &Options{Owner: "bench"})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer c.Close()
+	c := benchClient(b)
 	benchDuplicate(b, c, c.Begin)
 }
 
@@ -176,13 +153,8 @@ func benchFreshCtx(b *testing.B, s idem.Store, reqCtx func() (context.Context, c
 // reads, and the reads' beside write batches.
 func BenchmarkClusterMixed(b *testing.B) {
 	const dupIDs = 1024
-	tc := newTestCluster(b, 3)
 	ctx := context.Background()
-	c, err := Dial(ctx, tc.addrs, &Options{Owner: "bench"})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer c.Close()
+	c := benchClient(b)
 	for i := range dupIDs {
 		if _, err := idem.Do(ctx, c, idem.Request{ID: []byte(fmt.Sprintf("d-%d", i))}, func(context.Context) ([]byte, error) { return []byte("ok"), nil }); err != nil {
 			b.Fatal(err)
@@ -227,4 +199,16 @@ func BenchmarkClusterMixed(b *testing.B) {
 	b.ReportMetric(float64(b.N)/sec, "fresh/s")
 	b.ReportMetric(float64(dups.Load())/sec, "dup/s")
 	b.ReportMetric(float64(cputime.Process()-cpu)/float64(time.Microsecond)/float64(int64(b.N)+dups.Load()), "cpu-µs/req")
+}
+
+// benchClient starts a three-node cluster on loopback and returns a Client
+// of it, closed when the benchmark ends.
+func benchClient(b *testing.B) *Client {
+	tc := newTestCluster(b, 3)
+	c, err := Dial(context.Background(), tc.addrs, &Options{Owner: "bench"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { c.Close() })
+	return c
 }

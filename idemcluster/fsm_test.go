@@ -307,6 +307,27 @@ func TestClaimKeyNames(t *testing.T) {
 	}
 }
 
+// applyAndSnapshot applies entries to f, checking each outcome, and
+// returns a snapshot of f persisted in memory.
+func applyAndSnapshot(t *testing.T, f *fsm, entries []fsmEntry) *memSink {
+	t.Helper()
+	for i, l := range fsmLogs(t, entries) {
+		if got := outcome(f.Apply(l)); got != entries[i].want {
+			t.Fatalf("entry %d: %s, want %s", i+1, got, entries[i].want)
+		}
+	}
+	snap, err := f.Snapshot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	sink := new(memSink)
+	if err := snap.Persist(sink); err != nil {
+		t.Fatal(err)
+	}
+	snap.Release()
+	return sink
+}
+
 // memSink is a raft.SnapshotSink in memory.
 type memSink struct{ bytes.Buffer }
 
@@ -328,20 +349,7 @@ func TestFinishedTokensSurviveSnapshot(t *testing.T) {
 		{0, command{Op: cmdAbort, Key: keyOf(&b), Token: short}, "ok"},
 	}
 	src := testFSM(t, "src")
-	for i, l := range fsmLogs(t, entries) {
-		if got := outcome(src.Apply(l)); got != entries[i].want {
-			t.Fatalf("entry %d: %s, want %s", i+1, got, entries[i].want)
-		}
-	}
-	snap, err := src.Snapshot()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var sink memSink
-	if err := snap.Persist(&sink); err != nil {
-		t.Fatal(err)
-	}
-	snap.Release()
+	sink := applyAndSnapshot(t, src, entries)
 	var head []byte
 	if err := msgpack.NewDecoder(bytes.NewReader(sink.Bytes())).Decode(&head); err != nil {
 		t.Fatal(err)
@@ -462,20 +470,7 @@ func TestRemovedIDsSurviveSnapshot(t *testing.T) {
 		{0, command{Op: cmdMember, Node: "n3"}, "ok"},
 		{0, command{Op: cmdRemoved}, "invalid"},
 	}
-	for i, l := range fsmLogs(t, entries) {
-		if got := outcome(src.Apply(l)); got != entries[i].want {
-			t.Fatalf("entry %d: %s, want %s", i+1, got, entries[i].want)
-		}
-	}
-	snap, err := src.Snapshot()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var sink memSink
-	if err := snap.Persist(&sink); err != nil {
-		t.Fatal(err)
-	}
-	snap.Release()
+	sink := applyAndSnapshot(t, src, entries)
 	dst := testFSM(t, "dst")
 	if err := dst.Restore(io.NopCloser(bytes.NewReader(sink.Bytes()))); err != nil {
 		t.Fatal(err)
