@@ -13,6 +13,7 @@ import (
 
 	"github.com/idemdb/idem"
 	"github.com/idemdb/idem/idemcluster/clusterpb"
+	"github.com/idemdb/idem/idemcluster/clustertest"
 	"github.com/idemdb/idem/internal/proctest"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
@@ -41,7 +42,7 @@ var upLine = regexp.MustCompile(`idem serve: node \S+ up: `)
 // proctest.Member its view is its Status RPC, asked of it alone.
 type procNode struct {
 	id, raft, grpc string
-	proctest.ServeNode
+	clustertest.ServeNode
 }
 
 // procCluster is three `idem serve` processes on loopback, on addresses
@@ -177,7 +178,7 @@ func TestServeDeposedLeaderAnswersNothingStale(t *testing.T) {
 	for id, n := range pc.nodes {
 		addrs[id] = n.grpc
 	}
-	pr := proctest.Probes(ctx, t, addrs, probes+1)
+	pr := clustertest.Probes(ctx, t, addrs, probes+1)
 	p := proctest.PauseLeader(ctx, t, pc.members)
 	old, cc := p.Lead.Name(), pr[p.Lead.Name()].Conn
 	t.Logf("leader %s of term %d paused (try %d)", old, p.Term, p.Tries)

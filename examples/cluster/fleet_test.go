@@ -18,6 +18,7 @@ import (
 	"github.com/idemdb/idem"
 	"github.com/idemdb/idem/idemcluster"
 	"github.com/idemdb/idem/idemcluster/clusterpb"
+	"github.com/idemdb/idem/idemcluster/clustertest"
 	"github.com/idemdb/idem/idemhttp"
 	"github.com/idemdb/idem/internal/proctest"
 	"google.golang.org/grpc/status"
@@ -347,7 +348,7 @@ func pauseLeader(ctx context.Context, t *testing.T, tc *testCluster, transfer fu
 	for _, n := range tc.nodes {
 		addrs[n.id] = n.grpc
 	}
-	probes := proctest.Probes(ctx, t, addrs, pausedTransfers+1)
+	probes := clustertest.Probes(ctx, t, addrs, pausedTransfers+1)
 	p := proctest.PauseLeader(ctx, t, tc.members)
 	lead := tc.node(p.Lead)
 	cc, sent := probes[lead.id].Conn, probes[lead.id].Sent

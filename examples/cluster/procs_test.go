@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/idemdb/idem/idemcluster/clusterpb"
+	"github.com/idemdb/idem/idemcluster/clustertest"
 	"github.com/idemdb/idem/internal/proctest"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
@@ -78,8 +79,8 @@ func binaries(t *testing.T) (idemBin, appBin string) {
 type node struct {
 	id, raft, grpc string
 	p              *proctest.Proc
-	cc             *grpc.ClientConn    // to this node only (no leader following)
-	m              *proctest.ServeNode // p and cc as a proctest.Member
+	cc             *grpc.ClientConn       // to this node only (no leader following)
+	m              *clustertest.ServeNode // p and cc as a proctest.Member
 }
 
 var upLine = regexp.MustCompile(`idem serve: node \S+ up: `)
@@ -130,7 +131,7 @@ func startCluster(ctx context.Context, t *testing.T, idemBin, dir string) *testC
 			t.Fatal(err)
 		}
 		n.cc = cc
-		n.m = &proctest.ServeNode{Proc: n.p, Conn: cc}
+		n.m = &clustertest.ServeNode{Proc: n.p, Conn: cc}
 		tc.members = append(tc.members, n.m)
 		t.Cleanup(func() { cc.Close() })
 	}

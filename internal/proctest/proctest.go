@@ -26,9 +26,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/idemdb/idem/idemcluster/clusterpb"
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/stats"
 )
 
@@ -193,36 +190,6 @@ func (p *Proc) WaitExit(ctx context.Context) *os.ProcessState {
 	}
 }
 
-// Probe is a connection of a test's own to one node, with a SentCounter,
-// for requests the test queues to the node while it is paused.
-type Probe struct {
-	Conn *grpc.ClientConn
-	Sent *SentCounter
-}
-
-// Probes connects to each node (name -> gRPC address) with a SentCounter
-// holding n reports, before anything is paused: each connection has
-// answered a Status request, whose report is drained. The test's cleanup
-// closes them.
-func Probes(ctx context.Context, t testing.TB, addrs map[string]string, n int) map[string]*Probe {
-	t.Helper()
-	out := map[string]*Probe{}
-	for name, addr := range addrs {
-		sent := NewSentCounter(n)
-		cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithStatsHandler(sent))
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { cc.Close() })
-		if _, err := clusterpb.NewClusterClient(cc).Status(ctx, &clusterpb.StatusRequest{}); err != nil {
-			t.Fatalf("proctest: Status of %s: %v", name, err)
-		}
-		sent.Drain() // the Status request's own message
-		out[name] = &Probe{Conn: cc, Sent: sent}
-	}
-	return out
-}
-
 // SentCounter is a gRPC client stats.Handler (grpc.WithStatsHandler) that
 // sends on C each time a request message has been handed to the
 // connection: a test that asks a paused process (SIGSTOP) receives from C
@@ -266,30 +233,14 @@ type View struct {
 
 // Member is a node of a raft cluster run as a process, as PauseLeader and
 // Leader see it. *Proc gives Name, Running, Signal and Kill (Name must be
-// the node's raft id); the test adds View (ServeNode does for `idem
-// serve`).
+// the node's raft id); the test adds View (idemcluster/clustertest.ServeNode does
+// for `idem serve`).
 type Member interface {
 	Name() string
 	Running() bool
 	Signal(sig syscall.Signal)
 	Kill(sig syscall.Signal)
 	View(ctx context.Context) (View, error)
-}
-
-// ServeNode is an `idem serve` process as a Member: its view is what its
-// Status RPC answers on Conn, a connection to that node alone.
-type ServeNode struct {
-	*Proc
-	Conn grpc.ClientConnInterface
-}
-
-// View implements Member.
-func (n *ServeNode) View(ctx context.Context) (View, error) {
-	st, err := clusterpb.NewClusterClient(n.Conn).Status(ctx, &clusterpb.StatusRequest{})
-	if err != nil {
-		return View{}, err
-	}
-	return View{State: st.State, LeaderID: st.LeaderId, Term: st.Term}, nil
 }
 
 // views asks the running members for their views, concurrently, each
