@@ -631,12 +631,21 @@ func (s *server) Remove(ctx context.Context, in *clusterpb.RemoveRequest) (*clus
 		return nil, toStatus(fmt.Errorf("idemcluster: remove %s: %w", in.NodeId, err))
 	}
 	// The node is removed. Dropping its address from the members table is
-	// tidying only (the table is read for the configuration's members),
-	// and fails when the leader removed itself and stepped down: the
-	// removal is still what the caller gets, not an error that it would
-	// retry on the next leader (which would answer already_removed).
-	if err := s.write(ctx, &command{Op: cmdMember, Node: in.NodeId}); err != nil {
-		s.n.log.Info("idemcluster: removed a node; its address stays in the members table", "node", in.NodeId, "error", err)
+	// tidying only (the table is read for the configuration's members):
+	// the removal is what the caller gets, not an error that it would
+	// retry on the next leader (which would answer already_removed). A
+	// leader that removed itself has stepped down and its raft shuts down
+	// (ShutdownOnRemove): a write there could wait for the caller's whole
+	// deadline, so it is not tried; elsewhere it is bounded.
+	if in.NodeId == s.n.o.ID {
+		s.n.log.Info("idemcluster: removed this node, the leader; its address stays in the members table", "node", in.NodeId)
+	} else {
+		wctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		err := s.write(wctx, &command{Op: cmdMember, Node: in.NodeId})
+		cancel()
+		if err != nil {
+			s.n.log.Info("idemcluster: removed a node; its address stays in the members table", "node", in.NodeId, "error", err)
+		}
 	}
 	m, err := s.members()
 	return &clusterpb.RemoveResponse{Members: m}, toStatus(err)
