@@ -898,18 +898,22 @@ func (b *batcher) do(ctx, stop context.Context, deadline time.Time, item *cluste
 	} else {
 		b.mu.Unlock()
 	}
-	select {
-	case <-bc.done:
-	case <-ctx.Done():
-		if b.unqueue(bc) {
-			return nil, fmt.Errorf("%w: %w", errNotSent, status.FromContextError(ctx.Err()).Err())
+	if done := ctx.Done(); done == nil && stopped == nil {
+		<-bc.done // nothing else ends the wait: a receive, not a select
+	} else {
+		select {
+		case <-bc.done:
+		case <-done:
+			if b.unqueue(bc) {
+				return nil, fmt.Errorf("%w: %w", errNotSent, status.FromContextError(ctx.Err()).Err())
+			}
+			return nil, status.FromContextError(ctx.Err()).Err()
+		case <-stopped:
+			if b.unqueue(bc) {
+				return nil, fmt.Errorf("%w: %w", errNotSent, errStoppedStatus)
+			}
+			return nil, errStoppedStatus
 		}
-		return nil, status.FromContextError(ctx.Err()).Err()
-	case <-stopped:
-		if b.unqueue(bc) {
-			return nil, fmt.Errorf("%w: %w", errNotSent, errStoppedStatus)
-		}
-		return nil, errStoppedStatus
 	}
 	if bc.err != nil {
 		if status.Code(bc.err) == codes.Unimplemented {

@@ -345,11 +345,12 @@ func unmarshalBatchRequest(b []byte, m *clusterpb.BatchRequest) error {
 	return err
 }
 
-// resultSlab is a BatchResponse's result with its messages.
+// resultSlab is a BatchResponse's result with its messages (not its
+// claim, which only a Fresh Begin's has: a slab of 64 with one each was
+// half again as large, all of it zeroed).
 type resultSlab struct {
 	out   clusterpb.BatchResult
 	res   clusterpb.Result
-	claim clusterpb.ClaimRef
 	times [3]timestamppb.Timestamp // lease_until, committed_at, expires_at
 }
 
@@ -393,9 +394,6 @@ func unmarshalBatchResponse(b []byte, m *clusterpb.BatchResponse) error {
 			s.out.Result = &s.res
 			// The first occurrence's fields (a repeat merges into them).
 			rset, _ := fieldsPresent(fieldValue(v, 2))
-			if has(rset, 3) {
-				s.res.Claim = &s.claim
-			}
 			if has(rset, 4) {
 				s.res.LeaseUntil = &s.times[0]
 			}
