@@ -501,7 +501,7 @@ func (r *batchRun) get(key []byte, mode byte) (*index.Entry, error) {
 	sl := r.itemSl
 	if sl == nil || sl.evicted || !sameSlice(key, r.itemKey) {
 		var err error
-		if sl, err = r.e.slotLockedForBatch(key); err != nil {
+		if sl, err = r.e.slotLockedKeep(key, true); err != nil {
 			return nil, err
 		}
 	}

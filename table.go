@@ -138,7 +138,12 @@ func (e *Engine) lockAll() func() {
 
 // slotLocked returns key's slot, loading it from the index if needed. The
 // shard's lock must be held.
-func (e *Engine) slotLocked(key []byte) (*slot, error) {
+func (e *Engine) slotLocked(key []byte) (*slot, error) { return e.slotLockedKeep(key, false) }
+
+// slotLockedKeep is slotLocked that, with keep (a batch's run,
+// batchRun.get), installs a slot by installForBatchLocked, which makes
+// key's bytes its map key: the caller guarantees that they never change.
+func (e *Engine) slotLockedKeep(key []byte, keep bool) (*slot, error) {
 	sh := e.shardOf(key)
 	if sl := sh.m[string(key)]; sl != nil {
 		return sl, nil
@@ -146,23 +151,11 @@ func (e *Engine) slotLocked(key []byte) (*slot, error) {
 	en, err := e.ix.Get(key)
 	if err != nil {
 		return nil, wrapCorrupt(err)
+	}
+	if keep {
+		return e.installForBatchLocked(sh, key, en), nil
 	}
 	return e.installLocked(sh, key, en, false), nil
-}
-
-// slotLockedForBatch is slotLocked for a batch's run (batchRun.get): a
-// slot it installs has key's bytes as its map key (the caller guarantees
-// that they never change) and is installed by installForBatchLocked.
-func (e *Engine) slotLockedForBatch(key []byte) (*slot, error) {
-	sh := e.shardOf(key)
-	if sl := sh.m[string(key)]; sl != nil {
-		return sl, nil
-	}
-	en, err := e.ix.Get(key)
-	if err != nil {
-		return nil, wrapCorrupt(err)
-	}
-	return e.installForBatchLocked(sh, key, en), nil
 }
 
 // installLocked puts a slot holding en, as read from the index, into sh
