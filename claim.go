@@ -385,18 +385,29 @@ func (c *engineClaim) write(typ byte, reply []byte, adv []wal.Advance, keys [][]
 	if err := e.enter(); err != nil {
 		return err
 	}
-	defer e.leave()
+	// One deferred call in a function of few returns, which the compiler
+	// open-codes (see Engine.begin).
+	var pb *[]byte // the record's pooled buffer, until given back
+	defer func() {
+		if pb != nil {
+			putPayload(pb)
+		}
+		e.leave()
+	}()
+	return c.writeEntered(typ, reply, adv, keys, &pb)
+}
+
+// writeEntered is write once the engine entered. It takes the record's
+// buffer from the pool into *pbp, and sets *pbp to nil once it gave it
+// back (the caller gives back any other).
+func (c *engineClaim) writeEntered(typ byte, reply []byte, adv []wal.Advance, keys [][]byte, pbp **[]byte) error {
+	e := c.e
 	k := c.k
 	op := &wal.Op{}
 	var (
 		payload []byte
 		pb      *[]byte // payload's pooled buffer, returned once appended
 	)
-	defer func() {
-		if pb != nil {
-			putPayload(pb)
-		}
-	}()
 	if keys == nil {
 		// Commit and Abort: the record depends on the claim alone, so its
 		// time, its copy of the reply and its encoding (compression
@@ -412,6 +423,7 @@ func (c *engineClaim) write(typ byte, reply []byte, adv []wal.Advance, keys [][]
 		// time under their locks as before.
 		finishOp(op, typ, k, c.lsn, e.o.Clock().UnixNano(), reply, adv)
 		pb = payloadPool.Get().(*[]byte)
+		*pbp = pb
 		var err error
 		payload, err = wal.EncodeOp((*pb)[:0], op)
 		*pb = payload
@@ -476,7 +488,7 @@ func (c *engineClaim) write(typ byte, reply []byte, adv []wal.Advance, keys [][]
 			e.countRemovals(removals(op.Type, ts))
 		}
 		putPayload(pb) // the WAL copied it
-		pb = nil
+		*pbp = nil
 	} else {
 		lsn, err = e.appendOpSlot(op, ts, k.key, sl, up)
 	}

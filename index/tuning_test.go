@@ -2,6 +2,10 @@ package index
 
 import (
 	"crypto/rand"
+	"fmt"
+	"io"
+	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/cockroachdb/pebble/v2"
@@ -80,5 +84,44 @@ func TestCompressionFollowsReplies(t *testing.T) {
 			}
 			check("compacted")
 		})
+	}
+}
+
+// TestL0CompactionThreshold: the index's Pebble runs with
+// l0CompactionThreshold (Pebble records the options it runs with in its
+// OPTIONS file; before, it ran with its default of 4).
+func TestL0CompactionThreshold(t *testing.T) {
+	fs := vfs.NewMem()
+	ix, err := Open(Options{FS: fs, Dir: "ix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ix.Close(false)
+	names, err := fs.List("ix")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := fmt.Sprintf("l0_compaction_threshold=%d\n", l0CompactionThreshold)
+	found := false
+	for _, name := range names {
+		if !strings.HasPrefix(name, "OPTIONS-") {
+			continue
+		}
+		found = true
+		f, err := fs.Open(filepath.Join("ix", name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := io.ReadAll(f)
+		f.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !strings.Contains(string(b), want) {
+			t.Errorf("%s does not say %q:\n%s", name, strings.TrimSpace(want), b)
+		}
+	}
+	if !found {
+		t.Fatalf("no OPTIONS file in %v", names)
 	}
 }
