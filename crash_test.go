@@ -710,7 +710,11 @@ func goroutineID() string {
 // durability wait (wal.(*WAL).wait, under WaitDurable and Sync). A
 // goroutine blocked anywhere else, or running, does not count: a call that
 // does not wait for durability never gets its fsync through.
-func waitsInWAL(gid string) bool {
+func waitsInWAL(gid string) bool { return blockedIn(gid, "idem/wal.(*WAL).wait(") }
+
+// blockedIn reports whether goroutine gid is blocked (neither running nor
+// runnable) with the function fn on its stack.
+func blockedIn(gid, fn string) bool {
 	buf := make([]byte, 256<<10)
 	for {
 		n := runtime.Stack(buf, true)
@@ -733,5 +737,5 @@ func waitsInWAL(gid string) bool {
 	if bytes.HasPrefix(state, []byte("running")) || bytes.HasPrefix(state, []byte("runnable")) {
 		return false
 	}
-	return bytes.Contains(g, []byte("idem/wal.(*WAL).wait("))
+	return bytes.Contains(g, []byte(fn))
 }
