@@ -225,10 +225,12 @@ func TestTransportRetryAfterAndContext(t *testing.T) {
 		t.Fatalf("%d after %d attempts in %v; want 201 after 2, at least 1s (Retry-After)", resp.StatusCode, attempts.Load(), time.Since(start))
 	}
 
-	// Retry-After 60 with a 2 s context: no retry, the 503 comes back.
+	// Retry-After 60 with a 20 s context: no retry, the 503 comes back at
+	// once, long before the context ends (with 2 s, an attempt slowed
+	// down on a loaded machine could end it first and fail the test).
 	attempts.Store(0)
 	retryAfter = "60"
-	short, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	short, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	req, _ = http.NewRequestWithContext(short, http.MethodPost, srv.URL, strings.NewReader("x"))
 	resp, err = c.Do(req)
