@@ -710,28 +710,53 @@ func goroutineID() string {
 // durability wait (wal.(*WAL).wait, under WaitDurable and Sync). A
 // goroutine blocked anywhere else, or running, does not count: a call that
 // does not wait for durability never gets its fsync through.
-func waitsInWAL(gid string) bool {
+func waitsInWAL(gid string) bool { return blockedIn(gid, "idem/wal.(*WAL).wait(") }
+
+// blockedIn reports whether goroutine gid is blocked (neither running nor
+// runnable) with the function fn on its stack.
+func blockedIn(gid, fn string) bool {
+	for _, g := range goroutineStacks() {
+		if bytes.HasPrefix(g, []byte("goroutine "+gid+" [")) {
+			return isBlockedIn(g, fn)
+		}
+	}
+	return false
+}
+
+// anyBlockedIn reports whether some goroutine is blocked with every one
+// of the functions fns on its stack.
+func anyBlockedIn(fns ...string) bool {
+	for _, g := range goroutineStacks() {
+		if isBlockedIn(g, fns...) {
+			return true
+		}
+	}
+	return false
+}
+
+// goroutineStacks returns the stack of every goroutine, one item each
+// ("goroutine 12 [select]:\n..." as runtime.Stack prints them).
+func goroutineStacks() [][]byte {
 	buf := make([]byte, 256<<10)
 	for {
 		n := runtime.Stack(buf, true)
 		if n < len(buf) {
-			buf = buf[:n]
-			break
+			return bytes.Split(buf[:n], []byte("\n\n"))
 		}
 		buf = make([]byte, 2*len(buf))
 	}
-	hdr := []byte("goroutine " + gid + " [")
-	i := bytes.Index(buf, hdr)
-	if i < 0 {
-		return false
-	}
-	g := buf[i+len(hdr):]
-	if j := bytes.Index(g, []byte("\n\n")); j >= 0 {
-		g = g[:j]
-	}
+}
+
+func isBlockedIn(g []byte, fns ...string) bool {
+	_, g, _ = bytes.Cut(g, []byte(" ["))
 	state, _, _ := bytes.Cut(g, []byte("]"))
 	if bytes.HasPrefix(state, []byte("running")) || bytes.HasPrefix(state, []byte("runnable")) {
 		return false
 	}
-	return bytes.Contains(g, []byte("idem/wal.(*WAL).wait("))
+	for _, fn := range fns {
+		if !bytes.Contains(g, []byte(fn)) {
+			return false
+		}
+	}
+	return true
 }

@@ -616,13 +616,47 @@ func TestDoAbortsOnErrorAndPanic(t *testing.T) {
 	if _, err := e.Do(ctx, Request{ID: id("w")}, nil); !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("wait bounded by ctx: %v", err)
 	}
-	go func() {
-		time.Sleep(10 * time.Millisecond)
-		_ = res.Claim.Commit(bg, id("w-reply"))
-	}()
-	w, err := e.Wait(bg, Request{Scope: "", ID: id("w")})
+	w, err := waitAcross(t, e, Request{Scope: "", ID: id("w")}, func() { _ = res.Claim.Commit(bg, id("w-reply")) })
 	if err != nil || w.Status != Done || string(w.Reply) != "w-reply" {
 		t.Fatalf("wait: %+v %v", w, err)
+	}
+}
+
+// waitAcross calls e.Wait(r) for a request in flight and, once Wait is
+// blocked waiting for it, runs finish (a commit or an abort); it returns
+// what Wait returned. A Wait that returns before finish ran fails the test.
+// (Finishing after a sleep instead let a starved Wait start after the
+// commit: it then proved nothing about waking up.)
+func waitAcross(t *testing.T, e *Engine, r Request, finish func()) (Result, error) {
+	t.Helper()
+	type result struct {
+		res Result
+		err error
+	}
+	gidc, done := make(chan string, 1), make(chan result, 1)
+	go func() {
+		gidc <- goroutineID()
+		res, err := e.Wait(bg, r)
+		done <- result{res, err}
+	}()
+	gid := <-gidc
+	for deadline := time.Now().Add(10 * time.Second); !blockedIn(gid, "idem.(*Engine).waitKey("); time.Sleep(time.Millisecond) {
+		select {
+		case out := <-done:
+			t.Fatalf("Wait returned %+v %v while the request was in flight", out.res, out.err)
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("Wait did not block within 10 s")
+		}
+	}
+	finish()
+	select {
+	case out := <-done:
+		return out.res, out.err
+	case <-time.After(10 * time.Second):
+		t.Fatal("Wait still blocked 10 s after the request finished")
+		return Result{}, nil
 	}
 }
 
@@ -645,20 +679,12 @@ func TestWaitSeq(t *testing.T) {
 		t.Fatalf("wait bounded by ctx: %v", err)
 	}
 	cancel()
-	go func() {
-		time.Sleep(10 * time.Millisecond)
-		_ = res.Claim.Commit(bg, id("r1"))
-	}()
-	if r, err := e.Wait(bg, Request{Scope: "s", Client: "c", Seq: 1}); err != nil || r.Status != Done || string(r.Reply) != "r1" || r.Seq != 1 {
+	if r, err := waitAcross(t, e, seq(1), func() { _ = res.Claim.Commit(bg, id("r1")) }); err != nil || r.Status != Done || string(r.Reply) != "r1" || r.Seq != 1 {
 		t.Fatalf("wait for a commit: %+v %v", r, err)
 	}
 	// Aborted meanwhile: the number is free again.
 	res = mustBegin(t, e, seq(2), Fresh)
-	go func() {
-		time.Sleep(10 * time.Millisecond)
-		_ = res.Claim.Abort(bg)
-	}()
-	if r, err := e.Wait(bg, Request{Scope: "s", Client: "c", Seq: 2}); err != nil || r.Status != Absent {
+	if r, err := waitAcross(t, e, seq(2), func() { _ = res.Claim.Abort(bg) }); err != nil || r.Status != Absent {
 		t.Fatalf("wait for an abort: %+v %v", r, err)
 	}
 	mustBegin(t, e, seq(2), Fresh)

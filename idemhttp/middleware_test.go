@@ -337,7 +337,9 @@ func TestConcurrentRetriesOneExecution(t *testing.T) {
 }
 
 // With WaitInFlight, parallel requests wait for the first and get its
-// response.
+// response. The handler answers only once every other request found the
+// key in flight (the engine's InFlightCollisions): none of them can come
+// late and get a replay without having waited.
 func TestWaitInFlight(t *testing.T) {
 	ctx := testCtx(t, 30*time.Second)
 	e := openEngine(t, nil, nil)
@@ -346,9 +348,11 @@ func TestWaitInFlight(t *testing.T) {
 	const n = 20
 	res := make([]response, n)
 	go func() {
+		defer close(app.gate)
 		<-app.started
-		time.Sleep(50 * time.Millisecond) // let the others arrive and wait
-		close(app.gate)
+		for e.Stats().InFlightCollisions < n-1 && ctx.Err() == nil {
+			time.Sleep(time.Millisecond) // polling the engine's counter
+		}
 	}()
 	parallel(n, func(i int) { res[i] = post(t, ctx, srv, "waited", item1) })
 	for _, r := range res {

@@ -225,10 +225,12 @@ func TestTransportRetryAfterAndContext(t *testing.T) {
 		t.Fatalf("%d after %d attempts in %v; want 201 after 2, at least 1s (Retry-After)", resp.StatusCode, attempts.Load(), time.Since(start))
 	}
 
-	// Retry-After 60 with a 2 s context: no retry, the 503 comes back.
+	// Retry-After 60 with a 20 s context: no retry, the 503 comes back at
+	// once, long before the context ends (with 2 s, an attempt slowed
+	// down on a loaded machine could end it first and fail the test).
 	attempts.Store(0)
 	retryAfter = "60"
-	short, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	short, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	req, _ = http.NewRequestWithContext(short, http.MethodPost, srv.URL, strings.NewReader("x"))
 	resp, err = c.Do(req)
@@ -243,18 +245,72 @@ func TestTransportRetryAfterAndContext(t *testing.T) {
 
 // AttemptTimeout: a slow first attempt is abandoned; the retry finds the
 // key in flight (IDEMPOTENCY_KEY_PROCESSING), waits, and gets the replay.
+// Gates order the steps, not durations: the handler answers only once its
+// client has abandoned the attempt (only the transport's AttemptTimeout
+// ends it: the test's context has 30 s) and another attempt has been told
+// IDEMPOTENCY_KEY_PROCESSING; a request arriving after that waits until
+// the handler's response is stored, so it gets the replay. The attempts
+// sent once the handler runs have the test's deadline instead of the
+// transport's 100 ms: how long they take is not what is tested, and a
+// loaded machine must not time them out (with a 100 ms deadline on every
+// attempt, four slow attempts in a row failed the test).
 func TestTransportAttemptTimeout(t *testing.T) {
-	ctx := testCtx(t, 30*time.Second)
+	// Ended when the test returns, before the server's Close waits for
+	// the handler (which may still wait on a gate when the test failed).
+	ctx, cancel := context.WithCancel(testCtx(t, 30*time.Second))
+	defer cancel()
 	e := openEngine(t, nil, nil)
-	var calls atomic.Int64
+	var (
+		calls      atomic.Int64
+		entered    = make(chan struct{}) // the handler runs
+		processing = make(chan struct{}) // an attempt got IDEMPOTENCY_KEY_PROCESSING
+		stored     = make(chan struct{}) // the handler's response is stored
+		once       sync.Once
+	)
+	wait := func(ch <-chan struct{}) {
+		select {
+		case <-ch:
+		case <-ctx.Done():
+		}
+	}
+	type ranKey struct{}
 	slow := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		calls.Add(1)
-		time.Sleep(300 * time.Millisecond) // ignores its context: it finishes anyway
+		if calls.Add(1) == 1 {
+			r.Context().Value(ranKey{}).(*atomic.Bool).Store(true)
+			close(entered)
+			wait(r.Context().Done()) // it ignores its context: it finishes anyway
+			wait(processing)
+		}
 		w.WriteHeader(http.StatusCreated)
 		io.WriteString(w, "made")
 	})
-	srv := serve(t, mw(t, e, &idemhttp.Options{RetryAfter: 500 * time.Millisecond})(slow))
-	c := client(srv, &idemhttp.Transport{AttemptTimeout: 100 * time.Millisecond})
+	inner := mw(t, e, &idemhttp.Options{RetryAfter: 500 * time.Millisecond})(slow)
+	srv := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-processing:
+			wait(stored)
+		default:
+		}
+		ran := new(atomic.Bool)
+		inner.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), ranKey{}, ran)))
+		if ran.Load() {
+			close(stored)
+		}
+	}))
+	base := srv.Client().Transport.(*http.Transport)
+	gated := &gatedTransport{Transport: base, round: func(r *http.Request) (*http.Response, error) {
+		select {
+		case <-entered:
+			r = r.WithContext(ctx)
+		default:
+		}
+		resp, err := base.RoundTrip(r)
+		if err == nil && resp.StatusCode == http.StatusConflict {
+			once.Do(func() { close(processing) })
+		}
+		return resp, err
+	}}
+	c := &http.Client{Transport: &idemhttp.Transport{Base: gated, MaxAttempts: 10, AttemptTimeout: 100 * time.Millisecond, BaseDelay: 5 * time.Millisecond}}
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL, strings.NewReader("x"))
 	resp, err := c.Do(req)
 	if err != nil {
@@ -264,6 +320,16 @@ func TestTransportAttemptTimeout(t *testing.T) {
 		t.Fatalf("%d %q %v, %d calls", resp.StatusCode, body, resp.Header, calls.Load())
 	}
 }
+
+// gatedTransport sends each request with round; its idle connections are
+// those of the *http.Transport it embeds (idemhttp.Transport closes them
+// after a timed-out attempt).
+type gatedTransport struct {
+	*http.Transport
+	round func(*http.Request) (*http.Response, error)
+}
+
+func (g *gatedTransport) RoundTrip(r *http.Request) (*http.Response, error) { return g.round(r) }
 
 // Keys and methods: a caller's key is kept; other methods pass untouched.
 func TestTransportKeysAndMethods(t *testing.T) {
