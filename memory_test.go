@@ -342,7 +342,7 @@ func TestClientStateWhileApplierBehind(t *testing.T) {
 		}()
 	}
 	w.reach(t, max(e.o.IndexIngestBytes/2, 1<<20)/2)
-	waitBacklogFull(t, e)              // the WAL's goroutine waits for the applier
+	waitBacklogFull(t, e)             // the WAL's goroutine waits for the applier
 	time.Sleep(50 * time.Millisecond) // and readers go on reading meanwhile
 	fs.release()
 	done := make(chan struct{})
