@@ -125,6 +125,9 @@ func (b *memBroker) Fetch(ctx context.Context, n int) ([]Message, error) {
 	err := b.w.do(func() error {
 		b.mu.Lock()
 		defer b.mu.Unlock()
+		// Sized once: growing it by appends cost the benchmarks' batches
+		// of 1024 more per message than NoIdem's of 64.
+		out = make([]Message, 0, min(n, len(b.events)-b.nacked))
 		for scanned := 0; scanned < len(b.events) && len(out) < n; scanned++ {
 			i := b.cursor
 			b.cursor = (b.cursor + 1) % len(b.events)
