@@ -90,11 +90,12 @@ func (l *txnLedger) Invoke(ctx context.Context, t *ledgerTxn, ev Event) error {
 		if l.invokes == nil {
 			l.invokes = map[string]int{}
 		}
-		l.invokes[string(ev.ID)]++
-		if string(ev.ID) == l.failInvoke {
+		id := string(ev.ID) // made once
+		l.invokes[id]++
+		if id == l.failInvoke {
 			return errors.New("ledger: row rejected")
 		}
-		x.events = append(x.events, string(ev.ID))
+		x.events = append(x.events, id)
 		return nil
 	})
 }
