@@ -149,6 +149,8 @@ type checkpointBufs struct {
 	order []*eventClaim
 	fresh []*eventClaim
 	hints []idem.PutHint
+	ids   [][]byte // the checkpoint record's events
+	fps   [][]byte // and their fingerprints
 }
 
 // reset sizes the buffers for a batch of n events.
@@ -170,6 +172,8 @@ func (b *checkpointBufs) release() {
 	clear(b.order[:cap(b.order)])
 	clear(b.fresh[:cap(b.fresh)])
 	clear(b.hints)
+	clear(b.ids)
+	clear(b.fps)
 	if len(b.all) > maxKeptBatchBuffer {
 		*b = checkpointBufs{}
 	}
@@ -920,10 +924,14 @@ func (t *TwoPhase[Txn]) open(ctx context.Context, k uint64, rec []byte) error {
 // Batcher it is one record; a store without batches may stop after the
 // checkpoint record, and recovery puts the events it lists.
 func (t *TwoPhase[Txn]) recordCheckpoint(ctx context.Context, k uint64, handle []byte, fresh []*eventClaim, frontier map[string]uint64) error {
-	ids := make([][]byte, len(fresh))
+	// The record's lists, from the checkpoint's buffers (seal copies
+	// them into the record).
+	t.bufs.ids = reuse(t.bufs.ids, len(fresh))
+	ids := t.bufs.ids
 	var fps [][]byte
 	if !t.opts.NoFingerprint {
-		fps = make([][]byte, len(fresh))
+		t.bufs.fps = reuse(t.bufs.fps, len(fresh))
+		fps = t.bufs.fps
 	}
 	for j, c := range fresh {
 		ids[j] = c.ev.ID
