@@ -438,3 +438,79 @@ func TestCheckpointRecordBody(t *testing.T) {
 		}
 	}
 }
+
+// TestConsumeBatchBuffersReused: Consume's batches take turns with two
+// sets of buffers (events, errors, claims); a batch's outcomes are its own,
+// whatever the batch two before it (of another size, with a failed
+// handler) left in them.
+func TestConsumeBatchBuffersReused(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	w := newWorld()
+	e := openEngine(t, w.mem, nil)
+	defer e.Close()
+	s, err := NewSink(ctx, e, "s", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	evs := makeEvents(11, 1, 0)
+	br := newMemBroker(w, evs)
+	l := newLedger(w)
+	failed := false
+	h := func(ctx context.Context, ev Event) (Effect, error) {
+		if string(ev.ID) == "ev-0000" && !failed {
+			failed = true // the first delivery of the first event fails
+			return Effect{}, errors.New("ledger busy")
+		}
+		return l.handler(ctx, ev)
+	}
+	var mu sync.Mutex
+	got := map[string][]Status{}
+	var errs []string
+	err = runUntilAcked(ctx, br, func(ctx context.Context, o ConsumeOptions) error {
+		o.BatchSize, o.Concurrency = 4, 1
+		onBatch := o.OnBatch
+		o.OnBatch = func(msgs []Message, outs []Outcome) {
+			mu.Lock()
+			for i := range msgs {
+				if errors.Is(outs[i].Err, context.Canceled) {
+					continue // a redelivery fetched as runUntilAcked stops
+				}
+				id := string(msgs[i].Event.ID)
+				got[id] = append(got[id], outs[i].Status)
+				if outs[i].Err != nil {
+					errs = append(errs, outs[i].Err.Error())
+				}
+			}
+			mu.Unlock()
+			onBatch(msgs, outs)
+		}
+		return Consume(ctx, br, s, h, &o)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Each event is applied by its first delivery (ev-0000 by its
+	// second: the first failed), and later deliveries of it (fetched
+	// again before its ack) are busy or replayed: never failed.
+	for _, ev := range evs {
+		id := string(ev.ID)
+		st := got[id]
+		first := 0
+		if id == "ev-0000" {
+			if len(st) == 0 || st[0] != Failed {
+				t.Fatalf("%s: outcomes %v, want failed first", id, st)
+			}
+			first = 1
+		}
+		if len(st) <= first || st[first] != Applied {
+			t.Fatalf("%s: outcomes %v, want applied by delivery %d", id, st, first+1)
+		}
+		for _, o := range st[first+1:] {
+			if o != Busy && o != Replayed {
+				t.Fatalf("%s: outcomes %v: a redelivery after it was applied is %v (errors: %q)", id, st, o, errs)
+			}
+		}
+	}
+	checkExactlyOnce(t, l.applied, evs)
+}

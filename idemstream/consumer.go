@@ -157,12 +157,16 @@ func consume(ctx context.Context, src Source, sink *Sink, h Handler, opts Consum
 		finishing = nil
 		return err
 	}
+	// Two sets of buffers (events, errors, claims) take turns: batch n+2
+	// reuses batch n's, which finished before batch n+1 went on to its
+	// commits (wait, below).
+	var turns [2]sinkBatch
+	turn := 0
 	err := fetchBatches(ctx, src, opts, func(msgs []Message, _ *backoff) error {
-		evs := make([]Event, len(msgs))
-		for i := range msgs {
-			evs[i] = msgs[i].Event
-		}
-		sb := sink.startBatch(ctx, evs, h, opts.Concurrency)
+		sb := &turns[turn]
+		turn ^= 1
+		sb.evs = batchEvents(sb.evs, msgs)
+		sink.startBatch(sb, ctx, h, opts.Concurrency)
 		if err := wait(); err != nil {
 			_, _ = sb.finish() // its effects ran: commit them
 			return err
@@ -219,11 +223,11 @@ func consumeTwoPhase[Txn any](ctx context.Context, src Source, tp *TwoPhase[Txn]
 		settling = nil
 		return err
 	}
+	// The events of each batch, in one buffer: Checkpoint keeps nothing of
+	// them once it returns.
+	var evs []Event
 	err := fetchBatches(ctx, src, opts, func(msgs []Message, backoff *backoff) error {
-		evs := make([]Event, len(msgs))
-		for i := range msgs {
-			evs[i] = msgs[i].Event
-		}
+		evs = batchEvents(evs, msgs)
 		outs, err := tp.Checkpoint(ctx, evs)
 		if werr := wait(); werr != nil {
 			return werr
@@ -260,6 +264,15 @@ func consumeTwoPhase[Txn any](ctx context.Context, src Source, tp *TwoPhase[Txn]
 		return werr
 	}
 	return err
+}
+
+// batchEvents returns the events of msgs in buf (grown if need be).
+func batchEvents(buf []Event, msgs []Message) []Event {
+	buf = reuse(buf, len(msgs))
+	for i := range msgs {
+		buf[i] = msgs[i].Event
+	}
+	return buf
 }
 
 // fetchBatches fetches from src until ctx ends and hands each non-empty

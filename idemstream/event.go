@@ -60,6 +60,13 @@ func fingerprint(payload []byte) []byte {
 // allocation.
 type fingerprints struct{ buf []byte }
 
+// reserve makes room for the fingerprints of n events in one allocation.
+func (f *fingerprints) reserve(n int) {
+	if len(f.buf) < n*sha256.Size {
+		f.buf = make([]byte, n*sha256.Size)
+	}
+}
+
 func (f *fingerprints) of(payload []byte) []byte {
 	if len(f.buf) < sha256.Size {
 		f.buf = make([]byte, 64*sha256.Size)

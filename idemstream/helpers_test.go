@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sort"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -125,6 +126,9 @@ func (b *memBroker) Fetch(ctx context.Context, n int) ([]Message, error) {
 	err := b.w.do(func() error {
 		b.mu.Lock()
 		defer b.mu.Unlock()
+		// Sized once: growing it by appends cost the benchmarks' batches
+		// of 1024 more per message than NoIdem's of 64.
+		out = make([]Message, 0, min(n, len(b.events)-b.nacked))
 		for scanned := 0; scanned < len(b.events) && len(out) < n; scanned++ {
 			i := b.cursor
 			b.cursor = (b.cursor + 1) % len(b.events)
@@ -202,18 +206,22 @@ func newLedger(w *world) *ledger {
 }
 
 func (l *ledger) handler(ctx context.Context, ev Event) (Effect, error) {
-	var res string
+	var res []byte
 	err := l.w.do(func() error {
 		l.mu.Lock()
 		defer l.mu.Unlock()
-		l.applied[string(ev.ID)]++
-		res = fmt.Sprintf("posted %s #%d", ev.Payload, len(l.applied))
-		if l.results[string(ev.ID)] == "" {
-			l.results[string(ev.ID)] = res
+		// The benchmarks' effect too (the same for NoIdem and the sinks):
+		// the id's string made once, the result appended, not formatted.
+		id := string(ev.ID)
+		l.applied[id]++
+		res = append(append(append(make([]byte, 0, len(ev.Payload)+24), "posted "...), ev.Payload...), " #"...)
+		res = strconv.AppendInt(res, int64(len(l.applied)), 10)
+		if l.results[id] == "" {
+			l.results[id] = string(res)
 		}
 		return nil
 	})
-	return Effect{Result: []byte(res)}, err
+	return Effect{Result: res}, err
 }
 
 // recoverFn asks the ledger whether an in-doubt event was applied.

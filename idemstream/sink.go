@@ -500,11 +500,15 @@ func discardLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Disca
 // replayed ones in a second batch. It returns each event's outcome or
 // error, as Apply would have.
 func (s *Sink) applyBatch(ctx context.Context, evs []Event, h Handler, conc int) ([]Outcome, []error) {
-	return s.startBatch(ctx, evs, h, conc).finish()
+	sb := &sinkBatch{evs: evs}
+	s.startBatch(sb, ctx, h, conc)
+	return sb.finish()
 }
 
 // sinkBatch is a batch of applyBatch between its two steps: claimed, its
-// handlers run, its commits not written.
+// handlers run, its commits not written. Consume reuses one for every
+// other batch: startBatch keeps its buffers (all but outs, which the
+// caller keeps) and finish drops what they point to.
 type sinkBatch struct {
 	s        *Sink
 	ctx      context.Context
@@ -514,6 +518,11 @@ type sinkBatch struct {
 	fresh    []freshEvent
 	replayed []int
 	finished bool // nothing left to write (the claims failed)
+
+	// Buffers of the two steps.
+	items    []int          // claims batch item -> event
+	advs     []idem.Advance // the commits' advances
+	finItems []*freshEvent  // finish batch item -> fresh event
 }
 
 // freshEvent is a claimed event of a sinkBatch.
@@ -527,21 +536,28 @@ type freshEvent struct {
 
 // startBatch is applyBatch's first step: the claims, and the handlers of
 // the fresh events.
-func (s *Sink) startBatch(ctx context.Context, evs []Event, h Handler, conc int) *sinkBatch {
+func (s *Sink) startBatch(sb *sinkBatch, ctx context.Context, h Handler, conc int) {
+	evs := sb.evs
 	outs := make([]Outcome, len(evs))
-	errs := make([]error, len(evs))
-	sb := &sinkBatch{s: s, ctx: ctx, evs: evs, outs: outs, errs: errs}
+	errs := reuse(sb.errs, len(evs))
+	clear(errs)
+	sb.s, sb.ctx, sb.outs, sb.errs, sb.finished = s, ctx, outs, errs, false
+	sb.fresh, sb.replayed = sb.fresh[:0], sb.replayed[:0]
 	if s.closed.Load() {
 		for i := range errs {
 			errs[i] = ErrClosed
 		}
 		sb.finished = true
-		return sb
+		return
 	}
 	who := s.who()
 	claims := newBatch(s.st)
-	items := make([]int, 0, len(evs)) // batch item -> event
+	items := reuse(sb.items, len(evs))[:0] // batch item -> event
+	sb.items = items
 	var fps fingerprints
+	if !s.opts.NoFingerprint {
+		fps.reserve(len(evs))
+	}
 	for i := range evs {
 		if err := evs[i].validate(); err != nil {
 			errs[i] = err
@@ -557,11 +573,11 @@ func (s *Sink) startBatch(ctx context.Context, evs []Event, h Handler, conc int)
 		}
 		s.countFailed(errs)
 		sb.finished = true
-		return sb
+		return
 	}
 	// Classify. fresh lists the events to run, with their claims.
-	fresh := make([]freshEvent, 0, len(items))
-	var replayed []int
+	fresh := reuse(sb.fresh, len(items))[:0]
+	replayed := sb.replayed[:0]
 	for j, i := range items {
 		c, o, err := classifyEvent(res[j].Result, res[j].Err, s.scope, who, &evs[i])
 		switch {
@@ -592,7 +608,19 @@ func (s *Sink) startBatch(ctx context.Context, evs []Event, h Handler, conc int)
 		returned = true
 	})
 	sb.fresh, sb.replayed = fresh, replayed
-	return sb
+}
+
+// maxKeptBatchBuffer bounds the batch size (in events) whose buffers the
+// consumers keep from one batch to the next.
+const maxKeptBatchBuffer = 1 << 14
+
+// reuse returns buf with length n: buf itself when it has the room and is
+// not of an exceptionally large batch (then it would be kept for good).
+func reuse[T any](buf []T, n int) []T {
+	if cap(buf) < n || cap(buf) > maxKeptBatchBuffer && n <= maxKeptBatchBuffer {
+		return make([]T, n)
+	}
+	return buf[:n]
 }
 
 // finish is applyBatch's second step: the commits (with their frontier),
@@ -608,11 +636,17 @@ func (sb *sinkBatch) finish() ([]Outcome, []error) {
 	// Finish: commits (with their frontier), releases, and the advances
 	// past replayed deliveries, in one batch.
 	fin := newBatch(s.st)
-	finItems := make([]*freshEvent, 0, len(fresh))
+	finItems := reuse(sb.finItems, len(fresh))[:0]
 	var enc eventRecordEncoder
-	// The commits' advances, from one allocation, and their clients, one
+	// The commits' advances, from one buffer, and their clients, one
 	// string per partition.
-	advs := make([]idem.Advance, len(fresh))
+	advs := reuse(sb.advs, len(fresh))
+	sb.finItems, sb.advs = finItems, advs
+	defer func() {
+		// Drop what the buffers point to (claims, effects), for reuse.
+		clear(fresh)
+		clear(finItems[:cap(finItems)])
+	}()
 	var client, clientOf string
 	for n := range fresh {
 		r := &fresh[n]

@@ -135,6 +135,48 @@ type TwoPhase[Txn any] struct {
 	frontier   map[string]uint64
 	unfinished *unfinishedCheckpoint
 	closed     bool
+	bufs       checkpointBufs // a checkpoint's lookups; guarded by mu
+}
+
+// checkpointBufs are the buffers of a checkpoint's lookups (lookupBatch),
+// kept from one checkpoint to the next: allocated per checkpoint they
+// were about 600 bytes per event. Each is reset when a checkpoint starts
+// and cleared when it ends (nothing of a batch is kept between
+// checkpoints). Guarded by TwoPhase.mu: one checkpoint at a time.
+type checkpointBufs struct {
+	byID  map[string]*eventClaim // keyed by the events' own id bytes
+	all   []eventClaim
+	order []*eventClaim
+	fresh []*eventClaim
+	hints []idem.PutHint
+	ids   [][]byte // the checkpoint record's events
+	fps   [][]byte // and their fingerprints
+}
+
+// reset sizes the buffers for a batch of n events.
+func (b *checkpointBufs) reset(n int) {
+	if b.byID == nil {
+		b.byID = make(map[string]*eventClaim, n)
+	}
+	b.all = reuse(b.all, n)
+	b.order = reuse(b.order, n)[:0]
+	b.fresh = reuse(b.fresh, n)[:0]
+}
+
+// release drops what the buffers point to (the batch's events, the
+// engine's slots) once the checkpoint is over, and gives up buffers of an
+// exceptionally large batch.
+func (b *checkpointBufs) release() {
+	clear(b.byID)
+	clear(b.all)
+	clear(b.order[:cap(b.order)])
+	clear(b.fresh[:cap(b.fresh)])
+	clear(b.hints)
+	clear(b.ids)
+	clear(b.fps)
+	if len(b.all) > maxKeptBatchBuffer {
+		*b = checkpointBufs{}
+	}
 }
 
 // unfinishedCheckpoint is a recorded checkpoint whose sink commit has not
@@ -700,6 +742,7 @@ func (t *TwoPhase[Txn]) Checkpoint(ctx context.Context, events []Event) ([]Outco
 			return nil, err
 		}
 	}
+	defer t.bufs.release()
 	// The sink's calls get ctx; the coordinator's records are written even
 	// if ctx ends meanwhile, so that a shutdown finishes or aborts the
 	// checkpoint in progress rather than leaving its outcome unknown.
@@ -781,6 +824,16 @@ func (t *TwoPhase[Txn]) Checkpoint(ctx context.Context, events []Event) ([]Outco
 	for p, o := range t.frontier {
 		frontier[p] = o
 	}
+	// The frontier is raised once per run of events of one partition (a
+	// batch is mostly such runs), not with a map access per event.
+	var runPart string
+	var runTop uint64
+	inRun := false
+	endRun := func() {
+		if inRun && runTop > frontier[runPart] {
+			frontier[runPart] = runTop
+		}
+	}
 	for _, c := range fresh {
 		if err := t.sink.Invoke(ctx, txn, *c.ev); err != nil {
 			if err := waitOpen(); err != nil {
@@ -788,10 +841,13 @@ func (t *TwoPhase[Txn]) Checkpoint(ctx context.Context, events []Event) ([]Outco
 			}
 			return nil, abortTxn(fmt.Errorf("idemstream: two-phase %q: checkpoint %d: Invoke: %w", t.name, k, &EventError{ID: c.ev.ID, Err: err}))
 		}
-		if c.ev.Offset > frontier[c.ev.Partition] {
-			frontier[c.ev.Partition] = c.ev.Offset
+		if !inRun || c.ev.Partition != runPart {
+			endRun()
+			runPart, runTop, inRun = c.ev.Partition, 0, true
 		}
+		runTop = max(runTop, c.ev.Offset)
 	}
+	endRun()
 	if err := waitOpen(); err != nil {
 		return nil, err
 	}
@@ -868,10 +924,14 @@ func (t *TwoPhase[Txn]) open(ctx context.Context, k uint64, rec []byte) error {
 // Batcher it is one record; a store without batches may stop after the
 // checkpoint record, and recovery puts the events it lists.
 func (t *TwoPhase[Txn]) recordCheckpoint(ctx context.Context, k uint64, handle []byte, fresh []*eventClaim, frontier map[string]uint64) error {
-	ids := make([][]byte, len(fresh))
+	// The record's lists, from the checkpoint's buffers (seal copies
+	// them into the record).
+	t.bufs.ids = reuse(t.bufs.ids, len(fresh))
+	ids := t.bufs.ids
 	var fps [][]byte
 	if !t.opts.NoFingerprint {
-		fps = make([][]byte, len(fresh))
+		t.bufs.fps = reuse(t.bufs.fps, len(fresh))
+		fps = t.bufs.fps
 	}
 	for j, c := range fresh {
 		ids[j] = c.ev.ID
@@ -922,11 +982,13 @@ func (t *TwoPhase[Txn]) recordCheckpoint(ctx context.Context, k uint64, handle [
 func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event, firstFresh func()) ([]Outcome, []*eventClaim, error) {
 	outs := make([]Outcome, len(events))
 	// byID is keyed by the events' own id bytes, not copies: events
-	// outlive the map.
-	byID := make(map[string]*eventClaim, len(events))
-	order := make([]*eventClaim, 0, len(events))
-	all := make([]eventClaim, len(events))
+	// outlive the map (it is cleared when the checkpoint ends).
+	t.bufs.reset(len(events))
+	byID, order, all := t.bufs.byID, t.bufs.order, t.bufs.all
 	var fps fingerprints
+	if !t.opts.NoFingerprint {
+		fps.reserve(len(events))
+	}
 	for i := range events {
 		ev := &events[i]
 		if err := ev.validate(); err != nil {
@@ -961,7 +1023,11 @@ func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event, firstFr
 	hl, _ := t.st.(hintLookuper)
 	var hints []idem.PutHint
 	if hl != nil {
-		hints = make([]idem.PutHint, len(order))
+		if cap(t.bufs.hints) < len(order) {
+			t.bufs.hints = make([]idem.PutHint, len(order), cap(all))
+		}
+		hints = t.bufs.hints[:len(order)]
+		t.bufs.hints = hints
 	}
 	// lookup classifies order[j]: fresh, or its outcome (at its first
 	// position) or error.
@@ -996,7 +1062,8 @@ func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event, firstFr
 	} else {
 		parallelN(len(order), 64, lookup)
 	}
-	fresh := make([]*eventClaim, 0, len(order))
+	t.bufs.order = order
+	fresh := t.bufs.fresh
 	for _, c := range order {
 		switch err := c.err; {
 		case errors.Is(err, ErrConflict) || errors.Is(err, ErrCorruptRecord):
@@ -1011,6 +1078,7 @@ func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event, firstFr
 			outs[i] = outs[c.first]
 		}
 	}
+	t.bufs.fresh = fresh
 	if len(fresh) > 0 && firstFresh != nil {
 		firstFresh()
 	}

@@ -90,11 +90,12 @@ func (l *txnLedger) Invoke(ctx context.Context, t *ledgerTxn, ev Event) error {
 		if l.invokes == nil {
 			l.invokes = map[string]int{}
 		}
-		l.invokes[string(ev.ID)]++
-		if string(ev.ID) == l.failInvoke {
+		id := string(ev.ID) // made once
+		l.invokes[id]++
+		if id == l.failInvoke {
 			return errors.New("ledger: row rejected")
 		}
-		x.events = append(x.events, string(ev.ID))
+		x.events = append(x.events, id)
 		return nil
 	})
 }
@@ -549,6 +550,65 @@ func TestCheckpointRepeatWithAnotherPayload(t *testing.T) {
 	t.Log(outs[1].Err)
 	if n := l.invokes["x"]; n != 1 {
 		t.Fatalf("x invoked %d times, want 1", n)
+	}
+	l.check(t)
+}
+
+// TestCheckpointBuffersReused: one coordinator's checkpoints reuse their
+// lookup buffers (checkpointBufs); batches of changing sizes, with repeats,
+// conflicts and redeliveries of earlier batches, get the outcomes each
+// would get alone: nothing of a batch is seen by the next.
+func TestCheckpointBuffersReused(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	w := newWorld()
+	l := newTxnLedger(w)
+	tp, _, err := newTwoPhaseWithHook(t, ctx, w, l, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tp.Close()
+	ev := func(id string, off uint64, payload string) Event {
+		return Event{ID: []byte(id), Partition: "p" + id[:1], Offset: off, Payload: []byte(payload)}
+	}
+	type step struct {
+		evs  []Event
+		want []Status
+	}
+	steps := []step{
+		{[]Event{ev("a1", 1, "x"), ev("b1", 1, "x"), ev("a2", 2, "x"), ev("a1", 3, "x"), ev("c1", 1, "x")},
+			[]Status{Applied, Applied, Applied, Applied, Applied}},
+		// Smaller: a redelivery of the last batch's, and new ids.
+		{[]Event{ev("b1", 1, "x"), ev("b2", 2, "x"), ev("a3", 4, "x")},
+			[]Status{Replayed, Applied, Applied}},
+		// Larger: a repeat with another payload, old and new ids mixed.
+		{[]Event{ev("c2", 2, "x"), ev("c2", 3, "y"), ev("a1", 5, "x"), ev("c3", 4, "x"), ev("a2", 6, "x"), ev("b3", 3, "x"), ev("c3", 5, "x")},
+			[]Status{Applied, Failed, Replayed, Applied, Replayed, Applied, Applied}},
+		// Only redeliveries: nothing is written.
+		{[]Event{ev("c3", 4, "x")}, []Status{Replayed}},
+		{[]Event{ev("a9", 9, "x"), ev("b1", 1, "z")}, []Status{Applied, Failed}},
+	}
+	for n, st := range steps {
+		outs, err := tp.Checkpoint(ctx, st.evs)
+		if err != nil {
+			t.Fatalf("checkpoint %d: %v", n, err)
+		}
+		for i, o := range outs {
+			if o.Status != st.want[i] {
+				t.Fatalf("checkpoint %d, event %d (%s): %v (%v), want %v", n, i, st.evs[i].ID, o.Status, o.Err, st.want[i])
+			}
+		}
+	}
+	for id, n := range l.invokes {
+		if n != 1 {
+			t.Errorf("%s invoked %d times", id, n)
+		}
+	}
+	if off, _ := tp.Frontier("pa"); off != 9 {
+		t.Errorf("frontier of pa %d, want 9", off)
+	}
+	if off, _ := tp.Frontier("pb"); off != 3 {
+		t.Errorf("frontier of pb %d, want 3", off)
 	}
 	l.check(t)
 }
