@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/hashicorp/raft"
 	"github.com/idemdb/idem"
 	"github.com/idemdb/idem/idemcluster/clusterpb"
 	"google.golang.org/grpc/codes"
@@ -54,10 +55,29 @@ func TestRemoveLeaderAnswersWritesInFlight(t *testing.T) {
 	}
 	eventually(t, 30*time.Second, "writes flowing", func() bool { return done.Load() >= 200 })
 	if _, err := rawCluster(t, tc.nodes[leader].Addr()).Remove(ctx, &clusterpb.RemoveRequest{NodeId: leader}); err != nil {
+		if status.Code(err) == codes.DeadlineExceeded {
+			t.Fatalf("the removal of the leader %s with writes in flight waited for its deadline: %v", leader, err)
+		}
 		t.Logf("remove the leader %s: %v", leader, err)
 	}
 	wg.Wait()
 	t.Logf("%d writes before the removal", done.Load())
+	// Whether a write's future was caught in raft's apply channel above
+	// depends on timing; a future raft never answers is caught for sure.
+	nd := tc.nodes[leader]
+	eventually(t, 30*time.Second, "raft shut down after the removal", func() bool { return nd.Raft().State() == raft.Shutdown })
+	never := make(chan struct{})
+	defer close(never)
+	awaited := make(chan error, 1)
+	go func() { awaited <- nd.await(unanswered(never)) }()
+	select {
+	case err := <-awaited:
+		if !errors.Is(err, raft.ErrRaftShutdown) {
+			t.Fatalf("await on a node whose raft shut down: %v, want %v", err, raft.ErrRaftShutdown)
+		}
+	case <-ctx.Done():
+		t.Fatal("await of a future raft never answers did not end when raft shut itself down")
+	}
 	for _, err := range ended {
 		e := fromStatus(err)
 		var nl *errNotLeader
@@ -69,4 +89,13 @@ func TestRemoveLeaderAnswersWritesInFlight(t *testing.T) {
 			t.Fatalf("a write on the leader that removed itself: %v, want an error the client retries elsewhere", err)
 		}
 	}
+}
+
+// unanswered is a raft future that is never answered (until its channel
+// closes: the test's end).
+type unanswered chan struct{}
+
+func (u unanswered) Error() error {
+	<-u
+	return errors.New("never answered")
 }
