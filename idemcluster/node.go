@@ -480,26 +480,43 @@ var errStopped = errors.New("idemcluster: the node is shutting down")
 // (ShutdownOnRemove): a write handed to a leader that just removed itself
 // waited for its caller's deadline (TestRemoveLeaderAnswersWritesInFlight).
 // raftDown is closed by an observer of raft's state (raft calls it
-// synchronously as it enters Shutdown), not a poll: no delay, no timer.
+// synchronously as it enters Shutdown), not a poll. Raft still answers
+// the futures of the entries its FSM goroutine holds as it shuts down
+// (the removal's own, which commits just before), so after raftDown await
+// waits up to raftShutdownGrace more for f: an answer that comes is the
+// answer (TestRemoveLeaderRetriedOnNextLeader met the removal answered
+// ErrRaftShutdown without it).
 func (n *Node) await(f raft.Future) error {
 	ch := make(chan error, 1)
 	go func() { ch <- f.Error() }()
-	var gone error
 	select {
 	case err := <-ch:
 		return err
 	case <-n.stop:
-		gone = errStopped
+		select {
+		case err := <-ch: // answered meanwhile
+			return err
+		default:
+			return errStopped
+		}
 	case <-n.raftDown:
-		gone = raft.ErrRaftShutdown
-	}
-	select {
-	case err := <-ch: // answered meanwhile
-		return err
-	default:
-		return gone
+		t := time.NewTimer(raftShutdownGrace)
+		defer t.Stop()
+		select {
+		case err := <-ch:
+			return err
+		case <-t.C:
+			return raft.ErrRaftShutdown
+		case <-n.stop:
+			return errStopped
+		}
 	}
 }
+
+// raftShutdownGrace is how long await waits for a future after raft shut
+// itself down: raft's FSM goroutine answers the futures of the batch it
+// applies, or exits and answers none.
+const raftShutdownGrace = time.Second
 
 // applyAll appends cmds as one entry (one cmdBatch, or the command itself
 // when alone) and returns the state machine's answer to each.
