@@ -288,12 +288,14 @@ func TestBatchRPCItems(t *testing.T) {
 
 // A leader cut off from the others answers no linearizable read (a
 // Lookup, a Begin of a committed id) from its own state: its leadership
-// round cannot reach a majority. The leader lease is long here (2 s), so
-// that the reads arrive while it still thinks it leads: a node that
-// skipped the round would answer them.
+// round cannot reach a majority. Raft's leader lease is long here (2 s),
+// so that the reads arrive while it still thinks it leads: a node that
+// skipped the round would answer them. Leases for reads are off: this is
+// the round's test (TestLeaseReadsEndWithTheLease is the lease's).
 func TestIsolatedLeaderAnswersNoRead(t *testing.T) {
 	cc := newChaosCluster(t, 3, func(o *NodeOptions) {
 		o.HeartbeatTimeout, o.ElectionTimeout = 4*time.Second, 4*time.Second
+		o.NoLeaseReads = true
 	})
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
@@ -480,12 +482,13 @@ func (h *heldTransport) AppendEntries(id raft.ServerID, target raft.ServerAddres
 // read must not be answered. raft's VerifyLeader counted them: each
 // replication goroutine gives the next answer it receives to every
 // verification registered meanwhile, also the answer to a heartbeat sent
-// before.
+// before. Leases for reads are off: this is the round's test.
 func TestReadRoundCountsOnlyItsOwnHeartbeats(t *testing.T) {
 	cc, heldOf := newHeldCluster(t, func(o *NodeOptions) {
-		// Long enough that the leader keeps its lease while its answers
+		// Long enough that the leader keeps raft's lease while its answers
 		// are held (about HeartbeatTimeout/2), and that no election runs.
 		o.HeartbeatTimeout, o.ElectionTimeout = 4*time.Second, 4*time.Second
+		o.NoLeaseReads = true
 	})
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
@@ -580,7 +583,7 @@ func TestReadRoundCountsOnlyItsOwnHeartbeats(t *testing.T) {
 // would hold a connection of raft's TCP transport (its pool is empty
 // while they wait) until the transport's timeout.
 func TestReadRoundsKeepOneHeartbeatPerVoter(t *testing.T) {
-	cc, heldOf := newHeldCluster(t, nil)
+	cc, heldOf := newHeldCluster(t, func(o *NodeOptions) { o.NoLeaseReads = true }) // every read a round
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	c := dial(t, cc.testCluster, "app")

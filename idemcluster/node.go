@@ -77,7 +77,17 @@ type NodeOptions struct {
 	Engine idem.Options
 	// HeartbeatTimeout and ElectionTimeout tune raft (defaults 500 ms and
 	// 500 ms: a failover within about 1-2 s on a LAN or loopback).
+	// HeartbeatTimeout must be the same on every node: a leader's lease
+	// (NoLeaseReads) counts on the followers' timeout being its own.
 	HeartbeatTimeout, ElectionTimeout time.Duration
+	// NoLeaseReads turns leader-lease reads off: every linearizable read
+	// then takes a leadership round. By default a leader whose round a
+	// majority confirmed answers reads without one for 0.9 x
+	// HeartbeatTimeout after the round's heartbeats left (docs/design.md,
+	// "Reads"). The rules that make leases safe (a restarted node sits out
+	// elections for HeartbeatTimeout, leadership transfers void the lease)
+	// run on every node either way.
+	NoLeaseReads bool
 	// SnapshotThreshold is how many entries raft appends between
 	// snapshots (default 8192); TrailingLogs how many it keeps after one
 	// (default 10240).
@@ -90,6 +100,9 @@ type NodeOptions struct {
 	// raft-wal (v0.4.0, v0.4.1) still reads entries below its first index while they
 	// are in a segment it keeps, and raft then never needs a snapshot.
 	walSegmentSize int
+	// leaseClock, when set, is the clock of a restarted node's quiet time
+	// (leaseTransport; tests).
+	leaseClock func() time.Time
 }
 
 // maxAppendEntries bounds a raft batch: the commands of one log append
@@ -117,6 +130,13 @@ type Node struct {
 	log   *slog.Logger
 	ready atomic.Uint64 // the term in which this node, as leader, applied a barrier
 	reads readRounds    // linearizable reads' shared leadership confirmations
+	// lease is the leader's lease for reads without a round (lease.go);
+	// leaseLen its length, 0 when off (NodeOptions.NoLeaseReads).
+	lease    leaderLease
+	leaseLen time.Duration
+	// raftDown is closed when raft shuts down, also by itself (a node
+	// that removed itself: ShutdownOnRemove).
+	raftDown chan struct{}
 	// beating holds the voters a read round's heartbeat is on its way to
 	// (leaderRound): one at a time each.
 	beating sync.Map // raft.ServerID -> struct{}
@@ -182,7 +202,10 @@ func StartNode(opts *NodeOptions) (*Node, error) {
 	if lg == nil {
 		lg = slog.New(slog.DiscardHandler)
 	}
-	n := &Node{o: o, log: lg.With("node", o.ID), stop: make(chan struct{})}
+	n := &Node{o: o, log: lg.With("node", o.ID), stop: make(chan struct{}), raftDown: make(chan struct{})}
+	if !o.NoLeaseReads {
+		n.leaseLen = leaseLength(o.HeartbeatTimeout)
+	}
 	n.reads.confirm = n.confirmLeadership
 	ok := false
 	defer func() {
@@ -231,9 +254,18 @@ func StartNode(opts *NodeOptions) (*Node, error) {
 	if err != nil {
 		return nil, fmt.Errorf("idemcluster: raft snapshots: %w", err)
 	}
-	if n.trans, err = raftTransport(&o, hl); err != nil {
+	tr, err := raftTransport(&o, hl)
+	if err != nil {
 		return nil, err
 	}
+	has, err := raft.HasExistingState(n.logs, n.logs, snaps)
+	if err != nil {
+		if c, ok := tr.(io.Closer); ok {
+			c.Close()
+		}
+		return nil, fmt.Errorf("idemcluster: %w", err)
+	}
+	n.trans = newLeaseTransport(tr, o.ID, &n.lease, o.HeartbeatTimeout, has, o.leaseClock)
 	conf := raft.DefaultConfig()
 	conf.LocalID = raft.ServerID(o.ID)
 	conf.HeartbeatTimeout = o.HeartbeatTimeout
@@ -251,10 +283,6 @@ func StartNode(opts *NodeOptions) (*Node, error) {
 	conf.MaxAppendEntries = maxAppendEntries
 	conf.BatchApplyCh = true
 	conf.Logger = hl
-	has, err := raft.HasExistingState(n.logs, n.logs, snaps)
-	if err != nil {
-		return nil, fmt.Errorf("idemcluster: %w", err)
-	}
 	// The cache keeps the last entries appended in memory: replication to
 	// the followers and the followers' own applies read them from it
 	// instead of reading them back from the log's files.
@@ -265,6 +293,17 @@ func StartNode(opts *NodeOptions) (*Node, error) {
 	n.logc = cached
 	if n.r, err = raft.NewRaft(conf, f, cached, n.logs, snaps, n.trans); err != nil {
 		return nil, fmt.Errorf("idemcluster: raft: %w", err)
+	}
+	leaseTransportOf(n.trans).raft.Store(n.r)
+	var down sync.Once
+	n.r.RegisterObserver(raft.NewObserver(nil, false, func(o *raft.Observation) bool {
+		if s, ok := o.Data.(raft.RaftState); ok && s == raft.Shutdown {
+			down.Do(func() { close(n.raftDown) })
+		}
+		return false
+	}))
+	if n.r.State() == raft.Shutdown {
+		down.Do(func() { close(n.raftDown) })
 	}
 	if !has && len(o.Peers) > 0 {
 		var cfg raft.Configuration
@@ -429,13 +468,24 @@ func (n *Node) apply(ctx context.Context, c *command) (*applied, error) {
 // shutting down.
 var errStopped = errors.New("idemcluster: the node is shutting down")
 
-// await is f.Error(), or errStopped once the node stops. Raft (v1.8)
-// never answers a future that its apply channel took as it shut down:
-// the channel is buffered (BatchApplyCh), so Apply and Barrier can hand
-// it over after the loop that reads it returned, and its Error() then
-// blocks forever. watchLeadership met that in a test's Close (its
-// Barrier taken between the node's stop and raft's shutdown), and Close
-// waited for it (TestAwaitEndsWhenTheNodeStops).
+// await is f.Error(), or errStopped once the node stops, or
+// raft.ErrRaftShutdown once raft has shut down. Raft (v1.8) never answers
+// a future that its apply channel took as it shut down: the channel is
+// buffered (BatchApplyCh), so Apply and Barrier can hand it over after
+// the loop that reads it returned, and its Error() then blocks forever.
+// watchLeadership met that in a test's Close (its Barrier taken between
+// the node's stop and raft's shutdown), and Close waited for it
+// (TestAwaitEndsWhenTheNodeStops). Raft also shuts itself down, without
+// the node stopping, when it applies a configuration that removes it
+// (ShutdownOnRemove): a write handed to a leader that just removed itself
+// waited for its caller's deadline (TestRemoveLeaderAnswersWritesInFlight).
+// raftDown is closed by an observer of raft's state (raft calls it
+// synchronously as it enters Shutdown), not a poll. Raft still answers
+// the futures of the entries its FSM goroutine holds as it shuts down
+// (the removal's own, which commits just before), so after raftDown await
+// waits up to raftShutdownGrace more for f: an answer that comes is the
+// answer (TestRemoveLeaderRetriedOnNextLeader met the removal answered
+// ErrRaftShutdown without it).
 func (n *Node) await(f raft.Future) error {
 	ch := make(chan error, 1)
 	go func() { ch <- f.Error() }()
@@ -449,8 +499,24 @@ func (n *Node) await(f raft.Future) error {
 		default:
 			return errStopped
 		}
+	case <-n.raftDown:
+		t := time.NewTimer(raftShutdownGrace)
+		defer t.Stop()
+		select {
+		case err := <-ch:
+			return err
+		case <-t.C:
+			return raft.ErrRaftShutdown
+		case <-n.stop:
+			return errStopped
+		}
 	}
 }
+
+// raftShutdownGrace is how long await waits for a future after raft shut
+// itself down: raft's FSM goroutine answers the futures of the batch it
+// applies, or exits and answers none.
+const raftShutdownGrace = time.Second
 
 // applyAll appends cmds as one entry (one cmdBatch, or the command itself
 // when alone) and returns the state machine's answer to each.
@@ -497,6 +563,9 @@ func (n *Node) beginRead() (*readRound, error) {
 	if !n.IsLeader() {
 		return nil, &errNotLeader{leader: n.leaderAddr()}
 	}
+	if r := n.leaseRead(); r != nil {
+		return r, nil
+	}
 	return n.reads.join(), nil
 }
 
@@ -530,8 +599,12 @@ func (n *Node) confirmLeadership() (uint64, error) {
 		return 0, &errNotLeader{leader: n.leaderAddr()}
 	}
 	ci := n.r.CommitIndex()
+	sent := time.Now() // before the round's heartbeats leave
 	if err := n.leaderRound(term); err != nil || n.r.CurrentTerm() != term {
 		return 0, &errNotLeader{leader: n.leaderAddr()}
+	}
+	if n.leaseLen > 0 {
+		n.lease.extend(term, sent.Add(n.leaseLen))
 	}
 	return n.fsmIndexAt(ci)
 }
@@ -696,6 +769,21 @@ func (rr *readRounds) join() *readRound {
 		go rr.run()
 	}
 	return r
+}
+
+// renew starts a round for no read (it renews the leader's lease) unless
+// one is running or waiting to.
+func (rr *readRounds) renew() {
+	rr.mu.Lock()
+	defer rr.mu.Unlock()
+	if rr.running {
+		return
+	}
+	if rr.next == nil {
+		rr.next = &readRound{done: make(chan struct{})}
+	}
+	rr.running = true
+	go rr.run()
 }
 
 // run runs rounds while reads are waiting, then exits.

@@ -407,6 +407,11 @@ func TestClusterLinearizableUnderPartitions(t *testing.T) {
 		}
 	}
 	t.Logf("%d operations (%d with an unknown outcome), %d takeovers after a lease: linearizable", len(hist), pending, l.takeover.Load())
+	var leaseReads uint64
+	for _, nd := range cc.nodes {
+		leaseReads += nd.lease.served.Load()
+	}
+	t.Logf("%d reads answered on a leader lease (the nodes running at the end)", leaseReads)
 }
 
 // explain prints the operations of the first key porcupine could not
