@@ -248,6 +248,7 @@ type WAL struct {
 		sinceSync  int64       // bytes written since the last fsync
 		timer      *time.Timer // SyncInterval mode
 		woken      int         // waiters woken by the last notify
+		frames     int         // records written by the last flush that wrote
 		// prepC receives the result of the background preparation of the
 		// spare file (preparePrealloc); nil when none was started since the
 		// last rotation (or Open).
@@ -775,30 +776,34 @@ func (w *WAL) wait(lsn LSN, needSync bool) error {
 // the flusher would (the same flush: every record appended so far, the
 // waiters of the buffer woken, an fsync when rotation or
 // MaxUnsyncedBytes asks for one, OnSynced then called from this
-// goroutine). It reports whether it flushed; not once Close began (the
-// flusher makes the last flush and then Close owns the file).
+// goroutine). It reports whether it flushed. It leaves the flush to the
+// flusher once Close began (the flusher makes the last flush, then Close
+// owns the file), and when the last flush wrote more than one record or
+// woke more than one waiter: with concurrent appenders the flusher's
+// gather lets them append before it takes the buffer (group commit),
+// where each waiter writing at once would write a record or two per
+// write. A lone writer (raft's FSM goroutine applying a batch) writes its
+// own records.
 func (w *WAL) writeOwn() bool {
 	if !w.flushMu.TryLock() {
 		return false
 	}
 	w.mu.Lock()
-	closing := w.mu.closing || w.mu.err != nil
+	own := !w.mu.closing && w.mu.err == nil && w.fl.woken <= 1 && w.fl.frames <= 1
 	w.mu.Unlock()
-	if closing {
-		w.flushMu.Unlock()
-		return false
+	if own {
+		w.fl.woken = 0 // no gather: this waiter's record is in the buffer already
+		w.flush()
 	}
-	w.fl.woken = 0 // no gather: this waiter's record is in the buffer already
-	w.flush()
 	w.flushMu.Unlock()
-	// Records appended after this flush took the buffer (their wake-up may
-	// have found the flusher unable to take flushMu), or Close begun
-	// meanwhile: the flusher must run. Checked after the unlock, so that
-	// the flusher this wakes can take flushMu.
+	// Records appended after this flush took the buffer, or left to the
+	// flusher (their wake-up may have found it unable to take flushMu), or
+	// Close begun meanwhile: the flusher must run. Checked after the
+	// unlock, so that the flusher this wakes can take flushMu.
 	if w.hasWork() {
 		w.wake()
 	}
-	return true
+	return own
 }
 
 // SyncedLSN returns the last LSN covered by an fsync.
@@ -1122,6 +1127,7 @@ func (w *WAL) flush() (exit bool) {
 		w.fl.sinceSync += int64(len(buf))
 		w.fl.active.lastOff, w.fl.active.lastLSN = start+int64(lastOff), last
 		w.writes.Add(1)
+		w.fl.frames = int(last - LSN(w.written.Load()))
 		w.written.Store(uint64(last))
 		wrote = true
 		if w.opts.OnSynced != nil {
