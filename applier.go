@@ -132,6 +132,10 @@ func (e *Engine) applyBatch(batch []*pinnedUpdate, ups []*index.Update, us *unpi
 		return ups
 	}
 	e.unpinSlots(batch, us)
+	// The records of several keys (batches) are unpinned one transition at
+	// a time, and the shard of each evicts past its share: the slots that a
+	// batch's run or LookupHint installed left that eviction to the applier
+	// (installForBatchLocked).
 	for _, u := range batch {
 		if u.slot != nil {
 			continue // unpinned above
@@ -146,6 +150,7 @@ func (e *Engine) applyBatch(batch []*pinnedUpdate, ups []*index.Update, us *unpi
 					if sl.dirty == u.LSN {
 						sl.dirty = 0
 					}
+					e.evictLocked(sh, nil)
 					sh.mu.Unlock()
 					continue
 				}
@@ -156,6 +161,7 @@ func (e *Engine) applyBatch(batch []*pinnedUpdate, ups []*index.Update, us *unpi
 			if sl := sh.m[string(t.Key)]; sl != nil && sl.dirty == u.LSN {
 				sl.dirty = 0
 			}
+			e.evictLocked(sh, nil)
 			sh.mu.Unlock()
 		}
 	}

@@ -738,9 +738,15 @@ func TestBatchAppliedSlotsUnpinned(t *testing.T) {
 			}
 		}
 	}
+	waitUnpinned(t, e)
+}
+
+// waitUnpinned waits until every record is applied and the applier has
+// unpinned their slots: it unpins a record's slots after it publishes
+// the record as applied, so this polls (bounded) rather than look once.
+func waitUnpinned(t *testing.T, e *Engine) {
+	t.Helper()
 	waitApplied(t, e)
-	// The applier unpins a record's slots after it publishes the record
-	// as applied: poll (bounded) until it has, rather than look once.
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		pinned := pinnedSlots(e)

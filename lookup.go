@@ -34,7 +34,11 @@ func (e *Engine) lookup(ctx context.Context, req Request, h *PutHint) (Result, e
 		return Result{}, err
 	}
 	defer e.leave()
-	sl, unlock, err := e.lockSlotFor(k.key, h == nil)
+	use := slotRead
+	if h != nil {
+		use = slotHint
+	}
+	sl, unlock, err := e.lockSlotFor(k.key, use)
 	if err != nil {
 		return Result{}, err
 	}

@@ -88,7 +88,9 @@ type Options struct {
 	NoMemoryTrim bool
 	// CacheSize bounds, in bytes, the entries kept in memory in front of
 	// the index (default MemoryBudget/16: 16 MiB). In-flight and not yet
-	// applied entries are always kept; the rest are evicted past the bound.
+	// applied entries are always kept; the rest are evicted past the bound
+	// (the slots of batch records by the applier once it applied them:
+	// until then they may take a quarter more).
 	CacheSize int64
 	// IndexCacheSize is Pebble's block cache (default MemoryBudget/4: 64 MiB).
 	IndexCacheSize int64

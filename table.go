@@ -140,9 +140,9 @@ func (e *Engine) lockAll() func() {
 // shard's lock must be held.
 func (e *Engine) slotLocked(key []byte) (*slot, error) { return e.slotLockedKeep(key, false) }
 
-// slotLockedKeep is slotLocked that, with keep, makes key's bytes the map
-// key of a slot it installs (see installLocked): the caller guarantees
-// that they never change.
+// slotLockedKeep is slotLocked that, with keep (a batch's run,
+// batchRun.get), installs a slot by installForBatchLocked, which makes
+// key's bytes its map key: the caller guarantees that they never change.
 func (e *Engine) slotLockedKeep(key []byte, keep bool) (*slot, error) {
 	sh := e.shardOf(key)
 	if sl := sh.m[string(key)]; sl != nil {
@@ -152,7 +152,10 @@ func (e *Engine) slotLockedKeep(key []byte, keep bool) (*slot, error) {
 	if err != nil {
 		return nil, wrapCorrupt(err)
 	}
-	return e.installLocked(sh, key, en, keep), nil
+	if keep {
+		return e.installForBatchLocked(sh, key, en), nil
+	}
+	return e.installLocked(sh, key, en, false), nil
 }
 
 // installLocked puts a slot holding en, as read from the index, into sh
@@ -160,6 +163,29 @@ func (e *Engine) slotLockedKeep(key []byte, keep bool) (*slot, error) {
 // With keep, key's bytes become the map's key as they are (no copy): the
 // caller guarantees that they never change.
 func (e *Engine) installLocked(sh *shard, key []byte, en *index.Entry, keep bool) *slot {
+	sl := e.insertLocked(sh, key, en, keep)
+	e.evictLocked(sh, sl)
+	return sl
+}
+
+// installForBatchLocked is installLocked, with keep, for a slot that a
+// batch record is about to write (a batch's run, LookupHint for the Put
+// that follows): it leaves the eviction that the insertion calls for to
+// the applier, which evicts in the shard once it has applied the record
+// (applyBatch), off the batch's thread, unless the shard is past its
+// share by a quarter already (which bounds the memory of slots installed
+// for a record never written, and of a shard whose records the applier
+// has not reached yet).
+func (e *Engine) installForBatchLocked(sh *shard, key []byte, en *index.Entry) *slot {
+	sl := e.insertLocked(sh, key, en, true)
+	if limit := e.o.CacheSize / numShards; sh.bytes > limit+limit/4 {
+		e.evictLocked(sh, sl)
+	}
+	return sl
+}
+
+// insertLocked is installLocked without the eviction.
+func (e *Engine) insertLocked(sh *shard, key []byte, en *index.Entry, keep bool) *slot {
 	sl := &slot{sh: sh, e: en, size: slotSize(key, en), inFlight: en != nil && en.InFlight}
 	var k string
 	if keep && len(key) > 0 {
@@ -170,7 +196,6 @@ func (e *Engine) installLocked(sh *shard, key []byte, en *index.Entry, keep bool
 	sh.m[k] = sl
 	sh.installs++
 	sh.bytes += sl.size
-	e.evictLocked(sh, sl)
 	return sl
 }
 
@@ -192,11 +217,24 @@ func (e *Engine) installLocked(sh *shard, key []byte, en *index.Entry, keep bool
 // they read (Engine.current). Otherwise the key is read again under the
 // lock.
 func (e *Engine) lockSlot(key []byte) (*slot, func(), error) {
-	return e.lockSlotFor(key, false)
+	return e.lockSlotFor(key, slotWrite)
 }
 
-// lockSlotFor is lockSlot, or lockSlotRead when read is set.
-func (e *Engine) lockSlotFor(key []byte, read bool) (*slot, func(), error) {
+// slotUse says what lockSlotFor's caller does with the slot.
+type slotUse uint8
+
+const (
+	slotWrite slotUse = iota // lockSlot
+	slotRead                 // lockSlotRead
+	// slotHint: LookupHint, for the Put that follows in a batch: as
+	// slotWrite, except that a new key's slot is installed by
+	// installForBatchLocked.
+	slotHint
+)
+
+// lockSlotFor is lockSlot, lockSlotRead, or LookupHint's (use).
+func (e *Engine) lockSlotFor(key []byte, use slotUse) (*slot, func(), error) {
+	read := use == slotRead
 	sh := e.shardOf(key)
 	sh.mu.Lock()
 	if sl := sh.m[string(key)]; sl != nil {
@@ -208,9 +246,12 @@ func (e *Engine) lockSlotFor(key []byte, read bool) (*slot, func(), error) {
 		// (no second lock, no second probe). That answer is current: with
 		// no slot, every change to the key is applied (see lockSlotRead),
 		// and the filter holds every key applied.
-		if read {
+		switch use {
+		case slotRead:
 			sh.mu.Unlock()
 			return nil, nil, nil
+		case slotHint:
+			return e.installForBatchLocked(sh, key, nil), sh.unlock, nil
 		}
 		return e.installLocked(sh, key, nil, true), sh.unlock, nil
 	}
@@ -271,7 +312,7 @@ func (e *Engine) lockSlotAfterRead(sh *shard, key []byte, en *index.Entry, err e
 // goes through lockSlot's check and installs it as before, so that
 // repeated reads of a stored id find it in memory.
 func (e *Engine) lockSlotRead(key []byte) (*slot, func(), error) {
-	return e.lockSlotFor(key, true)
+	return e.lockSlotFor(key, slotRead)
 }
 
 // testHookUnlockedRead, set by tests only, runs after lockSlot read key

@@ -21,7 +21,6 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 )
 
@@ -64,11 +63,17 @@ type Client struct {
 	addrs []string
 	log   *slog.Logger
 
-	mu     sync.Mutex       // guards peers, leader, next, closed, idle, unfinished and moreUnfinished
+	mu     sync.Mutex       // guards peers, leader, next, closed, idle, unfinished and moreUnfinished; and writes of leaderPeer
 	peers  map[string]*peer // by gRPC address
 	leader string           // the address calls go to first
 	next   int              // round-robin position when no leader is known
 	closed bool             // Close closed the connections: no call dials again
+	// leaderPeer is peers[leader] once a call dialled it (nil when no
+	// leader is known, before its first call, and after Close): every
+	// call reads it without mu (pick). Written only under mu, with
+	// leader, so it is never another node than leader names. Taking mu
+	// twice per call (target, peer), 64 callers on 2 cores contended.
+	leaderPeer atomic.Pointer[peer]
 
 	// finishes counts the claim finishes under way whose ctx can end
 	// (claimBackend.finish), on their callers' goroutines or, once their
@@ -182,6 +187,7 @@ func (c *Client) Close() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.closed = true
+	c.leaderPeer.Store(nil)
 	var errs []error
 	for a, p := range c.peers {
 		errs = append(errs, p.cc.Close())
@@ -268,7 +274,7 @@ func (c *Client) peer(addr string) (*peer, error) {
 	if c.closed {
 		return nil, fmt.Errorf("idemcluster: %w: the client is closed", idem.ErrClosed)
 	}
-	dopts := append([]grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}, c.o.DialOptions...)
+	dopts := append([]grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials()), codecDialOption()}, c.o.DialOptions...)
 	cc, err := grpc.NewClient(addr, dopts...)
 	if err != nil {
 		return nil, err
@@ -282,7 +288,27 @@ func (c *Client) peer(addr string) (*peer, error) {
 func (c *Client) setLeader(addr string) {
 	c.mu.Lock()
 	c.leader = addr
+	c.leaderPeer.Store(c.peers[addr]) // nil until a call dials it (pick)
 	c.mu.Unlock()
+}
+
+// pick is the node to try: the leader when known, else the next one in
+// turn. The leader's peer, once dialled, is read without a lock.
+func (c *Client) pick() (*peer, error) {
+	if p := c.leaderPeer.Load(); p != nil {
+		return p, nil
+	}
+	addr := c.target()
+	p, err := c.peer(addr)
+	if err != nil {
+		return nil, err
+	}
+	c.mu.Lock()
+	if c.leader == addr && !c.closed {
+		c.leaderPeer.Store(p)
+	}
+	c.mu.Unlock()
+	return p, nil
 }
 
 // target is the address to try: the leader when known, else the next one.
@@ -301,6 +327,7 @@ func (c *Client) forgetLeader(addr string) {
 	c.mu.Lock()
 	if c.leader == addr {
 		c.leader = ""
+		c.leaderPeer.Store(nil)
 	}
 	c.mu.Unlock()
 }
@@ -409,8 +436,7 @@ func (c *Client) retry(ctx context.Context, fl *finishLoop, write bool, try func
 			}
 			return err
 		}
-		addr := c.target()
-		p, err := c.peer(addr)
+		p, err := c.pick()
 		if err != nil {
 			if write && doubt {
 				return fmt.Errorf("%w: %w (last: %v)", idem.ErrInDoubt, err, last)
@@ -425,6 +451,7 @@ func (c *Client) retry(ctx context.Context, fl *finishLoop, write bool, try func
 		if err == nil {
 			return nil
 		}
+		addr := p.addr
 		last = err
 		e := fromStatus(err)
 		var nl *errNotLeader
@@ -860,7 +887,7 @@ func (b *batcher) do(ctx, stop context.Context, deadline time.Time, item *cluste
 	if stop != nil {
 		stopped = stop.Done()
 	}
-	bc := &batchCall{item: item, size: proto.Size(item), deadline: deadline, done: make(chan struct{})}
+	bc := &batchCall{item: item, size: item.SizeVT(), deadline: deadline, done: make(chan struct{})}
 	b.mu.Lock()
 	b.queue = append(b.queue, bc)
 	if b.inflight < maxBatchesInFlight {
@@ -871,18 +898,22 @@ func (b *batcher) do(ctx, stop context.Context, deadline time.Time, item *cluste
 	} else {
 		b.mu.Unlock()
 	}
-	select {
-	case <-bc.done:
-	case <-ctx.Done():
-		if b.unqueue(bc) {
-			return nil, fmt.Errorf("%w: %w", errNotSent, status.FromContextError(ctx.Err()).Err())
+	if done := ctx.Done(); done == nil && stopped == nil {
+		<-bc.done // nothing else ends the wait: a receive, not a select
+	} else {
+		select {
+		case <-bc.done:
+		case <-done:
+			if b.unqueue(bc) {
+				return nil, fmt.Errorf("%w: %w", errNotSent, status.FromContextError(ctx.Err()).Err())
+			}
+			return nil, status.FromContextError(ctx.Err()).Err()
+		case <-stopped:
+			if b.unqueue(bc) {
+				return nil, fmt.Errorf("%w: %w", errNotSent, errStoppedStatus)
+			}
+			return nil, errStoppedStatus
 		}
-		return nil, status.FromContextError(ctx.Err()).Err()
-	case <-stopped:
-		if b.unqueue(bc) {
-			return nil, fmt.Errorf("%w: %w", errNotSent, errStoppedStatus)
-		}
-		return nil, errStoppedStatus
 	}
 	if bc.err != nil {
 		if status.Code(bc.err) == codes.Unimplemented {

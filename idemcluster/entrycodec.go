@@ -265,9 +265,36 @@ func decodeCommand(data []byte) (*command, error) {
 // so in.Len() is exactly what is left of the entry: every length a header
 // claims is checked against it before anything is read or allocated.
 type entryReader struct {
-	in  bytes.Reader
-	dec *msgpack.Decoder // reads in
-	key [8]byte          // the map key being read
+	in    bytes.Reader
+	dec   *msgpack.Decoder // reads in
+	key   [8]byte          // the map key being read
+	chunk []byte           // what is left of the block short strings are cut from (alloc)
+}
+
+// A command's short strings and binaries (ids, scopes, owners, tokens,
+// fingerprints: a Begin has five, a Commit four, and three nodes decode
+// every entry) are cut from blocks of bytesChunk bytes instead of being
+// allocated one by one; a longer one (a reply) is allocated alone. Each is
+// still a copy, with its capacity cut at its length (an append copies it
+// rather than writing into the next one), and what the FSM keeps of a
+// command (a claim's key, owner, token and fingerprint) holds at most its
+// blocks, bytesChunk bytes each, not the entry.
+const (
+	bytesChunk = 256
+	maxChunked = 64
+)
+
+// alloc is a new slice of n bytes (alone when n > maxChunked).
+func (r *entryReader) alloc(n int) []byte {
+	if n == 0 || n > maxChunked {
+		return make([]byte, n)
+	}
+	if len(r.chunk) < n {
+		r.chunk = make([]byte, bytesChunk)
+	}
+	b := r.chunk[:n:n]
+	r.chunk = r.chunk[n:]
+	return b
 }
 
 var readers = sync.Pool{New: func() any {
@@ -359,7 +386,7 @@ func (r *entryReader) bytes() ([]byte, error) {
 	if n > r.in.Len() {
 		return nil, fmt.Errorf("a string of %d bytes with %d left", n, r.in.Len())
 	}
-	b := make([]byte, n)
+	b := r.alloc(n)
 	if err := r.dec.ReadFull(b); err != nil {
 		return nil, err
 	}
@@ -372,7 +399,7 @@ func (r *entryReader) str() (string, error) {
 	if err != nil || len(b) == 0 {
 		return "", err
 	}
-	return unsafe.String(&b[0], len(b)), nil // b is the string's alone and never written again
+	return unsafe.String(&b[0], len(b)), nil // b (its length: alloc) is the string's alone and never written again
 }
 
 // maxSkipDepth bounds the nesting of an unknown field's value.

@@ -280,7 +280,7 @@ func StartNode(opts *NodeOptions) (*Node, error) {
 			return nil, fmt.Errorf("idemcluster: bootstrap: %w", err)
 		}
 	}
-	n.grpc = grpc.NewServer()
+	n.grpc = grpc.NewServer(codecServerOption())
 	s := &server{n: n}
 	clusterpb.RegisterIdemServer(n.grpc, s)
 	clusterpb.RegisterClusterServer(n.grpc, s)

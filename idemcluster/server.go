@@ -65,8 +65,10 @@ func tm(t *timestamppb.Timestamp) time.Time {
 
 // resultToPB is r as a message, allocated with its timestamps
 // (resultMsgs).
-func resultToPB(r idem.Result) *clusterpb.Result {
-	m := &resultMsgs{}
+func resultToPB(r idem.Result) *clusterpb.Result { return (&resultMsgs{}).result(r) }
+
+// result is r as a message in m.
+func (m *resultMsgs) result(r idem.Result) *clusterpb.Result {
 	m.res = clusterpb.Result{Status: clusterpb.Status(r.Status), Reply: r.Reply, Seq: r.Seq,
 		LeaseUntil: m.time(0, r.LeaseUntil), CommittedAt: m.time(1, r.CommittedAt), ExpiresAt: m.time(2, r.ExpiresAt)}
 	return &m.res
@@ -79,6 +81,7 @@ func resultToPB(r idem.Result) *clusterpb.Result {
 // and GC were a fifth of its CPU).
 type itemAnswer struct {
 	out clusterpb.BatchResult
+	res resultMsgs // its result, when it has one
 }
 
 // resultMsgs is a Result and its timestamps, allocated together
@@ -146,7 +149,12 @@ func beginAnswer(req idem.Request, a *applied, err error) (*clusterpb.BeginRespo
 // beginResult is the result of a Begin whose command was applied (a,
 // without an error): with its claim when Fresh.
 func beginResult(req idem.Request, a *applied) *clusterpb.Result {
-	res := resultToPB(a.res)
+	return beginResultIn(&resultMsgs{}, req, a)
+}
+
+// beginResultIn is beginResult in m.
+func beginResultIn(m *resultMsgs, req idem.Request, a *applied) *clusterpb.Result {
+	res := m.result(a.res)
 	if a.res.Status == idem.Fresh {
 		res.Claim = &clusterpb.ClaimRef{Scope: req.Scope, Id: req.ID, Client: req.Client, Seq: req.Seq, Owner: a.owner, Token: a.token}
 	}
@@ -372,7 +380,7 @@ func (s *server) Batch(ctx context.Context, in *clusterpb.BatchRequest) (*cluste
 				a, err = as[j], as[j].err
 			}
 			if err == nil && cmds[j].Op == cmdBegin {
-				out.Results[i] = ans[i].item(beginResult(reqs[j], a), nil)
+				out.Results[i] = ans[i].item(beginResultIn(&ans[i].res, reqs[j], a), nil)
 				continue
 			}
 			out.Results[i] = ans[i].item(nil, toStatus(err))
@@ -444,7 +452,7 @@ func (s *server) readItems(ctx context.Context, items []*clusterpb.BatchItem, id
 			if rerr == nil && err == nil {
 				var r idem.Result
 				r, rerr = e.Lookup(ctx, req)
-				res = resultToPB(r)
+				res = ans[i].res.result(r)
 			}
 			if rerr == nil {
 				rerr = err
@@ -453,7 +461,7 @@ func (s *server) readItems(ctx context.Context, items []*clusterpb.BatchItem, id
 		case *clusterpb.BatchItem_Begin:
 			if req, rerr := reqFromPB(call.Begin.Request); rerr == nil && err == nil && len(req.Acked) == 0 {
 				if r, rerr := e.Lookup(ctx, req); rerr == nil && r.Status == idem.Done {
-					out[i] = ans[i].item(resultToPB(r), nil)
+					out[i] = ans[i].item(ans[i].res.result(r), nil)
 				}
 			}
 		}

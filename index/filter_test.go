@@ -205,7 +205,12 @@ func TestFilterConcurrentGets(t *testing.T) {
 			}
 		}()
 	}
-	for round := 0; round < 100 && failed.Load() == nil; round++ {
+	// At least 100 rounds, and on until three filters were built while the
+	// readers ran: a build runs in the background and starts again only
+	// after the last one ended, so on a starved machine 100 rounds can end
+	// before the third (it failed "only 1 filter builds" under load).
+	deadline := time.Now().Add(2 * time.Minute)
+	for round := 0; (round < 100 || m.ix.FilterBuilds() < 3) && failed.Load() == nil && time.Now().Before(deadline); round++ {
 		// Inserts and deletes of other keys only.
 		var ups []*Update
 		for i := 0; i < 30; i++ {
