@@ -119,6 +119,15 @@
 // Options.OnSynced. Each fdatasync covers a prefix of the log: everything
 // written before it. (Below, "fsync" and "fsynced" include fdatasync.)
 //
+// Under SyncNever a WaitDurable caller whose record is not written yet,
+// finding no flush running, makes that flush itself on its own goroutine
+// (the same flush: the whole buffer, its waiters woken): no goroutine
+// hand-off per wait where nothing waits for an fsync. It does so only as
+// a lone writer (the last flush wrote one record and woke at most one
+// waiter); concurrent appenders leave the flush to the flusher, whose
+// gather lets them share a write. One flush runs at a time (a mutex), so
+// the log is written in LSN order either way.
+//
 // When the logical end of the active segment exceeds SegmentSize (checked
 // between flushes, so frames are never split), it is fsynced, the next
 // segment is started from the spare file (renamed, header written and

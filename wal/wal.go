@@ -91,13 +91,15 @@ type Options struct {
 	// Logger receives warnings (torn tails cut) and errors (I/O failures).
 	// nil discards.
 	Logger *slog.Logger
-	// OnSynced, if non-nil, is called from the single flusher goroutine, in
-	// LSN order, after every fsync, with the records that the fsync made
+	// OnSynced, if non-nil, is called by the flush that fsynced (on the
+	// flusher goroutine, or under SyncNever possibly on a WaitDurable
+	// caller's: see writeOwn; one flush at a time), in LSN order, after
+	// every fsync, with the records that the fsync made
 	// durable (never before they are fsynced, in every mode, and never for
 	// records whose write or fsync failed). The slice and its elements are
 	// only valid during the call; it must not block for long since it delays
 	// the next flush, and must not call WaitDurable, Sync or Close (they
-	// wait for the goroutine running it). Values are retained until their
+	// wait for the flush running it). Values are retained until their
 	// fsync, which in SyncNever mode may be a whole segment later.
 	OnSynced func(recs []Synced)
 
@@ -152,8 +154,9 @@ var (
 // mu and encode the frames there after releasing it; a single flusher
 // goroutine swaps that buffer out, writes it with one WriteAt, fdatasyncs per
 // SyncMode, publishes progress through atomics and wakes waiters by closing
-// a channel. All file I/O on segments happens on the flusher goroutine,
-// except for Open, Close (after the flusher exited) and
+// a channel (under SyncNever a waiter may run that flush itself: see
+// writeOwn). All file I/O on segments happens in flush, one at a time
+// (flushMu), except for Open, Close (after the flusher exited) and
 // RemoveSegmentsThrough; the spare file for the next segment is prepared by a
 // background goroutine that the flusher starts and waits for.
 type WAL struct {
@@ -227,8 +230,14 @@ type WAL struct {
 		closed bool
 	}
 
-	// fl is owned by the flusher goroutine (and by Open before it starts and
-	// Close after it exits).
+	// flushMu is held by whoever runs flush: the flusher goroutine, or
+	// under SyncNever a waiter that writes the buffer holding its record
+	// itself (see wait). Taken before mu, never while holding it.
+	flushMu sync.Mutex
+
+	// fl is owned by the holder of flushMu (and by Open before the flusher
+	// starts and Close after it exits). timer is the flusher's alone
+	// (SyncInterval mode, where no waiter flushes).
 	fl struct {
 		active     *segFile
 		spareBuf   []byte   // the buffer written last time, recycled for appenders
@@ -239,6 +248,7 @@ type WAL struct {
 		sinceSync  int64       // bytes written since the last fsync
 		timer      *time.Timer // SyncInterval mode
 		woken      int         // waiters woken by the last notify
+		frames     int         // records written by the last flush that wrote
 		// prepC receives the result of the background preparation of the
 		// spare file (preparePrealloc); nil when none was started since the
 		// last rotation (or Open).
@@ -735,6 +745,17 @@ func (w *WAL) wait(lsn LSN, needSync bool) error {
 			w.mu.Unlock()
 			return fmt.Errorf("wal: waiting for LSN %d beyond the last assigned LSN %d", lsn, last)
 		}
+		if w.opts.SyncMode == SyncNever && !needSync && !(w.mu.inFlush && lsn <= w.mu.taken) {
+			w.mu.Unlock()
+			if w.writeOwn() {
+				continue
+			}
+			w.mu.Lock()
+			if w.durable(lsn, needSync) || w.mu.err != nil || w.mu.closed {
+				w.mu.Unlock()
+				continue
+			}
+		}
 		var ch chan struct{}
 		if w.mu.inFlush && lsn <= w.mu.taken {
 			ch = w.mu.curC
@@ -746,6 +767,43 @@ func (w *WAL) wait(lsn LSN, needSync bool) error {
 		w.mu.Unlock()
 		<-ch
 	}
+}
+
+// writeOwn is the SyncNever waiter's flush: rather than hand its record
+// to the flusher goroutine and sleep until it is written (a wake-up of
+// another goroutine, and of its thread, per record waited for), the
+// waiter writes the buffer itself when no flush is running, exactly as
+// the flusher would (the same flush: every record appended so far, the
+// waiters of the buffer woken, an fsync when rotation or
+// MaxUnsyncedBytes asks for one, OnSynced then called from this
+// goroutine). It reports whether it flushed. It leaves the flush to the
+// flusher once Close began (the flusher makes the last flush, then Close
+// owns the file), and when the last flush wrote more than one record or
+// woke more than one waiter: with concurrent appenders the flusher's
+// gather lets them append before it takes the buffer (group commit),
+// where each waiter writing at once would write a record or two per
+// write. A lone writer (raft's FSM goroutine applying a batch) writes its
+// own records.
+func (w *WAL) writeOwn() bool {
+	if !w.flushMu.TryLock() {
+		return false
+	}
+	w.mu.Lock()
+	own := !w.mu.closing && w.mu.err == nil && w.fl.woken <= 1 && w.fl.frames <= 1
+	w.mu.Unlock()
+	if own {
+		w.fl.woken = 0 // no gather: this waiter's record is in the buffer already
+		w.flush()
+	}
+	w.flushMu.Unlock()
+	// Records appended after this flush took the buffer, or left to the
+	// flusher (their wake-up may have found it unable to take flushMu), or
+	// Close begun meanwhile: the flusher must run. Checked after the
+	// unlock, so that the flusher this wakes can take flushMu.
+	if w.hasWork() {
+		w.wake()
+	}
+	return own
 }
 
 // SyncedLSN returns the last LSN covered by an fsync.
@@ -946,11 +1004,19 @@ func (w *WAL) fail(op string, err error) {
 func (w *WAL) run() {
 	defer close(w.doneC)
 	for {
-		if w.flush() {
-			return
-		}
-		if w.hasWork() {
-			continue
+		// A waiter holding flushMu is writing the buffer (writeOwn): it
+		// takes every record appended before its flush and wakes this
+		// goroutine if it leaves work behind, so the flusher waits for a
+		// wake-up rather than for the lock.
+		if w.flushMu.TryLock() {
+			exit := w.flush()
+			w.flushMu.Unlock()
+			if exit {
+				return
+			}
+			if w.hasWork() {
+				continue
+			}
 		}
 		if h := w.opts.hooks; h != nil && h.idle != nil {
 			h.idle()
@@ -1061,6 +1127,7 @@ func (w *WAL) flush() (exit bool) {
 		w.fl.sinceSync += int64(len(buf))
 		w.fl.active.lastOff, w.fl.active.lastLSN = start+int64(lastOff), last
 		w.writes.Add(1)
+		w.fl.frames = int(last - LSN(w.written.Load()))
 		w.written.Store(uint64(last))
 		wrote = true
 		if w.opts.OnSynced != nil {
