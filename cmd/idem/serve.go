@@ -62,12 +62,13 @@ func (o *serveOpts) define(fs *flag.FlagSet) {
 	fs.StringVar(&o.peers, "peers", "", "initial members of a new cluster, `n1=RAFTADDR,n2=RAFTADDR,...`")
 	fs.StringVar(&o.advertise, "advertise-addr", "", "`host:port` other nodes and clients reach the gRPC service at (default: --grpc-addr, which must then name a host)")
 	fs.StringVar(&o.join, "join", "", "gRPC `address` of a member of a running cluster to join")
+	fs.BoolVar(&o.noLeaseReads, "no-lease-reads", false, "confirm every linearizable read with a leadership round instead of answering on the leader's lease (for a rolling upgrade from a version without leases: every node runs with it until all run this version)")
 	fs.BoolVar(&o.verbose, "v", false, "log raft's and the node's messages to stderr")
 }
 
 type serveOpts struct {
 	id, dir, raftAddr, grpcAddr, advertise, peers, join string
-	verbose                                             bool
+	verbose, noLeaseReads                               bool
 }
 
 func parsePeers(s string) (map[string]string, error) {
@@ -141,7 +142,7 @@ func (o *serveOpts) nodeOptions(logger *slog.Logger) (*idemcluster.NodeOptions, 
 		return nil, usagef("--peers must name this node %q with its --raft-addr %s", o.id, o.raftAddr)
 	}
 	return &idemcluster.NodeOptions{ID: o.id, Dir: o.dir, RaftAddr: o.raftAddr, GRPCAddr: o.grpcAddr, AdvertiseAddr: o.advertise,
-		Peers: peers, Join: o.join, Logger: logger}, nil
+		Peers: peers, Join: o.join, NoLeaseReads: o.noLeaseReads, Logger: logger}, nil
 }
 
 // everyInterface reports whether a listen address has no host or an

@@ -3,6 +3,7 @@ package main
 import (
 	"flag"
 	"io"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -40,6 +41,7 @@ func TestServeAdvertiseAddr(t *testing.T) {
 		{[]string{"--grpc-addr", ":7071", "--advertise-addr", "idem-1.internal:7071"}, ":7071", "idem-1.internal:7071"},
 		{[]string{"--grpc-addr", "0.0.0.0:7071", "--advertise-addr", "10.0.0.1:7071"}, "0.0.0.0:7071", "10.0.0.1:7071"},
 		{[]string{"--grpc-addr", "10.0.0.1:7071"}, "10.0.0.1:7071", ""}, // the node publishes its listener's address
+		{[]string{"--grpc-addr", "10.0.0.1:7071", "--no-lease-reads"}, "10.0.0.1:7071", ""},
 	} {
 		o := &serveOpts{}
 		fs := flag.NewFlagSet("serve", flag.ContinueOnError)
@@ -51,6 +53,9 @@ func TestServeAdvertiseAddr(t *testing.T) {
 		no, err := o.nodeOptions(nil)
 		if err != nil {
 			t.Fatalf("idem serve %v: %v", c.args, err)
+		}
+		if off := slices.Contains(c.args, "--no-lease-reads"); no.NoLeaseReads != off {
+			t.Errorf("idem serve %v: NoLeaseReads %v", c.args, no.NoLeaseReads)
 		}
 		if no.GRPCAddr != c.grpc || no.AdvertiseAddr != c.advertise {
 			t.Errorf("idem serve %v: GRPCAddr %q AdvertiseAddr %q, want %q %q", c.args, no.GRPCAddr, no.AdvertiseAddr, c.grpc, c.advertise)
