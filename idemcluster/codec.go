@@ -280,84 +280,11 @@ type (
 	}
 )
 
-// The generated decoder copies a bytes field by appending it to what the
-// field holds (m.Id = append(m.Id[:0], v...)), so a field set first to
-// an empty slice of the right capacity is filled in place. A batch's
-// decoding does that for the bytes of its items that every call has (a
-// request's id, fingerprint and a Begin's token; a result's reply): one
-// allocation per batch (bytesArena) instead of one per field. Only
-// fields present on the wire get one (the decoder leaves the others
-// nil), and a field that occurs again with a longer value gets its own
-// from append, as before.
-
-// bytesArena is the one allocation of a batch's copied bytes fields:
-// sized over a first pass (add), then handed out (take) in the order
-// the fields were added.
-// A non-zero limit bounds the arena: a field that would take it past the
-// limit, or is larger than limit/64, is left to the decoder (nil), so
-// that one value kept (a client's reply, held by the application) keeps
-// at most limit bytes of others alive.
-type bytesArena struct {
-	limit      int
-	n, counted int // the bytes added; the bytes take handed out
-	buf        []byte
-}
-
-// packs reports whether v goes in the arena after used bytes.
-func (a *bytesArena) packs(used int, v []byte) bool {
-	return a.limit == 0 || (len(v) <= a.limit/64 && used+len(v) <= a.limit)
-}
-
-// add counts v (nil: an absent field, nothing).
-func (a *bytesArena) add(v []byte) {
-	if v != nil && a.packs(a.n, v) {
-		a.n += len(v)
-	}
-}
-
-// take is an empty slice with room for v, the next field added, or nil
-// when v is nil (absent) or not in the arena.
-func (a *bytesArena) take(v []byte) []byte {
-	if v == nil || !a.packs(a.counted, v) {
-		return nil
-	}
-	a.counted += len(v)
-	if a.buf == nil {
-		a.buf = make([]byte, a.n)
-	}
-	s := a.buf[:0:len(v)]
-	a.buf = a.buf[len(v):]
-	return s
-}
-
-// replyArenaLimit bounds a BatchResponse's arena (bytesArena.limit): the
-// replies of a batch that one reply an application keeps can hold.
-const replyArenaLimit = 64 << 10
-
-// requestBytes calls f with the id and the fingerprint of the first
-// request (field 1) in call, a Begin's or a Lookup's bytes.
-func requestBytes(call []byte, f func(id, fingerprint []byte)) {
-	req := fieldValue(call, 1)
-	f(fieldValue(req, 2), fieldValue(req, 5))
-}
-
 // unmarshalBatchRequest is m.UnmarshalVT(b) into slabs (m is new).
 func unmarshalBatchRequest(b []byte, m *clusterpb.BatchRequest) error {
-	var (
-		n     [5]int // items by the number of their first field (0: other)
-		arena bytesArena
-		count = func(id, fp []byte) { arena.add(id); arena.add(fp) }
-	)
+	var n [5]int // items by the number of their first field (0: other)
 	if !repeatedField(b, func(v []byte) {
-		k, call := firstField(v)
-		switch k {
-		case 1:
-			requestBytes(call, count)
-			arena.add(fieldValue(call, 3))
-		case 4:
-			requestBytes(call, count)
-		}
-		if k >= 1 && k <= 4 {
+		if k, _ := firstField(v); k >= 1 && k <= 4 {
 			n[k]++
 		} else {
 			n[0]++
@@ -386,9 +313,7 @@ func unmarshalBatchRequest(b []byte, m *clusterpb.BatchRequest) error {
 			begins = begins[1:]
 			if has(set, 1) {
 				s.in.Request = &s.req
-				requestBytes(call, func(id, fp []byte) { s.req.Id, s.req.Fingerprint = arena.take(id), arena.take(fp) })
 			}
-			s.in.Token = arena.take(fieldValue(call, 3))
 			s.call.Begin, s.item.Call, it = &s.in, &s.call, &s.item
 		case 2:
 			s := &commits[0]
@@ -409,7 +334,6 @@ func unmarshalBatchRequest(b []byte, m *clusterpb.BatchRequest) error {
 			lookups = lookups[1:]
 			if has(set, 1) {
 				s.in.Request = &s.req
-				requestBytes(call, func(id, fp []byte) { s.req.Id, s.req.Fingerprint = arena.take(id), arena.take(fp) })
 			}
 			s.call.Lookup, s.item.Call, it = &s.in, &s.call, &s.item
 		default:
@@ -454,11 +378,7 @@ func fieldValue(b []byte, num protowire.Number) []byte {
 // unmarshalBatchResponse is m.UnmarshalVT(b) into slabs (m is new).
 func unmarshalBatchResponse(b []byte, m *clusterpb.BatchResponse) error {
 	n := 0
-	arena := bytesArena{limit: replyArenaLimit}
-	if !repeatedField(b, func(v []byte) {
-		n++
-		arena.add(fieldValue(fieldValue(v, 2), 2))
-	}) {
+	if !repeatedField(b, func([]byte) { n++ }) {
 		return m.UnmarshalVT(b)
 	}
 	slabs := make([]resultSlab, n)
@@ -473,9 +393,7 @@ func unmarshalBatchResponse(b []byte, m *clusterpb.BatchResponse) error {
 		if set, _ := fieldsPresent(v); has(set, 2) {
 			s.out.Result = &s.res
 			// The first occurrence's fields (a repeat merges into them).
-			rb := fieldValue(v, 2)
-			rset, _ := fieldsPresent(rb)
-			s.res.Reply = arena.take(fieldValue(rb, 2))
+			rset, _ := fieldsPresent(fieldValue(v, 2))
 			if has(rset, 4) {
 				s.res.LeaseUntil = &s.times[0]
 			}

@@ -668,7 +668,7 @@ func (n *Node) committedConfiguration(ctx context.Context) error {
 		timeout = max(time.Until(d), time.Millisecond)
 	}
 	if err := n.await(n.r.Barrier(timeout)); err != nil {
-		if errors.Is(err, raft.ErrNotLeader) || errors.Is(err, raft.ErrLeadershipLost) {
+		if errors.Is(err, raft.ErrNotLeader) || errors.Is(err, raft.ErrLeadershipLost) || errors.Is(err, raft.ErrLeadershipTransferInProgress) {
 			return &errNotLeader{leader: n.leaderAddr()}
 		}
 		return fmt.Errorf("%w: committing the configuration: %v", idem.ErrInDoubt, err)
