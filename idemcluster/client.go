@@ -351,14 +351,15 @@ func (c *Client) call(ctx context.Context, write bool, fn func(ctx context.Conte
 // batched is call for an item that goes through the node's batcher; the
 // batcher bounds its attempt itself, without a context and a timer per
 // call (they were 6% of a duplicate's CPU). fl is a claim finish's loop
-// (nil for any other call).
-func (c *Client) batched(ctx context.Context, fl *finishLoop, write bool, item *clusterpb.BatchItem) (out *clusterpb.Result, err error) {
+// (nil for any other call); slot is the call's own record for its
+// attempts (callSlot), allocated with item.
+func (c *Client) batched(ctx context.Context, fl *finishLoop, write bool, item *clusterpb.BatchItem, slot *callSlot) (out *clusterpb.Result, err error) {
 	var stop context.Context
 	if fl != nil {
 		stop = c.stop
 	}
 	err = c.retry(ctx, fl, write, func(ctx context.Context, p *peer, deadline time.Time) (err error) {
-		out, err = p.batch.do(ctx, stop, deadline, item)
+		out, err = p.batch.do(ctx, stop, deadline, item, slot)
 		return err
 	})
 	return out, err
@@ -554,7 +555,7 @@ func (c *Client) Begin(ctx context.Context, req idem.Request) (idem.Result, erro
 	m.in = clusterpb.BeginRequest{Request: &m.req, Owner: c.o.Owner, Token: m.tok[:]}
 	m.call.Begin = &m.in
 	m.item.Call = &m.call
-	out, err := c.batched(ctx, nil, true, &m.item)
+	out, err := c.batched(ctx, nil, true, &m.item, &m.slot)
 	if err != nil {
 		err = fromStatus(err)
 		var ac *idem.AlreadyCommittedError
@@ -578,12 +579,14 @@ func (c *Client) Begin(ctx context.Context, req idem.Request) (idem.Result, erro
 
 // beginItem, commitItem, abortItem and lookupItem hold the messages of
 // one call's batch item (the item, its oneof wrapper, the request and,
-// for a Begin, the token; for a finish, its loop's state) in one
-// allocation instead of four or five: at 64 callers allocation and GC
-// were a fifth of a duplicate's CPU.
+// for a Begin, the token; for a finish, its loop's state) and the call's
+// record in its batcher (callSlot) in one allocation instead of five or
+// six: at 64 callers allocation and GC were a fifth of a duplicate's
+// CPU.
 type (
 	beginItem struct {
 		item clusterpb.BatchItem
+		slot callSlot
 		call clusterpb.BatchItem_Begin
 		in   clusterpb.BeginRequest
 		req  clusterpb.Request
@@ -591,18 +594,21 @@ type (
 	}
 	commitItem struct {
 		item clusterpb.BatchItem
+		slot callSlot
 		call clusterpb.BatchItem_Commit
 		in   clusterpb.CommitRequest
 		fl   finishLoop
 	}
 	abortItem struct {
 		item clusterpb.BatchItem
+		slot callSlot
 		call clusterpb.BatchItem_Abort
 		in   clusterpb.AbortRequest
 		fl   finishLoop
 	}
 	lookupItem struct {
 		item clusterpb.BatchItem
+		slot callSlot
 		call clusterpb.BatchItem_Lookup
 		in   clusterpb.LookupRequest
 		req  clusterpb.Request
@@ -623,7 +629,7 @@ func (b *claimBackend) Commit(ctx context.Context, reply []byte, adv []idem.Adva
 	}
 	m.call.Commit = &m.in
 	m.item.Call = &m.call
-	err := b.finish(ctx, &m.item, &m.fl)
+	err := b.finish(ctx, &m.item, &m.fl, &m.slot)
 	if errors.Is(err, idem.ErrLeaseLost) {
 		b.c.st.leaseLost.Add(1)
 	}
@@ -635,7 +641,7 @@ func (b *claimBackend) Abort(ctx context.Context) error {
 	m.in = clusterpb.AbortRequest{Claim: b.ref}
 	m.call.Abort = &m.in
 	m.item.Call = &m.call
-	return b.finish(ctx, &m.item, &m.fl)
+	return b.finish(ctx, &m.item, &m.fl, &m.slot)
 }
 
 // finishTimeout bounds how long a claim's finish is sent, retries
@@ -654,11 +660,11 @@ const finishTimeout = 30 * time.Second
 // for the finishes under way and stops those left, see Close. The common
 // case, a caller that waits for its finish, costs no goroutine, timer,
 // context or lock.
-// fl is the finish's loop state, allocated with item.
-func (b *claimBackend) finish(ctx context.Context, item *clusterpb.BatchItem, fl *finishLoop) error {
+// fl is the finish's loop state and slot its record, allocated with item.
+func (b *claimBackend) finish(ctx context.Context, item *clusterpb.BatchItem, fl *finishLoop, slot *callSlot) error {
 	c := b.c
 	if ctx.Done() == nil { // ctx never ends: the caller waits for the outcome
-		_, err := c.batched(ctx, nil, true, item)
+		_, err := c.batched(ctx, nil, true, item, slot)
 		return fromStatus(err)
 	}
 	start := time.Now()
@@ -669,7 +675,7 @@ func (b *claimBackend) finish(ctx context.Context, item *clusterpb.BatchItem, fl
 	if !c.finishBegins() {
 		return fmt.Errorf("idemcluster: %w: the client is closed", idem.ErrClosed)
 	}
-	_, err := c.batched(ctx, fl, true, item)
+	_, err := c.batched(ctx, fl, true, item, slot)
 	if err != errHandOver {
 		err = fromStatus(err)
 		c.finishEnds(item, err, false)
@@ -678,7 +684,7 @@ func (b *claimBackend) finish(ctx context.Context, item *clusterpb.BatchItem, fl
 	left := ctx.Err()
 	fl.handOver = false
 	go func() {
-		_, err := c.batched(context.WithoutCancel(ctx), fl, true, item)
+		_, err := c.batched(context.WithoutCancel(ctx), fl, true, item, slot)
 		c.finishEnds(item, fromStatus(err), true)
 	}()
 	return fmt.Errorf("%w: idemcluster: the claim's finish was still being sent when ctx ended (%w); it goes on for up to %v, or until Close gives up (Close's error names it then)",
@@ -707,7 +713,7 @@ func (c *Client) Lookup(ctx context.Context, req idem.Request) (idem.Result, err
 	m.in = clusterpb.LookupRequest{Request: &m.req, FollowerRead: c.o.FollowerReads}
 	m.call.Lookup = &m.in
 	m.item.Call = &m.call
-	out, err := c.batched(ctx, nil, false, &m.item)
+	out, err := c.batched(ctx, nil, false, &m.item, &m.slot)
 	if err != nil {
 		return idem.Result{Seq: req.Seq}, fromStatus(err)
 	}
@@ -870,16 +876,53 @@ type batchCall struct {
 	item     *clusterpb.BatchItem
 	size     int           // the item's encoded size
 	deadline time.Time     // the end of the call's attempt
-	done     chan struct{} // closed when res or err is set
+	done     chan struct{} // buffered (1): signalled once, when res or err is set (takeDone)
 	res      *clusterpb.BatchResult
 	err      error // the Batch RPC's own error
 }
 
+// callSlot is a call's batchCall, allocated with its item, for its
+// attempts to use one after the other. An attempt that stops waiting
+// while its batch is on the wire leaves the record to that batch, which
+// still writes its answer there: lost is set, and every later attempt of
+// the call (a claim's finish goes on after its caller left) allocates a
+// record of its own (TestRetryAfterLeftAttemptGetsItsOwnRecord). lost is
+// only read and written by the call's attempts, which run one at a time.
+type callSlot struct {
+	bc   batchCall
+	lost bool
+}
+
+// take is the record for the next attempt: the slot's own unless an
+// earlier attempt left it to its batch (or slot is nil).
+func (s *callSlot) take() *batchCall {
+	if s == nil || s.lost {
+		return &batchCall{}
+	}
+	return &s.bc
+}
+
+// lose marks the slot's record as left to its batch when bc is it.
+func (s *callSlot) lose(bc *batchCall) {
+	if s != nil && bc == &s.bc {
+		s.lost = true
+	}
+}
+
+// donePool holds the done channels of answered calls: a channel whose
+// one signal was received is empty and is reused; one that an attempt
+// stopped waiting on is left to the garbage collector (its batch may
+// still signal it).
+var donePool = sync.Pool{New: func() any { return make(chan struct{}, 1) }}
+
+// takeDone is an empty done channel for a batchCall.
+func takeDone() chan struct{} { return donePool.Get().(chan struct{}) }
+
 // do runs item in an attempt that ends at deadline (or when ctx or stop
 // ends; stop: nil, or a claim finish's Client.stop) and returns its
 // result, or its error as a gRPC status error, as the item's own RPC
-// would.
-func (b *batcher) do(ctx, stop context.Context, deadline time.Time, item *clusterpb.BatchItem) (*clusterpb.Result, error) {
+// would. slot is the call's record (nil: one is allocated).
+func (b *batcher) do(ctx, stop context.Context, deadline time.Time, item *clusterpb.BatchItem, slot *callSlot) (*clusterpb.Result, error) {
 	if b.off || b.unary.Load() {
 		return b.single(ctx, stop, deadline, item)
 	}
@@ -887,7 +930,8 @@ func (b *batcher) do(ctx, stop context.Context, deadline time.Time, item *cluste
 	if stop != nil {
 		stopped = stop.Done()
 	}
-	bc := &batchCall{item: item, size: item.SizeVT(), deadline: deadline, done: make(chan struct{})}
+	bc := slot.take()
+	*bc = batchCall{item: item, size: item.SizeVT(), deadline: deadline, done: takeDone()}
 	b.mu.Lock()
 	b.queue = append(b.queue, bc)
 	if b.inflight < maxBatchesInFlight {
@@ -907,14 +951,17 @@ func (b *batcher) do(ctx, stop context.Context, deadline time.Time, item *cluste
 			if b.unqueue(bc) {
 				return nil, fmt.Errorf("%w: %w", errNotSent, status.FromContextError(ctx.Err()).Err())
 			}
+			slot.lose(bc)
 			return nil, status.FromContextError(ctx.Err()).Err()
 		case <-stopped:
 			if b.unqueue(bc) {
 				return nil, fmt.Errorf("%w: %w", errNotSent, errStoppedStatus)
 			}
+			slot.lose(bc)
 			return nil, errStoppedStatus
 		}
 	}
+	donePool.Put(bc.done) // answered: its one signal was received
 	if bc.err != nil {
 		if status.Code(bc.err) == codes.Unimplemented {
 			b.unary.Store(true)
@@ -983,7 +1030,7 @@ func (b *batcher) send(q []*batchCall) {
 		for _, bc := range q {
 			if !now.Before(bc.deadline) {
 				bc.err = errAttemptEnded
-				close(bc.done)
+				bc.done <- struct{}{}
 				continue
 			}
 			if deadline.IsZero() || bc.deadline.Before(deadline) {
@@ -1025,7 +1072,7 @@ func (b *batcher) sendOne(q []*batchCall, deadline time.Time) {
 		} else {
 			bc.res = out.Results[i]
 		}
-		close(bc.done)
+		bc.done <- struct{}{}
 	}
 }
 

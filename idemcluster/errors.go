@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strconv"
 
+	"github.com/hashicorp/raft"
 	"github.com/idemdb/idem"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
@@ -42,6 +43,16 @@ func (e *errNotLeader) Error() string {
 // toStatus turns an engine or node error into a gRPC status carrying an
 // ErrorInfo, so that the client (in any language) gets the error back with
 // its fields.
+//
+// Raft's own errors, and the node stopping, are answers a client retries
+// on another node, never INTERNAL (a leader that removed itself met them:
+// raft shuts down after the removal, ShutdownOnRemove):
+//
+//	raft.ErrNotLeader, raft.ErrLeadershipTransferInProgress   UNAVAILABLE, NOT_LEADER (nothing was appended)
+//	raft.ErrLeadershipLost, raft.ErrRaftShutdown, errStopped  UNAVAILABLE, IN_DOUBT (the change may commit through another leader)
+//
+// A handler that knows the leader's address wraps them first (raftErr), so
+// that NOT_LEADER carries it.
 func toStatus(err error) error {
 	if err == nil {
 		return nil
@@ -80,7 +91,11 @@ func toStatus(err error) error {
 		code, reason = codes.Unavailable, ReasonClosed
 	case errors.Is(err, idem.ErrInDoubt):
 		code, reason = codes.Unavailable, ReasonInDoubt
-	case errors.Is(err, context.DeadlineExceeded):
+	case errors.Is(err, raft.ErrNotLeader), errors.Is(err, raft.ErrLeadershipTransferInProgress):
+		code, reason = codes.Unavailable, ReasonNotLeader
+	case errors.Is(err, raft.ErrLeadershipLost), errors.Is(err, raft.ErrRaftShutdown), errors.Is(err, errStopped):
+		code, reason = codes.Unavailable, ReasonInDoubt
+	case errors.Is(err, context.DeadlineExceeded), errors.Is(err, raft.ErrEnqueueTimeout):
 		return status.Error(codes.DeadlineExceeded, err.Error())
 	case errors.Is(err, context.Canceled):
 		return status.Error(codes.Canceled, err.Error())

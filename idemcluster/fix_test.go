@@ -276,7 +276,7 @@ func TestQueuedCallWithEndedAttemptIsNotSent(t *testing.T) {
 		Request: &clusterpb.Request{Id: []byte("late")}, Owner: "attempt", Token: []byte("late-token")}}}
 	queued := make(chan error, 1)
 	go func() {
-		_, err := p.batch.do(ctx, nil, time.Now(), late) // an attempt that has ended already
+		_, err := p.batch.do(ctx, nil, time.Now(), late, nil) // an attempt that has ended already
 		queued <- err
 	}()
 	awaitQueued(t, ctx, p) // it waits for the next batch

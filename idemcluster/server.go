@@ -569,7 +569,7 @@ func (s *server) Join(ctx context.Context, in *clusterpb.JoinRequest) (*clusterp
 			return nil, toStatus(fmt.Errorf("idemcluster: join %s: %w", in.NodeId, err))
 		}
 	} else if err := s.n.await(s.n.r.AddVoter(raft.ServerID(in.NodeId), raft.ServerAddress(in.RaftAddr), 0, 30*time.Second)); err != nil {
-		return nil, toStatus(fmt.Errorf("idemcluster: add voter %s: %w", in.NodeId, err))
+		return nil, toStatus(s.n.raftErr("add voter "+in.NodeId, err))
 	}
 	if in.GrpcAddr != "" && s.n.fsm.member(in.NodeId) != in.GrpcAddr {
 		if err := s.write(ctx, &command{Op: cmdMember, Node: in.NodeId, Addr: in.GrpcAddr}); err != nil {
@@ -636,7 +636,7 @@ func (s *server) Remove(ctx context.Context, in *clusterpb.RemoveRequest) (*clus
 		return nil, err
 	}
 	if err := s.n.await(s.n.r.RemoveServer(raft.ServerID(in.NodeId), 0, 30*time.Second)); err != nil {
-		return nil, toStatus(fmt.Errorf("idemcluster: remove %s: %w", in.NodeId, err))
+		return nil, toStatus(s.n.raftErr("remove "+in.NodeId, err))
 	}
 	// The node is removed. Dropping its address from the members table is
 	// tidying only (the table is read for the configuration's members):
@@ -668,12 +668,38 @@ func (n *Node) committedConfiguration(ctx context.Context) error {
 		timeout = max(time.Until(d), time.Millisecond)
 	}
 	if err := n.await(n.r.Barrier(timeout)); err != nil {
-		if errors.Is(err, raft.ErrNotLeader) || errors.Is(err, raft.ErrLeadershipLost) {
+		if errors.Is(err, raft.ErrNotLeader) || errors.Is(err, raft.ErrLeadershipLost) || errors.Is(err, raft.ErrLeadershipTransferInProgress) {
 			return &errNotLeader{leader: n.leaderAddr()}
 		}
 		return fmt.Errorf("%w: committing the configuration: %v", idem.ErrInDoubt, err)
 	}
 	return nil
+}
+
+// raftErr is the error of a raft call a handler waited for (await; what
+// names the call), in the words the client acts on (toStatus): raft
+// refused it before appending anything (not the leader, a leadership
+// transfer under way) is NOT_LEADER with the leader's address when the
+// node knows it, retried there; the leadership lost after the append,
+// raft shut down (a leader that removed itself: ShutdownOnRemove), the
+// node stopping, are IN_DOUBT: the change may still commit through the
+// next leader, and the client retries the same request, which is
+// idempotent (Join, Remove). Neither is INTERNAL, which a client in
+// another language takes for a bug.
+func (n *Node) raftErr(what string, err error) error {
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, raft.ErrNotLeader), errors.Is(err, raft.ErrLeadershipTransferInProgress):
+		leader := n.leaderAddr()
+		if leader == n.Addr() {
+			leader = "" // still leading, handing over: the next one is not known yet
+		}
+		return &errNotLeader{leader: leader}
+	case errors.Is(err, raft.ErrLeadershipLost), errors.Is(err, raft.ErrRaftShutdown), errors.Is(err, errStopped):
+		return fmt.Errorf("%w: idemcluster: %s on node %s: %v", idem.ErrInDoubt, what, n.o.ID, err)
+	}
+	return fmt.Errorf("idemcluster: %s on node %s: %w", what, n.o.ID, err)
 }
 
 func (s *server) Status(ctx context.Context, in *clusterpb.StatusRequest) (*clusterpb.StatusResponse, error) {
