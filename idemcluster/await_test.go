@@ -22,6 +22,10 @@ import (
 // answered, each with an error the client retries on another node
 // (NOT_LEADER, in doubt, unavailable), not wait for their deadline.
 func TestRemoveLeaderAnswersWritesInFlight(t *testing.T) {
+	untilLeaderStays(t, testRemoveLeaderAnswersWritesInFlight)
+}
+
+func testRemoveLeaderAnswersWritesInFlight(t *testing.T) {
 	tc := newTestCluster(t, 3)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()

@@ -293,6 +293,10 @@ func TestBatchRPCItems(t *testing.T) {
 // skipped the round would answer them. Leases for reads are off: this is
 // the round's test (TestLeaseReadsEndWithTheLease is the lease's).
 func TestIsolatedLeaderAnswersNoRead(t *testing.T) {
+	untilLeaderStays(t, testIsolatedLeaderAnswersNoRead)
+}
+
+func testIsolatedLeaderAnswersNoRead(t *testing.T) {
 	cc := newChaosCluster(t, 3, func(o *NodeOptions) {
 		o.HeartbeatTimeout, o.ElectionTimeout = 4*time.Second, 4*time.Second
 		o.NoLeaseReads = true
@@ -484,6 +488,10 @@ func (h *heldTransport) AppendEntries(id raft.ServerID, target raft.ServerAddres
 // verification registered meanwhile, also the answer to a heartbeat sent
 // before. Leases for reads are off: this is the round's test.
 func TestReadRoundCountsOnlyItsOwnHeartbeats(t *testing.T) {
+	untilLeaderStays(t, testReadRoundCountsOnlyItsOwnHeartbeats)
+}
+
+func testReadRoundCountsOnlyItsOwnHeartbeats(t *testing.T) {
 	cc, heldOf := newHeldCluster(t, func(o *NodeOptions) {
 		// Long enough that the leader keeps raft's lease while its answers
 		// are held (about HeartbeatTimeout/2), and that no election runs.

@@ -43,7 +43,9 @@ func (ls *leaderSince) watch(t *testing.T, id string, r *raft.Raft) {
 // before the lease has ended (the followers that accepted the heartbeat
 // the lease counts refuse votes for HeartbeatTimeout). One monotonic
 // clock: the nodes run in the test's process.
-func TestLeaseReadsEndWithTheLease(t *testing.T) {
+func TestLeaseReadsEndWithTheLease(t *testing.T) { untilLeaderStays(t, testLeaseReadsEndWithTheLease) }
+
+func testLeaseReadsEndWithTheLease(t *testing.T) {
 	const hb = time.Second
 	cc := newChaosCluster(t, 3, func(o *NodeOptions) { o.HeartbeatTimeout, o.ElectionTimeout = hb, hb })
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
@@ -136,6 +138,10 @@ func TestLeaseReadsEndWithTheLease(t *testing.T) {
 // takes a round now and then, not one per read, and is answered on the
 // lease.
 func TestLeaseRenewedWhileReadsFlow(t *testing.T) {
+	untilLeaderStays(t, testLeaseRenewedWhileReadsFlow)
+}
+
+func testLeaseRenewedWhileReadsFlow(t *testing.T) {
 	const hb = time.Second // a lease of 900 ms: longer than a round on a loaded machine
 	cc := newChaosCluster(t, 3, func(o *NodeOptions) { o.HeartbeatTimeout, o.ElectionTimeout = hb, hb })
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)

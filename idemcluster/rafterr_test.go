@@ -67,6 +67,10 @@ func TestRaftErrorsAreRetriedElsewhere(t *testing.T) {
 // the client retries on another node, never INTERNAL; and the client
 // completes both removals on the next leader.
 func TestRemoveLeaderWithRemoveInFlight(t *testing.T) {
+	untilLeaderStays(t, testRemoveLeaderWithRemoveInFlight)
+}
+
+func testRemoveLeaderWithRemoveInFlight(t *testing.T) {
 	tc := newTestCluster(t, 3)
 	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 	defer cancel()
