@@ -137,6 +137,21 @@ func (tc *testCluster) applyOnLeader(ctx context.Context, c *command) (*applied,
 	}
 }
 
+// withDone dials a client (owner "app") and commits request "x" with the
+// reply "r" through it: the committed request the read tests look up. ctx
+// ends after 60 s, or with the test.
+func withDone(t *testing.T, tc *testCluster) (context.Context, *Client, idem.Request) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	t.Cleanup(cancel)
+	c := dial(t, tc, "app")
+	req := idem.Request{ID: []byte("x")}
+	if _, err := idem.Do(ctx, c, req, func(context.Context) ([]byte, error) { return []byte("r"), nil }); err != nil {
+		t.Fatal(err)
+	}
+	return ctx, c, req
+}
+
 func dial(t *testing.T, tc *testCluster, owner string) *Client {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)

@@ -301,13 +301,7 @@ func testIsolatedLeaderAnswersNoRead(t *testing.T) {
 		o.HeartbeatTimeout, o.ElectionTimeout = 4*time.Second, 4*time.Second
 		o.NoLeaseReads = true
 	})
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	c := dial(t, cc.testCluster, "app")
-	req := idem.Request{ID: []byte("x")}
-	if _, err := idem.Do(ctx, c, req, func(context.Context) ([]byte, error) { return []byte("r"), nil }); err != nil {
-		t.Fatal(err)
-	}
+	ctx, _, req := withDone(t, cc.testCluster)
 	old := cc.leader(30 * time.Second)
 	oc := rawIdem(t, cc.addr(old))
 	if out, err := oc.Lookup(ctx, &clusterpb.LookupRequest{Request: reqToPB(req)}); err != nil || out.Result.Status != clusterpb.Status_STATUS_DONE {
@@ -498,13 +492,7 @@ func testReadRoundCountsOnlyItsOwnHeartbeats(t *testing.T) {
 		o.HeartbeatTimeout, o.ElectionTimeout = 4*time.Second, 4*time.Second
 		o.NoLeaseReads = true
 	})
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	c := dial(t, cc.testCluster, "app")
-	req := idem.Request{ID: []byte("x")}
-	if _, err := idem.Do(ctx, c, req, func(context.Context) ([]byte, error) { return []byte("r"), nil }); err != nil {
-		t.Fatal(err)
-	}
+	ctx, _, req := withDone(t, cc.testCluster)
 	old := cc.leader(30 * time.Second)
 	nd := cc.nodes[old]
 	oc := rawIdem(t, cc.addr(old))
@@ -592,13 +580,7 @@ func testReadRoundCountsOnlyItsOwnHeartbeats(t *testing.T) {
 // while they wait) until the transport's timeout.
 func TestReadRoundsKeepOneHeartbeatPerVoter(t *testing.T) {
 	cc, heldOf := newHeldCluster(t, func(o *NodeOptions) { o.NoLeaseReads = true }) // every read a round
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	c := dial(t, cc.testCluster, "app")
-	req := idem.Request{ID: []byte("x")}
-	if _, err := idem.Do(ctx, c, req, func(context.Context) ([]byte, error) { return []byte("r"), nil }); err != nil {
-		t.Fatal(err)
-	}
+	ctx, _, req := withDone(t, cc.testCluster)
 	leader := cc.leader(30 * time.Second)
 	ht := heldOf(leader)
 	unstick := make(chan struct{})

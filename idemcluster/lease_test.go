@@ -48,13 +48,7 @@ func TestLeaseReadsEndWithTheLease(t *testing.T) { untilLeaderStays(t, testLease
 func testLeaseReadsEndWithTheLease(t *testing.T) {
 	const hb = time.Second
 	cc := newChaosCluster(t, 3, func(o *NodeOptions) { o.HeartbeatTimeout, o.ElectionTimeout = hb, hb })
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	c := dial(t, cc.testCluster, "app")
-	req := idem.Request{ID: []byte("x")}
-	if _, err := idem.Do(ctx, c, req, func(context.Context) ([]byte, error) { return []byte("r"), nil }); err != nil {
-		t.Fatal(err)
-	}
+	ctx, c, req := withDone(t, cc.testCluster)
 	old := cc.leader(30 * time.Second)
 	nd := cc.nodes[old]
 	ls := &leaderSince{at: map[string][]time.Time{}}
@@ -144,13 +138,7 @@ func TestLeaseRenewedWhileReadsFlow(t *testing.T) {
 func testLeaseRenewedWhileReadsFlow(t *testing.T) {
 	const hb = time.Second // a lease of 900 ms: longer than a round on a loaded machine
 	cc := newChaosCluster(t, 3, func(o *NodeOptions) { o.HeartbeatTimeout, o.ElectionTimeout = hb, hb })
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	c := dial(t, cc.testCluster, "app")
-	req := idem.Request{ID: []byte("x")}
-	if _, err := idem.Do(ctx, c, req, func(context.Context) ([]byte, error) { return []byte("r"), nil }); err != nil {
-		t.Fatal(err)
-	}
+	ctx, _, req := withDone(t, cc.testCluster)
 	id := cc.leader(30 * time.Second)
 	nd := cc.nodes[id]
 	oc := rawIdem(t, cc.addr(id))
@@ -176,13 +164,7 @@ func testLeaseRenewedWhileReadsFlow(t *testing.T) {
 // With NodeOptions.NoLeaseReads every read takes a round.
 func TestNoLeaseReads(t *testing.T) {
 	cc := newChaosCluster(t, 3, func(o *NodeOptions) { o.NoLeaseReads = true })
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	c := dial(t, cc.testCluster, "app")
-	req := idem.Request{ID: []byte("x")}
-	if _, err := idem.Do(ctx, c, req, func(context.Context) ([]byte, error) { return []byte("r"), nil }); err != nil {
-		t.Fatal(err)
-	}
+	ctx, _, req := withDone(t, cc.testCluster)
 	id := cc.leader(30 * time.Second)
 	oc := rawIdem(t, cc.addr(id))
 	for range 20 {
@@ -277,13 +259,7 @@ func TestLeadershipTransferVoidsLease(t *testing.T) {
 		holds[id] = &holdTimeouts{InmemTransport: tr, sent: make(chan struct{}, 4), release: release}
 		return holds[id]
 	})
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	c := dial(t, cc.testCluster, "app")
-	req := idem.Request{ID: []byte("x")}
-	if _, err := idem.Do(ctx, c, req, func(context.Context) ([]byte, error) { return []byte("r"), nil }); err != nil {
-		t.Fatal(err)
-	}
+	ctx, _, req := withDone(t, cc.testCluster)
 	id := cc.leader(30 * time.Second)
 	nd := cc.nodes[id]
 	oc := rawIdem(t, cc.addr(id))
