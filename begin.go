@@ -273,14 +273,20 @@ func (e *Engine) beginEntered(req *Request, k reqKey, pbp **[]byte) (Result, err
 		e.st.takeovers.Add(1)
 	}
 	e.st.misses.Add(1)
+	// The claim is filled in before the durability wait, not after: fc
+	// was allocated and written a moment ago and is in this processor's
+	// cache now, while after the wait (an fsync, during which hundreds of
+	// other callers run) its lines are gone and each store would miss.
+	// Nobody sees the claim before Begin returns it: the WAL and the
+	// applier read only fc.ups and fc.entry.
+	c := &fc.Claim
+	c.ec = engineClaim{e: e, k: k, lsn: lsn, fp: fp, sl: sl, ups: &fc.ups}
+	c.leaseUntil = lease
 	if !e.o.RelaxedClaims {
 		if err := e.waitDurable(lsn); err != nil {
 			return Result{}, err
 		}
 	}
-	c := &fc.Claim
-	c.ec = engineClaim{e: e, k: k, lsn: lsn, fp: fp, sl: sl, ups: &fc.ups}
-	c.leaseUntil = lease
 	return Result{Status: Fresh, Claim: c, LeaseUntil: lease, Seq: k.seq, ExpiresAt: expiresAt}, nil
 }
 
