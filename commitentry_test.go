@@ -34,10 +34,22 @@ func TestCommitReplySizes(t *testing.T) {
 			buf[i] = 'X' // the caller's buffer is its own again
 		}
 	}
+	// A batch's Put stores its reply the same way (finishOp).
+	b := e.NewBatch()
+	for _, n := range []int{1, 300} {
+		b.Put(Request{ID: []byte(fmt.Sprintf("p%d", n))}, want(n))
+	}
+	if _, err := b.Run(ctx); err != nil {
+		t.Fatal(err)
+	}
 	check := func(when string, e *Engine) {
 		t.Helper()
+		ids := map[string]int{"p1": 1, "p300": 300}
 		for _, n := range sizes {
-			id := []byte(fmt.Sprintf("r%d", n))
+			ids[fmt.Sprintf("r%d", n)] = n
+		}
+		for sid, n := range ids {
+			id := []byte(sid)
 			r1, err := e.Begin(ctx, Request{ID: id})
 			if err != nil || r1.Status != Done || !bytes.Equal(r1.Reply, want(n)) {
 				t.Fatalf("%s: reply of %d bytes: %v %q %v", when, n, r1.Status, r1.Reply, err)
@@ -49,7 +61,7 @@ func TestCommitReplySizes(t *testing.T) {
 			a := append(r1.Reply, '1')
 			b := append(r2.Reply, '2')
 			if a[n] != '1' || b[n] != '2' {
-				t.Fatalf("%s: reply of %d bytes: two readers' appends share memory (%q, %q)", when, n, a[n], b[n])
+				t.Fatalf("%s: %s, reply of %d bytes: two readers' appends share memory (%q, %q)", when, sid, n, a[n], b[n])
 			}
 		}
 	}
