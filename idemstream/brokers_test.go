@@ -442,26 +442,41 @@ func runTwoPhaseBrokerScenario(t *testing.T, ctx context.Context, win Window, id
 var twoPhaseBrokerWindows = []Window{WindowAfterPreCommit, WindowAfterCheckpoint, WindowBeforeAck}
 
 func TestJetStreamTwoPhase(t *testing.T) {
-	for _, win := range twoPhaseBrokerWindows {
-		t.Run(string(win), func(t *testing.T) {
-			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-			defer cancel()
-			ids := brokerEvents(120, 8)
-			f := jetStreamFeed(t, ctx, pubsOf(ids))
-			runTwoPhaseBrokerScenario(t, ctx, win, ids, f.newSource, f.done)
-		})
-	}
+	runBrokerWindows(t, twoPhaseBrokerWindows, jetStreamWindowFeed, runTwoPhaseBrokerScenario)
 }
 
 func TestRedisStreamsTwoPhase(t *testing.T) {
-	rdb := brokertest.StartRedis(t)
-	for _, win := range twoPhaseBrokerWindows {
+	runBrokerWindows(t, twoPhaseBrokerWindows, redisWindowFeed(brokertest.StartRedis(t), "orders-"), runTwoPhaseBrokerScenario)
+}
+
+// A windowFeed publishes msgs on a broker for the scenario of one crash
+// window.
+type windowFeed func(t *testing.T, ctx context.Context, win Window, msgs []pub) brokerFeed
+
+// jetStreamWindowFeed: a JetStream server of the window's own.
+func jetStreamWindowFeed(t *testing.T, ctx context.Context, _ Window, msgs []pub) brokerFeed {
+	return jetStreamFeed(t, ctx, msgs)
+}
+
+// redisWindowFeed: the stream prefix+window on rdb.
+func redisWindowFeed(rdb *redis.Client, prefix string) windowFeed {
+	return func(t *testing.T, ctx context.Context, win Window, msgs []pub) brokerFeed {
+		return redisFeed(t, ctx, rdb, prefix+string(win), msgs)
+	}
+}
+
+// runBrokerWindows runs scenario (runTwoPhaseBrokerScenario or
+// runSinkBrokerCrash) in a subtest per crash window, each bounded to 30
+// seconds, over 120 events, 8 of them sent twice, that feed publishes.
+func runBrokerWindows(t *testing.T, windows []Window, feed windowFeed,
+	scenario func(t *testing.T, ctx context.Context, win Window, ids []string, newSource func(name string) Source, done func() bool)) {
+	for _, win := range windows {
 		t.Run(string(win), func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
 			ids := brokerEvents(120, 8)
-			f := redisFeed(t, ctx, rdb, "orders-"+string(win), pubsOf(ids))
-			runTwoPhaseBrokerScenario(t, ctx, win, ids, f.newSource, f.done)
+			f := feed(t, ctx, win, pubsOf(ids))
+			scenario(t, ctx, win, ids, f.newSource, f.done)
 		})
 	}
 }
@@ -537,28 +552,11 @@ func runSinkBrokerCrash(t *testing.T, ctx context.Context, win Window, ids []str
 var sinkBrokerWindows = []Window{WindowAfterEffect, WindowAfterCommit}
 
 func TestJetStreamSinkCrash(t *testing.T) {
-	for _, win := range sinkBrokerWindows {
-		t.Run(string(win), func(t *testing.T) {
-			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-			defer cancel()
-			ids := brokerEvents(120, 8)
-			f := jetStreamFeed(t, ctx, pubsOf(ids))
-			runSinkBrokerCrash(t, ctx, win, ids, f.newSource, f.done)
-		})
-	}
+	runBrokerWindows(t, sinkBrokerWindows, jetStreamWindowFeed, runSinkBrokerCrash)
 }
 
 func TestRedisStreamsSinkCrash(t *testing.T) {
-	rdb := brokertest.StartRedis(t)
-	for _, win := range sinkBrokerWindows {
-		t.Run(string(win), func(t *testing.T) {
-			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-			defer cancel()
-			ids := brokerEvents(120, 8)
-			f := redisFeed(t, ctx, rdb, "sink-"+string(win), pubsOf(ids))
-			runSinkBrokerCrash(t, ctx, win, ids, f.newSource, f.done)
-		})
-	}
+	runBrokerWindows(t, sinkBrokerWindows, redisWindowFeed(brokertest.StartRedis(t), "sink-"), runSinkBrokerCrash)
 }
 
 // lockedBuffer is a log destination shared by goroutines.
