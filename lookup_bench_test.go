@@ -53,15 +53,7 @@ func benchLookupPut(b *testing.B, per int) {
 			for _, x := range ids[done : done+n] {
 				bt.Put(Request{ID: x}, benchReply)
 			}
-			out, err := bt.Run(bg)
-			if err != nil {
-				b.Fatal(err)
-			}
-			for _, r := range out {
-				if r.Err != nil || r.Result.Status != Fresh {
-					b.Fatalf("%v %v", r.Result.Status, r.Err)
-				}
-			}
+			runFresh(b, bt)
 		}
 		done += n
 	}
