@@ -209,6 +209,21 @@ func newTwoPhaseWithHook(t *testing.T, ctx context.Context, w *world, l *txnLedg
 	return tp, rep, nil
 }
 
+// startTwoPhase starts a coordinator as newTwoPhaseWithHook does, without
+// a hook, for a new transactional ledger in a world of its own; it is
+// closed when the test ends.
+func startTwoPhase(t *testing.T, ctx context.Context) (*TwoPhase[*ledgerTxn], *txnLedger) {
+	t.Helper()
+	w := newWorld()
+	l := newTxnLedger(w)
+	tp, _, err := newTwoPhaseWithHook(t, ctx, w, l, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { tp.Close() })
+	return tp, l
+}
+
 // TestTwoPhaseCrashWindows crashes the two-phase consumer at every window
 // of the protocol (before pre-commit, after pre-commit, after the
 // checkpoint with the handle is durable, after the sink's commit, before
@@ -525,13 +540,7 @@ func TestCheckpointLookupFailsAfterBegin(t *testing.T) {
 func TestCheckpointRepeatWithAnotherPayload(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	w := newWorld()
-	l := newTxnLedger(w)
-	tp, _, err := newTwoPhaseWithHook(t, ctx, w, l, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tp.Close()
+	tp, l := startTwoPhase(t, ctx)
 	evs := []Event{
 		{ID: []byte("x"), Partition: "p", Offset: 1, Payload: []byte("amount=1")},
 		{ID: []byte("x"), Partition: "p", Offset: 2, Payload: []byte("amount=2")},
@@ -561,13 +570,7 @@ func TestCheckpointRepeatWithAnotherPayload(t *testing.T) {
 func TestCheckpointBuffersReused(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	w := newWorld()
-	l := newTxnLedger(w)
-	tp, _, err := newTwoPhaseWithHook(t, ctx, w, l, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tp.Close()
+	tp, l := startTwoPhase(t, ctx)
 	ev := func(id string, off uint64, payload string) Event {
 		return Event{ID: []byte(id), Partition: "p" + id[:1], Offset: off, Payload: []byte(payload)}
 	}
