@@ -62,11 +62,7 @@ func benchBatchPut(b *testing.B, o Options, per int, claims bool) {
 		b.Fatal(err)
 	}
 	defer e.Close()
-	g := newIDGen()
-	ids := make([][]byte, b.N)
-	for i := range ids {
-		ids[i] = g.next()
-	}
+	ids := newIDs(b.N)
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	b.ReportAllocs()
@@ -104,6 +100,16 @@ func benchBatchPut(b *testing.B, o Options, per int, claims bool) {
 }
 
 var partitions = []string{"p0", "p1", "p2", "p3"}
+
+// newIDs is n new ids (newIDGen's).
+func newIDs(n int) [][]byte {
+	g := newIDGen()
+	ids := make([][]byte, n)
+	for i := range ids {
+		ids[i] = g.next()
+	}
+	return ids
+}
 
 // runFresh runs a benchmark's batch of new ids and fails b unless it
 // succeeds and every item comes back Fresh.

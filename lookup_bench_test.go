@@ -31,11 +31,7 @@ func benchLookupPut(b *testing.B, per int) {
 		b.Fatal(err)
 	}
 	defer e.Close()
-	g := newIDGen()
-	ids := make([][]byte, b.N)
-	for i := range ids {
-		ids[i] = g.next()
-	}
+	ids := newIDs(b.N)
 	b.ReportAllocs()
 	b.ResetTimer()
 	start, cpu0 := time.Now(), cputime.Process()
