@@ -238,6 +238,18 @@ func BenchmarkDecode(b *testing.B) {
 				}
 			}
 		})
+		// The same body through the library's Decoder alone (what every
+		// body that is not in Command's own encoding takes): what
+		// decodeCanonical saves per entry.
+		body, window := c.data[len(commandMagic)+1:], c.data[len(commandMagic)] == kindWindowCommand
+		b.Run(c.name+"-decoder", func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				if _, _, err := decodeGeneral(body, window); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
 	}
 	env := encodeEnvelope(envelope{Kind: replyBytes, Reply: make([]byte, 24)})
 	b.Run("envelope", func(b *testing.B) {
