@@ -136,23 +136,30 @@ func queuedCalls(p *peer) int {
 	return len(p.batch.queue)
 }
 
+// dialLeaderCounting dials tc's leader (at addr), counting the client's
+// Batch RPCs. A held batch lasts as long as its calls' attempts: long
+// enough that it is still on the wire when the others have queued on a
+// loaded machine (with the default 5 s it ended first, and its successor
+// took the queue).
+func dialLeaderCounting(ctx context.Context, t *testing.T, tc *testCluster) (c *Client, cb *countBatches, addr string) {
+	t.Helper()
+	cb = &countBatches{}
+	addr = tc.nodes[tc.leader(30*time.Second)].Addr()
+	c, err := Dial(ctx, []string{addr}, &Options{Owner: "app", AttemptTimeout: 60 * time.Second,
+		DialOptions: []grpc.DialOption{grpc.WithUnaryInterceptor(cb.intercept)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c, cb, addr
+}
+
 // Calls that wait while a batch is on the wire go together in the next
 // one, each answered as its own call.
 func TestClientCoalescesCalls(t *testing.T) {
 	tc := newTestCluster(t, 3)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	cb := &countBatches{}
-	leader := tc.nodes[tc.leader(30*time.Second)]
-	// The held batch lasts as long as its calls' attempts: long enough that
-	// it is still on the wire when the others have queued on a loaded
-	// machine (with the default 5 s it ended first, and its successor took
-	// the queue).
-	c, err := Dial(ctx, []string{leader.Addr()}, &Options{Owner: "app", AttemptTimeout: 60 * time.Second,
-		DialOptions: []grpc.DialOption{grpc.WithUnaryInterceptor(cb.intercept)}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	c, cb, leader := dialLeaderCounting(ctx, t, tc)
 	defer c.Close()
 	for i := range 32 {
 		if _, err := idem.Do(ctx, c, idem.Request{ID: []byte(fmt.Sprint("id-", i))}, func(context.Context) ([]byte, error) { return []byte(fmt.Sprint("r-", i)), nil }); err != nil {
@@ -161,7 +168,7 @@ func TestClientCoalescesCalls(t *testing.T) {
 	}
 	cb.n.Store(0)
 	cb.hold = make(chan struct{})
-	p, err := c.peer(leader.Addr())
+	p, err := c.peer(leader)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -353,17 +360,7 @@ func TestClientBatchesOfLargeReplies(t *testing.T) {
 	tc := newTestCluster(t, 3)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	cb := &countBatches{}
-	leader := tc.nodes[tc.leader(30*time.Second)]
-	// The held batch lasts as long as its calls' attempts: long enough that
-	// it is still on the wire when the others have queued on a loaded
-	// machine (with the default 5 s it ended first, and its successor took
-	// the queue).
-	c, err := Dial(ctx, []string{leader.Addr()}, &Options{Owner: "app", AttemptTimeout: 60 * time.Second,
-		DialOptions: []grpc.DialOption{grpc.WithUnaryInterceptor(cb.intercept)}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	c, cb, leader := dialLeaderCounting(ctx, t, tc)
 	defer c.Close()
 	const n = 6
 	var claims []*idem.Claim
@@ -374,7 +371,7 @@ func TestClientBatchesOfLargeReplies(t *testing.T) {
 		}
 		claims = append(claims, r.Claim)
 	}
-	p, err := c.peer(leader.Addr())
+	p, err := c.peer(leader)
 	if err != nil {
 		t.Fatal(err)
 	}
