@@ -574,8 +574,14 @@ func testReadRoundCountsOnlyItsOwnHeartbeats(t *testing.T) {
 // rounds, not one per round: a round sends none to a voter an earlier
 // round's heartbeat is still on its way to (and does not count it). Each
 // would hold a connection of raft's TCP transport (its pool is empty
-// while they wait) until the transport's timeout.
+// while they wait) until the transport's timeout. A run whose leader
+// stepped down on its own during the reads (a loaded machine) checks
+// nothing and runs again on a new cluster (untilLeaderStays).
 func TestReadRoundsKeepOneHeartbeatPerVoter(t *testing.T) {
+	untilLeaderStays(t, testReadRoundsKeepOneHeartbeatPerVoter)
+}
+
+func testReadRoundsKeepOneHeartbeatPerVoter(t *testing.T) {
 	cc, heldOf := newHeldCluster(t, func(o *NodeOptions) { o.NoLeaseReads = true }) // every read a round
 	ctx, _, req := withDone(t, cc.testCluster)
 	leader := cc.leader(30 * time.Second)
@@ -589,6 +595,9 @@ func TestReadRoundsKeepOneHeartbeatPerVoter(t *testing.T) {
 	const reads = 20
 	for i := range reads {
 		out, err := oc.Lookup(ctx, &clusterpb.LookupRequest{Request: reqToPB(req)})
+		if err != nil && !cc.nodes[leader].IsLeader() {
+			t.Skipf("the leader stepped down during the reads (a loaded machine): nothing to check (read %d: %v)", i, err)
+		}
 		if err != nil || out.Result.Status != clusterpb.Status_STATUS_DONE {
 			t.Fatalf("read %d with a follower stuck: %v %v", i, out, err)
 		}
