@@ -317,7 +317,11 @@ func (b *engineBatch) check(i int, set *shardSet) error {
 			return err
 		}
 		it.k, it.fp = k, fp
-		set.add(e, k.key)
+		if h := it.hint; h != nil && h.sl != nil {
+			set.addShard(h.sl.sh.idx) // the key's shard, without hashing it again
+		} else {
+			set.add(e, k.key)
+		}
 		for _, a := range k.ackKey {
 			set.add(e, a)
 		}
@@ -880,10 +884,10 @@ func (r *batchRun) finish() {
 // shardSet is a set of lock shards.
 type shardSet [numShards / 64]uint64
 
-func (s *shardSet) add(e *Engine, key []byte) {
-	i := e.shardIdx(key)
-	s[i/64] |= 1 << (i % 64)
-}
+func (s *shardSet) add(e *Engine, key []byte) { s.addShard(e.shardIdx(key)) }
+
+// addShard adds shard i.
+func (s *shardSet) addShard(i int) { s[i/64] |= 1 << (i % 64) }
 
 // lockShards locks the shards of set in index order, as lockKeys does (so
 // a batch never deadlocks with another operation), and returns the unlock
