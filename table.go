@@ -145,7 +145,11 @@ func (e *Engine) slotLocked(key []byte) (*slot, error) { return e.slotLockedKeep
 // batchRun.get), installs a slot by installForBatchLocked, which makes
 // key's bytes its map key: the caller guarantees that they never change.
 func (e *Engine) slotLockedKeep(key []byte, keep bool) (*slot, error) {
-	sh := e.shardOf(key)
+	return e.slotLockedIn(e.shardOf(key), key, keep)
+}
+
+// slotLockedIn is slotLockedKeep for a caller that knows sh, key's shard.
+func (e *Engine) slotLockedIn(sh *shard, key []byte, keep bool) (*slot, error) {
 	if sl := sh.m[string(key)]; sl != nil {
 		return sl, nil
 	}
