@@ -62,11 +62,7 @@ func benchBatchPut(b *testing.B, o Options, per int, claims bool) {
 		b.Fatal(err)
 	}
 	defer e.Close()
-	g := newIDGen()
-	ids := make([][]byte, b.N)
-	for i := range ids {
-		ids[i] = g.next()
-	}
+	ids := newIDs(b.N)
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	b.ReportAllocs()
@@ -94,15 +90,7 @@ func benchBatchPut(b *testing.B, o Options, per int, claims bool) {
 			}
 			bt.Put(Request{ID: x}, benchReply)
 		}
-		out, err := bt.Run(bg)
-		if err != nil {
-			b.Fatal(err)
-		}
-		for _, r := range out {
-			if r.Err != nil || r.Result.Status != Fresh {
-				b.Fatalf("%v %v", r.Result.Status, r.Err)
-			}
-		}
+		runFresh(b, bt)
 		done += n
 	}
 	tcpu := cputime.Thread() - tcpu0
@@ -113,6 +101,31 @@ func benchBatchPut(b *testing.B, o Options, per int, claims bool) {
 
 var partitions = []string{"p0", "p1", "p2", "p3"}
 
+// newIDs is n new ids (newIDGen's).
+func newIDs(n int) [][]byte {
+	g := newIDGen()
+	ids := make([][]byte, n)
+	for i := range ids {
+		ids[i] = g.next()
+	}
+	return ids
+}
+
+// runFresh runs a benchmark's batch of new ids and fails b unless it
+// succeeds and every item comes back Fresh.
+func runFresh(b *testing.B, bt Batch) []BatchResult {
+	out, err := bt.Run(bg)
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, r := range out {
+		if r.Err != nil || r.Result.Status != Fresh {
+			b.Fatalf("%v %v", r.Result.Status, r.Err)
+		}
+	}
+	return out
+}
+
 // benchClaimCommit claims ids (the first numbered done) in one batch and
 // commits them in another, each commit advancing its partition's offset.
 func benchClaimCommit(b *testing.B, e *Engine, ids [][]byte, done int) {
@@ -120,15 +133,8 @@ func benchClaimCommit(b *testing.B, e *Engine, ids [][]byte, done int) {
 	for _, x := range ids {
 		bt.Begin(Request{ID: x})
 	}
-	out, err := bt.Run(bg)
-	if err != nil {
-		b.Fatal(err)
-	}
 	fin := e.NewBatch()
-	for j, r := range out {
-		if r.Err != nil || r.Result.Status != Fresh {
-			b.Fatalf("%v %v", r.Result.Status, r.Err)
-		}
+	for j, r := range runFresh(b, bt) {
 		off := uint64(done + j + 1)
 		fin.Commit(r.Result.Claim, benchReply, Advance{Scope: "stream", Client: partitions[off%4], Seq: off})
 	}

@@ -26,7 +26,13 @@ import (
 // Errors: ErrConflict (fingerprint mismatch), *SequenceGapError,
 // ErrAlreadyCommitted, ErrInvalidRequest, ErrClosed, ErrFailed.
 func (e *Engine) Begin(ctx context.Context, req Request) (Result, error) {
-	res, _, err := e.begin(ctx, req)
+	// The result is filled in place by beginEntered, before a Fresh
+	// claim's durability wait: after the wait (an fsync, during which
+	// hundreds of other callers run) this goroutine's stack is no longer
+	// in the processor's cache, and a Result passed back by value through
+	// each frame missed on every copy.
+	var res Result
+	err := e.begin(ctx, req, &res)
 	return res, err
 }
 
@@ -134,16 +140,18 @@ func fingerprint(req *Request) []byte {
 	return req.Fingerprint
 }
 
-func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error) {
+// begin is Begin, filling *res (left zero on most errors, as Begin's
+// result).
+func (e *Engine) begin(ctx context.Context, req Request, res *Result) error {
 	k, err := e.validate(&req)
 	if err != nil {
-		return Result{}, k, err
+		return err
 	}
 	if err := ctx.Err(); err != nil {
-		return Result{}, k, err
+		return err
 	}
 	if err := e.enter(); err != nil {
-		return Result{}, k, err
+		return err
 	}
 	// One deferred call, in a function of few returns, so that the
 	// compiler open-codes it: beginEntered's many returns made its two
@@ -157,14 +165,14 @@ func (e *Engine) begin(ctx context.Context, req Request) (Result, reqKey, error)
 		}
 		e.leave()
 	}()
-	res, err := e.beginEntered(&req, k, &pb)
-	return res, k, err
+	return e.beginEntered(&req, k, &pb, res)
 }
 
 // beginEntered is begin once the request is valid and the engine entered.
 // *pbp is a pooled buffer for the claim's record; it sets *pbp to nil once
-// it gave the buffer back (the caller gives back any other).
-func (e *Engine) beginEntered(req *Request, k reqKey, pbp **[]byte) (Result, error) {
+// it gave the buffer back (the caller gives back any other). It fills
+// *out, which is zero on entry, with Begin's result.
+func (e *Engine) beginEntered(req *Request, k reqKey, pbp **[]byte, out *Result) error {
 	fp := fingerprint(req)
 	now := e.o.Clock()
 	// The claim's record, made and encoded before the shard's lock is
@@ -181,7 +189,7 @@ func (e *Engine) beginEntered(req *Request, k reqKey, pbp **[]byte) (Result, err
 	payload, err := wal.EncodeOp((*pb)[:0], op)
 	*pb = payload
 	if err != nil {
-		return Result{}, err
+		return err
 	}
 	// The claim handed out, allocated with the updates that its record
 	// and its finish go through (claimUpdates) and with its entry: taken
@@ -197,7 +205,7 @@ func (e *Engine) beginEntered(req *Request, k reqKey, pbp **[]byte) (Result, err
 		sl, unlock, err = e.lockSlot(k.key)
 		if err != nil {
 			freshClaimPool.Put(fc)
-			return Result{}, err
+			return err
 		}
 	} else {
 		unlock = e.lockKeys(append([][]byte{k.key}, k.ackKey...)...)
@@ -205,7 +213,7 @@ func (e *Engine) beginEntered(req *Request, k reqKey, pbp **[]byte) (Result, err
 		if err != nil {
 			unlock()
 			freshClaimPool.Put(fc)
-			return Result{}, err
+			return err
 		}
 	}
 	cur := e.current(sl, k.mode)
@@ -217,26 +225,29 @@ func (e *Engine) beginEntered(req *Request, k reqKey, pbp **[]byte) (Result, err
 	case vDone:
 		unlock()
 		e.st.hits.Add(1)
-		return res, e.waitDurable(cur.CommitLSN)
+		*out = res
+		return e.waitDurable(cur.CommitLSN)
 	case vInFlight:
 		unlock()
 		e.st.collisions.Add(1)
-		return res, nil
+		*out = res
+		return nil
 	case vConflict:
 		unlock()
 		e.st.conflicts.Add(1)
-		return Result{}, verr
+		return verr
 	case vAlreadyCommitted:
 		unlock()
 		e.st.alreadyCommitted.Add(1)
-		return res, verr
+		*out = res
+		return verr
 	case vGap:
 		unlock()
 		e.st.gaps.Add(1)
-		return Result{}, verr
+		return verr
 	case vFailed:
 		unlock()
-		return Result{}, verr
+		return verr
 	}
 	if expired {
 		e.st.expired.Add(1) // retention or TTL ran out: runs again as new (T+61m for a one-hour TTL)
@@ -253,7 +264,7 @@ func (e *Engine) beginEntered(req *Request, k reqKey, pbp **[]byte) (Result, err
 		unlock()
 		*fc = freshClaim{} // nothing refers to it: the record was not appended
 		freshClaimPool.Put(fc)
-		return Result{}, err
+		return err
 	}
 	var lsn wal.LSN
 	if payload != nil {
@@ -267,21 +278,30 @@ func (e *Engine) beginEntered(req *Request, k reqKey, pbp **[]byte) (Result, err
 	putPayload(pb) // the WAL copied it
 	*pbp = nil
 	if err != nil {
-		return Result{}, err
+		return err
 	}
 	if takeover {
 		e.st.takeovers.Add(1)
 	}
 	e.st.misses.Add(1)
-	if !e.o.RelaxedClaims {
-		if err := e.waitDurable(lsn); err != nil {
-			return Result{}, err
-		}
-	}
+	// The claim is filled in before the durability wait, not after: fc
+	// was allocated and written a moment ago and is in this processor's
+	// cache now, while after the wait (an fsync, during which hundreds of
+	// other callers run) its lines are gone and each store would miss.
+	// Nobody sees the claim before Begin returns it: the WAL and the
+	// applier read only fc.ups and fc.entry.
+	// The result too, for the same reason (see Begin).
 	c := &fc.Claim
 	c.ec = engineClaim{e: e, k: k, lsn: lsn, fp: fp, sl: sl, ups: &fc.ups}
 	c.leaseUntil = lease
-	return Result{Status: Fresh, Claim: c, LeaseUntil: lease, Seq: k.seq, ExpiresAt: expiresAt}, nil
+	*out = Result{Status: Fresh, Claim: c, LeaseUntil: lease, Seq: k.seq, ExpiresAt: expiresAt}
+	if !e.o.RelaxedClaims {
+		if err := e.waitDurable(lsn); err != nil {
+			*out = Result{}
+			return err
+		}
+	}
+	return nil
 }
 
 // freshClaimPool holds zero freshClaims for Begin, which takes one before

@@ -133,7 +133,9 @@ func (c *Claim) finish(ctx context.Context, abort bool, reply []byte, adv []Adva
 	}
 	switch {
 	case err == nil:
-		c.doubt.Store(0)
+		if c.doubt.Load() != 0 { // a store, not a load, per commit otherwise
+			c.doubt.Store(0)
+		}
 	case errors.Is(err, ErrInDoubt):
 		c.doubt.Store(kind)
 		c.finished.Store(false)
@@ -403,10 +405,15 @@ func (c *engineClaim) write(typ byte, reply []byte, adv []wal.Advance, keys [][]
 func (c *engineClaim) writeEntered(typ byte, reply []byte, adv []wal.Advance, keys [][]byte, pbp **[]byte) error {
 	e := c.e
 	k := c.k
+	// op is zero here and filled once, by setFinish (finishOp would
+	// clear all of it again: a second pass over 300 bytes of a stack that
+	// at hundreds of callers is no longer in the processor's cache when
+	// the caller comes back from its handler).
 	op := &wal.Op{}
 	var (
 		payload []byte
-		pb      *[]byte // payload's pooled buffer, returned once appended
+		pb      *[]byte      // payload's pooled buffer, returned once appended
+		own     *index.Entry // the commit's entry, allocated with its reply (nil: none)
 	)
 	if keys == nil {
 		// Commit and Abort: the record depends on the claim alone, so its
@@ -421,7 +428,16 @@ func (c *engineClaim) writeEntered(typ byte, reply []byte, adv []wal.Advance, ke
 		// claim is held and the slot's update stay under the lock.
 		// CommitAdvance, which changes other clients' keys, reads its
 		// time under their locks as before.
-		finishOp(op, typ, k, c.lsn, e.o.Clock().UnixNano(), reply, adv)
+		if typ == wal.OpCommit {
+			// The commit's entry and its copy of the reply in one
+			// allocation (two before: the copy, and the entry that
+			// the index's transition allocated).
+			var r []byte
+			own, r = newCommitEntry(reply)
+			setFinish(op, typ, k, c.lsn, e.o.Clock().UnixNano(), r, adv)
+		} else {
+			setFinish(op, typ, k, c.lsn, e.o.Clock().UnixNano(), cloneExact(reply), adv)
+		}
 		pb = payloadPool.Get().(*[]byte)
 		*pbp = pb
 		var err error
@@ -467,7 +483,7 @@ func (c *engineClaim) writeEntered(typ byte, reply []byte, adv []wal.Advance, ke
 		}
 	}
 	if keys != nil {
-		finishOp(op, typ, k, c.lsn, e.o.Clock().UnixNano(), reply, adv)
+		setFinish(op, typ, k, c.lsn, e.o.Clock().UnixNano(), cloneExact(reply), adv)
 	}
 	var (
 		up *pinnedUpdate
@@ -476,7 +492,7 @@ func (c *engineClaim) writeEntered(typ byte, reply []byte, adv []wal.Advance, ke
 	if c.ups != nil {
 		up, ts = &c.ups.finish, c.ups.finishTs[:0]
 	}
-	ts, err := sl.sh.transitionsHinted(ts, op, k.key, sl, nil)
+	ts, err := sl.sh.transitionsHinted(ts, op, k.key, sl, own)
 	if err != nil {
 		unlock()
 		return err
@@ -512,11 +528,70 @@ func (c *engineClaim) writeEntered(typ byte, reply []byte, adv []wal.Advance, ke
 // the entry keeps it (in the table, then in the index), and the caller's
 // buffer is the caller's again once Commit returns.
 func finishOp(op *wal.Op, typ byte, k reqKey, claimLSN wal.LSN, now int64, reply []byte, adv []wal.Advance) {
-	reply = bytes.Clone(reply)
-	*op = wal.Op{Type: typ, Scope: k.scope, ClaimLSN: claimLSN, Time: now, Reply: reply, Advances: adv}
+	*op = wal.Op{}
+	setFinish(op, typ, k, claimLSN, now, cloneExact(reply), adv)
+}
+
+// cloneExact is bytes.Clone with the capacity cut to the length: the
+// entry's reply is handed to every reader of the id, and spare capacity
+// behind it would let one reader's append write into another's.
+func cloneExact(b []byte) []byte {
+	c := bytes.Clone(b)
+	return c[:len(c):len(c)]
+}
+
+// setFinish is finishOp for a zero op and a reply that the caller copied
+// already (its fields are set, the others left as they are).
+func setFinish(op *wal.Op, typ byte, k reqKey, claimLSN wal.LSN, now int64, reply []byte, adv []wal.Advance) {
+	op.Type, op.Scope, op.ClaimLSN, op.Time, op.Reply, op.Advances = typ, k.scope, claimLSN, now, reply, adv
 	if k.mode == index.ModeID {
 		op.ID = k.ident
 	} else {
 		op.Client, op.Seq = string(k.ident), k.seq
 	}
 }
+
+// newCommitEntry returns an entry for a commit's transition to fill
+// (index.AppendTransitions) and a copy of reply allocated with it: one
+// object instead of two for a reply of up to 256 bytes (the entry alone
+// for a longer one, the copy then allocated apart). The copy's capacity is
+// its length, so that nothing appended to a reply read back can reach the
+// rest of the object. The entry lives as long as its reply would: the
+// table, the pending set and every reader keep the one through the other.
+func newCommitEntry(reply []byte) (*index.Entry, []byte) {
+	var (
+		en *index.Entry
+		r  []byte
+	)
+	switch n := len(reply); {
+	case n <= 64:
+		x := new(entryReply64)
+		en, r = &x.e, x.r[:n:n]
+	case n <= 128:
+		x := new(entryReply128)
+		en, r = &x.e, x.r[:n:n]
+	case n <= 256:
+		x := new(entryReply256)
+		en, r = &x.e, x.r[:n:n]
+	default:
+		return new(index.Entry), cloneExact(reply)
+	}
+	copy(r, reply)
+	return en, r
+}
+
+// An entry and room for its reply, in one allocation (newCommitEntry).
+type (
+	entryReply64 struct {
+		e index.Entry
+		r [64]byte
+	}
+	entryReply128 struct {
+		e index.Entry
+		r [128]byte
+	}
+	entryReply256 struct {
+		e index.Entry
+		r [256]byte
+	}
+)

@@ -31,11 +31,7 @@ func benchLookupPut(b *testing.B, per int) {
 		b.Fatal(err)
 	}
 	defer e.Close()
-	g := newIDGen()
-	ids := make([][]byte, b.N)
-	for i := range ids {
-		ids[i] = g.next()
-	}
+	ids := newIDs(b.N)
 	b.ReportAllocs()
 	b.ResetTimer()
 	start, cpu0 := time.Now(), cputime.Process()
@@ -53,15 +49,7 @@ func benchLookupPut(b *testing.B, per int) {
 			for _, x := range ids[done : done+n] {
 				bt.Put(Request{ID: x}, benchReply)
 			}
-			out, err := bt.Run(bg)
-			if err != nil {
-				b.Fatal(err)
-			}
-			for _, r := range out {
-				if r.Err != nil || r.Result.Status != Fresh {
-					b.Fatalf("%v %v", r.Result.Status, r.Err)
-				}
-			}
+			runFresh(b, bt)
 		}
 		done += n
 	}

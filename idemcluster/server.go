@@ -327,10 +327,19 @@ func (s *server) Wait(ctx context.Context, in *clusterpb.WaitRequest) (*clusterp
 func (s *server) Batch(ctx context.Context, in *clusterpb.BatchRequest) (*clusterpb.BatchResponse, error) {
 	out := &clusterpb.BatchResponse{Results: make([]*clusterpb.BatchResult, len(in.Items))}
 	ans := answers(len(in.Items))
+	// Sized for the items that may write (all but the Lookups): growing
+	// them item by item cost a few reallocations and copies of the
+	// requests per batch, on the path every call of the batch waits on.
+	n := 0
+	for _, it := range in.Items {
+		if _, ok := it.GetCall().(*clusterpb.BatchItem_Lookup); !ok {
+			n++
+		}
+	}
 	var (
-		cmds   []*command
-		writes []int // the items of cmds, in order
-		reqs   []idem.Request
+		cmds   = make([]*command, 0, n)
+		writes = make([]int, 0, n) // the items of cmds, in order
+		reqs   = make([]idem.Request, 0, n)
 		reads  []int // the items answered as reads
 	)
 	for i, it := range in.Items {

@@ -24,37 +24,9 @@ import (
 //
 //	go test -run xxx -bench Unary -benchtime 3s ./idemgrpc/
 func BenchmarkUnary(b *testing.B) {
-	for _, bc := range []struct {
-		name   string
-		idem   bool
-		sync   idem.SyncMode
-		replay bool
-	}{
-		{name: "plain"},
-		{name: "new", idem: true, sync: idem.SyncAlways},
-		{name: "new-nofsync", idem: true, sync: idem.SyncNever},
-		{name: "replay", idem: true, sync: idem.SyncAlways, replay: true},
-	} {
+	for _, bc := range unarySetups {
 		b.Run(bc.name, func(b *testing.B) {
-			ints := []grpc.UnaryServerInterceptor{ledgersvc.TokenAuth(tokens)}
-			var isrv *idemgrpc.Server
-			if bc.idem {
-				eng, err := idem.Open(b.TempDir(), &idem.Options{Sync: bc.sync})
-				if err != nil {
-					b.Fatal(err)
-				}
-				b.Cleanup(func() { eng.Close() })
-				isrv, err = idemgrpc.NewServer(eng, &idemgrpc.Options{Methods: ledgersvc.Methods()})
-				if err != nil {
-					b.Fatal(err)
-				}
-				ints = append(ints, isrv.UnaryServerInterceptor())
-			}
-			var runs atomic.Int64
-			gs := grpc.NewServer(grpc.ChainUnaryInterceptor(ints...))
-			ledgerpb.RegisterLedgerServer(gs, &benchLedger{runs: &runs})
-			cc := dialB(b, serve(b, isrv, gs))
-			c := ledgerpb.NewLedgerClient(cc)
+			c := bc.client(b)
 			ctx := as(context.Background(), "tok-alice")
 			var ids atomic.Int64
 			b.SetParallelism(16) // 16 x GOMAXPROCS callers
@@ -89,6 +61,46 @@ func BenchmarkUnary(b *testing.B) {
 	}
 }
 
+// A unarySetup is a server of the unary benchmarks: plain (the token
+// check only), or with the idemgrpc interceptor over an engine of the
+// given sync mode, called with new sequences or replays of a committed
+// one.
+type unarySetup struct {
+	name   string
+	idem   bool
+	sync   idem.SyncMode
+	replay bool
+}
+
+var unarySetups = []unarySetup{
+	{name: "plain"},
+	{name: "new", idem: true, sync: idem.SyncAlways},
+	{name: "new-nofsync", idem: true, sync: idem.SyncNever},
+	{name: "replay", idem: true, sync: idem.SyncAlways, replay: true},
+}
+
+// client serves benchLedger as the setup says on loopback TCP (stopped,
+// with its engine, when b ends) and returns a client of it.
+func (u unarySetup) client(b *testing.B) ledgerpb.LedgerClient {
+	ints := []grpc.UnaryServerInterceptor{ledgersvc.TokenAuth(tokens)}
+	var isrv *idemgrpc.Server
+	if u.idem {
+		eng, err := idem.Open(b.TempDir(), &idem.Options{Sync: u.sync})
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { eng.Close() })
+		isrv, err = idemgrpc.NewServer(eng, &idemgrpc.Options{Methods: ledgersvc.Methods()})
+		if err != nil {
+			b.Fatal(err)
+		}
+		ints = append(ints, isrv.UnaryServerInterceptor())
+	}
+	gs := grpc.NewServer(grpc.ChainUnaryInterceptor(ints...))
+	ledgerpb.RegisterLedgerServer(gs, &benchLedger{runs: new(atomic.Int64)})
+	return ledgerpb.NewLedgerClient(dialB(b, serve(b, isrv, gs)))
+}
+
 type benchLedger struct {
 	ledgerpb.UnimplementedLedgerServer
 	runs *atomic.Int64
@@ -108,42 +120,20 @@ func (l *benchLedger) Write(ctx context.Context, req *ledgerpb.WriteRequest) (*l
 //	go test -run xxx -bench UnaryInterleaved -benchtime 30x ./idemgrpc/
 func BenchmarkUnaryInterleaved(b *testing.B) {
 	type setup struct {
-		name   string
-		idem   bool
-		sync   idem.SyncMode
-		replay bool
-		c      ledgerpb.LedgerClient
-		seqs   []uint64
-		calls  int
-		wall   time.Duration
+		unarySetup
+		c     ledgerpb.LedgerClient
+		seqs  []uint64
+		calls int
+		wall  time.Duration
 	}
-	setups := []*setup{
-		{name: "plain"},
-		{name: "new", idem: true, sync: idem.SyncAlways},
-		{name: "new-nofsync", idem: true, sync: idem.SyncNever},
-		{name: "replay", idem: true, sync: idem.SyncAlways, replay: true},
+	var setups []*setup
+	for _, u := range unarySetups {
+		setups = append(setups, &setup{unarySetup: u})
 	}
 	const workers, perWorker = 32, 32
 	ctx := as(context.Background(), "tok-alice")
 	for _, s := range setups {
-		ints := []grpc.UnaryServerInterceptor{ledgersvc.TokenAuth(tokens)}
-		var isrv *idemgrpc.Server
-		if s.idem {
-			eng, err := idem.Open(b.TempDir(), &idem.Options{Sync: s.sync})
-			if err != nil {
-				b.Fatal(err)
-			}
-			b.Cleanup(func() { eng.Close() })
-			isrv, err = idemgrpc.NewServer(eng, &idemgrpc.Options{Methods: ledgersvc.Methods()})
-			if err != nil {
-				b.Fatal(err)
-			}
-			ints = append(ints, isrv.UnaryServerInterceptor())
-		}
-		var runs atomic.Int64
-		gs := grpc.NewServer(grpc.ChainUnaryInterceptor(ints...))
-		ledgerpb.RegisterLedgerServer(gs, &benchLedger{runs: &runs})
-		s.c = ledgerpb.NewLedgerClient(dialB(b, serve(b, isrv, gs)))
+		s.c = s.client(b)
 		s.seqs = make([]uint64, workers)
 		if s.replay {
 			for w := range workers {

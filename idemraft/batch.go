@@ -98,13 +98,15 @@ type batchApply struct {
 	appPos  []int           // run positions of the entries given to the application's ApplyBatch
 }
 
-// runEntry is an entry of the run: a new request (d set), a command with
-// its answer already known (resp), or an entry for the application (any
-// other LogCommand entry, or a configuration change).
+// runEntry is an entry of the run: a new request (op set; its request is
+// in the run's hints), a command with its answer already known (resp), or
+// an entry for the application (any other LogCommand entry, or a
+// configuration change). It is kept small: a run is copied through it
+// once per entry.
 type runEntry struct {
 	i    int
 	kind runKind
-	d    decoded
+	op   []byte // runFresh: the operation, the application's Data
 	resp *Response
 }
 
@@ -204,7 +206,7 @@ func (a *batchApply) run() {
 		for _, id := range d.req.Acked {
 			a.written[keyHash(d.req.Scope, id, "")] = struct{}{}
 		}
-		a.pending = append(a.pending, runEntry{i: i, kind: runFresh, d: d})
+		a.pending = append(a.pending, runEntry{i: i, kind: runFresh, op: d.op})
 		a.fresh++
 		a.freshAt = a.clk
 	}
@@ -388,7 +390,7 @@ func (a *batchApply) applyApp() bool {
 			l := a.logs[r.i]
 			switch {
 			case r.kind == runFresh:
-				a.results[p] = f.app.Apply(fresh(l, r.d.op))
+				a.results[p] = f.app.Apply(fresh(l, r.op))
 			case r.kind == runAnswered:
 			case l.Type == raft.LogCommand:
 				a.results[p] = f.app.Apply(l)
@@ -406,7 +408,7 @@ func (a *batchApply) applyApp() bool {
 	for p, r := range a.pending {
 		switch r.kind {
 		case runFresh:
-			logs = append(logs, fresh(a.logs[r.i], r.d.op))
+			logs = append(logs, fresh(a.logs[r.i], r.op))
 		case runApp:
 			logs = append(logs, a.logs[r.i])
 		default:

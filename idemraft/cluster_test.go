@@ -45,8 +45,9 @@ type clusterOpts struct {
 	// the test controls (tcpNet), instead of the in-memory transport. A
 	// node stopped over TCP is not started again.
 	tcp bool
-	// plainApps: every node's application is the plain counterFSM (by
-	// default every second node's is a raft.BatchingFSM).
+	// plainApps: every node's application is the benchmarks' plain
+	// counterFSM (newBenchCounter: no record of ids; by default every
+	// second node's is a raft.BatchingFSM, recording ids).
 	plainApps bool
 }
 
@@ -155,6 +156,9 @@ func (c *cluster) start(nd *tnode) {
 		c.t.Fatalf("%s: restarts are not supported over TCP (its listener closed with it)", nd.id)
 	}
 	app := newCounterFSM()
+	if c.o.plainApps {
+		app = newBenchCounter()
+	}
 	var fsm raft.FSM = app
 	var w *FSM
 	var given *restoreLog

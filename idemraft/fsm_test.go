@@ -237,6 +237,32 @@ func TestTimeIsTheLogs(t *testing.T) {
 	}
 }
 
+// TestLogTimeIsTruncate pins logTime, which replicas must agree on, to
+// its definition, AppendedAt.Truncate(clockResolution).UnixNano(), for
+// times around the Unix epoch, before year 1 and past what UnixNano can
+// hold (where both wrap the same way), and random ones.
+func TestLogTimeIsTruncate(t *testing.T) {
+	times := []time.Time{
+		t0, t0.Add(999_999), t0.Add(1_000_000), t0.Add(-1), time.Unix(0, 0), time.Unix(0, -1), time.Unix(-1, 999_999_999),
+		time.Unix(-1, 1_500_000), time.Date(1, 1, 1, 0, 0, 0, 1, time.UTC), time.Date(0, 12, 31, 23, 59, 59, 999_999_999, time.UTC),
+		time.Date(-5000, 3, 1, 0, 0, 0, 123_456_789, time.UTC), time.Date(2263, 1, 1, 0, 0, 0, 987_654_321, time.UTC),
+		time.Date(1500, 6, 1, 0, 0, 0, 1_000_001, time.UTC), time.Unix(1<<62, 999_999_999), time.Unix(-1<<62, 1),
+		time.Now(), // with a monotonic reading
+	}
+	rng := rand.New(rand.NewPCG(7, 7))
+	for range 10000 {
+		times = append(times, time.Unix(rng.Int64N(1<<40)-1<<39, rng.Int64N(1e9)).In(time.FixedZone("z", rng.IntN(50000)-25000)))
+	}
+	for _, at := range times {
+		if got, want := logTime(&raft.Log{AppendedAt: at}), at.Truncate(clockResolution).UnixNano(); got != want {
+			t.Fatalf("logTime(%v) = %d, want %d", at, got, want)
+		}
+	}
+	if got := logTime(&raft.Log{}); got != 0 {
+		t.Fatalf("logTime of no time = %d, want 0", got)
+	}
+}
+
 // memSink is a raft.SnapshotSink in memory.
 type memSink struct {
 	bytes.Buffer

@@ -308,16 +308,7 @@ func TestCheckpointSplitByCrash(t *testing.T) {
 			if rep.Action != "committed" || rep.LastCheckpoint != 2 || rep.EventsCommitted == 0 {
 				t.Fatalf("recovery %+v, want checkpoint 2 committed with events put", rep)
 			}
-			if left := mustInDoubt(t, e); len(left) != 0 {
-				t.Fatalf("%d claims in doubt after recovery", len(left))
-			}
-			if err := runUntilAcked(ctx, b, func(ctx context.Context, o ConsumeOptions) error {
-				return ConsumeTwoPhase(ctx, b, tp, &o)
-			}); err != nil {
-				t.Fatal(err)
-			}
-			l.check(t)
-			checkExactlyOnce(t, l.committed, evs)
+			finishRecovered(t, ctx, e, b, tp, l, evs)
 		})
 	}
 }

@@ -179,6 +179,55 @@ func awaitConsumers(t *testing.T, ctx context.Context, cancel func(), wg *sync.W
 	wg.Wait()
 }
 
+// consumeUntilCrash runs consumer a (consume) with a ctx that ends when
+// w's process crashes, and fails the test unless it crashed (at win).
+func consumeUntilCrash(t *testing.T, ctx context.Context, w *World, win Window, consume func(ctx context.Context) error) {
+	t.Helper()
+	actx, acancel := context.WithCancel(ctx)
+	dead := w.Dead()
+	go func() {
+		select {
+		case <-dead:
+			acancel()
+		case <-actx.Done():
+		}
+	}()
+	_ = consume(actx)
+	acancel()
+	if !w.Crashed() {
+		t.Fatalf("consumer a did not crash at %s", win)
+	}
+}
+
+// shareUntilOnce runs consumers b and c (consume) until counts holds every
+// distinct id of ids and the broker says done, and fails the test unless
+// each of them was counted once (what: "committed", "applied").
+func shareUntilOnce(t *testing.T, ctx context.Context, ids []string, done func() bool, what string, counts func() map[string]int, consume func(ctx context.Context, name string) error) {
+	t.Helper()
+	cctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	for _, name := range []string{"b", "c"} {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := consume(cctx, name); err != nil && !errors.Is(err, context.Canceled) {
+				t.Errorf("consumer %s: %v", name, err)
+			}
+		}()
+	}
+	distinct := distinctIDs(ids)
+	count := func() int { return len(counts()) }
+	awaitConsumers(t, ctx, cancel, &wg, len(distinct), count, done, func() string {
+		return fmt.Sprintf("%d of %d events %s", count(), len(distinct), what)
+	})
+	got := counts()
+	for id := range distinct {
+		if got[id] != 1 {
+			t.Fatalf("event %s %s %d times", id, what, got[id])
+		}
+	}
+}
+
 // TestJetStreamExactlyOnce: a real (embedded) NATS server with JetStream,
 // a durable pull consumer with a short AckWait, forced redeliveries (a
 // consumer killed between commit and ack; events slower than AckWait), and
@@ -394,74 +443,59 @@ func runTwoPhaseBrokerScenario(t *testing.T, ctx context.Context, win Window, id
 	if err != nil {
 		t.Fatal(err)
 	}
-	actx, acancel := context.WithCancel(ctx)
-	dead := w.Dead()
-	go func() {
-		select {
-		case <-dead:
-			acancel()
-		case <-actx.Done():
-		}
-	}()
-	_ = ConsumeTwoPhase(actx, guardedSource{w, newSource("a")}, tp, &ConsumeOptions{BatchSize: 20})
-	acancel()
-	if !w.Crashed() {
-		t.Fatalf("consumer a did not crash at %s", win)
-	}
+	consumeUntilCrash(t, ctx, w, win, func(ctx context.Context) error {
+		return ConsumeTwoPhase(ctx, guardedSource{w, newSource("a")}, tp, &ConsumeOptions{BatchSize: 20})
+	})
 	w.Restart()
 	tp, rep, err := NewTwoPhaseWithHook(t, ctx, w, l, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	cctx, cancel := context.WithCancel(ctx)
-	var wg sync.WaitGroup
-	for _, name := range []string{"b", "c"} {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if err := ConsumeTwoPhase(cctx, guardedSource{w, newSource(name)}, tp, &ConsumeOptions{BatchSize: 20}); err != nil && !errors.Is(err, context.Canceled) {
-				t.Errorf("consumer %s: %v", name, err)
-			}
-		}()
-	}
-	distinct := distinctIDs(ids)
-	committed := func() int { return len(l.Committed()) }
-	awaitConsumers(t, ctx, cancel, &wg, len(distinct), committed, done, func() string {
-		return fmt.Sprintf("%d of %d events committed", committed(), len(distinct))
+	shareUntilOnce(t, ctx, ids, done, "committed", l.Committed, func(ctx context.Context, name string) error {
+		return ConsumeTwoPhase(ctx, guardedSource{w, newSource(name)}, tp, &ConsumeOptions{BatchSize: 20})
 	})
 	l.Check(t)
-	got := l.Committed()
-	for id := range distinct {
-		if got[id] != 1 {
-			t.Fatalf("event %s committed %d times", id, got[id])
-		}
-	}
 	t.Logf("recovery %+v, %d checkpoints", rep, tp.LastCheckpoint())
 }
 
 var twoPhaseBrokerWindows = []Window{WindowAfterPreCommit, WindowAfterCheckpoint, WindowBeforeAck}
 
 func TestJetStreamTwoPhase(t *testing.T) {
-	for _, win := range twoPhaseBrokerWindows {
-		t.Run(string(win), func(t *testing.T) {
-			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-			defer cancel()
-			ids := brokerEvents(120, 8)
-			f := jetStreamFeed(t, ctx, pubsOf(ids))
-			runTwoPhaseBrokerScenario(t, ctx, win, ids, f.newSource, f.done)
-		})
-	}
+	runBrokerWindows(t, twoPhaseBrokerWindows, jetStreamWindowFeed, runTwoPhaseBrokerScenario)
 }
 
 func TestRedisStreamsTwoPhase(t *testing.T) {
-	rdb := brokertest.StartRedis(t)
-	for _, win := range twoPhaseBrokerWindows {
+	runBrokerWindows(t, twoPhaseBrokerWindows, redisWindowFeed(brokertest.StartRedis(t), "orders-"), runTwoPhaseBrokerScenario)
+}
+
+// A windowFeed publishes msgs on a broker for the scenario of one crash
+// window.
+type windowFeed func(t *testing.T, ctx context.Context, win Window, msgs []pub) brokerFeed
+
+// jetStreamWindowFeed: a JetStream server of the window's own.
+func jetStreamWindowFeed(t *testing.T, ctx context.Context, _ Window, msgs []pub) brokerFeed {
+	return jetStreamFeed(t, ctx, msgs)
+}
+
+// redisWindowFeed: the stream prefix+window on rdb.
+func redisWindowFeed(rdb *redis.Client, prefix string) windowFeed {
+	return func(t *testing.T, ctx context.Context, win Window, msgs []pub) brokerFeed {
+		return redisFeed(t, ctx, rdb, prefix+string(win), msgs)
+	}
+}
+
+// runBrokerWindows runs scenario (runTwoPhaseBrokerScenario or
+// runSinkBrokerCrash) in a subtest per crash window, each bounded to 30
+// seconds, over 120 events, 8 of them sent twice, that feed publishes.
+func runBrokerWindows(t *testing.T, windows []Window, feed windowFeed,
+	scenario func(t *testing.T, ctx context.Context, win Window, ids []string, newSource func(name string) Source, done func() bool)) {
+	for _, win := range windows {
 		t.Run(string(win), func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
 			ids := brokerEvents(120, 8)
-			f := redisFeed(t, ctx, rdb, "orders-"+string(win), pubsOf(ids))
-			runTwoPhaseBrokerScenario(t, ctx, win, ids, f.newSource, f.done)
+			f := feed(t, ctx, win, pubsOf(ids))
+			scenario(t, ctx, win, ids, f.newSource, f.done)
 		})
 	}
 }
@@ -486,20 +520,9 @@ func runSinkBrokerCrash(t *testing.T, ctx context.Context, win Window, ids []str
 		}
 		return nil
 	})
-	actx, acancel := context.WithCancel(ctx)
-	dead := w.Dead()
-	go func() {
-		select {
-		case <-dead:
-			acancel()
-		case <-actx.Done():
-		}
-	}()
-	_ = Consume(actx, guardedSource{w, newSource("a")}, s, l.Handler, &ConsumeOptions{BatchSize: 20})
-	acancel()
-	if !w.Crashed() {
-		t.Fatalf("consumer a did not crash at %s", win)
-	}
+	consumeUntilCrash(t, ctx, w, win, func(ctx context.Context) error {
+		return Consume(ctx, guardedSource{w, newSource("a")}, s, l.Handler, &ConsumeOptions{BatchSize: 20})
+	})
 	s.Close()
 	e.Close()
 	w.Restart()
@@ -509,56 +532,20 @@ func runSinkBrokerCrash(t *testing.T, ctx context.Context, win Window, ids []str
 	if err != nil {
 		t.Fatal(err)
 	}
-	cctx, cancel := context.WithCancel(ctx)
-	var wg sync.WaitGroup
-	for _, name := range []string{"b", "c"} {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if err := Consume(cctx, guardedSource{w, newSource(name)}, s, l.Handler, &ConsumeOptions{BatchSize: 20}); err != nil && !errors.Is(err, context.Canceled) {
-				t.Errorf("consumer %s: %v", name, err)
-			}
-		}()
-	}
-	distinct := distinctIDs(ids)
-	applied := func() int { return len(l.Applied()) }
-	awaitConsumers(t, ctx, cancel, &wg, len(distinct), applied, done, func() string {
-		return fmt.Sprintf("%d of %d events applied", applied(), len(distinct))
+	shareUntilOnce(t, ctx, ids, done, "applied", l.Applied, func(ctx context.Context, name string) error {
+		return Consume(ctx, guardedSource{w, newSource(name)}, s, l.Handler, &ConsumeOptions{BatchSize: 20})
 	})
-	got := l.Applied()
-	for id := range distinct {
-		if got[id] != 1 {
-			t.Fatalf("event %s applied %d times", id, got[id])
-		}
-	}
 	t.Logf("sink after recovery: %+v", s.Stats())
 }
 
 var sinkBrokerWindows = []Window{WindowAfterEffect, WindowAfterCommit}
 
 func TestJetStreamSinkCrash(t *testing.T) {
-	for _, win := range sinkBrokerWindows {
-		t.Run(string(win), func(t *testing.T) {
-			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-			defer cancel()
-			ids := brokerEvents(120, 8)
-			f := jetStreamFeed(t, ctx, pubsOf(ids))
-			runSinkBrokerCrash(t, ctx, win, ids, f.newSource, f.done)
-		})
-	}
+	runBrokerWindows(t, sinkBrokerWindows, jetStreamWindowFeed, runSinkBrokerCrash)
 }
 
 func TestRedisStreamsSinkCrash(t *testing.T) {
-	rdb := brokertest.StartRedis(t)
-	for _, win := range sinkBrokerWindows {
-		t.Run(string(win), func(t *testing.T) {
-			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-			defer cancel()
-			ids := brokerEvents(120, 8)
-			f := redisFeed(t, ctx, rdb, "sink-"+string(win), pubsOf(ids))
-			runSinkBrokerCrash(t, ctx, win, ids, f.newSource, f.done)
-		})
-	}
+	runBrokerWindows(t, sinkBrokerWindows, redisWindowFeed(brokertest.StartRedis(t), "sink-"), runSinkBrokerCrash)
 }
 
 // lockedBuffer is a log destination shared by goroutines.

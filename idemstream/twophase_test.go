@@ -209,6 +209,38 @@ func newTwoPhaseWithHook(t *testing.T, ctx context.Context, w *world, l *txnLedg
 	return tp, rep, nil
 }
 
+// startTwoPhase starts a coordinator as newTwoPhaseWithHook does, without
+// a hook, for a new transactional ledger in a world of its own; it is
+// closed when the test ends.
+func startTwoPhase(t *testing.T, ctx context.Context) (*TwoPhase[*ledgerTxn], *txnLedger) {
+	t.Helper()
+	w := newWorld()
+	l := newTxnLedger(w)
+	tp, _, err := newTwoPhaseWithHook(t, ctx, w, l, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { tp.Close() })
+	return tp, l
+}
+
+// finishRecovered checks that a recovered coordinator left no claim in
+// doubt on st, consumes the rest of b through it, and checks the ledger:
+// no protocol violation, every event of evs committed once.
+func finishRecovered(t *testing.T, ctx context.Context, st idem.Store, b *memBroker, tp *TwoPhase[*ledgerTxn], l *txnLedger, evs []Event) {
+	t.Helper()
+	if left := mustInDoubt(t, st); len(left) != 0 {
+		t.Fatalf("%d claims in doubt after recovery", len(left))
+	}
+	if err := runUntilAcked(ctx, b, func(ctx context.Context, o ConsumeOptions) error {
+		return ConsumeTwoPhase(ctx, b, tp, &o)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	l.check(t)
+	checkExactlyOnce(t, l.committed, evs)
+}
+
 // TestTwoPhaseCrashWindows crashes the two-phase consumer at every window
 // of the protocol (before pre-commit, after pre-commit, after the
 // checkpoint with the handle is durable, after the sink's commit, before
@@ -286,16 +318,7 @@ func TestTwoPhaseCrashWindows(t *testing.T) {
 					if rep.LastCheckpoint != at || rep.Action != c.wantAction {
 						t.Fatalf("recovery %+v, want checkpoint %d %s", rep, at, c.wantAction)
 					}
-					if left := mustInDoubt(t, tp.st); len(left) != 0 {
-						t.Fatalf("%d claims in doubt after recovery", len(left))
-					}
-					if err := runUntilAcked(ctx, b, func(ctx context.Context, o ConsumeOptions) error {
-						return ConsumeTwoPhase(ctx, b, tp, &o)
-					}); err != nil {
-						t.Fatal(err)
-					}
-					l.check(t)
-					checkExactlyOnce(t, l.committed, evs)
+					finishRecovered(t, ctx, tp.st, b, tp, l, evs)
 					// The frontier is the highest offset a checkpoint committed:
 					// at least every original event's, at most the stream's end
 					// (a redelivered duplicate that is only replayed does not
@@ -525,13 +548,7 @@ func TestCheckpointLookupFailsAfterBegin(t *testing.T) {
 func TestCheckpointRepeatWithAnotherPayload(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	w := newWorld()
-	l := newTxnLedger(w)
-	tp, _, err := newTwoPhaseWithHook(t, ctx, w, l, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tp.Close()
+	tp, l := startTwoPhase(t, ctx)
 	evs := []Event{
 		{ID: []byte("x"), Partition: "p", Offset: 1, Payload: []byte("amount=1")},
 		{ID: []byte("x"), Partition: "p", Offset: 2, Payload: []byte("amount=2")},
@@ -561,13 +578,7 @@ func TestCheckpointRepeatWithAnotherPayload(t *testing.T) {
 func TestCheckpointBuffersReused(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	w := newWorld()
-	l := newTxnLedger(w)
-	tp, _, err := newTwoPhaseWithHook(t, ctx, w, l, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tp.Close()
+	tp, l := startTwoPhase(t, ctx)
 	ev := func(id string, off uint64, payload string) Event {
 		return Event{ID: []byte(id), Partition: "p" + id[:1], Offset: off, Payload: []byte(payload)}
 	}

@@ -178,10 +178,11 @@ func Transitions(op *wal.Op, lsn wal.LSN, get func(key []byte, mode byte) (*Entr
 // when the caller has it (nil: computed from op; it must be the key that
 // op's scope and id or client make). The transitions of a request name key
 // itself as their Key, so its bytes must not change while they are in use.
-// For a claim record, claim (when not nil) is filled with the claim's
-// entry instead of one allocated here: it must be an entry that nothing
-// refers to (the engine's is carried in the Claim it hands out).
-func AppendTransitions(out []Transition, op *wal.Op, lsn wal.LSN, key []byte, claim *Entry, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, error) {
+// For a claim or a commit record, own (when not nil) is filled with the
+// request's new entry instead of one allocated here: it must be an entry
+// that nothing refers to (the engine's claim entry is carried in the
+// Claim it hands out; a commit's is allocated with its reply's bytes).
+func AppendTransitions(out []Transition, op *wal.Op, lsn wal.LSN, key []byte, own *Entry, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, error) {
 	if op.Type == wal.OpBatch {
 		ts, err := Transitions(op, lsn, get)
 		if err != nil {
@@ -189,7 +190,7 @@ func AppendTransitions(out []Transition, op *wal.Op, lsn wal.LSN, key []byte, cl
 		}
 		return append(out, ts...), nil
 	}
-	return appendTransitionsInto(out, op, lsn, op.ClaimLSN, key, nil, claim, nil, get)
+	return appendTransitionsInto(out, op, lsn, op.ClaimLSN, key, nil, own, nil, get)
 }
 
 // appendTransitions appends the transitions of op, appended at lsn, to
@@ -206,10 +207,10 @@ func appendTransitions(out []Transition, op *wal.Op, lsn, claimLSN wal.LSN, key 
 	return appendTransitionsInto(out, op, lsn, claimLSN, key, reuse, nil, ov, get)
 }
 
-// appendTransitionsInto is appendTransitions that, when op is a claim and
-// claimInto is not nil, fills claimInto (which nothing else refers to) with
-// the claim's entry instead of allocating one.
-func appendTransitionsInto(out []Transition, op *wal.Op, lsn, claimLSN wal.LSN, key []byte, reuse, claimInto *Entry, ov *Batch, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, error) {
+// appendTransitionsInto is appendTransitions that, when op is a claim or a
+// commit and into is not nil, fills into (which nothing else refers to)
+// with the request's new entry instead of allocating one.
+func appendTransitionsInto(out []Transition, op *wal.Op, lsn, claimLSN wal.LSN, key []byte, reuse, into *Entry, ov *Batch, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, error) {
 	// Acked ids are removed first: they name earlier requests.
 	for _, id := range op.Acked {
 		k := EntryKey(nil, op.Scope, ModeID, id)
@@ -292,7 +293,7 @@ func appendTransitionsInto(out []Transition, op *wal.Op, lsn, claimLSN wal.LSN, 
 		n.LSN = lsn
 		// As for a commit below: n stays on the stack, and the entry
 		// stored is the caller's when it gave one.
-		if next = claimInto; next == nil {
+		if next = into; next == nil {
 			next = new(Entry)
 		}
 		*next = n
@@ -323,9 +324,12 @@ func appendTransitionsInto(out []Transition, op *wal.Op, lsn, claimLSN wal.LSN, 
 		// n stays on the stack (its address is never taken): only the
 		// entry stored is allocated, and not even that when the claim's
 		// own entry, which nothing else refers to, can take it.
-		if prev == reuse && mode == ModeID {
+		switch {
+		case prev == reuse && mode == ModeID:
 			next = reuse
-		} else {
+		case into != nil:
+			next = into
+		default:
 			next = new(Entry)
 		}
 		*next = n

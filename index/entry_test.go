@@ -5,6 +5,7 @@ import (
 	"reflect"
 	"testing"
 
+	"github.com/idemdb/idem/internal/alloctest"
 	"github.com/idemdb/idem/wal"
 )
 
@@ -115,25 +116,19 @@ func TestAppendTransitions(t *testing.T) {
 	claimed := got[1].Next
 	// A claim fills the entry it is given (and allocates nothing then).
 	var into Entry
-	allocs := testing.AllocsPerRun(100, func() {
+	alloctest.CheckAllocs(t, "a claim with room in out, its key and its entry given", 0, 100, func() {
 		ts, err := AppendTransitions(buf[:0], claim, 7, key, &into, absent)
 		if err != nil || ts[0].Next != &into || !reflect.DeepEqual(&into, claimed) {
 			t.Fatalf("claim into a given entry: %v %+v", err, ts)
 		}
 	})
-	if allocs != 0 {
-		t.Fatalf("a claim with room in out, its key and its entry given: %v allocations, want 0", allocs)
-	}
 	commit := &wal.Op{Type: wal.OpCommit, Scope: "s", ID: []byte("x"), ClaimLSN: 7, Time: 15, Reply: []byte("r")}
 	current := func([]byte, byte) (*Entry, error) { return claimed, nil }
-	allocs = testing.AllocsPerRun(100, func() {
+	alloctest.CheckAllocs(t, "a commit with room in out and its key given (its entry)", 1, 100, func() {
 		if _, err := AppendTransitions(buf[:0], commit, 9, key, nil, current); err != nil {
 			t.Fatal(err)
 		}
 	})
-	if allocs != 1 {
-		t.Fatalf("a commit with room in out and its key given: %v allocations, want 1 (its entry)", allocs)
-	}
 	// A record kind with no single key (a batch) goes through Transitions.
 	batch := &wal.Op{Type: wal.OpBatch, Ops: []wal.Op{*claim}}
 	got, err = AppendTransitions(buf[:1], batch, 11, nil, nil, absent)

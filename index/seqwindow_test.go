@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/cockroachdb/pebble/v2/vfs"
+	"github.com/idemdb/idem/internal/alloctest"
 	"github.com/idemdb/idem/wal"
 )
 
@@ -56,12 +57,8 @@ func TestSeqKeyLayout(t *testing.T) {
 	if ShardHash(seed, idk) != maphash.Bytes(seed, idk) {
 		t.Fatal("ShardHash of an id key differs from its hash")
 	}
-	if n := testing.AllocsPerRun(100, func() { ShardHash(seed, idk) }); n != 0 {
-		t.Fatalf("ShardHash of an id key allocates %v times", n)
-	}
-	if n := testing.AllocsPerRun(100, func() { ShardHash(seed, prev) }); n != 0 {
-		t.Fatalf("ShardHash of a sequence key allocates %v times", n)
-	}
+	alloctest.CheckAllocs(t, "ShardHash of an id key", 0, 100, func() { ShardHash(seed, idk) })
+	alloctest.CheckAllocs(t, "ShardHash of a sequence key", 0, 100, func() { ShardHash(seed, prev) })
 }
 
 func TestEntryWindowFieldsRoundTrip(t *testing.T) {

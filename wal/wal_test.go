@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/cockroachdb/pebble/v2/vfs"
+	"github.com/idemdb/idem/internal/alloctest"
 	"github.com/idemdb/idem/internal/vfstest"
 )
 
@@ -672,14 +673,11 @@ func TestAppendDoesNotAllocate(t *testing.T) {
 	if err := w.Sync(); err != nil {
 		t.Fatal(err)
 	}
-	allocs := testing.AllocsPerRun(5000, func() {
+	alloctest.CheckAllocs(t, "Append", 0, 5000, func() {
 		if _, err := w.Append(1, payload, v); err != nil {
 			t.Fatal(err)
 		}
 	})
-	if allocs > 0 {
-		t.Fatalf("Append allocates %.2f times per call", allocs)
-	}
 }
 
 // TestRealFS runs reopen and torn-tail repair on the OS file system: segments

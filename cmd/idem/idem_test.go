@@ -116,23 +116,50 @@ func makeFixture(t *testing.T) string {
 
 func countLines(s string) int { return strings.Count(s, "\n") }
 
+// wantContains reports each of want that out, what a command printed,
+// lacks.
+func wantContains(t *testing.T, what, out string, want ...string) {
+	t.Helper()
+	for _, w := range want {
+		if !strings.Contains(out, w) {
+			t.Errorf("%s lacks %q:\n%s", what, w, out)
+		}
+	}
+}
+
+// A filterCase is a dump's filter arguments and how many lines (records
+// or entries) of the fixture they select.
+type filterCase struct {
+	args []string
+	want int
+}
+
+// wantFiltered runs `idem dump <what> dir` with each case's filter and
+// reports a count of printed noun (records, entries) other than the case's.
+func wantFiltered(t *testing.T, dir, what, noun string, cases []filterCase) {
+	t.Helper()
+	for _, tc := range cases {
+		args := append([]string{"dump", what, dir}, tc.args...)
+		o, _ := wantCode(t, 0, args...)
+		if n := countLines(o); n != tc.want {
+			t.Errorf("dump %s %v: %d %s, want %d:\n%s", what, tc.args, n, noun, tc.want, o)
+		}
+	}
+}
+
 func TestDumpWAL(t *testing.T) {
 	dir := makeFixture(t)
 	out, _ := wantCode(t, 0, "dump", "wal", dir)
 	if n := countLines(out); n != 12 {
 		t.Fatalf("%d records, want 12:\n%s", n, out)
 	}
-	for _, want := range []string{
+	wantContains(t, "dump wal", out,
 		"lsn=1 type=claim time=2026-01-01T00:00:00Z scope=a id=order-1 fp=6631",
 		"lsn=2 type=commit time=2026-01-01T00:00:00Z scope=a id=order-1 claim_lsn=1 reply_size=2 segment=00000000000000000001.wal offset=",
 		"id=0x0001ff",
 		"client=worker-7 seq=2",
 		"lsn=12 type=ack time=2026-01-01T00:05:00Z scope=a acked=[order-2]",
-	} {
-		if !strings.Contains(out, want) {
-			t.Errorf("dump wal lacks %q:\n%s", want, out)
-		}
-	}
+	)
 	recs := jsonLines(t, func() string { o, _ := wantCode(t, 0, "dump", "wal", dir, "--json"); return o }())
 	if len(recs) != 12 {
 		t.Fatalf("%d JSON records, want 12", len(recs))
@@ -144,10 +171,7 @@ func TestDumpWAL(t *testing.T) {
 	if r := recs[1]; r["reply_size"].(float64) != 2 || r["claim_lsn"].(float64) != 1 {
 		t.Errorf("record 2: %v", r)
 	}
-	for _, tc := range []struct {
-		args []string
-		want int
-	}{
+	wantFiltered(t, dir, "wal", "records", []filterCase{
 		{[]string{"--scope", "a"}, 6},
 		{[]string{"--scope", ""}, 0},
 		{[]string{"--id", "order-"}, 6}, // claims and commits of order-1..3, and the ack naming order-2
@@ -157,13 +181,7 @@ func TestDumpWAL(t *testing.T) {
 		{[]string{"--since", "2026-01-01T00:02:00Z", "--until", "2026-01-01T00:04:00Z"}, 3},
 		{[]string{"--type", "ack,abort"}, 1},
 		{[]string{"--scope", "a", "--type", "claim"}, 3},
-	} {
-		args := append([]string{"dump", "wal", dir}, tc.args...)
-		o, _ := wantCode(t, 0, args...)
-		if n := countLines(o); n != tc.want {
-			t.Errorf("dump wal %v: %d records, want %d:\n%s", tc.args, n, tc.want, o)
-		}
-	}
+	})
 }
 
 func TestDumpIndex(t *testing.T) {
@@ -172,16 +190,12 @@ func TestDumpIndex(t *testing.T) {
 	if n := countLines(out); n != 4 {
 		t.Fatalf("%d entries, want 4:\n%s", n, out)
 	}
-	for _, want := range []string{
+	wantContains(t, "dump index", out,
 		"entry scope=a id=order-1 state=committed committed=2026-01-01T00:00:00Z commit_lsn=2 reply_size=2 fp=6631",
 		"entry scope=a id=order-3 state=in-flight claimed=2026-01-01T00:03:00Z claim_lsn=7 lease_until=2026-01-01T01:03:00Z",
 		"entry scope=b id=0x0001ff state=committed",
 		"entry scope=c client=worker-7 state=committed seq=2",
-	} {
-		if !strings.Contains(out, want) {
-			t.Errorf("dump index lacks %q:\n%s", want, out)
-		}
-	}
+	)
 	o, _ := wantCode(t, 0, "dump", "index", dir, "--json")
 	ents := jsonLines(t, o)
 	if len(ents) != 4 {
@@ -199,10 +213,7 @@ func TestDumpIndex(t *testing.T) {
 	if client == nil || client["seq"].(float64) != 2 || client["reply_size"].(float64) != 2 || client["state"] != "committed" {
 		t.Errorf("client entry %v", client)
 	}
-	for _, tc := range []struct {
-		args []string
-		want int
-	}{
+	wantFiltered(t, dir, "index", "entries", []filterCase{
 		{[]string{"--state", "in-flight"}, 1},
 		{[]string{"--state", "committed"}, 3},
 		{[]string{"--scope", "a"}, 2},
@@ -210,13 +221,7 @@ func TestDumpIndex(t *testing.T) {
 		{[]string{"--client", "worker-7"}, 1},
 		{[]string{"--since", "2026-01-01T00:02:00Z"}, 3},
 		{[]string{"--from-lsn", "7", "--to-lsn", "7"}, 1},
-	} {
-		args := append([]string{"dump", "index", dir}, tc.args...)
-		o, _ := wantCode(t, 0, args...)
-		if n := countLines(o); n != tc.want {
-			t.Errorf("dump index %v: %d entries, want %d:\n%s", tc.args, n, tc.want, o)
-		}
-	}
+	})
 	// dump <dir>: the WAL, then the index.
 	o, _ = wantCode(t, 0, "dump", dir, "--json")
 	kinds := map[string]int{}
@@ -253,21 +258,13 @@ func TestStatsJSON(t *testing.T) {
 		t.Errorf("age histogram counts %d replies, want 3: %+v", aged, s.Age)
 	}
 	out, _ = wantCode(t, 0, "stats", dir)
-	for _, want := range []string{"4 live: 1 in flight, 3 committed", "LSN 1..12", "applied LSN 12"} {
-		if !strings.Contains(out, want) {
-			t.Errorf("stats lacks %q:\n%s", want, out)
-		}
-	}
+	wantContains(t, "stats", out, "4 live: 1 in flight, 3 committed", "LSN 1..12", "applied LSN 12")
 }
 
 func TestVerifyGood(t *testing.T) {
 	dir := makeFixture(t)
 	out, _ := wantCode(t, 0, "verify", dir)
-	for _, want := range []string{"12 records, every frame and payload checked", "4 entries, identical to the index", "\nok\n"} {
-		if !strings.Contains(out, want) {
-			t.Errorf("verify lacks %q:\n%s", want, out)
-		}
-	}
+	wantContains(t, "verify", out, "12 records, every frame and payload checked", "4 entries, identical to the index", "\nok\n")
 }
 
 // recordOffset returns the segment offset of the record at lsn.
@@ -494,12 +491,8 @@ func TestDemo(t *testing.T) {
 				args = append(args, "--in-process")
 			}
 			out, _ := wantCode(t, 0, args...)
-			for _, want := range []string{"requests            80 from 4 clients", "executions          80 (ledger lines)",
-				"CHECK no request executed twice (ledger ids unique)", "recover-and-commit", "exactly-once: ok"} {
-				if !strings.Contains(out, want) {
-					t.Errorf("demo output lacks %q:\n%s", want, out)
-				}
-			}
+			wantContains(t, "demo output", out, "requests            80 from 4 clients", "executions          80 (ledger lines)",
+				"CHECK no request executed twice (ledger ids unique)", "recover-and-commit", "exactly-once: ok")
 			if strings.Contains(out, "FAILED") {
 				t.Errorf("demo failed:\n%s", out)
 			}
@@ -643,11 +636,7 @@ func TestCompactSnapshotRestore(t *testing.T) {
 		t.Fatal(err)
 	}
 	out, _ = wantCode(t, 0, "verify", dir)
-	for _, want := range []string{"snapshots 1 files, newest at LSN 800", "plus the WAL after it, replayed into a fresh index: 450 entries, identical"} {
-		if !strings.Contains(out, want) {
-			t.Errorf("verify after compaction lacks %q:\n%s", want, out)
-		}
-	}
+	wantContains(t, "verify after compaction", out, "snapshots 1 files, newest at LSN 800", "plus the WAL after it, replayed into a fresh index: 450 entries, identical")
 	ids := entryIDs(t, dir)
 	if len(ids) != 450 {
 		t.Fatalf("%d entries, want 450", len(ids))
@@ -848,15 +837,11 @@ func TestDumpBatch(t *testing.T) {
 		t.Fatal(err)
 	}
 	out, _ := wantCode(t, 0, "dump", "wal", dir, "--type", "batch")
-	for _, want := range []string{
+	wantContains(t, "dump wal", out,
 		"lsn=1 type=batch:claim time=2026-01-01T00:00:00Z scope=ev id=e1",
 		"lsn=1 type=batch:commit time=2026-01-01T00:00:00Z scope=ev id=e1 reply_size=2",
 		"lsn=1 type=batch:claim time=2026-01-01T00:00:00Z scope=\"\" client=c seq=1",
-	} {
-		if !strings.Contains(out, want) {
-			t.Errorf("dump wal lacks %q:\n%s", want, out)
-		}
-	}
+	)
 	if countLines(out) != 3 {
 		t.Errorf("dump wal: %d lines, want 3:\n%s", countLines(out), out)
 	}
@@ -885,15 +870,11 @@ func TestDumpAdvance(t *testing.T) {
 		t.Fatal(err)
 	}
 	out, _ := wantCode(t, 0, "dump", "wal", dir)
-	for _, want := range []string{
+	wantContains(t, "dump wal", out,
 		"lsn=2 type=commit-advance time=2026-01-01T00:00:00Z scope=ev id=e1",
 		"advanced=[scope f client p0 to 7]",
 		"lsn=3 type=advance time=2026-01-01T00:00:00Z advanced=[scope f client p0 to 9]",
-	} {
-		if !strings.Contains(out, want) {
-			t.Errorf("dump wal lacks %q:\n%s", want, out)
-		}
-	}
+	)
 	if o, _ := wantCode(t, 0, "dump", "wal", dir, "--type", "advance,commit-advance"); countLines(o) != 2 {
 		t.Errorf("--type advance,commit-advance:\n%s", o)
 	}

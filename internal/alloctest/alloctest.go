@@ -1,7 +1,8 @@
 // Package alloctest bounds the heap a function allocates: the allocation
 // checks of the decoders' fuzz targets (fuzz/, snapshot/), which promise to
 // allocate no more than a fixed bound plus a small multiple of their input
-// whatever the bytes say.
+// whatever the bytes say, and the exact allocation counts of hot paths
+// (AllocsPerRun, CheckAllocs).
 //
 // The only exact count the runtime gives is process-wide
 // (runtime.MemStats.TotalAlloc: ReadMemStats stops the world and flushes
@@ -78,5 +79,36 @@ func CheckUndo(tb testing.TB, what string, limit uint64, f func() (undo func()))
 	tb.Helper()
 	if over, got := Over(limit, f); over {
 		tb.Fatalf("%s allocated more than its limit of %d bytes in each of %d runs: %v bytes", what, limit, len(got), got)
+	}
+}
+
+// AllocsPerRun is testing.AllocsPerRun (the average number of heap
+// allocations per call of f over runs calls) made immune to other
+// goroutines. testing.AllocsPerRun counts the whole process's allocations
+// (runtime.MemStats.Mallocs), so a background goroutine (Pebble's, a
+// timer's, the testing package's) that allocates during the measurement
+// raises it; it can never lower it, since f's own allocations are counted
+// in full. So AllocsPerRun measures up to Runs times and returns the
+// smallest measurement, stopping at the first one at or under want: the
+// result is f's own count unless other goroutines allocated at least runs
+// times inside each of Runs measurements, and a count over want that f
+// itself makes is reported every time. f runs runs+1 times per
+// measurement (testing.AllocsPerRun's warm-up call included), so it must be
+// repeatable.
+func AllocsPerRun(want float64, runs int, f func()) float64 {
+	least := testing.AllocsPerRun(runs, f)
+	for i := 1; i < Runs && least > want; i++ {
+		least = min(least, testing.AllocsPerRun(runs, f))
+	}
+	return least
+}
+
+// CheckAllocs fails tb unless f allocates exactly want times per call
+// (AllocsPerRun over runs calls: other goroutines' allocations do not
+// count). what names f in the failure.
+func CheckAllocs(tb testing.TB, what string, want float64, runs int, f func()) {
+	tb.Helper()
+	if got := AllocsPerRun(want, runs, f); got != want {
+		tb.Fatalf("%s: %v allocations per call (the least of up to %d measurements of %d calls), want %v", what, got, Runs, runs, want)
 	}
 }

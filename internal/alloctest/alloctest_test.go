@@ -102,3 +102,69 @@ func TestCheckFails(t *testing.T) {
 		t.Fatalf("Check of 2 MiB against 1 MiB: %q", tb.msg)
 	}
 }
+
+var objects [][]*int
+
+// allocObject makes one heap allocation (of pointers, so never a tiny
+// allocation the runtime might fold into another).
+func allocObject() { objects = append(objects[:0], make([]*int, 4)) }
+
+// foreignObjects makes another goroutine make n allocations while the
+// caller waits.
+func foreignObjects(n int) {
+	done := make(chan struct{})
+	go func() {
+		for range n {
+			allocObject()
+		}
+		close(done)
+	}()
+	<-done
+}
+
+// Another goroutine's allocations inside the first measurement raise
+// testing.AllocsPerRun's count but not AllocsPerRun's: one more measurement
+// settles it.
+func TestAllocsPerRunIgnoresOtherGoroutines(t *testing.T) {
+	const runs = 100
+	objects = make([][]*int, 0, 1)
+	calls, noisy := 0, true
+	f := func() {
+		calls++
+		allocObject()
+		if noisy && calls <= runs+1 { // the first measurement's calls (warm-up included)
+			foreignObjects(3)
+		}
+	}
+	if n := testing.AllocsPerRun(runs, f); n < 2 {
+		t.Fatalf("testing.AllocsPerRun with another goroutine allocating 3 times a call: %v, the test shows nothing", n)
+	}
+	calls = 0
+	if n := AllocsPerRun(1, runs, f); n != 1 || calls != 2*(runs+1) {
+		t.Fatalf("AllocsPerRun with another goroutine allocating in the first measurement: %v after %d calls, want 1 after %d", n, calls, 2*(runs+1))
+	}
+	noisy = false
+	CheckAllocs(t, "one allocation", 1, runs, f)
+}
+
+// An allocation f makes itself is counted in every measurement: an extra
+// one fails whatever the other goroutines do.
+func TestCheckAllocsFails(t *testing.T) {
+	const runs = 100
+	objects = make([][]*int, 0, 1)
+	calls := 0
+	f := func() { calls++; allocObject(); allocObject() }
+	if n := AllocsPerRun(1, runs, f); n != 2 || calls != Runs*(runs+1) {
+		t.Fatalf("two allocations against a want of 1: %v after %d calls, want 2 after %d", n, calls, Runs*(runs+1))
+	}
+	tb := &fatalTB{}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		CheckAllocs(tb, "the hot path", 1, runs, f)
+	}()
+	<-done
+	if want := "the hot path: 2 allocations per call (the least of up to 5 measurements of 100 calls), want 1"; tb.msg != want {
+		t.Fatalf("CheckAllocs of 2 allocations against 1: %q, want %q", tb.msg, want)
+	}
+}
