@@ -132,39 +132,6 @@ func (e *Engine) applyBatch(batch []*pinnedUpdate, ups []*index.Update, us *unpi
 		return ups
 	}
 	e.unpinSlots(batch, us)
-	// The records of several keys (batches) are unpinned one transition at
-	// a time, and the shard of each evicts past its share: the slots that a
-	// batch's run or LookupHint installed left that eviction to the applier
-	// (installForBatchLocked).
-	for _, u := range batch {
-		if u.slot != nil {
-			continue // unpinned above
-		}
-		for i, t := range u.Transitions {
-			var sh *shard
-			if u.slots != nil && u.slots[i] != nil {
-				sl := u.slots[i]
-				sh = sl.sh // key's shard
-				sh.mu.Lock()
-				if !sl.evicted {
-					if sl.dirty == u.LSN {
-						sl.dirty = 0
-					}
-					e.evictLocked(sh, nil)
-					sh.mu.Unlock()
-					continue
-				}
-			} else {
-				sh = e.shardOf(t.Key)
-				sh.mu.Lock()
-			}
-			if sl := sh.m[string(t.Key)]; sl != nil && sl.dirty == u.LSN {
-				sl.dirty = 0
-			}
-			e.evictLocked(sh, nil)
-			sh.mu.Unlock()
-		}
-	}
 	if e.o.MaxEntries > 0 && e.ix.Replies() > e.o.MaxEntries {
 		select {
 		case e.evictC <- struct{}{}:
@@ -182,42 +149,67 @@ type unpinScratch struct {
 	// next one goes in recs (counted one place ahead, then summed).
 	next [numShards + 1]int32
 	recs []unpinRec
+	tmp  []unpinRec // the records in batch order, before the sort
 }
 
-// unpinRec is a slot to unpin if it still carries lsn, its record's LSN.
+// unpinRec is a slot to unpin if it still carries lsn, its record's LSN:
+// sl, or (a batch record's transition whose slot was not known, or was
+// evicted since) the slot of key in its shard's map. batch says that the
+// record was a batch's, whose slots the applier evicts past the shard's
+// share (installForBatchLocked left that to it).
 type unpinRec struct {
-	sl  *slot
-	lsn wal.LSN
+	sl    *slot
+	key   []byte
+	lsn   wal.LSN
+	shard int32
+	batch bool
 }
 
-// unpinSlots unpins the slots of the records of one key in batch (those
-// with u.slot: claims, commits, aborts), applied to the index: a slot
-// whose newest change is that record is clean (evictable unless in flight
-// or waited on). They are grouped by shard (a counting sort), so that
-// each shard's lock is taken once per batch rather than once per record:
-// at hundreds of callers a batch holds thousands of records over the 256
-// shards, whose locks the callers contend for.
+// unpinSlots unpins the slots of the records in batch, applied to the
+// index: a slot whose newest change is that record is clean (evictable
+// unless in flight or waited on). The slots are grouped by shard (a
+// counting sort), so that each shard's lock is taken once per batch
+// rather than once per record or per transition: at hundreds of callers a
+// batch holds thousands of records over the 256 shards, whose locks the
+// callers contend for, and a batch record's transitions spread over all of
+// them. A shard that a batch record's transitions reached then evicts past
+// its share, once it unpinned them all (as many passes as it got
+// transitions, while it stays over its share).
 func (e *Engine) unpinSlots(batch []*pinnedUpdate, us *unpinScratch) {
-	n := 0
+	us.tmp = us.tmp[:0]
 	for _, u := range batch {
 		if u.slot != nil {
-			us.next[u.slot.sh.idx+1]++
-			n++
+			us.tmp = append(us.tmp, unpinRec{sl: u.slot, lsn: u.LSN, shard: int32(u.slot.sh.idx)})
+			continue
+		}
+		for i := range u.Transitions {
+			r := unpinRec{lsn: u.LSN, batch: true}
+			if u.slots != nil && u.slots[i] != nil {
+				r.sl = u.slots[i]
+				r.shard = int32(r.sl.sh.idx) // the key's shard, evicted or not
+			} else {
+				r.shard = int32(e.shardIdx(u.Transitions[i].Key))
+			}
+			r.key = u.Transitions[i].Key
+			us.tmp = append(us.tmp, r)
 		}
 	}
+	n := len(us.tmp)
 	if n == 0 {
 		return
+	}
+	for i := range us.tmp {
+		us.next[us.tmp[i].shard+1]++
 	}
 	for i := 1; i <= numShards; i++ {
 		us.next[i] += us.next[i-1] // next[i]: where shard i's records start
 	}
 	us.recs = slices.Grow(us.recs[:0], n)[:n]
-	for _, u := range batch {
-		if sl := u.slot; sl != nil {
-			us.recs[us.next[sl.sh.idx]] = unpinRec{sl: sl, lsn: u.LSN}
-			us.next[sl.sh.idx]++
-		}
+	for _, r := range us.tmp {
+		us.recs[us.next[r.shard]] = r
+		us.next[r.shard]++
 	}
+	clear(us.tmp) // hold no pointer to slots or keys
 	// Now next[i] is where shard i's records end (and shard i+1's start).
 	start := int32(0)
 	for i := range numShards {
@@ -226,11 +218,24 @@ func (e *Engine) unpinSlots(batch []*pinnedUpdate, us *unpinScratch) {
 			continue
 		}
 		sh := &e.shards[i]
+		evict := 0
 		sh.mu.Lock()
 		for _, r := range us.recs[start:end] {
-			if r.sl.dirty == r.lsn {
-				r.sl.dirty = 0
+			sl := r.sl
+			if r.batch {
+				evict++
+				if sl == nil || sl.evicted {
+					// Unknown, or evicted and so no longer the key's.
+					sl = sh.m[string(r.key)]
+				}
 			}
+			if sl != nil && sl.dirty == r.lsn {
+				sl.dirty = 0
+			}
+		}
+		limit := e.o.CacheSize / numShards
+		for ; evict > 0 && sh.bytes > limit; evict-- {
+			e.evictLocked(sh, nil)
 		}
 		sh.mu.Unlock()
 		start = end

@@ -98,10 +98,13 @@ type batchItem struct {
 	batchCall
 	// sl is k.key's slot as Run read it (nil: not read through the
 	// table by this item); flush hands it on to spare a lookup.
-	sl   *slot
-	k    reqKey        // Begin, Put: the request's key; Commit, Abort: the claim's
-	fp   []byte        // Begin, Put: the fingerprint as stored
-	wadv []wal.Advance // Put, Commit, Advance: the checked advances
+	sl *slot
+	k  reqKey // Begin, Put: the request's key; Commit, Abort: the claim's
+	// shard is k.key's lock shard (Begin, Put), as check found it, so
+	// that the run does not hash the key again to find it.
+	shard int
+	fp    []byte        // Begin, Put: the fingerprint as stored
+	wadv  []wal.Advance // Put, Commit, Advance: the checked advances
 	// keys are the keys the item locks besides k.key: the advanced
 	// clients (Put, Commit: after k.key, as checkAdvances returns them),
 	// the acked ids (Ack).
@@ -317,7 +320,12 @@ func (b *engineBatch) check(i int, set *shardSet) error {
 			return err
 		}
 		it.k, it.fp = k, fp
-		set.add(e, k.key)
+		if h := it.hint; h != nil && h.sl != nil {
+			it.shard = h.sl.sh.idx // the key's shard, without hashing it again
+		} else {
+			it.shard = e.shardIdx(k.key)
+		}
+		set.addShard(it.shard)
 		for _, a := range k.ackKey {
 			set.add(e, a)
 		}
@@ -442,10 +450,12 @@ type batchRun struct {
 	// second time when the item's operation is added). nil: unknown.
 	itemKey []byte
 	itemSl  *slot
-	buf     []byte    // wal.MaxBatchHeader reserved, then the record's operations
-	nops    int       // operations in buf
-	cost    int       // their wal.BatchCost
-	ops     [2]wal.Op // the operations of the item being added
+	// itemShard is itemKey's shard when known (nil: get hashes the key).
+	itemShard *shard
+	buf       []byte    // wal.MaxBatchHeader reserved, then the record's operations
+	nops      int       // operations in buf
+	cost      int       // their wal.BatchCost
+	ops       [2]wal.Op // the operations of the item being added
 	// items are the items with operations in the record being built.
 	items []int
 	// first is the first item not in an appended record.
@@ -479,7 +489,7 @@ func (e *Engine) putBatchRun(r *batchRun) {
 	if cap(r.buf) > 2*batchRecordBytes {
 		return
 	}
-	r.b, r.out, r.lastKey, r.lastSl, r.itemKey, r.itemSl = nil, nil, nil, nil, nil, nil
+	r.b, r.out, r.lastKey, r.lastSl, r.itemKey, r.itemSl, r.itemShard = nil, nil, nil, nil, nil, nil, nil
 	r.buf = r.buf[:wal.MaxBatchHeader]
 	r.nops, r.cost, r.first, r.fatal = 0, 0, 0, nil
 	r.st = struct{ misses, takeovers, expired, acked, seq uint64 }{}
@@ -499,9 +509,13 @@ func (e *Engine) putBatchRun(r *batchRun) {
 // remembers it for the item being classified.
 func (r *batchRun) get(key []byte, mode byte) (*index.Entry, error) {
 	sl := r.itemSl
-	if sl == nil || sl.evicted || !sameSlice(key, r.itemKey) {
+	if item := sameSlice(key, r.itemKey); sl == nil || sl.evicted || !item {
+		sh := r.itemShard
+		if !item || sh == nil {
+			sh = r.e.shardOf(key)
+		}
 		var err error
-		if sl, err = r.e.slotLockedKeep(key, true); err != nil {
+		if sl, err = r.e.slotLockedIn(sh, key, true); err != nil {
 			return nil, err
 		}
 	}
@@ -516,7 +530,10 @@ func (r *batchRun) get(key []byte, mode byte) (*index.Entry, error) {
 // in its shard's map (only eviction takes a slot out): get takes it
 // without a lookup.
 func (r *batchRun) getItem(it *batchItem) (*index.Entry, error) {
-	r.lastSl, r.itemKey, r.itemSl = nil, it.k.key, nil
+	r.lastSl, r.itemKey, r.itemSl, r.itemShard = nil, it.k.key, nil, nil
+	if it.kind == bBegin || it.kind == bPut {
+		r.itemShard = &r.e.shards[it.shard]
+	}
 	if it.claim != nil && it.claim.ec.sl != nil && !it.claim.ec.sl.evicted {
 		r.itemSl = it.claim.ec.sl
 	}
@@ -880,10 +897,10 @@ func (r *batchRun) finish() {
 // shardSet is a set of lock shards.
 type shardSet [numShards / 64]uint64
 
-func (s *shardSet) add(e *Engine, key []byte) {
-	i := e.shardIdx(key)
-	s[i/64] |= 1 << (i % 64)
-}
+func (s *shardSet) add(e *Engine, key []byte) { s.addShard(e.shardIdx(key)) }
+
+// addShard adds shard i.
+func (s *shardSet) addShard(i int) { s[i/64] |= 1 << (i % 64) }
 
 // lockShards locks the shards of set in index order, as lockKeys does (so
 // a batch never deadlocks with another operation), and returns the unlock

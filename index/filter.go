@@ -110,7 +110,54 @@ func (f *keyFilter) mayContain(h uint64) bool {
 	return true
 }
 
+// addHashes adds the keys of the hashes hs, as add does one by one. The
+// blocks lie at random places in a filter of megabytes, and each of the
+// eight atomic ORs of an add waits for the block's cache line (a locked
+// instruction lets nothing pass it): hs's blocks are loaded first, in runs
+// of addRun independent loads whose misses overlap, and set afterwards.
+func (f *keyFilter) addHashes(hs []uint64) {
+	f.added.Add(int64(len(hs)))
+	for len(hs) > 0 {
+		run := hs[:min(len(hs), addRun)]
+		hs = hs[len(run):]
+		var x uint64
+		for _, h := range run {
+			x += f.block(h)[0].Load()
+		}
+		if x == 1 { // rarely: a store only to keep the loads above
+			filterSink.Store(x)
+		}
+		for _, h := range run {
+			w := f.block(h)
+			x := uint32(h)
+			for i := range w {
+				w[i].Or(1 << ((x * filterSalts[i]) >> 26))
+			}
+		}
+	}
+}
+
+// addRun is the number of blocks addHashes loads at once.
+const addRun = 32
+
+// filterSink keeps addHashes' loads from being optimized away.
+var filterSink atomic.Uint64
+
 func (ix *Index) keyHash(key []byte) uint64 { return maphash.Bytes(ix.filterSeed, key) }
+
+// filterAddHashesLocked is filterAddLocked for the keys whose keyHash are
+// hs. ix.applyMu is held.
+func (ix *Index) filterAddHashesLocked(hs []uint64) {
+	if ix.filterBytes <= 0 || len(hs) == 0 {
+		return
+	}
+	if f := ix.filter.Load(); f != nil {
+		f.addHashes(hs)
+	}
+	if ix.building != nil {
+		ix.building.addHashes(hs)
+	}
+}
 
 // filterAddLocked adds an entry key that is about to be written to Pebble
 // (or to a pending set). ix.applyMu is held.

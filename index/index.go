@@ -113,7 +113,10 @@ type Index struct {
 	// (filterSaturation); guarded by applyMu.
 	filterSaturated bool
 	filterWG        sync.WaitGroup
-	filterBuilds    atomic.Int64
+	// filterHashes is addPending's buffer for the key hashes of a chunk
+	// (guarded by applyMu).
+	filterHashes []uint64
+	filterBuilds atomic.Int64
 
 	// pin keeps the deletion of obsolete tables off the lookups (pin.go);
 	// nil for a read-only index.

@@ -160,16 +160,19 @@ func (ix *Index) addPending(ups []*Update, ingestAt int64) error {
 		}
 		chunk := ups[:n]
 		ups = ups[n:]
+		hs := ix.filterHashes[:0]
 		for _, u := range chunk {
 			for i := range u.Transitions {
 				// Absent to present: the key may be new to the key
 				// filter. (A present key is there already: added when it
 				// became present, or by the scan that built the filter.)
-				if t := &u.Transitions[i]; t.Next != nil && t.Prev == nil {
-					ix.filterAddLocked(t.Key)
+				if t := &u.Transitions[i]; t.Next != nil && t.Prev == nil && ix.filterBytes > 0 {
+					hs = append(hs, ix.keyHash(t.Key))
 				}
 			}
 		}
+		ix.filterAddHashesLocked(hs)
+		ix.filterHashes = hs[:0]
 		ix.pmu.Lock()
 		for _, u := range chunk {
 			for _, t := range u.Transitions {
