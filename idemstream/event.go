@@ -282,21 +282,6 @@ func (e *eventRecordEncoder) encode(result []byte, checkpoint uint64, partition 
 	return b[start:len(b):len(b)]
 }
 
-// appendWriter is the writer of the msgpack Encoders that encode without
-// reflection: it appends to b and never fails. It has WriteByte, which
-// the Encoder uses as it is (else it wraps the writer in one of its own).
-type appendWriter struct{ b []byte }
-
-func (w *appendWriter) Write(p []byte) (int, error) {
-	w.b = append(w.b, p...)
-	return len(p), nil
-}
-
-func (w *appendWriter) WriteByte(c byte) error {
-	w.b = append(w.b, c)
-	return nil
-}
-
 func decodeEventRecord(scope string, id, b []byte) (*eventRecord, error) {
 	var r eventRecord
 	if err := unmarshal(b, &r); err != nil {

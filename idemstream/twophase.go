@@ -4,17 +4,22 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
 	"github.com/idemdb/idem"
+	"github.com/idemdb/idem/internal/msgp"
 	"github.com/vmihailenco/msgpack/v5"
+	"github.com/vmihailenco/msgpack/v5/msgpcode"
 )
 
 // TwoPhaseCommitSink is a transactional sink driven by checkpoints (the
@@ -129,6 +134,10 @@ type TwoPhase[Txn any] struct {
 	log    *slog.Logger
 	hook   func(window, uint64) error
 	poison poisonCounters // counted by ConsumeTwoPhase
+	// lookupChunk: on an engine, a checkpoint of more distinct events
+	// than this overlaps its lookups with its Invokes, handed over in
+	// chunks of this many (lookupBatch); tests make it small.
+	lookupChunk int
 
 	mu         sync.Mutex
 	last       uint64 // last checkpoint opened
@@ -244,49 +253,60 @@ type checkpointRecord struct {
 }
 
 // appendBody appends r's msgpack encoding, as msgpack.Marshal writes it
-// (a map keyed by the tags, integers as uint64) but for the frontier's
-// partitions, which come sorted (Marshal's follow the map's random
-// order): a checkpoint lists every event of its batch, and reflection
-// over them cost as much as the rest of the coordinator's own work, so
-// msgpack's Encoder is called field by field instead.
+// (a map keyed by the tags, integers as uint64 in their full 9 bytes) but
+// for the frontier's partitions, which come sorted (Marshal's follow the
+// map's random order): a checkpoint lists every event of its batch, and
+// reflection over them cost as much as the rest of the coordinator's own
+// work, so the values are appended directly (internal/msgp, as the event
+// records; TestCheckpointRecordBody checks the bytes against Marshal's).
 func (r *checkpointRecord) appendBody(b []byte) []byte {
-	w := appendWriter{b: b}
-	enc := msgpack.GetEncoder()
-	defer msgpack.PutEncoder(enc)
-	enc.Reset(&w) // Marshal's settings: integers in their full width
-	// appendWriter never fails, so neither do these (the Encoder's
-	// primitives fail only with their writer).
 	fields := 4
 	if len(r.Fingerprints) > 0 {
 		fields = 5 // omitempty
 	}
-	_ = enc.EncodeMapLen(fields)
-	_ = enc.EncodeString("k")
-	_ = enc.EncodeUint64(r.K) // 0xcf and 8 bytes, as Marshal writes a uint64
-	_ = enc.EncodeString("h")
-	_ = enc.EncodeBytes(r.Handle)
-	_ = enc.EncodeString("e")
-	encodeBinList(enc, r.Events)
+	b = appendMapLen(b, fields)
+	b = msgp.AppendString(b, "k")
+	b = appendUint64(b, r.K)
+	b = msgp.AppendString(b, "h")
+	b = msgp.AppendBytes(b, r.Handle)
+	b = msgp.AppendString(b, "e")
+	b = appendBinList(b, r.Events)
 	if fields == 5 {
-		_ = enc.EncodeString("p")
-		encodeBinList(enc, r.Fingerprints)
+		b = msgp.AppendString(b, "p")
+		b = appendBinList(b, r.Fingerprints)
 	}
-	_ = enc.EncodeString("f")
+	b = msgp.AppendString(b, "f")
 	if r.Frontier == nil {
-		_ = enc.EncodeNil()
-		return w.b
+		return append(b, msgpcode.Nil)
 	}
 	parts := make([]string, 0, len(r.Frontier))
 	for p := range r.Frontier {
 		parts = append(parts, p)
 	}
 	slices.Sort(parts)
-	_ = enc.EncodeMapLen(len(parts))
+	b = appendMapLen(b, len(parts))
 	for _, p := range parts {
-		_ = enc.EncodeString(p)
-		_ = enc.EncodeUint64(r.Frontier[p])
+		b = msgp.AppendString(b, p)
+		b = appendUint64(b, r.Frontier[p])
 	}
-	return w.b
+	return b
+}
+
+// appendUint64 appends n as msgpack's Encoder writes a uint64 without
+// compact integers: the uint64 code and 8 bytes.
+func appendUint64(b []byte, n uint64) []byte {
+	return binary.BigEndian.AppendUint64(append(b, msgpcode.Uint64), n)
+}
+
+// appendMapLen appends a map header of n pairs, as the Encoder does.
+func appendMapLen(b []byte, n int) []byte {
+	switch {
+	case n < 16:
+		return append(b, msgpcode.FixedMapLow|byte(n))
+	case n <= math.MaxUint16:
+		return binary.BigEndian.AppendUint16(append(b, msgpcode.Map16), uint16(n))
+	}
+	return binary.BigEndian.AppendUint32(append(b, msgpcode.Map32), uint32(n))
 }
 
 // sizeHint is about the length of r's body.
@@ -298,17 +318,17 @@ func (r *checkpointRecord) sizeHint() int {
 	return n
 }
 
-// encodeBinList encodes l as a msgpack array of bin (nil as nil), as
-// Marshal encodes a [][]byte. enc writes to an appendWriter: no error.
-func encodeBinList(enc *msgpack.Encoder, l [][]byte) {
+// appendBinList appends l as a msgpack array of bin (nil as nil), as
+// Marshal encodes a [][]byte.
+func appendBinList(b []byte, l [][]byte) []byte {
 	if l == nil {
-		_ = enc.EncodeNil()
-		return
+		return append(b, msgpcode.Nil)
 	}
-	_ = enc.EncodeArrayLen(len(l))
+	b = msgp.AppendArrayLen(b, len(l))
 	for _, v := range l {
-		_ = enc.EncodeBytes(v)
+		b = msgp.AppendBytes(b, v)
 	}
+	return b
 }
 
 type markerRecord struct {
@@ -368,7 +388,7 @@ func NewTwoPhase[Txn any](ctx context.Context, st idem.Store, name string, sink 
 
 // newTwoPhase is the coordinator of checked options, before recovery.
 func newTwoPhase[Txn any](st idem.Store, name string, sink TwoPhaseCommitSink[Txn], opts TwoPhaseOptions) *TwoPhase[Txn] {
-	t := &TwoPhase[Txn]{st: st, name: name, scope: twoPhaseScope(name), escope: sinkScope(name), fscope: frontierScope(name), who: fmt.Sprintf("two-phase %q", name), sink: sink, opts: opts, log: opts.Logger, frontier: map[string]uint64{}}
+	t := &TwoPhase[Txn]{st: st, name: name, scope: twoPhaseScope(name), escope: sinkScope(name), fscope: frontierScope(name), who: fmt.Sprintf("two-phase %q", name), sink: sink, opts: opts, log: opts.Logger, frontier: map[string]uint64{}, lookupChunk: defaultLookupChunk}
 	if t.log == nil {
 		t.log = discardLogger()
 	}
@@ -804,26 +824,10 @@ func (t *TwoPhase[Txn]) Checkpoint(ctx context.Context, events []Event) ([]Outco
 		}
 		return cause
 	}
-	outs, fresh, err := t.lookupBatch(ctx, events, begin)
-	switch {
-	case beginErr != nil: // begin failed: nothing begun
-		return nil, beginErr
-	case err != nil && begun:
-		if err := waitOpen(); err != nil {
-			return nil, err
-		}
-		return nil, abortTxn(err)
-	case err != nil || len(fresh) == 0:
-		return outs, err
-	case !begun:
-		if begin(); beginErr != nil {
-			return nil, beginErr
-		}
-	}
-	frontier := make(map[string]uint64, len(t.frontier)+1)
-	for p, o := range t.frontier {
-		frontier[p] = o
-	}
+	// The new events are invoked as the lookups find them, in batch
+	// order (on an engine, while the rest of the batch is looked up: see
+	// lookupBatch). The transaction begins at the first one.
+	var frontier map[string]uint64
 	// The frontier is raised once per run of events of one partition (a
 	// batch is mostly such runs), not with a map access per event.
 	var runPart string
@@ -834,18 +838,37 @@ func (t *TwoPhase[Txn]) Checkpoint(ctx context.Context, events []Event) ([]Outco
 			frontier[runPart] = runTop
 		}
 	}
-	for _, c := range fresh {
-		if err := t.sink.Invoke(ctx, txn, *c.ev); err != nil {
-			if err := waitOpen(); err != nil {
-				return nil, err
+	invoke := func(c *eventClaim) error {
+		if !begun {
+			if begin(); beginErr != nil {
+				return beginErr
 			}
-			return nil, abortTxn(fmt.Errorf("idemstream: two-phase %q: checkpoint %d: Invoke: %w", t.name, k, &EventError{ID: c.ev.ID, Err: err}))
+			frontier = make(map[string]uint64, len(t.frontier)+1)
+			for p, o := range t.frontier {
+				frontier[p] = o
+			}
+		}
+		if err := t.sink.Invoke(ctx, txn, *c.ev); err != nil {
+			return fmt.Errorf("idemstream: two-phase %q: checkpoint %d: Invoke: %w", t.name, k, &EventError{ID: c.ev.ID, Err: err})
 		}
 		if !inRun || c.ev.Partition != runPart {
 			endRun()
 			runPart, runTop, inRun = c.ev.Partition, 0, true
 		}
 		runTop = max(runTop, c.ev.Offset)
+		return nil
+	}
+	outs, fresh, err := t.lookupBatch(ctx, events, invoke)
+	switch {
+	case beginErr != nil: // begin failed: nothing begun
+		return nil, beginErr
+	case err != nil && begun: // a lookup or an Invoke failed
+		if err := waitOpen(); err != nil {
+			return nil, err
+		}
+		return nil, abortTxn(err)
+	case err != nil || len(fresh) == 0:
+		return outs, err
 	}
 	endRun()
 	if err := waitOpen(); err != nil {
@@ -976,10 +999,20 @@ func (t *TwoPhase[Txn]) recordCheckpoint(ctx context.Context, k uint64, handle [
 // conflict or a corrupt record) and the fresh events, one per distinct id.
 // Only this coordinator commits in its event scope (one per name and
 // store), so an event absent here is still absent when the checkpoint is
-// recorded. firstFresh, if not nil, is called once, from this goroutine,
-// as soon as a fresh event is found (on a store without batches, whose
-// lookups run concurrently: after them).
-func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event, firstFresh func()) ([]Outcome, []*eventClaim, error) {
+// recorded. onFresh, if not nil, is called from this goroutine for each
+// fresh event, in batch order, as soon as the lookups before it are
+// classified; its error stops the lookups and is returned as it is, as
+// is a lookup's (other than a conflict or a corrupt record), after which
+// no more events are handed to onFresh.
+//
+// On an engine, whose lookups answer from memory, a batch of more than
+// t.lookupChunk distinct ids is looked up by a helper goroutine, chunk by
+// chunk, while this one hands the fresh events of the chunks done to
+// onFresh (the checkpoint's Invokes): the two overlap on two cores. The
+// helper has ended when lookupBatch returns (or panics). On a store
+// without batches the lookups run concurrently (network round trips) and
+// onFresh is called after them.
+func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event, onFresh func(*eventClaim) error) ([]Outcome, []*eventClaim, error) {
 	outs := make([]Outcome, len(events))
 	// byID is keyed by the events' own id bytes, not copies: events
 	// outlive the map (it is cleared when the checkpoint ends).
@@ -1050,39 +1083,94 @@ func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event, firstFr
 			outs[c.first] = o
 		}
 	}
-	if _, ok := t.st.(idem.Batcher); ok {
-		// An embedded engine answers from memory: no goroutines.
-		for j := range order {
-			lookup(j)
-			if firstFresh != nil && order[j].fresh {
-				firstFresh()
-				firstFresh = nil
-			}
-		}
-	} else {
-		parallelN(len(order), 64, lookup)
-	}
 	t.bufs.order = order
 	fresh := t.bufs.fresh
-	for _, c := range order {
+	// settle takes c's classification, in batch order: a failed event's
+	// outcome, the end on an error, or a fresh event to hand on.
+	settle := func(c *eventClaim) error {
 		switch err := c.err; {
 		case errors.Is(err, ErrConflict) || errors.Is(err, ErrCorruptRecord):
 			outs[c.first] = Outcome{Status: Failed, Err: err, Partition: c.ev.Partition, Offset: c.ev.Offset}
 		case err != nil:
-			return nil, nil, err
+			return err
 		case c.fresh:
 			fresh = append(fresh, c)
-			continue
+			if onFresh != nil {
+				return onFresh(c)
+			}
 		}
-		for _, i := range c.more {
-			outs[i] = outs[c.first]
+		return nil
+	}
+	var err error
+	if _, ok := t.st.(idem.Batcher); !ok {
+		parallelN(len(order), 64, lookup)
+		for _, c := range order {
+			if err = settle(c); err != nil {
+				break
+			}
 		}
+	} else if chunk := t.lookupChunk; len(order) <= chunk || chunk <= 0 {
+		// An embedded engine answers from memory: no goroutines.
+		for j, c := range order {
+			lookup(j)
+			if err = settle(c); err != nil {
+				break
+			}
+		}
+	} else {
+		err = pipelineLookups(len(order), chunk, lookup, func(j int) error { return settle(order[j]) })
 	}
 	t.bufs.fresh = fresh
-	if len(fresh) > 0 && firstFresh != nil {
-		firstFresh()
+	if err != nil {
+		return nil, nil, err
+	}
+	for _, c := range order {
+		if !c.fresh {
+			for _, i := range c.more {
+				outs[i] = outs[c.first]
+			}
+		}
 	}
 	return outs, fresh, nil
+}
+
+// defaultLookupChunk is TwoPhase.lookupChunk: small enough that the
+// Invokes start early, large enough that a hand-over (a channel send) is
+// a small part of a chunk's lookups.
+const defaultLookupChunk = 64
+
+// pipelineLookups runs lookup(0..n-1) on a helper goroutine, chunk by
+// chunk, and settle(j) on this one, in order, for each j whose chunk is
+// looked up; the first error of settle stops both and is returned. The
+// helper has ended when it returns or panics (settle runs the caller's
+// sink): the lookups write into the checkpoint's buffers.
+func pipelineLookups(n, chunk int, lookup func(int), settle func(int) error) error {
+	done := make(chan int, (n+chunk-1)/chunk) // never blocks the helper
+	var stop atomic.Bool
+	go func() {
+		defer close(done)
+		for j := 0; j < n && !stop.Load(); {
+			end := min(j+chunk, n)
+			for ; j < end; j++ {
+				lookup(j)
+			}
+			done <- end
+		}
+	}()
+	defer func() {
+		stop.Store(true)
+		for range done {
+		}
+	}()
+	j := 0
+	for end := range done {
+		for ; j < end; j++ {
+			if err := settle(j); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
 }
 
 // finishUnfinished commits the sink's transaction of a recorded checkpoint

@@ -1,0 +1,193 @@
+package idemstream
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/idemdb/idem"
+)
+
+// pipelineBatches are checkpoints of fresh events, redeliveries of earlier
+// batches, repeats inside a batch (the same payload, and another payload:
+// a conflict) and an invalid event, over three partitions.
+func pipelineBatches() [][]Event {
+	ev := func(id string, off uint64, payload string) Event {
+		return Event{ID: []byte(id), Partition: "p" + id[:1], Offset: off, Payload: []byte(payload)}
+	}
+	var batches [][]Event
+	for b := range 4 {
+		var evs []Event
+		for i := range 40 {
+			id := fmt.Sprintf("%c%03d", 'a'+i%3, b*40+i)
+			evs = append(evs, ev(id, uint64(b*40+i+1), "x"))
+			switch {
+			case b > 0 && i%7 == 0: // a redelivery of the previous batch
+				evs = append(evs, ev(fmt.Sprintf("%c%03d", 'a'+i%3, (b-1)*40+i), uint64((b-1)*40+i+1), "x"))
+			case i%9 == 4: // a repeat in the batch
+				evs = append(evs, ev(id, uint64(b*40+i+1), "x"))
+			case i%11 == 5: // a repeat with another payload
+				evs = append(evs, ev(id, uint64(b*40+i+1), "y"))
+			case i == 13:
+				evs = append(evs, Event{Partition: "pa", Offset: 1}) // no id
+			}
+		}
+		batches = append(batches, evs)
+	}
+	return batches
+}
+
+// TestCheckpointPipelinedLookups: a checkpoint whose lookups run on a
+// helper goroutine, handed over in chunks to the Invokes (lookupChunk 2),
+// gives every event the outcome it gets with the lookups and Invokes one
+// after the other (lookupChunk 0), and invokes the same events in the
+// same order into each checkpoint's transaction.
+func TestCheckpointPipelinedLookups(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	type run struct {
+		outs   [][]Status
+		errs   [][]bool
+		events [][]string // per transaction, in Invoke order
+	}
+	consume := func(chunk int) run {
+		w := newWorld()
+		l := newTxnLedger(w)
+		tp, _, err := newTwoPhaseWithHook(t, ctx, w, l, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer tp.Close()
+		tp.lookupChunk = chunk
+		var r run
+		for n, evs := range pipelineBatches() {
+			outs, err := tp.Checkpoint(ctx, evs)
+			if err != nil {
+				t.Fatalf("lookupChunk %d, checkpoint %d: %v", chunk, n, err)
+			}
+			var st []Status
+			var failed []bool
+			for _, o := range outs {
+				st = append(st, o.Status)
+				failed = append(failed, o.Err != nil)
+			}
+			r.outs, r.errs = append(r.outs, st), append(r.errs, failed)
+		}
+		l.check(t)
+		for id := uint64(1); id <= l.nextID; id++ {
+			r.events = append(r.events, l.txns[id].events)
+		}
+		for id, n := range l.invokes {
+			if n != 1 {
+				t.Errorf("lookupChunk %d: %s invoked %d times", chunk, id, n)
+			}
+		}
+		return r
+	}
+	serial, piped := consume(0), consume(2)
+	for n := range serial.outs {
+		if !slices.Equal(serial.outs[n], piped.outs[n]) || !slices.Equal(serial.errs[n], piped.errs[n]) {
+			t.Fatalf("checkpoint %d: outcomes %v (errors %v) pipelined, %v (errors %v) one after the other", n, piped.outs[n], piped.errs[n], serial.outs[n], serial.errs[n])
+		}
+	}
+	if len(serial.events) != len(piped.events) {
+		t.Fatalf("%d transactions pipelined, %d one after the other", len(piped.events), len(serial.events))
+	}
+	for n := range serial.events {
+		if !slices.Equal(serial.events[n], piped.events[n]) {
+			t.Fatalf("transaction %d invoked %v pipelined, %v one after the other", n+1, piped.events[n], serial.events[n])
+		}
+	}
+	if len(serial.events[0]) == 0 || !slices.Contains(serial.outs[1], Replayed) || !slices.Contains(serial.outs[0], Failed) {
+		t.Fatalf("the batches do not have new, replayed and failed events: %v", serial.outs)
+	}
+}
+
+// TestCheckpointPipelinedInvokeFails: an Invoke that fails while the
+// helper goroutine still looks up the rest of the batch aborts the
+// checkpoint (recorded "a/1"), invokes nothing after it, and the next
+// checkpoint commits the whole batch, each event once.
+func TestCheckpointPipelinedInvokeFails(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	w := newWorld()
+	l := newTxnLedger(w)
+	tp, _, err := newTwoPhaseWithHook(t, ctx, w, l, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tp.Close()
+	tp.lookupChunk = 2
+	evs := makeEvents(64, 2, 0)
+	l.failInvoke = string(evs[5].ID)
+	_, err = tp.Checkpoint(ctx, evs)
+	var ee *EventError
+	if !errors.As(err, &ee) || string(ee.ID) != l.failInvoke || errors.Is(err, ErrNeedsRecovery) {
+		t.Fatalf("checkpoint with a failing Invoke: %v, want the EventError of %s", err, l.failInvoke)
+	}
+	if got := l.txns[1].events; len(got) != 5 {
+		t.Fatalf("transaction 1 holds %v, want the 5 events before the failing one", got)
+	}
+	if len(l.invokes) != 6 {
+		t.Fatalf("%d events invoked, want 6 (none after the failing one)", len(l.invokes))
+	}
+	l.check(t)
+	if res, err := tp.st.Lookup(ctx, idem.Request{Scope: twoPhaseScope("tx"), ID: ckptID("a", 1)}); err != nil || res.Status != idem.Done {
+		t.Fatalf("abort of checkpoint 1 not recorded: %v %v", res.Status, err)
+	}
+	l.failInvoke = ""
+	outs, err := tp.Checkpoint(ctx, evs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, o := range outs {
+		if o.Status != Applied || o.Checkpoint != 2 {
+			t.Fatalf("event %s: %+v, want applied in checkpoint 2", evs[i].ID, o)
+		}
+	}
+	l.check(t)
+	checkExactlyOnce(t, l.committed, evs)
+}
+
+// TestCheckpointPipelinedLookupFails: a lookup that fails in the helper
+// goroutine's part of the batch, after the transaction began and events
+// were invoked, aborts the checkpoint; the next one commits the batch.
+func TestCheckpointPipelinedLookupFails(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	w := newWorld()
+	st := &lookupFailStore{Engine: openEngine(t, w.mem, nil)}
+	defer st.Close()
+	l := newTxnLedger(w)
+	tp, _, err := NewTwoPhase[*ledgerTxn](ctx, st, "tx", l, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tp.Close()
+	tp.lookupChunk = 2
+	evs := makeEvents(64, 2, 0)
+	bad := string(evs[40].ID)
+	st.failID.Store(&bad)
+	if _, err := tp.Checkpoint(ctx, evs); !errors.Is(err, errLookupFailed) || errors.Is(err, ErrNeedsRecovery) {
+		t.Fatalf("checkpoint with a failing lookup: %v, want the lookup's error", err)
+	}
+	if got := len(l.txns[1].events); got > 40 {
+		t.Fatalf("%d events invoked, want none from the failing lookup on", got)
+	}
+	l.check(t)
+	st.failID.Store(nil)
+	outs, err := tp.Checkpoint(ctx, evs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, o := range outs {
+		if o.Status != Applied || o.Checkpoint != 2 {
+			t.Fatalf("event %s: %+v, want applied in checkpoint 2", evs[i].ID, o)
+		}
+	}
+	l.check(t)
+	checkExactlyOnce(t, l.committed, evs)
+}
