@@ -139,17 +139,7 @@ func TestCheckpointPipelinedInvokeFails(t *testing.T) {
 		t.Fatalf("abort of checkpoint 1 not recorded: %v %v", res.Status, err)
 	}
 	l.failInvoke = ""
-	outs, err := tp.Checkpoint(ctx, evs)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for i, o := range outs {
-		if o.Status != Applied || o.Checkpoint != 2 {
-			t.Fatalf("event %s: %+v, want applied in checkpoint 2", evs[i].ID, o)
-		}
-	}
-	l.check(t)
-	checkExactlyOnce(t, l.committed, evs)
+	checkpointAppliesAll(t, ctx, tp, l, evs, 2)
 }
 
 // TestCheckpointPipelinedLookupFails: a lookup that fails in the helper
@@ -179,15 +169,5 @@ func TestCheckpointPipelinedLookupFails(t *testing.T) {
 	}
 	l.check(t)
 	st.failID.Store(nil)
-	outs, err := tp.Checkpoint(ctx, evs)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for i, o := range outs {
-		if o.Status != Applied || o.Checkpoint != 2 {
-			t.Fatalf("event %s: %+v, want applied in checkpoint 2", evs[i].ID, o)
-		}
-	}
-	l.check(t)
-	checkExactlyOnce(t, l.committed, evs)
+	checkpointAppliesAll(t, ctx, tp, l, evs, 2)
 }

@@ -209,6 +209,24 @@ func newTwoPhaseWithHook(t *testing.T, ctx context.Context, w *world, l *txnLedg
 	return tp, rep, nil
 }
 
+// checkpointAppliesAll checkpoints evs again (after a checkpoint that was
+// aborted) and checks every event applied in checkpoint want, the ledger
+// consistent, and each event committed exactly once.
+func checkpointAppliesAll(t *testing.T, ctx context.Context, tp *TwoPhase[*ledgerTxn], l *txnLedger, evs []Event, want uint64) {
+	t.Helper()
+	outs, err := tp.Checkpoint(ctx, evs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, o := range outs {
+		if o.Status != Applied || o.Checkpoint != want {
+			t.Fatalf("event %s: %+v, want applied in checkpoint %d", evs[i].ID, o, want)
+		}
+	}
+	l.check(t)
+	checkExactlyOnce(t, l.committed, evs)
+}
+
 // startTwoPhase starts a coordinator as newTwoPhaseWithHook does, without
 // a hook, for a new transactional ledger in a world of its own; it is
 // closed when the test ends.
@@ -528,17 +546,7 @@ func TestCheckpointLookupFailsAfterBegin(t *testing.T) {
 		t.Fatalf("abort of checkpoint 1 not recorded: %v %v", res.Status, err)
 	}
 	st.failID.Store(nil)
-	outs, err := tp.Checkpoint(ctx, evs)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for i, o := range outs {
-		if o.Status != Applied || o.Checkpoint != 2 {
-			t.Fatalf("event %s: %+v, want applied in checkpoint 2", evs[i].ID, o)
-		}
-	}
-	l.check(t)
-	checkExactlyOnce(t, l.committed, evs)
+	checkpointAppliesAll(t, ctx, tp, l, evs, 2)
 }
 
 // TestCheckpointRepeatWithAnotherPayload: a batch that repeats an event id
