@@ -24,21 +24,24 @@ import (
 // (A Batch fills in place the entry of a claim it made, which no Get has
 // returned, when the claim's commit follows at once: see Batch.Add.)
 type Entry struct {
+	// The fields are ordered for size, not by part: the three slices
+	// (the only pointers) first, so that the collector's scan of an entry
+	// ends after them, and the three flags together at the end, which
+	// makes an Entry 184 bytes (the 192-byte size class) rather than 200
+	// (208). Every table slot and pending set holds one per key.
+
 	// The committed part.
-	Committed   bool
+	Reply       []byte
+	Fingerprint []byte // of the committed request; nil = stored without one
 	Seq         uint64 // client keys: last committed sequence number
 	CommitTime  int64  // unix ns
 	CommitLSN   wal.LSN
-	ReplyKept   bool // false once acked, forgotten, or (client keys) superseded by the next claim
-	Reply       []byte
-	Fingerprint []byte // of the committed request; nil = stored without one
-	ExpiresAt   int64  // unix ns when the reply's TTL runs out (from its claim); 0 = never
+	ExpiresAt   int64 // unix ns when the reply's TTL runs out (from its claim); 0 = never
 
 	// The in-flight part.
-	InFlight   bool
+	ClaimFP    []byte
 	ClaimLSN   wal.LSN // identifies the claim: a commit or abort must name it
 	ClaimSeq   uint64
-	ClaimFP    []byte
 	ClaimTime  int64
 	LeaseUntil int64
 	// ClaimExpires is the claim's TTL deadline, which its commit keeps as
@@ -60,6 +63,12 @@ type Entry struct {
 
 	// LSN of the last record that changed this entry.
 	LSN wal.LSN
+
+	// Flags (committed part: Committed, ReplyKept; in-flight part:
+	// InFlight).
+	Committed bool
+	ReplyKept bool // false once acked, forgotten, or (client keys) superseded by the next claim
+	InFlight  bool
 }
 
 // HasTimeKey says whether the entry has a row in the time index: it does

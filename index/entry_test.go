@@ -4,6 +4,7 @@ import (
 	"errors"
 	"reflect"
 	"testing"
+	"unsafe"
 
 	"github.com/idemdb/idem/internal/alloctest"
 	"github.com/idemdb/idem/wal"
@@ -134,5 +135,14 @@ func TestAppendTransitions(t *testing.T) {
 	got, err = AppendTransitions(buf[:1], batch, 11, nil, nil, absent)
 	if err != nil || len(got) != 2 || string(got[1].Key) != string(key) || got[1].Next == nil || !got[1].Next.InFlight {
 		t.Fatalf("batch: %v %+v", err, got)
+	}
+}
+
+// TestEntrySize pins Entry's layout: one per key lives in a table slot and
+// in a pending set, and with its three flags packed together it fits the
+// 192-byte size class instead of 208.
+func TestEntrySize(t *testing.T) {
+	if got := unsafe.Sizeof(Entry{}); got > 184 {
+		t.Fatalf("Entry is %d bytes, want at most 184 (its flags packed together, the 192-byte size class)", got)
 	}
 }

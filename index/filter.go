@@ -263,9 +263,11 @@ func (ix *Index) startFilterBuildLocked() {
 		if s == nil {
 			continue
 		}
-		for k, p := range s.m {
-			if p.next != nil {
-				nf.add(maphash.String(ix.filterSeed, k))
+		for _, slab := range s.slabs {
+			for i := range slab {
+				if p := &slab[i]; p.next != nil {
+					nf.add(maphash.String(ix.filterSeed, p.key))
+				}
 			}
 		}
 	}

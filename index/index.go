@@ -710,28 +710,25 @@ func (ix *Index) InDoubt(fn func(key []byte, e *Entry) error) error {
 	mut, frozen := ix.mut, ix.frozen
 	ix.pmu.RUnlock()
 	covered := func(k string) bool {
-		if _, ok := mut.m[k]; ok {
-			return true
-		}
-		if frozen != nil {
-			_, ok := frozen.m[k]
-			return ok
-		}
-		return false
+		return mut.get(k) != nil || (frozen != nil && frozen.get(k) != nil)
 	}
 	// The sets hold the newest state of the keys they cover.
-	for k, p := range mut.m {
-		if p.next != nil && p.next.InFlight {
-			if err := fn([]byte(k), p.next); err != nil {
-				return err
+	for _, slab := range mut.slabs {
+		for i := range slab {
+			if p := &slab[i]; p.next != nil && p.next.InFlight {
+				if err := fn([]byte(p.key), p.next); err != nil {
+					return err
+				}
 			}
 		}
 	}
 	if frozen != nil {
-		for k, p := range frozen.m {
-			if _, newer := mut.m[k]; !newer && p.next != nil && p.next.InFlight {
-				if err := fn([]byte(k), p.next); err != nil {
-					return err
+		for _, slab := range frozen.slabs {
+			for i := range slab {
+				if p := &slab[i]; mut.get(p.key) == nil && p.next != nil && p.next.InFlight {
+					if err := fn([]byte(p.key), p.next); err != nil {
+						return err
+					}
 				}
 			}
 		}

@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"hash/maphash"
 	iofs "io/fs"
 	"slices"
 	"strings"
@@ -18,8 +19,8 @@ import (
 )
 
 // Applied updates are not written into Pebble's memtable one batch at a
-// time. They are merged into an in-memory pending set (a hash map: a lookup
-// costs one map probe, where a seek in a 32 MiB memtable skiplist costs tens
+// time. They are merged into an in-memory pending set (a hash table: a lookup
+// costs one probe, where a seek in a 32 MiB memtable skiplist costs tens
 // of cache misses, and nearly every lookup is of a fresh id that must be
 // looked for everywhere). When the set reaches IngestBytes it is frozen, and
 // a background goroutine writes it as sorted sstables (one per key group:
@@ -37,36 +38,103 @@ import (
 
 // pendingSet is a set of coalesced updates not yet in Pebble.
 type pendingSet struct {
-	m     map[string]*pendEntry
+	// ix finds a key's pendEntry: an open-addressing table of slab
+	// positions, which holds no pointers (a Go map of the keys would be
+	// traced by every collection, key and entry pointer alike, for as long
+	// as the set lives).
+	ix    pendIndex
+	n     int   // keys in the set
 	bytes int64 // approximate memory held
 	last  wal.LSN
 	// count and replies as of last, for the meta rows.
 	count, replies int64
-	// The set's pendEntries and the bytes of its map keys are carved out
+	// The set's pendEntries and the bytes of its keys are carved out
 	// of chunks (slabs, keys) rather than allocated one by one: they all
 	// live exactly as long as the set, so per key this saves two
 	// allocations and the collector two objects to trace. slabs holds
 	// every pendEntry of the set, in the order the keys were added: the
-	// ingest walks them there (memory in order) rather than through the
-	// map.
+	// ingest and every scan of the set walk them there (memory in order).
 	slabs [][]pendEntry
 	keys  []byte
 }
 
 // pendEntry is one key's change: prev is what Pebble holds (once the sets
-// before this one are ingested), next what it must hold. key is its key in
-// the set's map.
+// before this one are ingested), next what it must hold. key is its key
+// (bytes in the set's key chunks).
 type pendEntry struct {
 	prev, next *Entry
 	key        string
 }
 
-// newPendingSet returns an empty set whose map is sized for about hint
+// newPendingSet returns an empty set whose index is sized for about hint
 // keys: the set it follows held that many when it was frozen, and the next
 // one, filled by the same workload to the same size, would otherwise grow
-// its map (rehashing every key) several times.
+// its index (rehashing every key) several times.
 func newPendingSet(hint int) *pendingSet {
-	return &pendingSet{m: make(map[string]*pendEntry, hint)}
+	s := &pendingSet{}
+	s.ix.init(hint)
+	return s
+}
+
+// pendSeed hashes the keys of every pending set.
+var pendSeed = maphash.MakeSeed()
+
+// pendIndex is a pendingSet's hash index, linear probing: each slot is 0
+// (empty) or the key hash's top 32 bits above the key's position in the
+// set's slabs plus one. A probe compares the key bytes only when those 32
+// bits match, so a key absent from the set (nearly every key a batch adds
+// is new) costs one hash and, usually, one cache line. Keys are never
+// removed from a set.
+type pendIndex struct {
+	slots []uint64 // len a power of two, at most 7/8 full
+}
+
+func (x *pendIndex) init(hint int) {
+	n := 16
+	for n*7/8 < hint {
+		n *= 2
+	}
+	x.slots = make([]uint64, n)
+}
+
+// find returns key's position in s (hash h), or -1.
+func (x *pendIndex) find(s *pendingSet, key string, h uint64) int {
+	mask := uint64(len(x.slots) - 1)
+	for i := h & mask; ; i = (i + 1) & mask {
+		v := x.slots[i]
+		if v == 0 {
+			return -1
+		}
+		if v>>32 == h>>32 {
+			if pos := int(uint32(v)) - 1; s.at(pos).key == key {
+				return pos
+			}
+		}
+	}
+}
+
+// insert records that the key with hash h is at pos; the key is not in
+// the index, which has room for it.
+func (x *pendIndex) insert(pos int, h uint64) {
+	mask := uint64(len(x.slots) - 1)
+	i := h & mask
+	for x.slots[i] != 0 {
+		i = (i + 1) & mask
+	}
+	x.slots[i] = h>>32<<32 | uint64(pos+1)
+}
+
+// at returns the pendEntry at position pos of s's slabs.
+func (s *pendingSet) at(pos int) *pendEntry {
+	return &s.slabs[pos/pendSlabLen][pos%pendSlabLen]
+}
+
+// get returns key's pendEntry in s, or nil.
+func (s *pendingSet) get(key string) *pendEntry {
+	if pos := s.ix.find(s, key, maphash.String(pendSeed, key)); pos >= 0 {
+		return s.at(pos)
+	}
+	return nil
 }
 
 // Chunk sizes of a pending set's slab (entries) and key bytes.
@@ -75,8 +143,17 @@ const (
 	pendKeyChunk = 16 << 10
 )
 
-// add puts key into the set with a new pendEntry, which it returns.
-func (s *pendingSet) add(key []byte, prev *Entry) *pendEntry {
+// add puts key, which s does not hold, into the set with a new pendEntry,
+// which it returns. h is the key's hash (pendSeed).
+func (s *pendingSet) add(key []byte, h uint64, prev *Entry) *pendEntry {
+	if (s.n+1)*8 > len(s.ix.slots)*7 {
+		// Grow: rehash every key (the set was sized by the one before it,
+		// so this is rare).
+		s.ix.init(2 * (s.n + 1))
+		for pos := 0; pos < s.n; pos++ {
+			s.ix.insert(pos, maphash.String(pendSeed, s.at(pos).key))
+		}
+	}
 	n := len(s.slabs)
 	if n == 0 || len(s.slabs[n-1]) == pendSlabLen {
 		s.slabs = append(s.slabs, make([]pendEntry, 0, pendSlabLen))
@@ -98,11 +175,13 @@ func (s *pendingSet) add(key []byte, prev *Entry) *pendEntry {
 		k = unsafe.String(&s.keys[off], len(key))
 	}
 	p.key = k
-	s.m[k] = p
+	s.ix.insert(s.n, h)
+	s.n++
 	return p
 }
 
-// pendingOverhead approximates the memory of one map slot and pendEntry.
+// pendingOverhead approximates the memory of one index slot, pendEntry and
+// key header.
 const pendingOverhead = 96
 
 func entryMem(e *Entry) int64 {
@@ -117,12 +196,14 @@ func entryMem(e *Entry) int64 {
 func (ix *Index) lookupPending(key []byte) (e *Entry, ok bool) {
 	ix.pmu.RLock()
 	defer ix.pmu.RUnlock()
-	if p, ok := ix.mut.m[string(key)]; ok {
-		return p.next, true
+	k := unsafe.String(unsafe.SliceData(key), len(key)) // not kept
+	h := maphash.String(pendSeed, k)
+	if pos := ix.mut.ix.find(ix.mut, k, h); pos >= 0 {
+		return ix.mut.at(pos).next, true
 	}
-	if ix.frozen != nil {
-		if p, ok := ix.frozen.m[string(key)]; ok {
-			return p.next, true
+	if f := ix.frozen; f != nil {
+		if pos := f.ix.find(f, k, h); pos >= 0 {
+			return f.at(pos).next, true
 		}
 	}
 	return nil, false
@@ -176,9 +257,13 @@ func (ix *Index) addPending(ups []*Update, ingestAt int64) error {
 		ix.pmu.Lock()
 		for _, u := range chunk {
 			for _, t := range u.Transitions {
-				p := s.m[string(t.Key)]
-				if p == nil {
-					p = s.add(t.Key, t.Prev)
+				k := unsafe.String(unsafe.SliceData(t.Key), len(t.Key)) // not kept
+				h := maphash.String(pendSeed, k)
+				var p *pendEntry
+				if pos := s.ix.find(s, k, h); pos >= 0 {
+					p = s.at(pos)
+				} else {
+					p = s.add(t.Key, h, t.Prev)
 					s.bytes += int64(len(t.Key)) + pendingOverhead
 				}
 				// Counts follow the key's first prev and last next, as if
@@ -238,7 +323,7 @@ func (ix *Index) freezeLocked() error {
 	if err := ix.waitIngestLocked(); err != nil {
 		return err
 	}
-	if len(ix.mut.m) == 0 {
+	if ix.mut.n == 0 {
 		return nil
 	}
 	if ix.memDirty {
@@ -250,7 +335,7 @@ func (ix *Index) freezeLocked() error {
 	}
 	ix.pmu.Lock()
 	f := ix.mut
-	ix.frozen, ix.mut = f, newPendingSet(len(f.m))
+	ix.frozen, ix.mut = f, newPendingSet(f.n)
 	ix.pmu.Unlock()
 	job := &ingestJob{done: make(chan struct{})}
 	ix.job = job
@@ -542,7 +627,7 @@ func touchKeys(rows []entryRow, trs []timeRow) {
 // rows are made in that order and sorted by time, then by their place in
 // it; the in-doubt rows come out in key order.
 func (ix *Index) writeSSTs(base string, s *pendingSet) (paths []string, err error) {
-	rows := make([]entryRow, 0, len(s.m))
+	rows := make([]entryRow, 0, s.n)
 	for _, slab := range s.slabs {
 		for i := range slab {
 			if p := &slab[i]; p.prev != nil || p.next != nil {

@@ -2,6 +2,7 @@ package index
 
 import (
 	"fmt"
+	"hash/maphash"
 	"math/rand/v2"
 	"runtime"
 	"slices"
@@ -174,5 +175,35 @@ func TestPendingChunksUnderReaders(t *testing.T) {
 	close(errs)
 	for e := range errs {
 		t.Fatal(e)
+	}
+}
+
+// TestPendingSetIndex: a set started with a small hint grows its index
+// past it and still finds every key it holds at its own pendEntry, and no
+// key it lacks (including prefixes and extensions of its keys).
+func TestPendingSetIndex(t *testing.T) {
+	s := newPendingSet(4)
+	const n = 5000
+	key := func(i int) []byte { return fmt.Appendf(nil, "key-%d", i) }
+	added := make([]*pendEntry, n)
+	for i := range n {
+		k := key(i)
+		if s.get(string(k)) != nil {
+			t.Fatalf("key %q found before it was added", k)
+		}
+		added[i] = s.add(k, maphash.Bytes(pendSeed, k), nil)
+	}
+	if s.n != n {
+		t.Fatalf("set holds %d keys, want %d", s.n, n)
+	}
+	for i := range n {
+		if got := s.get(string(key(i))); got != added[i] {
+			t.Fatalf("key %d: got pendEntry %p, want %p", i, got, added[i])
+		}
+		for _, absent := range []string{fmt.Sprintf("key-%d", i+n), fmt.Sprintf("key-%dx", i), fmt.Sprintf("ke-%d", i)} {
+			if s.get(absent) != nil {
+				t.Fatalf("absent key %q found", absent)
+			}
+		}
 	}
 }
