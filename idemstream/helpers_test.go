@@ -21,8 +21,14 @@ var errCrashed = errors.New("test: process crashed")
 // world is the simulated process and its crash: the idem directory is on a
 // crashable in-memory FS; the external systems (broker, ledger) survive
 // the crash, but reject anything the dead process tries after it.
+//
+// mu is a RWMutex: an action holds it for reading, so that the actions on
+// different systems (a handler's ledger write and another batch's broker
+// ack) run at once as they would in a real deployment, where no lock
+// spans two systems; crash and restart hold it for writing, so a crash
+// still falls between actions, never inside one.
 type world struct {
-	mu      sync.Mutex
+	mu      sync.RWMutex // guards the fields below
 	crashed bool
 	mem     *vfs.MemFS
 	clone   *vfs.MemFS
@@ -52,15 +58,15 @@ func newWorld() *world { return &world{mem: vfs.NewCrashableMem(), dead: make(ch
 
 // deadCh is closed when the current process crashes.
 func (w *world) deadCh() chan struct{} {
-	w.mu.Lock()
-	defer w.mu.Unlock()
+	w.mu.RLock()
+	defer w.mu.RUnlock()
 	return w.dead
 }
 
 // do runs fn as one external action of the live process.
 func (w *world) do(fn func() error) error {
-	w.mu.Lock()
-	defer w.mu.Unlock()
+	w.mu.RLock()
+	defer w.mu.RUnlock()
 	if w.crashed {
 		return errCrashed
 	}
