@@ -7,6 +7,7 @@ import (
 	"sort"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -107,21 +108,24 @@ func openEngine(t testing.TB, fs vfs.FS, clock func() time.Time) *idem.Engine {
 
 // memBroker is an in-memory stream with at-least-once delivery: Fetch
 // hands out unacknowledged messages in order, wrapping around, so every
-// delivery not acknowledged comes again.
+// delivery not acknowledged comes again. An ack takes no lock of the
+// broker's (atomics): the consumers ack a batch from up to 64 goroutines
+// at once, which on a real broker are independent round trips, not turns
+// at one mutex (they queued on it, against the next batch's fetch).
 type memBroker struct {
 	w          *world
-	mu         sync.Mutex
+	mu         sync.Mutex // guards cursor and deliveries
 	events     []Event
-	acked      []bool
+	acked      []atomic.Bool
 	cursor     int
 	deliveries int
-	acks       int
-	nacked     int           // distinct messages acked
+	acks       atomic.Int64
+	nacked     atomic.Int64  // distinct messages acked
 	done       chan struct{} // closed when every message is acked
 }
 
 func newMemBroker(w *world, events []Event) *memBroker {
-	return &memBroker{w: w, events: events, acked: make([]bool, len(events)), done: make(chan struct{})}
+	return &memBroker{w: w, events: events, acked: make([]atomic.Bool, len(events)), done: make(chan struct{})}
 }
 
 // ackedCh is closed once every message is acked.
@@ -134,26 +138,20 @@ func (b *memBroker) Fetch(ctx context.Context, n int) ([]Message, error) {
 		defer b.mu.Unlock()
 		// Sized once: growing it by appends cost the benchmarks' batches
 		// of 1024 more per message than NoIdem's of 64.
-		out = make([]Message, 0, min(n, len(b.events)-b.nacked))
+		out = make([]Message, 0, max(0, min(n, len(b.events)-int(b.nacked.Load()))))
 		for scanned := 0; scanned < len(b.events) && len(out) < n; scanned++ {
 			i := b.cursor
 			b.cursor = (b.cursor + 1) % len(b.events)
-			if b.acked[i] {
+			if b.acked[i].Load() {
 				continue
 			}
 			b.deliveries++
 			out = append(out, Message{Event: b.events[i], Ack: func(context.Context) error {
 				return b.w.do(func() error {
-					b.mu.Lock()
-					defer b.mu.Unlock()
-					if !b.acked[i] {
-						b.acked[i] = true
-						b.nacked++
-						if b.nacked == len(b.events) {
-							close(b.done)
-						}
+					if b.acked[i].CompareAndSwap(false, true) && b.nacked.Add(1) == int64(len(b.events)) {
+						close(b.done)
 					}
-					b.acks++
+					b.acks.Add(1)
 					return nil
 				})
 			}})
@@ -172,11 +170,7 @@ func (b *memBroker) Fetch(ctx context.Context, n int) ([]Message, error) {
 	return out, nil
 }
 
-func (b *memBroker) allAcked() bool {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.nacked == len(b.events)
-}
+func (b *memBroker) allAcked() bool { return b.nacked.Load() == int64(len(b.events)) }
 
 // makeEvents builds n distinct events over parts partitions with offsets
 // that have gaps, plus dups producer-side duplicates (same id and payload
