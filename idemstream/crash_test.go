@@ -151,7 +151,7 @@ func TestSinkCrashWindows(t *testing.T) {
 						}
 					}
 					checkExactlyOnce(t, l.applied, evs)
-					t.Logf("deliveries %d, acks %d, recovered %+v", b.deliveries, b.acks, s.Stats())
+					t.Logf("deliveries %d, acks %d, recovered %+v", b.deliveries, b.acks.Load(), s.Stats())
 				})
 			}
 		}

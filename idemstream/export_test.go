@@ -39,8 +39,8 @@ func (w *world) Crash() error                           { return w.crash() }
 func (w *world) Restart()                               { w.restart() }
 func (w *world) Do(fn func() error) error               { return w.do(fn) }
 func (w *world) Dead() chan struct{}                    { return w.deadCh() }
-func (w *world) FS() vfs.FS                             { w.mu.Lock(); defer w.mu.Unlock(); return w.mem }
-func (w *world) Crashed() bool                          { w.mu.Lock(); defer w.mu.Unlock(); return w.crashed }
+func (w *world) FS() vfs.FS                             { w.mu.RLock(); defer w.mu.RUnlock(); return w.mem }
+func (w *world) Crashed() bool                          { w.mu.RLock(); defer w.mu.RUnlock(); return w.crashed }
 func SetSinkHook(s *Sink, h func(Window, *Event) error) { s.hook = h }
 
 func OpenEngine(t testing.TB, fs vfs.FS, clock func() time.Time) *idem.Engine {

@@ -134,9 +134,10 @@ type TwoPhase[Txn any] struct {
 	log    *slog.Logger
 	hook   func(window, uint64) error
 	poison poisonCounters // counted by ConsumeTwoPhase
-	// lookupChunk: on an engine, a checkpoint of more distinct events
-	// than this overlaps its lookups with its Invokes, handed over in
-	// chunks of this many (lookupBatch); tests make it small.
+	// lookupChunk: on an engine, a checkpoint of more events than this
+	// overlaps its lookups with the preparation of its events and with
+	// its Invokes, handed over in chunks of this many (lookupBatch);
+	// tests make it small.
 	lookupChunk int
 
 	mu         sync.Mutex
@@ -1006,10 +1007,12 @@ func (t *TwoPhase[Txn]) recordCheckpoint(ctx context.Context, k uint64, handle [
 // no more events are handed to onFresh.
 //
 // On an engine, whose lookups answer from memory, a batch of more than
-// t.lookupChunk distinct ids is looked up by a helper goroutine, chunk by
-// chunk, while this one hands the fresh events of the chunks done to
-// onFresh (the checkpoint's Invokes): the two overlap on two cores. The
-// helper has ended when lookupBatch returns (or panics). On a store
+// t.lookupChunk events is looked up by a helper goroutine, chunk by
+// chunk, as this one prepares them (validates, finds the repeats,
+// fingerprints) and then, once all are prepared, hands the fresh events
+// of the chunks looked up to onFresh (the checkpoint's Invokes): the
+// preparation and the Invokes both overlap the lookups, on two cores.
+// The helper has ended when lookupBatch returns (or panics). On a store
 // without batches the lookups run concurrently (network round trips) and
 // onFresh is called after them.
 func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event, onFresh func(*eventClaim) error) ([]Outcome, []*eventClaim, error) {
@@ -1017,50 +1020,63 @@ func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event, onFresh
 	// byID is keyed by the events' own id bytes, not copies: events
 	// outlive the map (it is cleared when the checkpoint ends).
 	t.bufs.reset(len(events))
-	byID, order, all := t.bufs.byID, t.bufs.order, t.bufs.all
+	byID, all := t.bufs.byID, t.bufs.all
+	// order lists the distinct events in batch order, written at
+	// order[n] by prepare; the helper reads the entries prepare has
+	// handed over, never the slice header prepare changes.
+	order := t.bufs.order[:len(events)]
+	n := 0
 	var fps fingerprints
 	if !t.opts.NoFingerprint {
 		fps.reserve(len(events))
 	}
-	for i := range events {
-		ev := &events[i]
-		if err := ev.validate(); err != nil {
-			outs[i] = Outcome{Status: Failed, Err: err, Partition: ev.Partition, Offset: ev.Offset}
-			continue
-		}
-		id := unsafe.String(unsafe.SliceData(ev.ID), len(ev.ID))
-		if c := byID[id]; c != nil {
-			if c.fp != nil {
-				// A repeat with another payload is not the same event:
-				// a conflict, as a redelivery of a committed id would be.
-				if s := sha256.Sum256(ev.Payload); !bytes.Equal(s[:], c.fp) {
-					outs[i] = Outcome{Status: Failed, Partition: ev.Partition, Offset: ev.Offset,
-						Err: fmt.Errorf("%w: %s, event %q (partition %q, offset %d): repeats the event at partition %q, offset %d of the same batch with another payload",
-							ErrConflict, t.who, ev.ID, ev.Partition, ev.Offset, c.ev.Partition, c.ev.Offset)}
-					continue
-				}
+	// prepare takes the events up to end (from where the last call
+	// stopped) and returns how many distinct ones there are so far.
+	next := 0
+	prepare := func(end int) int {
+		for ; next < end; next++ {
+			i := next
+			ev := &events[i]
+			if err := ev.validate(); err != nil {
+				outs[i] = Outcome{Status: Failed, Err: err, Partition: ev.Partition, Offset: ev.Offset}
+				continue
 			}
-			c.more = append(c.more, i)
-			continue
+			id := unsafe.String(unsafe.SliceData(ev.ID), len(ev.ID))
+			if c := byID[id]; c != nil {
+				if c.fp != nil {
+					// A repeat with another payload is not the same event:
+					// a conflict, as a redelivery of a committed id would be.
+					if s := sha256.Sum256(ev.Payload); !bytes.Equal(s[:], c.fp) {
+						outs[i] = Outcome{Status: Failed, Partition: ev.Partition, Offset: ev.Offset,
+							Err: fmt.Errorf("%w: %s, event %q (partition %q, offset %d): repeats the event at partition %q, offset %d of the same batch with another payload",
+								ErrConflict, t.who, ev.ID, ev.Partition, ev.Offset, c.ev.Partition, c.ev.Offset)}
+						continue
+					}
+				}
+				// Only this goroutine reads more, once the lookups are over.
+				c.more = append(c.more, i)
+				continue
+			}
+			c := &all[i]
+			*c = eventClaim{ev: ev, first: i}
+			if !t.opts.NoFingerprint {
+				c.fp = fps.of(ev.Payload)
+			}
+			byID[id] = c
+			order[n] = c
+			n++
 		}
-		c := &all[i]
-		*c = eventClaim{ev: ev, first: i}
-		if !t.opts.NoFingerprint {
-			c.fp = fps.of(ev.Payload)
-		}
-		byID[id] = c
-		order = append(order, c)
+		return n
 	}
 	// An engine's lookups hand their reads on to the Puts of the fresh
 	// events (hints[j] for order[j]).
 	hl, _ := t.st.(hintLookuper)
 	var hints []idem.PutHint
 	if hl != nil {
-		if cap(t.bufs.hints) < len(order) {
-			t.bufs.hints = make([]idem.PutHint, len(order), cap(all))
+		if cap(t.bufs.hints) < len(events) {
+			t.bufs.hints = make([]idem.PutHint, len(events))
 		}
-		hints = t.bufs.hints[:len(order)]
-		t.bufs.hints = hints
+		hints = t.bufs.hints[:len(events)]
 	}
 	// lookup classifies order[j]: fresh, or its outcome (at its first
 	// position) or error.
@@ -1083,7 +1099,6 @@ func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event, onFresh
 			outs[c.first] = o
 		}
 	}
-	t.bufs.order = order
 	fresh := t.bufs.fresh
 	// settle takes c's classification, in batch order: a failed event's
 	// outcome, the end on an error, or a fresh event to hand on.
@@ -1103,28 +1118,34 @@ func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event, onFresh
 	}
 	var err error
 	if _, ok := t.st.(idem.Batcher); !ok {
-		parallelN(len(order), 64, lookup)
-		for _, c := range order {
+		prepare(len(events))
+		parallelN(n, 64, lookup)
+		for _, c := range order[:n] {
 			if err = settle(c); err != nil {
 				break
 			}
 		}
-	} else if chunk := t.lookupChunk; len(order) <= chunk || chunk <= 0 {
+	} else if chunk := t.lookupChunk; len(events) <= chunk || chunk <= 0 {
 		// An embedded engine answers from memory: no goroutines.
-		for j, c := range order {
+		prepare(len(events))
+		for j, c := range order[:n] {
 			lookup(j)
 			if err = settle(c); err != nil {
 				break
 			}
 		}
 	} else {
-		err = pipelineLookups(len(order), chunk, lookup, func(j int) error { return settle(order[j]) })
+		err = pipelineLookups(len(events), chunk, prepare, lookup, func(j int) error { return settle(order[j]) })
 	}
-	t.bufs.fresh = fresh
+	// The buffers keep what this batch used (release clears it).
+	t.bufs.order, t.bufs.fresh = order[:n], fresh
+	if hints != nil {
+		t.bufs.hints = hints[:n]
+	}
 	if err != nil {
 		return nil, nil, err
 	}
-	for _, c := range order {
+	for _, c := range order[:n] {
 		if !c.fresh {
 			for _, i := range c.more {
 				outs[i] = outs[c.first]
@@ -1135,33 +1156,51 @@ func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event, onFresh
 }
 
 // defaultLookupChunk is TwoPhase.lookupChunk: small enough that the
-// Invokes start early, large enough that a hand-over (a channel send) is
-// a small part of a chunk's lookups.
+// lookups and the Invokes start early, large enough that a hand-over (a
+// channel send) is a small part of a chunk's lookups.
 const defaultLookupChunk = 64
 
-// pipelineLookups runs lookup(0..n-1) on a helper goroutine, chunk by
-// chunk, and settle(j) on this one, in order, for each j whose chunk is
-// looked up; the first error of settle stops both and is returned. The
-// helper has ended when it returns or panics (settle runs the caller's
-// sink): the lookups write into the checkpoint's buffers.
-func pipelineLookups(n, chunk int, lookup func(int), settle func(int) error) error {
-	done := make(chan int, (n+chunk-1)/chunk) // never blocks the helper
+// pipelineLookups runs, for a batch of n events, prepare on this
+// goroutine chunk by chunk (prepare(end) takes the events up to end and
+// returns how many lookups they make so far), lookup(0..) on a helper
+// goroutine for each chunk prepared, and then settle(j) on this one, in
+// order, for each j whose chunk is looked up; the first error of settle
+// stops both and is returned. The helper has ended when it returns or
+// panics (settle runs the caller's sink): the lookups write into the
+// checkpoint's buffers.
+func pipelineLookups(n, chunk int, prepare func(end int) int, lookup func(int), settle func(int) error) error {
+	chunks := (n + chunk - 1) / chunk
+	// Neither channel ever blocks its sender: one message per chunk.
+	ready := make(chan int, chunks) // lookups prepared so far
+	done := make(chan int, chunks)  // lookups made so far
 	var stop atomic.Bool
 	go func() {
 		defer close(done)
-		for j := 0; j < n && !stop.Load(); {
-			end := min(j+chunk, n)
+		j := 0
+		for end := range ready {
 			for ; j < end; j++ {
+				if stop.Load() {
+					return
+				}
 				lookup(j)
 			}
 			done <- end
 		}
 	}()
+	closed := false
 	defer func() {
 		stop.Store(true)
+		if !closed {
+			close(ready)
+		}
 		for range done {
 		}
 	}()
+	for i := 0; i < n; i += chunk {
+		ready <- prepare(min(i+chunk, n))
+	}
+	close(ready)
+	closed = true
 	j := 0
 	for end := range done {
 		for ; j < end; j++ {
