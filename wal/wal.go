@@ -1065,7 +1065,10 @@ func (w *WAL) pendingFrames() int {
 // 12-14 µs): the extra fdatasyncs cost kernel CPU, and each flush's work
 // in the engine (waking, applying its records) is spread over fewer
 // records. BenchmarkGroupCommitWork, whose callers have no such per-flush
-// cost, shows the opposite.
+// cost, shows the opposite. Bounding gather by the last fdatasync's
+// duration (branch gather512-budget) was a coin toss at 512 callers on a
+// loaded machine and lost every round at 64, whose cohort, on processors
+// shared with other work, takes longer than an fsync to come back.
 func (w *WAL) gather() {
 	woken := w.fl.woken
 	w.fl.woken = 0
