@@ -1053,6 +1053,22 @@ func (w *WAL) pendingFrames() int {
 // number of pending records keeps growing and is below the number of woken
 // waiters; it stops at the first yield that brings nothing new, so a lone
 // appender pays one Gosched at most.
+//
+// At 512 callers on 2 processors the cohort takes longer to come back than
+// an fsync lasts, so the disk idles while it appends and the processors
+// idle during the fsync. Splitting the cohort so that one part's fsync runs
+// while the other appends was measured twice with the engine
+// (bench/peers, idem at 512 callers, interleaved with this version): not
+// gathering at all, and skipping gather while the woken waiters' measured
+// re-append time exceeded the last fdatasync's. Both lost (85-183k fresh
+// requests/s here against 68-117k, CPU per request 8.4-11 µs against
+// 12-14 µs): the extra fdatasyncs cost kernel CPU, and each flush's work
+// in the engine (waking, applying its records) is spread over fewer
+// records. BenchmarkGroupCommitWork, whose callers have no such per-flush
+// cost, shows the opposite. Bounding gather by the last fdatasync's
+// duration (branch gather512-budget) was a coin toss at 512 callers on a
+// loaded machine and lost every round at 64, whose cohort, on processors
+// shared with other work, takes longer than an fsync to come back.
 func (w *WAL) gather() {
 	woken := w.fl.woken
 	w.fl.woken = 0
