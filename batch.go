@@ -700,10 +700,11 @@ func (r *batchRun) item(i int) error {
 // record leaves it out, a commit-advance none of whose advances raise
 // being a plain commit. The state after the record, and after its replay,
 // is the same; the record is smaller and applies faster. A batch that
-// commits its events in falling order of their offsets (idemstream's
-// sink) thus writes one advance per client per record, the highest of
-// the commits that apply, whichever of them fail. adv is compacted in
-// place (it is the item's own).
+// commits a stream's events in falling order of their offsets, each
+// advancing the stream's client to its own (a stream sink's frontier),
+// thus writes one advance per client per record: that of the highest
+// commit that applies, whichever of them fail. adv is compacted in place
+// (it is the item's own).
 func (r *batchRun) raising(adv []wal.Advance, keys [][]byte) ([]wal.Advance, error) {
 	n := 0
 	for i, a := range adv {
@@ -711,8 +712,8 @@ func (r *batchRun) raising(adv []wal.Advance, keys [][]byte) ([]wal.Advance, err
 		if err != nil {
 			return nil, err
 		}
-		if en != nil && en.InFlight {
-			return nil, fmt.Errorf("%w: cannot advance client %q in scope %q to %d: its sequence number %d is claimed", ErrInFlight, a.Client, a.Scope, a.Seq, en.ClaimSeq)
+		if err := advanceInFlight(a, en); err != nil {
+			return nil, err
 		}
 		if en != nil && en.Committed && en.Seq >= a.Seq {
 			continue
