@@ -226,7 +226,7 @@ func (e *Engine) unpinSlots(batch []*pinnedUpdate, us *unpinScratch) {
 				evict++
 				if sl == nil || sl.evicted {
 					// Unknown, or evicted and so no longer the key's.
-					sl = sh.m[string(r.key)]
+					sl = sh.get(r.key)
 				}
 			}
 			if sl != nil && sl.dirty == r.lsn {

@@ -780,7 +780,7 @@ func (r *batchRun) flush(next int) error {
 		}
 		sl := it.sl
 		if sl == nil || sl.evicted {
-			sl = e.shardOf(it.k.key).m[string(it.k.key)]
+			sl = e.shardOf(it.k.key).get(it.k.key)
 		}
 		if sl != nil && sl.waiters != nil {
 			r.wake = append(r.wake, sl.waiters)

@@ -2,6 +2,7 @@ package idem
 
 import (
 	"fmt"
+	"hash/maphash"
 	"testing"
 
 	"github.com/cockroachdb/pebble/v2/vfs"
@@ -31,11 +32,12 @@ func TestEvictLockedSparesPinnedSlots(t *testing.T) {
 			sh := &e.shards[7]
 			sh.mu.Lock()
 			defer sh.mu.Unlock()
-			clear(sh.m)
+			sh.slab, sh.free, sh.tab, sh.n, sh.evictAt = nil, nil, nil, 0, 0
 			sh.bytes, sh.gen = 0, 0
 			slots := make([]*slot, tc.n)
 			for i := range slots {
-				sl := e.insertLocked(sh, fmt.Appendf(nil, "key-%04d", i), nil, false)
+				key := fmt.Appendf(nil, "key-%04d", i)
+				sl := e.insertLocked(sh, key, maphash.Bytes(e.tabSeed, key), nil, false)
 				sl.size = 2 * share / int64(tc.n) // the shard at twice its share
 				if tc.n < 10 {
 					sl.size = share / 2 // each slot alone is a quarter of what must go
@@ -64,7 +66,7 @@ func TestEvictLockedSparesPinnedSlots(t *testing.T) {
 			e.evictLocked(sh, keep)
 			gone, left := 0, int64(0)
 			for i, sl := range slots {
-				_, in := sh.m[fmt.Sprintf("key-%04d", i)]
+				in := sh.get(fmt.Appendf(nil, "key-%04d", i)) != nil
 				if in == sl.evicted {
 					t.Fatalf("slot %d: in the map %v, evicted %v", i, in, sl.evicted)
 				}

@@ -19,7 +19,7 @@ func tableSlots(e *Engine) (slots int, installs uint64) {
 	for i := range e.shards {
 		sh := &e.shards[i]
 		sh.mu.Lock()
-		slots += len(sh.m)
+		slots += sh.n
 		installs += sh.installs
 		sh.mu.Unlock()
 	}
@@ -72,8 +72,8 @@ func TestAbsentReadInstallsNoSlot(t *testing.T) {
 func evictSlot(e *Engine, key []byte) {
 	sh := e.shardOf(key)
 	sh.mu.Lock()
-	if sl := sh.m[string(key)]; sl != nil {
-		delete(sh.m, string(key))
+	if sl := sh.get(key); sl != nil {
+		sh.remove(sl)
 		sl.evicted = true
 		sh.gen++
 		sh.bytes -= sl.size

@@ -2,6 +2,7 @@ package idem
 
 import (
 	"fmt"
+	"math/rand/v2"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -102,8 +103,8 @@ func TestEvictionKeepsShardsWithinTheirShare(t *testing.T) {
 		for i := range e.shards {
 			sh := &e.shards[i]
 			sh.mu.Lock()
-			for _, sl := range sh.m {
-				if sl.dirty != 0 {
+			for _, sl := range sh.slab {
+				if sl != nil && sl.dirty != 0 {
 					dirty++
 				}
 			}
@@ -130,7 +131,7 @@ func TestEvictionKeepsShardsWithinTheirShare(t *testing.T) {
 		if sh.bytes > perShard+512 { // its share, plus at most the slot just loaded
 			over++
 			if over <= 3 {
-				t.Errorf("shard %d holds %d bytes in %d slots, its share is %d", i, sh.bytes, len(sh.m), perShard)
+				t.Errorf("shard %d holds %d bytes in %d slots, its share is %d", i, sh.bytes, sh.n, perShard)
 			}
 		}
 		sh.mu.Unlock()
@@ -170,4 +171,84 @@ func TestFreshClaimsAreNotShared(t *testing.T) {
 			t.Fatalf("%s: reply %q", a, d.Reply)
 		}
 	}
+}
+
+// TestShardTable: a shard's table (slab and open-addressing index) agrees
+// with a map through random insertions and removals, past several
+// doublings and with probe runs that wrap around the index's end, and every
+// removal leaves each remaining key findable (backward shift deletion) and
+// its position free for the next slot.
+func TestShardTable(t *testing.T) {
+	e := openMem(t, vfs.NewMem(), nil)
+	defer e.Close()
+	seed := time.Now().UnixNano()
+	t.Logf("seed %d", seed)
+	rng := rand.New(rand.NewPCG(uint64(seed), 0))
+	sh := &e.shards[3]
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	sh.slab, sh.free, sh.tab, sh.n, sh.evictAt = nil, nil, nil, 0, 0
+	model := map[string]*slot{}
+	check := func(step int) {
+		t.Helper()
+		if sh.n != len(model) {
+			t.Fatalf("step %d: table holds %d slots, model %d", step, sh.n, len(model))
+		}
+		if sh.n*8 > len(sh.tab)*7 {
+			t.Fatalf("step %d: %d slots in an index of %d", step, sh.n, len(sh.tab))
+		}
+		for k, want := range model {
+			if got := sh.get([]byte(k)); got != want {
+				t.Fatalf("step %d: key %q found %p, want %p", step, k, got, want)
+			}
+		}
+		used := 0
+		for pos, sl := range sh.slab {
+			if sl != nil {
+				used++
+				if int(sl.pos) != pos || model[sl.key] != sl {
+					t.Fatalf("step %d: slab position %d holds key %q at pos %d", step, pos, sl.key, sl.pos)
+				}
+			}
+		}
+		if used != sh.n || len(sh.slab)-used != len(sh.free) {
+			t.Fatalf("step %d: slab of %d with %d slots and %d free positions", step, len(sh.slab), used, len(sh.free))
+		}
+	}
+	for step := range 4000 {
+		key := fmt.Appendf(nil, "k%d", rng.IntN(600))
+		if sl := sh.get(key); sl != nil {
+			if model[string(key)] != sl {
+				t.Fatalf("step %d: key %q found but not in the model", step, key)
+			}
+			if rng.IntN(3) > 0 {
+				sh.remove(sl)
+				delete(model, string(key))
+			}
+		} else {
+			if model[string(key)] != nil {
+				t.Fatalf("step %d: key %q in the model but not found", step, key)
+			}
+			sl, h := sh.lookup(key)
+			if sl != nil {
+				t.Fatalf("step %d: lookup of absent %q found a slot", step, key)
+			}
+			model[string(key)] = e.insertLocked(sh, key, h, nil, false)
+		}
+		if step%97 == 0 {
+			check(step)
+		}
+	}
+	check(4000)
+	for k, sl := range model {
+		sh.remove(sl)
+		delete(model, k)
+	}
+	check(4001)
+	for i, v := range sh.tab {
+		if v != 0 {
+			t.Fatalf("index entry %d = %#x once every slot is removed", i, v)
+		}
+	}
+	sh.bytes = 0
 }
