@@ -58,12 +58,12 @@ type Engine struct {
 	closed atomic.Bool
 	failed atomic.Pointer[error] // sticky failure of the applier
 
-	seed   maphash.Seed
+	seed maphash.Seed
 	// tabSeed hashes keys for their shard's table: a hash of its own,
 	// since the shard index is taken from seed's (every key of a shard
 	// has the same low bits of it).
 	tabSeed maphash.Seed
-	shards [numShards]shard
+	shards  [numShards]shard
 	// getLockedFn is e.getLocked bound once: index.Transitions keeps its
 	// lookup function (a batch holds it), so a method value made per call
 	// would be an allocation per record.
