@@ -154,7 +154,7 @@ type unpinScratch struct {
 
 // unpinRec is a slot to unpin if it still carries lsn, its record's LSN:
 // sl, or (a batch record's transition whose slot was not known, or was
-// evicted since) the slot of key in its shard's map. batch says that the
+// evicted since) the slot of key in its shard's table. batch says that the
 // record was a batch's, whose slots the applier evicts past the shard's
 // share (installForBatchLocked left that to it).
 type unpinRec struct {

@@ -136,7 +136,7 @@ type engineBatch struct {
 // them spares allocating and growing ~500 bytes per item; wadv and keys
 // hold the items' checked advances and keys (batchItem.wadv, keys),
 // which nothing keeps after Run (the record is encoded, the index batch
-// copies what it keeps, the slot map keys are the keys' own bytes).
+// copies what it keeps, the slots' keys are the keys' own bytes).
 type batchBufs struct {
 	items []batchItem
 	wadv  []wal.Advance
@@ -503,7 +503,7 @@ func (e *Engine) putBatchRun(r *batchRun) {
 }
 
 // get is the table lookup that the run's index batch reads through (the
-// key's shard is locked): it installs a slot with key's bytes as its map
+// key's shard is locked): it installs a slot with key's bytes as its
 // key, since a key a batch reads is never changed (validate's,
 // checkAdvances', an index.EntryKey or SeqKey the transitions made), and
 // remembers it for the item being classified.
@@ -527,7 +527,7 @@ func (r *batchRun) get(key []byte, mode byte) (*index.Entry, error) {
 // it, and notes the key's slot in it.sl when it is read from the table.
 // The slot of a Commit's or Abort's claim, while not evicted (an
 // in-flight slot never is, unless it was taken over), is the key's slot
-// in its shard's map (only eviction takes a slot out): get takes it
+// in its shard's table (only eviction takes a slot out): get takes it
 // without a lookup.
 func (r *batchRun) getItem(it *batchItem) (*index.Entry, error) {
 	r.lastSl, r.itemKey, r.itemSl, r.itemShard = nil, it.k.key, nil, nil

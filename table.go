@@ -143,7 +143,7 @@ func (e *Engine) slotLocked(key []byte) (*slot, error) { return e.slotLockedKeep
 
 // slotLockedKeep is slotLocked that, with keep (a batch's run,
 // batchRun.get), installs a slot by installForBatchLocked, which makes
-// key's bytes its map key: the caller guarantees that they never change.
+// key's bytes the slot's key: the caller guarantees that they never change.
 func (e *Engine) slotLockedKeep(key []byte, keep bool) (*slot, error) {
 	return e.slotLockedIn(e.shardOf(key), key, keep)
 }
@@ -302,7 +302,7 @@ func (e *Engine) lockSlotAfterRead(sh *shard, key []byte, h uint64, en *index.En
 // then returns a nil slot and a nil unlock function (no lock is held);
 // otherwise it returns what lockSlot returns.
 //
-// Why that read is linearizable: a slot is taken out of its map only
+// Why that read is linearizable: a slot is taken out of its table only
 // when it is clean (its records applied to the index: the applier applies
 // a batch of records before it unpins their slots) and nobody waits on
 // it, and every change to a key is published into its slot under the
@@ -553,7 +553,7 @@ func (sh *shard) remove(sl *slot) {
 // setLocked publishes a new entry for a slot after its record was appended.
 // The slot must be key's slot in the table (a dirty entry that is not in the
 // table would be invisible to the next caller, who would read the index): it
-// is, since its caller got it from the map under the lock it still holds.
+// is, since its caller got it from the table under the lock it still holds.
 func (e *Engine) setLocked(key []byte, sl *slot, en *index.Entry, lsn wal.LSN) {
 	sh := sl.sh
 	sh.bytes -= sl.size
@@ -649,7 +649,7 @@ func (e *Engine) appendOpSlot(op *wal.Op, ts []index.Transition, key []byte, sl 
 // applier through the WAL: its index update and, for a record of one key
 // whose slot the caller passed (nearly all: claims, commits, aborts), that
 // slot, so that the applier unpins it without looking it up. A slot stays
-// in its shard's map while it is dirty, so if it still carries the
+// in its shard's table while it is dirty, so if it still carries the
 // record's LSN when the applier comes, it is the key's slot. With slot nil
 // the applier looks the keys up.
 type pinnedUpdate struct {
@@ -664,7 +664,7 @@ type pinnedUpdate struct {
 	// slots, for a record of several keys (a batch), holds the slot of
 	// transition i's key as the writer found it (nil: unknown). The
 	// applier unpins through it: a slot not evicted is its key's slot
-	// (only eviction takes a slot out of its map), and one evicted
+	// (only eviction takes a slot out of its table), and one evicted
 	// before it was published is not, so the applier then looks the key
 	// up.
 	slots []*slot
@@ -706,7 +706,7 @@ func (e *Engine) appendRecordSlots(typ byte, payload []byte, ts []index.Transiti
 // appendUpdate appends the record (typ, payload) of up, stamps its LSN and
 // publishes its transitions to their slots: up.slot for a record of one
 // key, else up.slots[i] for transition i when set and not evicted, else
-// the key's slot in its shard's map.
+// the key's slot in its shard's table.
 func (e *Engine) appendUpdate(typ byte, payload []byte, up *pinnedUpdate) (wal.LSN, error) {
 	ts := up.Transitions
 	up.mem = up.MemSize()
