@@ -54,13 +54,7 @@ func TestCheckpointPipelinedLookups(t *testing.T) {
 		events [][]string // per transaction, in Invoke order
 	}
 	consume := func(chunk int) run {
-		w := newWorld()
-		l := newTxnLedger(w)
-		tp, _, err := newTwoPhaseWithHook(t, ctx, w, l, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer tp.Close()
+		tp, l := startTwoPhase(t, ctx)
 		tp.lookupChunk = chunk
 		var r run
 		for n, evs := range pipelineBatches() {
@@ -113,17 +107,11 @@ func TestCheckpointPipelinedLookups(t *testing.T) {
 func TestCheckpointPipelinedInvokeFails(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	w := newWorld()
-	l := newTxnLedger(w)
-	tp, _, err := newTwoPhaseWithHook(t, ctx, w, l, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tp.Close()
+	tp, l := startTwoPhase(t, ctx)
 	tp.lookupChunk = 2
 	evs := makeEvents(64, 2, 0)
 	l.failInvoke = string(evs[5].ID)
-	_, err = tp.Checkpoint(ctx, evs)
+	_, err := tp.Checkpoint(ctx, evs)
 	var ee *EventError
 	if !errors.As(err, &ee) || string(ee.ID) != l.failInvoke || errors.Is(err, ErrNeedsRecovery) {
 		t.Fatalf("checkpoint with a failing Invoke: %v, want the EventError of %s", err, l.failInvoke)
@@ -148,15 +136,7 @@ func TestCheckpointPipelinedInvokeFails(t *testing.T) {
 func TestCheckpointPipelinedLookupFails(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	w := newWorld()
-	st := &lookupFailStore{Engine: openEngine(t, w.mem, nil)}
-	defer st.Close()
-	l := newTxnLedger(w)
-	tp, _, err := NewTwoPhase[*ledgerTxn](ctx, st, "tx", l, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tp.Close()
+	st, tp, l := startLookupFailTwoPhase(t, ctx)
 	tp.lookupChunk = 2
 	evs := makeEvents(64, 2, 0)
 	bad := string(evs[40].ID)

@@ -242,6 +242,23 @@ func startTwoPhase(t *testing.T, ctx context.Context) (*TwoPhase[*ledgerTxn], *t
 	return tp, l
 }
 
+// startLookupFailTwoPhase is startTwoPhase on a store whose lookups fail
+// for the id its failID names (closed, with the coordinator, at the end
+// of the test).
+func startLookupFailTwoPhase(t *testing.T, ctx context.Context) (*lookupFailStore, *TwoPhase[*ledgerTxn], *txnLedger) {
+	t.Helper()
+	w := newWorld()
+	st := &lookupFailStore{Engine: openEngine(t, w.mem, nil)}
+	t.Cleanup(func() { st.Close() })
+	l := newTxnLedger(w)
+	tp, _, err := NewTwoPhase[*ledgerTxn](ctx, st, "tx", l, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { tp.Close() })
+	return st, tp, l
+}
+
 // finishRecovered checks that a recovered coordinator left no claim in
 // doubt on st, consumes the rest of b through it, and checks the ledger:
 // no protocol violation, every event of evs committed once.
@@ -521,14 +538,7 @@ func (s *lookupFailStore) LookupHint(ctx context.Context, req idem.Request, h *i
 func TestCheckpointLookupFailsAfterBegin(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	w := newWorld()
-	st := &lookupFailStore{Engine: openEngine(t, w.mem, nil)}
-	defer st.Close()
-	l := newTxnLedger(w)
-	tp, _, err := NewTwoPhase[*ledgerTxn](ctx, st, "tx", l, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	st, tp, l := startLookupFailTwoPhase(t, ctx)
 	evs := makeEvents(8, 2, 0)
 	bad := string(evs[5].ID)
 	st.failID.Store(&bad)
