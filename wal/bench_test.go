@@ -33,11 +33,7 @@ func BenchmarkAppendContended(b *testing.B) {
 			start, cpu0 := time.Now(), cputime.Process()
 			b.RunParallel(func(pb *testing.PB) {
 				for pb.Next() {
-					lsn, err := w.AppendWith(1, payload, func(LSN) any { return nil })
-					if err == nil {
-						err = w.WaitDurable(lsn)
-					}
-					if err != nil {
+					if err := appendDurable(w, payload); err != nil {
 						b.Error(err)
 						return
 					}
@@ -139,4 +135,14 @@ func BenchmarkScan(b *testing.B) {
 		}
 	}
 	b.ReportMetric(float64(b.N*scanBench.n)/time.Since(start).Seconds(), "records/s")
+}
+
+// appendDurable appends one record of type 1 and waits until it is durable:
+// one caller's request in the contended benchmarks.
+func appendDurable(w *WAL, payload []byte) error {
+	lsn, err := w.AppendWith(1, payload, func(LSN) any { return nil })
+	if err == nil {
+		err = w.WaitDurable(lsn)
+	}
+	return err
 }

@@ -74,11 +74,7 @@ func benchGroupCommitWork(b *testing.B, sleep bool, goroutines, work int) {
 	b.RunParallel(func(pb *testing.PB) {
 		var s uint64
 		for pb.Next() {
-			lsn, err := w.AppendWith(1, payload, func(LSN) any { return nil })
-			if err == nil {
-				err = w.WaitDurable(lsn)
-			}
-			if err != nil {
+			if err := appendDurable(w, payload); err != nil {
 				b.Error(err)
 				return
 			}
