@@ -446,7 +446,7 @@ type batchRun struct {
 	// itemKey and itemSl are the key of the item being classified and its
 	// slot once known (a Commit's or Abort's claim hands it on, a Begin's
 	// or Put's first read finds it): get answers itemKey from itemSl
-	// without probing the shard's map again (the overlay reads the key a
+	// without probing the shard's table again (the overlay reads the key a
 	// second time when the item's operation is added). nil: unknown.
 	itemKey []byte
 	itemSl  *slot

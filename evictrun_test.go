@@ -68,7 +68,7 @@ func TestEvictLockedSparesPinnedSlots(t *testing.T) {
 			for i, sl := range slots {
 				in := sh.get(fmt.Appendf(nil, "key-%04d", i)) != nil
 				if in == sl.evicted {
-					t.Fatalf("slot %d: in the map %v, evicted %v", i, in, sl.evicted)
+					t.Fatalf("slot %d: in the table %v, evicted %v", i, in, sl.evicted)
 				}
 				if !sl.evicted {
 					left += sl.size

@@ -28,7 +28,7 @@ func tableSlots(e *Engine) (slots int, installs uint64) {
 
 // TestAbsentReadInstallsNoSlot: Lookup, Wait and ClientState of an id or
 // client the engine does not hold answer without installing a slot (a
-// slot costs a map insert and, past CacheSize, an eviction: the reads
+// slot costs a table insert and, past CacheSize, an eviction: the reads
 // idemraft's replicas and idemstream's two-phase commit make of every new
 // id before putting it), while a read of a stored id that is only in the
 // index (evicted) is installed and answered as before.

@@ -14,7 +14,7 @@ import (
 // TestClaimIntoEvictedSlot: a Begin that acks an id of its own shard
 // loads the acked id's slot after its own, and that load may evict its own
 // slot (clean and empty: the id is new). The claim must then go into the
-// key's slot in the map, not into the evicted one that Begin holds, or the
+// key's slot in the table, not into the evicted one that Begin holds, or the
 // claim is invisible and the id can be claimed twice.
 func TestClaimIntoEvictedSlot(t *testing.T) {
 	e := openMem(t, vfs.NewMem(), &Options{CacheSize: 1}) // every load evicts what it can
