@@ -179,14 +179,14 @@ func (e *Engine) unpinSlots(batch []*pinnedUpdate, us *unpinScratch) {
 	us.tmp = us.tmp[:0]
 	for _, u := range batch {
 		if u.slot != nil {
-			us.tmp = append(us.tmp, unpinRec{sl: u.slot, lsn: u.LSN, shard: int32(u.slot.sh.idx)})
+			us.tmp = append(us.tmp, unpinRec{sl: u.slot, lsn: u.LSN, shard: int32(u.slot.shard)})
 			continue
 		}
 		for i := range u.Transitions {
 			r := unpinRec{lsn: u.LSN, batch: true}
 			if u.slots != nil && u.slots[i] != nil {
 				r.sl = u.slots[i]
-				r.shard = int32(r.sl.sh.idx) // the key's shard, evicted or not
+				r.shard = int32(r.sl.shard) // the key's shard, evicted or not
 			} else {
 				r.shard = int32(e.shardIdx(u.Transitions[i].Key))
 			}

@@ -321,7 +321,7 @@ func (b *engineBatch) check(i int, set *shardSet) error {
 		}
 		it.k, it.fp = k, fp
 		if h := it.hint; h != nil && h.sl != nil {
-			it.shard = h.sl.sh.idx // the key's shard, without hashing it again
+			it.shard = int(h.sl.shard) // the key's shard, without hashing it again
 		} else {
 			it.shard = e.shardIdx(k.key)
 		}

@@ -142,22 +142,30 @@ type shard struct {
 
 // slot caches one key's entry. It is pinned (never evicted) while the entry
 // is in flight, not yet applied to the index, or waited on.
+//
+// Its fields fit the 64-byte size class (slotBytes, which the memory
+// accounting counts; TestSlotSize pins both): the shard is a byte, not a
+// pointer.
 type slot struct {
-	sh      *shard        // the shard whose table holds it (immutable)
 	key     string        // its key (immutable; the caller's bytes when it kept them)
 	e       *index.Entry  // as stored (forget marks may still apply); nil = absent
 	dirty   wal.LSN       // last change not yet applied to the index; 0 = clean
 	waiters chan struct{} // closed when the current claim finishes; nil if nobody waits
-	size    int64
+	size    int64         // what slotSize counts for it
+	// tag is the top 32 bits of key's table hash and pos the slot's
+	// position in its shard's slab: together its entry in the shard's
+	// tab (immutable).
+	tag uint32
+	pos int32
 	// inFlight is e != nil && e.InFlight, kept here so that eviction
 	// decides from the slot alone (one cache line, not two).
 	inFlight bool
-	evicted  bool // dropped from sh's table by eviction (for holders of a slot pointer)
-	// tag is the top 32 bits of key's table hash and pos the slot's
-	// position in sh.slab: together its entry in sh.tab (immutable).
-	tag uint32
-	pos int32
+	evicted  bool  // dropped from its shard's table by eviction (for holders of a slot pointer)
+	shard    uint8 // its shard's index in Engine.shards (immutable)
 }
+
+// A slot's shard index is a byte.
+const _ = uint8(numShards - 1)
 
 type counters struct {
 	hits, misses, conflicts, collisions, gaps, alreadyCommitted, leaseLost, takeovers, expired, acked atomic.Uint64

@@ -102,6 +102,9 @@ func (e *Engine) shardIdx(key []byte) int { return int(index.ShardHash(e.seed, k
 
 func (e *Engine) shardOf(key []byte) *shard { return &e.shards[e.shardIdx(key)] }
 
+// slotShard is the shard whose table holds sl (or held it, if evicted).
+func (e *Engine) slotShard(sl *slot) *shard { return &e.shards[sl.shard] }
+
 // lockKeys locks the shards of keys in index order (so that multi-key
 // operations never deadlock) and returns the unlock function.
 func (e *Engine) lockKeys(keys ...[]byte) func() {
@@ -194,7 +197,7 @@ func (e *Engine) installForBatchLocked(sh *shard, key []byte, h uint64, en *inde
 // insertLocked is installLocked without the eviction. key has no slot in
 // sh.
 func (e *Engine) insertLocked(sh *shard, key []byte, h uint64, en *index.Entry, keep bool) *slot {
-	sl := &slot{sh: sh, e: en, size: slotSize(key, en), inFlight: en != nil && en.InFlight}
+	sl := &slot{shard: uint8(sh.idx), e: en, size: slotSize(key, en), inFlight: en != nil && en.InFlight}
 	if keep && len(key) > 0 {
 		sl.key = unsafe.String(&key[0], len(key))
 	} else {
@@ -327,13 +330,31 @@ func (e *Engine) lockSlotRead(key []byte) (*slot, func(), error) {
 // from the index without the shard's lock, before it takes the lock again.
 var testHookUnlockedRead func(key []byte)
 
+// slotSize is the memory that a slot of key holding en takes, as the
+// shard's share of CacheSize counts it: the key's bytes, the slot
+// (slotBytes) and its part of the shard's table (tableBytesPerSlot), and
+// the entry (entryBytes) with its byte slices. The slot alone holds its
+// entry once the index has applied it.
 func slotSize(key []byte, en *index.Entry) int64 {
-	n := int64(len(key)) + 160
+	n := int64(len(key)) + slotBytes + tableBytesPerSlot
 	if en != nil {
-		n += int64(len(en.Reply) + len(en.Fingerprint) + len(en.ClaimFP))
+		n += entryBytes + int64(len(en.Reply)+len(en.Fingerprint)+len(en.ClaimFP))
 	}
 	return n
 }
+
+// The fixed parts of slotSize. TestSlotSize checks slotBytes and
+// entryBytes against the structs' sizes rounded up to their size classes
+// (what the allocator hands out), so that a field added to either cannot
+// leave the accounting behind.
+const (
+	slotBytes  = 64  // a slot (59 bytes)
+	entryBytes = 192 // an index.Entry (184 bytes)
+	// tableBytesPerSlot is a slot's part of its shard's table at most:
+	// 16 bytes of tab (8-byte entries, the table 7/16 to 7/8 full) and 8
+	// of slab (a pointer; a free position adds 4 in free until reused).
+	tableBytesPerSlot = 24
+)
 
 // evictLocked drops clean, unpinned slots while the shard is over its share
 // of CacheSize, never the slot keep (just loaded: its caller is about to use
@@ -555,7 +576,7 @@ func (sh *shard) remove(sl *slot) {
 // table would be invisible to the next caller, who would read the index): it
 // is, since its caller got it from the table under the lock it still holds.
 func (e *Engine) setLocked(key []byte, sl *slot, en *index.Entry, lsn wal.LSN) {
-	sh := sl.sh
+	sh := e.slotShard(sl)
 	sh.bytes -= sl.size
 	sl.e = en
 	sl.dirty = lsn

@@ -6,6 +6,7 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/cockroachdb/pebble/v2/vfs"
 	"github.com/idemdb/idem/index"
@@ -251,4 +252,44 @@ func TestShardTable(t *testing.T) {
 		}
 	}
 	sh.bytes = 0
+}
+
+// TestSlotSize pins what slotSize counts per slot to what the allocator
+// hands out: a slot and an index.Entry rounded up to their size classes.
+// The slot grew from the 48- to the 80-byte class (its key, tag and
+// position moved into it) while the accounting kept counting the old
+// sizes; now a field that moves either struct to another class fails
+// here until slotBytes or entryBytes follows.
+func TestSlotSize(t *testing.T) {
+	for _, c := range []struct {
+		name    string
+		size    uintptr
+		counted int64
+	}{
+		{"slot", unsafe.Sizeof(slot{}), slotBytes},
+		{"index.Entry", unsafe.Sizeof(index.Entry{}), entryBytes},
+	} {
+		if got := sizeClass(c.size); got != c.counted {
+			t.Errorf("%s is %d bytes, allocated in the %d-byte size class, but slotSize counts %d", c.name, c.size, got, c.counted)
+		}
+	}
+	key := []byte("a key of 20 bytes...")
+	en := &index.Entry{Reply: make([]byte, 100), Fingerprint: make([]byte, 32)}
+	if got, want := slotSize(key, nil), int64(20+slotBytes+tableBytesPerSlot); got != want {
+		t.Errorf("slotSize of an absent key = %d, want %d", got, want)
+	}
+	if got, want := slotSize(key, en), int64(20+slotBytes+tableBytesPerSlot+entryBytes+132); got != want {
+		t.Errorf("slotSize of an entry = %d, want %d", got, want)
+	}
+}
+
+// sizeClass is the size of the block that Go's allocator gives an object
+// of n bytes, up to 256 (runtime/sizeclasses.go).
+func sizeClass(n uintptr) int64 {
+	for _, c := range []int64{8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256} {
+		if int64(n) <= c {
+			return c
+		}
+	}
+	return -1 // past this table: add the classes above 256
 }
