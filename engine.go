@@ -58,12 +58,8 @@ type Engine struct {
 	closed atomic.Bool
 	failed atomic.Pointer[error] // sticky failure of the applier
 
-	seed maphash.Seed
-	// tabSeed hashes keys for their shard's table: a hash of its own,
-	// since the shard index is taken from seed's (every key of a shard
-	// has the same low bits of it).
-	tabSeed maphash.Seed
-	shards  [numShards]shard
+	seed   maphash.Seed // hashes keys for their shards and shard tables (keyTag)
+	shards [numShards]shard
 	// getLockedFn is e.getLocked bound once: index.Transitions keeps its
 	// lookup function (a batch holds it), so a method value made per call
 	// would be an allocation per record.
@@ -191,7 +187,7 @@ func Open(dir string, opts *Options) (*Engine, error) {
 	if o.Sync < SyncAlways || o.Sync > SyncNever {
 		return nil, fmt.Errorf("%w: Options.Sync: unknown mode %d (want SyncAlways, SyncInterval or SyncNever)", ErrInvalidRequest, int(o.Sync))
 	}
-	e := &Engine{o: o, dir: dir, fs: o.FS, seed: maphash.MakeSeed(), tabSeed: maphash.MakeSeed()}
+	e := &Engine{o: o, dir: dir, fs: o.FS, seed: maphash.MakeSeed()}
 	e.getLockedFn = e.getLocked
 	for i := range e.shards {
 		e.shards[i].unlock = e.shards[i].mu.Unlock

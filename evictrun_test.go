@@ -2,7 +2,6 @@ package idem
 
 import (
 	"fmt"
-	"hash/maphash"
 	"testing"
 
 	"github.com/cockroachdb/pebble/v2/vfs"
@@ -37,7 +36,8 @@ func TestEvictLockedSparesPinnedSlots(t *testing.T) {
 			slots := make([]*slot, tc.n)
 			for i := range slots {
 				key := fmt.Appendf(nil, "key-%04d", i)
-				sl := e.insertLocked(sh, key, maphash.Bytes(e.tabSeed, key), nil, false)
+				_, tag := e.keyTag(key)
+				sl := e.insertLocked(sh, key, tag, nil, false)
 				sl.size = 2 * share / int64(tc.n) // the shard at twice its share
 				if tc.n < 10 {
 					sl.size = share / 2 // each slot alone is a quarter of what must go

@@ -3,7 +3,6 @@ package idem
 import (
 	"errors"
 	"fmt"
-	"hash/maphash"
 	"slices"
 	"sync"
 	"time"
@@ -105,6 +104,26 @@ func (e *Engine) shardOf(key []byte) *shard { return &e.shards[e.shardIdx(key)] 
 // slotShard is the shard whose table holds sl (or held it, if evicted).
 func (e *Engine) slotShard(sl *slot) *shard { return &e.shards[sl.shard] }
 
+// keyTag returns key's shard and key's tag in that shard's table (the top
+// 32 bits of key's own hash), from one hash computation for every key but
+// a client's older sequence keys (index.KeyHashes): the shard index is the
+// low bits of the same hash, which every key of a shard shares, the tag
+// its high bits.
+func (e *Engine) keyTag(key []byte) (*shard, uint32) {
+	s, own := index.KeyHashes(e.seed, key)
+	return &e.shards[s%numShards], uint32(own >> 32)
+}
+
+// keyTagOf is keyTag for a key whose slot, evicted or not, was was (nil:
+// unknown): an evicted slot keeps its shard and tag, which spares hashing
+// the key again.
+func (e *Engine) keyTagOf(key []byte, was *slot) (*shard, uint32) {
+	if was != nil {
+		return e.slotShard(was), was.tag
+	}
+	return e.keyTag(key)
+}
+
 // lockKeys locks the shards of keys in index order (so that multi-key
 // operations never deadlock) and returns the unlock function.
 func (e *Engine) lockKeys(keys ...[]byte) func() {
@@ -148,13 +167,14 @@ func (e *Engine) slotLocked(key []byte) (*slot, error) { return e.slotLockedKeep
 // batchRun.get), installs a slot by installForBatchLocked, which makes
 // key's bytes the slot's key: the caller guarantees that they never change.
 func (e *Engine) slotLockedKeep(key []byte, keep bool) (*slot, error) {
-	return e.slotLockedIn(e.shardOf(key), key, keep)
+	sh, tag := e.keyTag(key)
+	return e.slotLockedIn(sh, key, tag, keep)
 }
 
-// slotLockedIn is slotLockedKeep for a caller that knows sh, key's shard.
-func (e *Engine) slotLockedIn(sh *shard, key []byte, keep bool) (*slot, error) {
-	sl, h := sh.lookup(key)
-	if sl != nil {
+// slotLockedIn is slotLockedKeep for a caller that knows sh and tag, key's
+// shard and tag (keyTag's).
+func (e *Engine) slotLockedIn(sh *shard, key []byte, tag uint32, keep bool) (*slot, error) {
+	if sl := sh.find(key, tag); sl != nil {
 		return sl, nil
 	}
 	en, err := e.ix.Get(key)
@@ -162,18 +182,18 @@ func (e *Engine) slotLockedIn(sh *shard, key []byte, keep bool) (*slot, error) {
 		return nil, wrapCorrupt(err)
 	}
 	if keep {
-		return e.installForBatchLocked(sh, key, h, en), nil
+		return e.installForBatchLocked(sh, key, tag, en), nil
 	}
-	return e.installLocked(sh, key, h, en, false), nil
+	return e.installLocked(sh, key, tag, en, false), nil
 }
 
 // installLocked puts a slot holding en, as read from the index, into sh
 // (whose lock is held) and evicts past the shard's share, never that slot.
-// h is key's table hash (shard.lookup's). With keep, key's bytes become the
-// slot's key as they are (no copy): the caller guarantees that they never
+// tag is key's tag (keyTag's). With keep, key's bytes become the slot's
+// key as they are (no copy): the caller guarantees that they never
 // change.
-func (e *Engine) installLocked(sh *shard, key []byte, h uint64, en *index.Entry, keep bool) *slot {
-	sl := e.insertLocked(sh, key, h, en, keep)
+func (e *Engine) installLocked(sh *shard, key []byte, tag uint32, en *index.Entry, keep bool) *slot {
+	sl := e.insertLocked(sh, key, tag, en, keep)
 	e.evictLocked(sh, sl)
 	return sl
 }
@@ -186,8 +206,8 @@ func (e *Engine) installLocked(sh *shard, key []byte, h uint64, en *index.Entry,
 // share by a quarter already (which bounds the memory of slots installed
 // for a record never written, and of a shard whose records the applier
 // has not reached yet).
-func (e *Engine) installForBatchLocked(sh *shard, key []byte, h uint64, en *index.Entry) *slot {
-	sl := e.insertLocked(sh, key, h, en, true)
+func (e *Engine) installForBatchLocked(sh *shard, key []byte, tag uint32, en *index.Entry) *slot {
+	sl := e.insertLocked(sh, key, tag, en, true)
 	if limit := e.o.CacheSize / numShards; sh.bytes > limit+limit/4 {
 		e.evictLocked(sh, sl)
 	}
@@ -196,14 +216,14 @@ func (e *Engine) installForBatchLocked(sh *shard, key []byte, h uint64, en *inde
 
 // insertLocked is installLocked without the eviction. key has no slot in
 // sh.
-func (e *Engine) insertLocked(sh *shard, key []byte, h uint64, en *index.Entry, keep bool) *slot {
+func (e *Engine) insertLocked(sh *shard, key []byte, tag uint32, en *index.Entry, keep bool) *slot {
 	sl := &slot{shard: uint8(sh.idx), e: en, size: slotSize(key, en), inFlight: en != nil && en.InFlight}
 	if keep && len(key) > 0 {
 		sl.key = unsafe.String(&key[0], len(key))
 	} else {
 		sl.key = string(key)
 	}
-	sh.add(sl, h)
+	sh.add(sl, tag)
 	sh.installs++
 	sh.bytes += sl.size
 	return sl
@@ -245,10 +265,9 @@ const (
 // lockSlotFor is lockSlot, lockSlotRead, or LookupHint's (use).
 func (e *Engine) lockSlotFor(key []byte, use slotUse) (*slot, func(), error) {
 	read := use == slotRead
-	sh := e.shardOf(key)
+	sh, tag := e.keyTag(key)
 	sh.mu.Lock()
-	sl, h := sh.lookup(key)
-	if sl != nil {
+	if sl := sh.find(key, tag); sl != nil {
 		return sl, sh.unlock, nil
 	}
 	if !e.ix.MayContain(key) {
@@ -262,9 +281,9 @@ func (e *Engine) lockSlotFor(key []byte, use slotUse) (*slot, func(), error) {
 			sh.mu.Unlock()
 			return nil, nil, nil
 		case slotHint:
-			return e.installForBatchLocked(sh, key, h, nil), sh.unlock, nil
+			return e.installForBatchLocked(sh, key, tag, nil), sh.unlock, nil
 		}
-		return e.installLocked(sh, key, h, nil, true), sh.unlock, nil
+		return e.installLocked(sh, key, tag, nil, true), sh.unlock, nil
 	}
 	gen, installs := sh.gen, sh.installs
 	sh.mu.Unlock()
@@ -275,16 +294,16 @@ func (e *Engine) lockSlotFor(key []byte, use slotUse) (*slot, func(), error) {
 	if read && err == nil && en == nil {
 		return nil, nil, nil
 	}
-	return e.lockSlotAfterRead(sh, key, h, en, err, gen, installs)
+	return e.lockSlotAfterRead(sh, key, tag, en, err, gen, installs)
 }
 
 // lockSlotAfterRead is the end of lockSlot: sh's lock is taken again
-// after the read (en, err) of key (table hash h) made without it, which
+// after the read (en, err) of key (table tag tag) made without it, which
 // began when the shard had evicted gen slots and installed installs.
-func (e *Engine) lockSlotAfterRead(sh *shard, key []byte, h uint64, en *index.Entry, err error, gen, installs uint64) (*slot, func(), error) {
+func (e *Engine) lockSlotAfterRead(sh *shard, key []byte, tag uint32, en *index.Entry, err error, gen, installs uint64) (*slot, func(), error) {
 	sh.mu.Lock()
 	if sh.installs != installs { // else no slot can have appeared: the table was probed above
-		if sl := sh.find(key, h); sl != nil {
+		if sl := sh.find(key, tag); sl != nil {
 			return sl, sh.unlock, nil
 		}
 	}
@@ -296,7 +315,7 @@ func (e *Engine) lockSlotAfterRead(sh *shard, key []byte, h uint64, en *index.En
 		}
 		return sl, sh.unlock, nil
 	}
-	return e.installLocked(sh, key, h, en, true), sh.unlock, nil
+	return e.installLocked(sh, key, tag, en, true), sh.unlock, nil
 }
 
 // lockSlotRead is lockSlot for a read (Lookup, Wait, ClientState): a key
@@ -451,8 +470,8 @@ func (e *Engine) evictRunLocked(sh *shard, run *evictCands, keep *slot, target i
 // and insertion were a tenth of the batch path's CPU. The slots are kept
 // in a slab (sh.slab, positions reused through sh.free) and found through
 // sh.tab, an open-addressing index with linear probing: each entry is 0
-// (empty) or a key's tag (the top 32 bits of its table hash) above its
-// slot's position plus one. A key's home entry is its tag masked by the
+// (empty) or a key's tag (the top 32 bits of its own hash, keyTag) above
+// its slot's position plus one. A key's home entry is its tag masked by the
 // table's size, so that an entry alone says where it belongs (deletion
 // by backward shift and growth read no slot). A probe compares key bytes
 // only when a tag matches: a key with no slot (nearly every new id) costs
@@ -463,32 +482,19 @@ func (e *Engine) evictRunLocked(sh *shard, run *evictCands, keep *slot, target i
 // tabMinLen is the size of a shard's table when its first slot comes.
 const tabMinLen = 16
 
-// lookup returns key's slot in sh (nil: none) and key's table hash, for a
-// slot installed next (insertLocked). sh's lock is held.
-func (sh *shard) lookup(key []byte) (*slot, uint64) {
-	h := maphash.Bytes(sh.e.tabSeed, key)
-	return sh.find(key, h), h
-}
-
-// get returns key's slot in sh, or nil. sh's lock is held.
-func (sh *shard) get(key []byte) *slot {
-	sl, _ := sh.lookup(key)
-	return sl
-}
-
-// find is get for a key whose table hash is h.
-func (sh *shard) find(key []byte, h uint64) *slot {
+// find returns the slot in sh of key, whose tag is tag (keyTag's), or
+// nil. sh's lock is held.
+func (sh *shard) find(key []byte, tag uint32) *slot {
 	if len(sh.tab) == 0 {
 		return nil
 	}
 	mask := uint64(len(sh.tab) - 1)
-	tag := h >> 32
-	for i := tag & mask; ; i = (i + 1) & mask {
+	for i := uint64(tag) & mask; ; i = (i + 1) & mask {
 		v := sh.tab[i]
 		if v == 0 {
 			return nil
 		}
-		if v>>32 == tag {
+		if uint32(v>>32) == tag {
 			if sl := sh.slab[uint32(v)-1]; sl.key == string(key) {
 				return sl
 			}
@@ -496,9 +502,9 @@ func (sh *shard) find(key []byte, h uint64) *slot {
 	}
 }
 
-// add puts sl, whose key has no slot in sh and whose table hash is h, into
-// sh's table.
-func (sh *shard) add(sl *slot, h uint64) {
+// add puts sl, whose key has no slot in sh and whose tag is tag, into sh's
+// table.
+func (sh *shard) add(sl *slot, tag uint32) {
 	if (sh.n+1)*8 > len(sh.tab)*7 {
 		sh.grow()
 	}
@@ -511,7 +517,7 @@ func (sh *shard) add(sl *slot, h uint64) {
 		pos = int32(len(sh.slab))
 		sh.slab = append(sh.slab, sl)
 	}
-	sl.tag, sl.pos = uint32(h>>32), pos
+	sl.tag, sl.pos = tag, pos
 	sh.place(uint64(sl.tag)<<32 | uint64(pos) + 1)
 	sh.n++
 }
@@ -741,21 +747,21 @@ func (e *Engine) appendUpdate(typ byte, payload []byte, up *pinnedUpdate) (wal.L
 	}
 	for i, t := range ts {
 		tsl := up.slot
+		var was *slot // t.Key's slot, evicted
 		if tsl == nil && up.slots != nil {
 			// Installing a slot below may have evicted a later one: a
 			// slot is checked just before it is used.
 			if tsl = up.slots[i]; tsl != nil && tsl.evicted {
-				tsl = nil
+				was, tsl = tsl, nil
 			}
 		}
 		if tsl == nil {
-			sh := e.shardOf(t.Key)
-			var h uint64
-			if tsl, h = sh.lookup(t.Key); tsl == nil {
+			sh, tag := e.keyTagOf(t.Key, was)
+			if tsl = sh.find(t.Key, tag); tsl == nil {
 				// Clean, and evicted when a later key of its shard was
 				// loaded (a batch): its entry is t.Next now, so no index
 				// read (which could fail after the append) is needed.
-				tsl = e.installLocked(sh, t.Key, h, t.Next, false)
+				tsl = e.installLocked(sh, t.Key, tag, t.Next, false)
 			}
 		}
 		e.setLocked(t.Key, tsl, t.Next, lsn)

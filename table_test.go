@@ -230,11 +230,11 @@ func TestShardTable(t *testing.T) {
 			if model[string(key)] != nil {
 				t.Fatalf("step %d: key %q in the model but not found", step, key)
 			}
-			sl, h := sh.lookup(key)
-			if sl != nil {
+			_, tag := e.keyTag(key)
+			if sh.find(key, tag) != nil {
 				t.Fatalf("step %d: lookup of absent %q found a slot", step, key)
 			}
-			model[string(key)] = e.insertLocked(sh, key, h, nil, false)
+			model[string(key)] = e.insertLocked(sh, key, tag, nil, false)
 		}
 		if step%97 == 0 {
 			check(step)
@@ -292,4 +292,43 @@ func sizeClass(n uintptr) int64 {
 		}
 	}
 	return -1 // past this table: add the classes above 256
+}
+
+// get is key's slot in sh, or nil; sh's lock is held. Tests put keys into
+// shards other than their own: a key's tag does not depend on its shard.
+func (sh *shard) get(key []byte) *slot {
+	_, tag := sh.e.keyTag(key)
+	return sh.find(key, tag)
+}
+
+// TestKeyTag: a key's shard and table tag come from one hash (its shard
+// index the low bits, its tag the high bits), except that a client's
+// older sequence keys, which share the client key's shard, get tags of
+// their own: with the client's hash as their tag, a window of 100,000
+// kept replies would be one probe run of the table.
+func TestKeyTag(t *testing.T) {
+	e := openMem(t, vfs.NewMem(), nil)
+	defer e.Close()
+	for _, k := range [][]byte{
+		index.EntryKey(nil, "s", index.ModeID, []byte("an-id")),
+		index.EntryKey(nil, "s", index.ModeClient, []byte("a-client")),
+	} {
+		h := index.ShardHash(e.seed, k)
+		if sh, tag := e.keyTag(k); sh.idx != int(h%numShards) || tag != uint32(h>>32) {
+			t.Fatalf("keyTag(%x) = shard %d tag %x, want %d and %x (ShardHash's)", k, sh.idx, tag, h%numShards, uint32(h>>32))
+		}
+	}
+	client := e.shardOf(index.EntryKey(nil, "s", index.ModeClient, []byte("a-client")))
+	tags := map[uint32]bool{}
+	const n = 1000
+	for seq := range uint64(n) {
+		sh, tag := e.keyTag(index.SeqKey(nil, "s", []byte("a-client"), seq+1))
+		if sh != client {
+			t.Fatalf("sequence key %d in shard %d, its client's in %d", seq+1, sh.idx, client.idx)
+		}
+		tags[tag] = true
+	}
+	if len(tags) < n/2 {
+		t.Fatalf("%d sequence keys of one client have %d distinct tags", n, len(tags))
+	}
 }
