@@ -299,9 +299,18 @@ func (e *Engine) advancesInFlightLocked(adv []wal.Advance, keys [][]byte, ov *in
 		if err != nil {
 			return err
 		}
-		if en != nil && en.InFlight {
-			return fmt.Errorf("%w: cannot advance client %q in scope %q to %d: its sequence number %d is claimed", ErrInFlight, a.Client, a.Scope, a.Seq, en.ClaimSeq)
+		if err := advanceInFlight(a, en); err != nil {
+			return err
 		}
+	}
+	return nil
+}
+
+// advanceInFlight returns ErrInFlight if en, the entry of a's client, has
+// a claim in flight.
+func advanceInFlight(a wal.Advance, en *index.Entry) error {
+	if en != nil && en.InFlight {
+		return fmt.Errorf("%w: cannot advance client %q in scope %q to %d: its sequence number %d is claimed", ErrInFlight, a.Client, a.Scope, a.Seq, en.ClaimSeq)
 	}
 	return nil
 }

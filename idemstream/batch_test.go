@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -11,6 +12,7 @@ import (
 	"time"
 
 	"github.com/idemdb/idem"
+	"github.com/idemdb/idem/wal"
 	"github.com/vmihailenco/msgpack/v5"
 )
 
@@ -104,10 +106,12 @@ func kinds(ops []spyOp) string {
 }
 
 // TestSinkBatchRecords: Consume claims a fetched batch in one batch, and
-// commits it in a second one (two engine records) where every commit carries its partition's
-// frontier advance (the frontier is in the record of the effect, never in
-// one of its own); a redelivery at a higher offset adds one advance, a
-// plain redelivery writes nothing.
+// commits it in a second one (two engine records) where every commit
+// carries its partition's frontier advance (the frontier is in the record
+// of the effect, never in one of its own), the commits in reverse order,
+// so that the record holds one advance per partition (the engine leaves
+// out those that raise nothing); a redelivery at a higher offset adds one
+// advance, a plain redelivery writes nothing.
 func TestSinkBatchRecords(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
@@ -135,12 +139,39 @@ func TestSinkBatchRecords(t *testing.T) {
 		t.Fatalf("batches %d: want [begin x40] [commit x40], got %v", len(runs), runKinds(runs))
 	}
 	for i, op := range runs[1] {
-		ev := evs[i]
+		ev := evs[len(evs)-1-i]
 		if want := (idem.Advance{Scope: frontierScope("s"), Client: frontierClient(ev.Partition), Seq: ev.Offset}); len(op.adv) != 1 || op.adv[0] != want {
-			t.Fatalf("commit of %s carries the advances %v, want [%v]", ev.ID, op.adv, want)
+			t.Fatalf("commit %d (of %s) carries the advances %v, want [%v]", i, ev.ID, op.adv, want)
 		}
 	}
 	checkFrontierExact(t, st.Engine, "s", evs)
+	// The commit record: 40 commits, and the advances that raise: the
+	// first commit of each partition, at its highest offset.
+	var got []wal.Advance
+	commits := 0
+	if _, err := wal.Scan(w.mem, "db/wal", wal.LSN(lsn+1), 0, func(r wal.Record) error {
+		if r.LSN != wal.LSN(lsn+2) {
+			return nil
+		}
+		op, err := wal.DecodeOp(r.Type, r.Payload)
+		if err != nil {
+			return err
+		}
+		for _, o := range op.Ops {
+			if o.Type == wal.OpCommit || o.Type == wal.OpCommitAdvance {
+				commits++
+			}
+			got = append(got, o.Advances...)
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	top := maxOffsets(evs)
+	want := []wal.Advance{{Scope: frontierScope("s"), Client: "p:p1", Seq: top["p1"]}, {Scope: frontierScope("s"), Client: "p:p0", Seq: top["p0"]}}
+	if commits != 40 || !slices.Equal(got, want) {
+		t.Fatalf("the commit record holds %d commits and the advances %v, want 40 and %v", commits, got, want)
+	}
 
 	// Redeliveries: evs[0] published again above the frontier, evs[1] as
 	// it was.
@@ -153,9 +184,9 @@ func TestSinkBatchRecords(t *testing.T) {
 		}
 	}
 	runs = st.takeRuns()
-	want := idem.Advance{Scope: frontierScope("s"), Client: frontierClient(again.Partition), Seq: 1000}
-	if len(runs) != 2 || kinds(runs[1]) != "advance x1" || len(runs[1][0].adv) != 1 || runs[1][0].adv[0] != want {
-		t.Fatalf("redelivery batches %v, want [begin x2] [advance x1 of %v]", runKinds(runs), want)
+	wantAdv := idem.Advance{Scope: frontierScope("s"), Client: frontierClient(again.Partition), Seq: 1000}
+	if len(runs) != 2 || kinds(runs[1]) != "advance x1" || len(runs[1][0].adv) != 1 || runs[1][0].adv[0] != wantAdv {
+		t.Fatalf("redelivery batches %v, want [begin x2] [advance x1 of %v]", runKinds(runs), wantAdv)
 	}
 	if _, _ = s.applyBatch(ctx, []Event{evs[2]}, l.handler, 8); len(st.takeRuns()) != 1 {
 		t.Fatal("a plain redelivery wrote a record")

@@ -647,8 +647,17 @@ func (sb *sinkBatch) finish() ([]Outcome, []error) {
 		clear(fresh)
 		clear(finItems[:cap(finItems)])
 	}()
+	// The items go in reverse order of the fetched batch, so that each
+	// partition's commits come in falling order of their offsets when
+	// the source delivers them in order: the first of them that applies
+	// raises the frontier to the highest offset the record commits, and
+	// the engine leaves the later advances, which raise nothing, out of
+	// the record (one advance per partition per record, whichever
+	// commits fail). Every commit still carries its own advance, so the
+	// frontier is what it is when each does: the highest committed
+	// offset, in every record, whatever the order.
 	var client, clientOf string
-	for n := range fresh {
+	for n := len(fresh) - 1; n >= 0; n-- {
 		r := &fresh[n]
 		ev := &evs[r.i]
 		switch r.state {
@@ -688,7 +697,10 @@ func (sb *sinkBatch) finish() ([]Outcome, []error) {
 		s.frontierWrites.Add(frontierWrites)
 		s.applied.Add(applied)
 	}()
-	for n, r := range finItems {
+	// Back in event order (hooks, outbox registrations): item n is
+	// finItems[n].
+	for n := len(finItems) - 1; n >= 0; n-- {
+		r := finItems[n]
 		ev := &evs[r.i]
 		if r.state != runCommit {
 			continue

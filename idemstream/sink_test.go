@@ -357,3 +357,127 @@ func TestCancelledBeforeCommit(t *testing.T) {
 	l.check(t)
 	checkExactlyOnce(t, l.committed, evs)
 }
+
+// TestFrontierAfterBatch pins each partition's frontier after one batch of
+// Consume's path (applyBatch) holding commits, failed handlers, a commit
+// whose claim was taken over, and replayed deliveries, through both ways
+// the sink writes: the frontier is the highest offset whose event the
+// batch (or an earlier record) committed, past a failed event below it
+// but never to a failed one, raised by a replayed delivery found above
+// it, and the same after a crash and recovery.
+func TestFrontierAfterBatch(t *testing.T) {
+	for _, sp := range storePaths {
+		t.Run(sp.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			clk := testclock.New()
+			w := newWorld()
+			w.oneAtATime = sp.oneAtATime
+			e := openEngine(t, w.mem, clk.Now)
+			s, err := NewSink(ctx, w.store(e), "fb", nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ok := func(context.Context, Event) (Effect, error) { return Effect{Result: []byte("ok")}, nil }
+			// Committed before the batch: p at 3, v at 50.
+			for _, ev := range []Event{{ID: []byte("p-old"), Partition: "p", Offset: 3}, {ID: []byte("v-old"), Partition: "v", Offset: 50}} {
+				if out, err := s.Apply(ctx, ev, ok); err != nil || out.Status != Applied {
+					t.Fatalf("apply %s: %+v %v", ev.ID, out, err)
+				}
+			}
+			evs := []Event{
+				{ID: []byte("p10"), Partition: "p", Offset: 10}, // fails
+				{ID: []byte("p11"), Partition: "p", Offset: 11},
+				{ID: []byte("p-old"), Partition: "p", Offset: 12}, // replayed above the frontier
+				{ID: []byte("p13"), Partition: "p", Offset: 13},   // fails
+				{ID: []byte("q5"), Partition: "q", Offset: 5},
+				{ID: []byte("q6"), Partition: "q", Offset: 6},
+				{ID: []byte("q7"), Partition: "q", Offset: 7}, // fails
+				{ID: []byte("r19"), Partition: "r", Offset: 19},
+				{ID: []byte("r20"), Partition: "r", Offset: 20}, // its claim is taken over: the commit fails
+				{ID: []byte("r21"), Partition: "r", Offset: 21}, // fails
+				{ID: []byte("s31"), Partition: "s", Offset: 31}, // out of order
+				{ID: []byte("s30"), Partition: "s", Offset: 30},
+				{ID: []byte("u1"), Partition: "u", Offset: 1},     // fails: no frontier
+				{ID: []byte("v-old"), Partition: "v", Offset: 45}, // replayed below the frontier
+				{ID: []byte("nopos")},                             // no position
+			}
+			fails := map[string]bool{"p10": true, "p13": true, "q7": true, "r21": true, "u1": true}
+			var takeover *idem.Claim
+			h := func(ctx context.Context, ev Event) (Effect, error) {
+				switch id := string(ev.ID); {
+				case fails[id]:
+					return Effect{}, errors.New("target down")
+				case id == "r20":
+					// Another delivery takes the claim over once its lease
+					// has run out (as after a handler that ran too long).
+					clk.Advance(2 * time.Hour)
+					res, err := e.Begin(ctx, idem.Request{Scope: s.scope, ID: ev.ID, Fingerprint: fingerprint(ev.Payload)})
+					if err != nil || res.Status != idem.Fresh {
+						t.Errorf("takeover of r20: %v %v", res.Status, err)
+					}
+					takeover = res.Claim
+				}
+				return Effect{Result: []byte("ok")}, nil
+			}
+			writes := s.Stats().FrontierWrites
+			outs, errs := s.applyBatch(ctx, evs, h, 1) // in order: the takeover happens during r20's handler
+			for i, ev := range evs {
+				id := string(ev.ID)
+				switch {
+				case fails[id]:
+					if errs[i] == nil {
+						t.Errorf("%s: no error", id)
+					}
+				case id == "r20":
+					if !errors.Is(errs[i], idem.ErrLeaseLost) {
+						t.Errorf("r20: %v, want ErrLeaseLost", errs[i])
+					}
+				case id == "p-old" || id == "v-old":
+					if errs[i] != nil || outs[i].Status != Replayed {
+						t.Errorf("%s: %+v %v, want Replayed", id, outs[i], errs[i])
+					}
+				default:
+					if errs[i] != nil || outs[i].Status != Applied {
+						t.Errorf("%s: %+v %v, want Applied", id, outs[i], errs[i])
+					}
+				}
+			}
+			// The commits of p11, q5, q6, r19, s31 and s30, and the
+			// advance past p-old's replay.
+			if got := s.Stats().FrontierWrites - writes; got != 7 {
+				t.Errorf("frontier writes %d, want 7", got)
+			}
+			want := map[string]uint64{"p": 12, "q": 6, "r": 19, "s": 31, "u": 0, "v": 50}
+			check := func(when string) {
+				t.Helper()
+				for p, off := range want {
+					got, has, err := s.Frontier(p)
+					if err != nil || got != off || has != (off > 0) {
+						t.Errorf("%s: frontier of %s: %d %v %v, want %d", when, p, got, has, err, off)
+					}
+				}
+			}
+			check("after the batch")
+			// A crash, and recovery (which releases the takeover's claim,
+			// left in doubt): the same frontiers, from the log.
+			if takeover == nil {
+				t.Fatal("no takeover")
+			}
+			s.Close()
+			w.crash()
+			e.Close()
+			w.restart()
+			e = openEngine(t, w.mem, clk.Now)
+			defer e.Close()
+			if s, err = NewSink(ctx, w.store(e), "fb", nil); err != nil {
+				t.Fatal(err)
+			}
+			defer s.Close()
+			check("after a crash")
+			if st := s.Stats(); st.RecoveredAborted != 1 {
+				t.Errorf("recovery released %d claims, want 1 (r20's takeover)", st.RecoveredAborted)
+			}
+		})
+	}
+}

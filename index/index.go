@@ -430,11 +430,6 @@ func (ix *Index) Replies() int64 { return ix.replies.Load() }
 // Count returns the number of entries stored.
 func (ix *Index) Count() int64 { return ix.count.Load() }
 
-// getOpts is a point lookup's iterator options. The last level has no
-// bloom filters (see Open; tables written before that change have them, and
-// they are not read either).
-var getOpts = pebble.IterOptions{}
-
 // Get returns the entry stored under key, or nil. An entry still pending
 // (not yet in Pebble) is shared: callers must not modify what Get returns.
 func (ix *Index) Get(key []byte) (*Entry, error) {
@@ -451,21 +446,20 @@ func (ix *Index) Get(key []byte) (*Entry, error) {
 	if e, ok := ix.lookupPending(key); ok {
 		return e, nil
 	}
-	it, err := ix.db.NewIter(&getOpts)
-	if err != nil {
-		return nil, fmt.Errorf("index: get: %w", err)
-	}
-	defer it.Close()
-	if !it.SeekPrefixGE(key) || !bytes.Equal(it.Key(), key) {
-		if err := it.Error(); err != nil {
-			return nil, fmt.Errorf("index: get: %w", err)
-		}
+	// Pebble's Get, not an iterator's SeekPrefixGE: it walks the
+	// memtables and levels newest first and stops at the first that holds
+	// the key, opening one level's table at a time, where an iterator
+	// builds a merging iterator over every level and seeks each (the last
+	// level has no bloom filters, see Open). A key present in the index
+	// costs 7-40% less CPU in BenchmarkLookupWhileWriting (present-ns).
+	v, c, err := ix.db.Get(key)
+	if errors.Is(err, pebble.ErrNotFound) {
 		return nil, nil
 	}
-	v, err := it.ValueAndErr()
 	if err != nil {
 		return nil, fmt.Errorf("index: get: %w", err)
 	}
+	defer c.Close()
 	e, err := DecodeEntry(v)
 	if err != nil {
 		return nil, fmt.Errorf("%w: key %x: %v", ErrCorrupt, key, err)
