@@ -154,14 +154,15 @@ type unpinScratch struct {
 
 // unpinRec is a slot to unpin if it still carries lsn, its record's LSN:
 // sl, or (a batch record's transition whose slot was not known, or was
-// evicted since) the slot of key in its shard's map. batch says that the
+// evicted since) the slot of key in its shard's table. batch says that the
 // record was a batch's, whose slots the applier evicts past the shard's
 // share (installForBatchLocked left that to it).
 type unpinRec struct {
 	sl    *slot
 	key   []byte
 	lsn   wal.LSN
-	shard int32
+	tag   uint32 // key's tag (keyTag), when sl is nil
+	shard uint16
 	batch bool
 }
 
@@ -179,16 +180,17 @@ func (e *Engine) unpinSlots(batch []*pinnedUpdate, us *unpinScratch) {
 	us.tmp = us.tmp[:0]
 	for _, u := range batch {
 		if u.slot != nil {
-			us.tmp = append(us.tmp, unpinRec{sl: u.slot, lsn: u.LSN, shard: int32(u.slot.sh.idx)})
+			us.tmp = append(us.tmp, unpinRec{sl: u.slot, lsn: u.LSN, shard: uint16(u.slot.shard)})
 			continue
 		}
 		for i := range u.Transitions {
 			r := unpinRec{lsn: u.LSN, batch: true}
 			if u.slots != nil && u.slots[i] != nil {
 				r.sl = u.slots[i]
-				r.shard = int32(r.sl.sh.idx) // the key's shard, evicted or not
+				r.shard = uint16(r.sl.shard) // the key's shard, evicted or not
 			} else {
-				r.shard = int32(e.shardIdx(u.Transitions[i].Key))
+				sh, tag := e.keyTag(u.Transitions[i].Key)
+				r.shard, r.tag = uint16(sh.idx), tag
 			}
 			r.key = u.Transitions[i].Key
 			us.tmp = append(us.tmp, r)
@@ -226,7 +228,11 @@ func (e *Engine) unpinSlots(batch []*pinnedUpdate, us *unpinScratch) {
 				evict++
 				if sl == nil || sl.evicted {
 					// Unknown, or evicted and so no longer the key's.
-					sl = sh.m[string(r.key)]
+					tag := r.tag
+					if sl != nil {
+						tag = sl.tag
+					}
+					sl = sh.find(r.key, tag)
 				}
 			}
 			if sl != nil && sl.dirty == r.lsn {

@@ -100,9 +100,11 @@ type batchItem struct {
 	// table by this item); flush hands it on to spare a lookup.
 	sl *slot
 	k  reqKey // Begin, Put: the request's key; Commit, Abort: the claim's
-	// shard is k.key's lock shard (Begin, Put), as check found it, so
-	// that the run does not hash the key again to find it.
-	shard int
+	// shard and tag are k.key's lock shard and table tag (Begin, Put),
+	// as check found them (keyTag), so that the run does not hash the
+	// key again to find its slot.
+	shard int32
+	tag   uint32
 	fp    []byte        // Begin, Put: the fingerprint as stored
 	wadv  []wal.Advance // Put, Commit, Advance: the checked advances
 	// keys are the keys the item locks besides k.key: the advanced
@@ -136,7 +138,7 @@ type engineBatch struct {
 // them spares allocating and growing ~500 bytes per item; wadv and keys
 // hold the items' checked advances and keys (batchItem.wadv, keys),
 // which nothing keeps after Run (the record is encoded, the index batch
-// copies what it keeps, the slot map keys are the keys' own bytes).
+// copies what it keeps, the slots' keys are the keys' own bytes).
 type batchBufs struct {
 	items []batchItem
 	wadv  []wal.Advance
@@ -321,11 +323,12 @@ func (b *engineBatch) check(i int, set *shardSet) error {
 		}
 		it.k, it.fp = k, fp
 		if h := it.hint; h != nil && h.sl != nil {
-			it.shard = h.sl.sh.idx // the key's shard, without hashing it again
+			it.shard, it.tag = int32(h.sl.shard), h.sl.tag // without hashing the key again
 		} else {
-			it.shard = e.shardIdx(k.key)
+			sh, tag := e.keyTag(k.key)
+			it.shard, it.tag = int32(sh.idx), tag
 		}
-		set.addShard(it.shard)
+		set.addShard(int(it.shard))
 		for _, a := range k.ackKey {
 			set.add(e, a)
 		}
@@ -446,12 +449,14 @@ type batchRun struct {
 	// itemKey and itemSl are the key of the item being classified and its
 	// slot once known (a Commit's or Abort's claim hands it on, a Begin's
 	// or Put's first read finds it): get answers itemKey from itemSl
-	// without probing the shard's map again (the overlay reads the key a
+	// without probing the shard's table again (the overlay reads the key a
 	// second time when the item's operation is added). nil: unknown.
 	itemKey []byte
 	itemSl  *slot
-	// itemShard is itemKey's shard when known (nil: get hashes the key).
+	// itemShard and itemTag are itemKey's shard and tag when known (nil:
+	// get hashes the key).
 	itemShard *shard
+	itemTag   uint32
 	buf       []byte    // wal.MaxBatchHeader reserved, then the record's operations
 	nops      int       // operations in buf
 	cost      int       // their wal.BatchCost
@@ -506,19 +511,22 @@ func (e *Engine) putBatchRun(r *batchRun) {
 }
 
 // get is the table lookup that the run's index batch reads through (the
-// key's shard is locked): it installs a slot with key's bytes as its map
+// key's shard is locked): it installs a slot with key's bytes as its
 // key, since a key a batch reads is never changed (validate's,
 // checkAdvances', an index.EntryKey or SeqKey the transitions made), and
 // remembers it for the item being classified.
 func (r *batchRun) get(key []byte, mode byte) (*index.Entry, error) {
 	sl := r.itemSl
 	if item := sameSlice(key, r.itemKey); sl == nil || sl.evicted || !item {
-		sh := r.itemShard
-		if !item || sh == nil {
-			sh = r.e.shardOf(key)
+		sh, tag := r.itemShard, r.itemTag
+		switch {
+		case !item:
+			sh, tag = r.e.keyTag(key)
+		case sh == nil:
+			sh, tag = r.e.keyTagOf(key, sl) // sl, when set, is key's (evicted)
 		}
 		var err error
-		if sl, err = r.e.slotLockedIn(sh, key, true); err != nil {
+		if sl, err = r.e.slotLockedIn(sh, key, tag, true); err != nil {
 			return nil, err
 		}
 	}
@@ -530,12 +538,12 @@ func (r *batchRun) get(key []byte, mode byte) (*index.Entry, error) {
 // it, and notes the key's slot in it.sl when it is read from the table.
 // The slot of a Commit's or Abort's claim, while not evicted (an
 // in-flight slot never is, unless it was taken over), is the key's slot
-// in its shard's map (only eviction takes a slot out): get takes it
+// in its shard's table (only eviction takes a slot out): get takes it
 // without a lookup.
 func (r *batchRun) getItem(it *batchItem) (*index.Entry, error) {
 	r.lastSl, r.itemKey, r.itemSl, r.itemShard = nil, it.k.key, nil, nil
 	if it.kind == bBegin || it.kind == bPut {
-		r.itemShard = &r.e.shards[it.shard]
+		r.itemShard, r.itemTag = &r.e.shards[it.shard], it.tag
 	}
 	if it.claim != nil && it.claim.ec.sl != nil && !it.claim.ec.sl.evicted {
 		r.itemSl = it.claim.ec.sl
@@ -848,7 +856,8 @@ func (r *batchRun) flush(next int) error {
 		}
 		sl := it.sl
 		if sl == nil || sl.evicted {
-			sl = e.shardOf(it.k.key).m[string(it.k.key)]
+			sh, tag := e.keyTagOf(it.k.key, sl)
+			sl = sh.find(it.k.key, tag)
 		}
 		if sl != nil && sl.waiters != nil {
 			r.wake = append(r.wake, sl.waiters)

@@ -769,9 +769,9 @@ func pinnedSlots(e *Engine) []string {
 	for i := range e.shards {
 		sh := &e.shards[i]
 		sh.mu.Lock()
-		for k, sl := range sh.m {
-			if sl.dirty != 0 {
-				out = append(out, fmt.Sprintf("shard %d key %q pinned by LSN %d", i, k, sl.dirty))
+		for _, sl := range sh.slab {
+			if sl != nil && sl.dirty != 0 {
+				out = append(out, fmt.Sprintf("shard %d key %q pinned by LSN %d", i, sl.key, sl.dirty))
 			}
 		}
 		sh.mu.Unlock()

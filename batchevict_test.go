@@ -49,7 +49,7 @@ func TestBatchSlotsEvictedByApplier(t *testing.T) {
 	for i := range e.shards {
 		sh := &e.shards[i]
 		sh.mu.Lock()
-		bytes, n := sh.bytes, len(sh.m)
+		bytes, n := sh.bytes, sh.n
 		sh.mu.Unlock()
 		if bytes > share {
 			if over++; over <= 3 {

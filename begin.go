@@ -259,7 +259,7 @@ func (e *Engine) beginEntered(req *Request, k reqKey, pbp **[]byte, out *Result)
 		e.claimOp(op, k, req, fp, cur, now)
 		payload = nil
 	}
-	ts, err := sl.sh.transitionsHinted(fc.ups.claimTs[:0], op, k.key, sl, &fc.entry)
+	ts, err := e.slotShard(sl).transitionsHinted(fc.ups.claimTs[:0], op, k.key, sl, &fc.entry)
 	if err != nil {
 		unlock()
 		*fc = freshClaim{} // nothing refers to it: the record was not appended

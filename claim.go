@@ -462,8 +462,9 @@ func (c *engineClaim) writeEntered(typ byte, reply []byte, adv []wal.Advance, ke
 	)
 	switch {
 	case keys == nil && c.sl != nil: // Commit, Abort: the claim's key alone, its slot in hand
-		c.sl.sh.mu.Lock()
-		unlock = c.sl.sh.unlock
+		sh := e.slotShard(c.sl)
+		sh.mu.Lock()
+		unlock = sh.unlock
 		if !c.sl.evicted {
 			sl = c.sl
 		}
@@ -501,7 +502,7 @@ func (c *engineClaim) writeEntered(typ byte, reply []byte, adv []wal.Advance, ke
 	if c.ups != nil {
 		up, ts = &c.ups.finish, c.ups.finishTs[:0]
 	}
-	ts, err := sl.sh.transitionsHinted(ts, op, k.key, sl, own)
+	ts, err := e.slotShard(sl).transitionsHinted(ts, op, k.key, sl, own)
 	if err != nil {
 		unlock()
 		return err

@@ -58,7 +58,7 @@ type Engine struct {
 	closed atomic.Bool
 	failed atomic.Pointer[error] // sticky failure of the applier
 
-	seed   maphash.Seed
+	seed   maphash.Seed // hashes keys for their shards and shard tables (keyTag)
 	shards [numShards]shard
 	// getLockedFn is e.getLocked bound once: index.Transitions keeps its
 	// lookup function (a batch holds it), so a method value made per call
@@ -103,15 +103,24 @@ type Engine struct {
 
 // shard is one stripe of the in-memory table in front of the index.
 type shard struct {
-	mu    sync.Mutex
-	m     map[string]*slot // guarded by mu
-	bytes int64            // guarded by mu: accounted size of the slots
-	// gen counts the slots evicted from m (guarded by mu): a read of the
+	mu sync.Mutex
+	// The shard's slots, found by key (guarded by mu; see table.go,
+	// "the shard's table"): slab holds them at their positions (nil: a
+	// free position, listed in free), tab is an open-addressing index of
+	// (hash tag, position) that holds no pointers, n the number of slots.
+	// evictAt is where evictLocked's next sweep of slab starts.
+	slab    []*slot
+	free    []int32
+	tab     []uint64
+	n       int
+	evictAt int
+	bytes   int64 // guarded by mu: accounted size of the slots
+	// gen counts the slots evicted from the table (guarded by mu): a read of the
 	// index made without the lock may be installed only if no slot of
 	// the shard was evicted meanwhile (see lockSlot).
 	gen uint64
-	// installs counts the slots put into m (guarded by mu): lockSlot
-	// skips its second probe of m when none was installed while it read
+	// installs counts the slots put into the table (guarded by mu): lockSlot
+	// skips its second probe when none was installed while it read
 	// the index without the lock.
 	installs uint64
 	// unlock is mu.Unlock bound once, so that lockKeys of one key does not
@@ -129,17 +138,30 @@ type shard struct {
 
 // slot caches one key's entry. It is pinned (never evicted) while the entry
 // is in flight, not yet applied to the index, or waited on.
+//
+// Its fields fit the 64-byte size class (slotBytes, which the memory
+// accounting counts; TestSlotSize pins both): the shard is a byte, not a
+// pointer.
 type slot struct {
-	sh      *shard        // the shard whose map holds it (immutable)
+	key     string        // its key (immutable; the caller's bytes when it kept them)
 	e       *index.Entry  // as stored (forget marks may still apply); nil = absent
 	dirty   wal.LSN       // last change not yet applied to the index; 0 = clean
 	waiters chan struct{} // closed when the current claim finishes; nil if nobody waits
-	size    int64
+	size    int64         // what slotSize counts for it
+	// tag is the top 32 bits of key's table hash and pos the slot's
+	// position in its shard's slab: together its entry in the shard's
+	// tab (immutable).
+	tag uint32
+	pos int32
 	// inFlight is e != nil && e.InFlight, kept here so that eviction
 	// decides from the slot alone (one cache line, not two).
 	inFlight bool
-	evicted  bool // dropped from sh.m by eviction (for holders of a slot pointer)
+	evicted  bool  // dropped from its shard's table by eviction (for holders of a slot pointer)
+	shard    uint8 // its shard's index in Engine.shards (immutable)
 }
+
+// A slot's shard index is a byte.
+const _ = uint8(numShards - 1)
 
 type counters struct {
 	hits, misses, conflicts, collisions, gaps, alreadyCommitted, leaseLost, takeovers, expired, acked atomic.Uint64
@@ -168,7 +190,6 @@ func Open(dir string, opts *Options) (*Engine, error) {
 	e := &Engine{o: o, dir: dir, fs: o.FS, seed: maphash.MakeSeed()}
 	e.getLockedFn = e.getLocked
 	for i := range e.shards {
-		e.shards[i].m = make(map[string]*slot)
 		e.shards[i].unlock = e.shards[i].mu.Unlock
 		e.shards[i].e = e
 		e.shards[i].idx = i

@@ -31,11 +31,13 @@ func TestEvictLockedSparesPinnedSlots(t *testing.T) {
 			sh := &e.shards[7]
 			sh.mu.Lock()
 			defer sh.mu.Unlock()
-			clear(sh.m)
+			sh.slab, sh.free, sh.tab, sh.n, sh.evictAt = nil, nil, nil, 0, 0
 			sh.bytes, sh.gen = 0, 0
 			slots := make([]*slot, tc.n)
 			for i := range slots {
-				sl := e.insertLocked(sh, fmt.Appendf(nil, "key-%04d", i), nil, false)
+				key := fmt.Appendf(nil, "key-%04d", i)
+				_, tag := e.keyTag(key)
+				sl := e.insertLocked(sh, key, tag, nil, false)
 				sl.size = 2 * share / int64(tc.n) // the shard at twice its share
 				if tc.n < 10 {
 					sl.size = share / 2 // each slot alone is a quarter of what must go
@@ -64,9 +66,9 @@ func TestEvictLockedSparesPinnedSlots(t *testing.T) {
 			e.evictLocked(sh, keep)
 			gone, left := 0, int64(0)
 			for i, sl := range slots {
-				_, in := sh.m[fmt.Sprintf("key-%04d", i)]
+				in := sh.get(fmt.Appendf(nil, "key-%04d", i)) != nil
 				if in == sl.evicted {
-					t.Fatalf("slot %d: in the map %v, evicted %v", i, in, sl.evicted)
+					t.Fatalf("slot %d: in the table %v, evicted %v", i, in, sl.evicted)
 				}
 				if !sl.evicted {
 					left += sl.size

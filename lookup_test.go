@@ -19,7 +19,7 @@ func tableSlots(e *Engine) (slots int, installs uint64) {
 	for i := range e.shards {
 		sh := &e.shards[i]
 		sh.mu.Lock()
-		slots += len(sh.m)
+		slots += sh.n
 		installs += sh.installs
 		sh.mu.Unlock()
 	}
@@ -28,7 +28,7 @@ func tableSlots(e *Engine) (slots int, installs uint64) {
 
 // TestAbsentReadInstallsNoSlot: Lookup, Wait and ClientState of an id or
 // client the engine does not hold answer without installing a slot (a
-// slot costs a map insert and, past CacheSize, an eviction: the reads
+// slot costs a table insert and, past CacheSize, an eviction: the reads
 // idemraft's replicas and idemstream's two-phase commit make of every new
 // id before putting it), while a read of a stored id that is only in the
 // index (evicted) is installed and answered as before.
@@ -72,8 +72,8 @@ func TestAbsentReadInstallsNoSlot(t *testing.T) {
 func evictSlot(e *Engine, key []byte) {
 	sh := e.shardOf(key)
 	sh.mu.Lock()
-	if sl := sh.m[string(key)]; sl != nil {
-		delete(sh.m, string(key))
+	if sl := sh.get(key); sl != nil {
+		sh.remove(sl)
 		sl.evicted = true
 		sh.gen++
 		sh.bytes -= sl.size

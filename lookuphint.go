@@ -20,7 +20,7 @@ import "context"
 type PutHint struct {
 	e   *Engine
 	req Request
-	k   reqKey // validate's: its key bytes are the slot's map key
+	k   reqKey // validate's: its key bytes are the slot's key
 	fp  []byte
 	sl  *slot // nil: read the key when the batch runs
 }

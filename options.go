@@ -90,7 +90,12 @@ type Options struct {
 	// the index (default MemoryBudget/16: 16 MiB). In-flight and not yet
 	// applied entries are always kept; the rest are evicted past the bound
 	// (the slots of batch records by the applier once it applied them:
-	// until then they may take a quarter more).
+	// until then they may take a quarter more). Each key counts what it
+	// holds on the Go heap: its bytes, its slot and its part of the
+	// shard's table (88 bytes), and when its entry is in memory the entry
+	// (192 bytes) with its reply and fingerprints: a 30-byte id with a
+	// 32-byte reply counts about 340 bytes, so the default holds about
+	// 50,000 such keys.
 	CacheSize int64
 	// IndexCacheSize is Pebble's block cache (default MemoryBudget/4: 64 MiB).
 	IndexCacheSize int64

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"slices"
 	"sync"
-	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -102,6 +101,29 @@ func (e *Engine) shardIdx(key []byte) int { return int(index.ShardHash(e.seed, k
 
 func (e *Engine) shardOf(key []byte) *shard { return &e.shards[e.shardIdx(key)] }
 
+// slotShard is the shard whose table holds sl (or held it, if evicted).
+func (e *Engine) slotShard(sl *slot) *shard { return &e.shards[sl.shard] }
+
+// keyTag returns key's shard and key's tag in that shard's table (the top
+// 32 bits of key's own hash), from one hash computation for every key but
+// a client's older sequence keys (index.KeyHashes): the shard index is the
+// low bits of the same hash, which every key of a shard shares, the tag
+// its high bits.
+func (e *Engine) keyTag(key []byte) (*shard, uint32) {
+	s, own := index.KeyHashes(e.seed, key)
+	return &e.shards[s%numShards], uint32(own >> 32)
+}
+
+// keyTagOf is keyTag for a key whose slot, evicted or not, was was (nil:
+// unknown): an evicted slot keeps its shard and tag, which spares hashing
+// the key again.
+func (e *Engine) keyTagOf(key []byte, was *slot) (*shard, uint32) {
+	if was != nil {
+		return e.slotShard(was), was.tag
+	}
+	return e.keyTag(key)
+}
+
 // lockKeys locks the shards of keys in index order (so that multi-key
 // operations never deadlock) and returns the unlock function.
 func (e *Engine) lockKeys(keys ...[]byte) func() {
@@ -143,14 +165,16 @@ func (e *Engine) slotLocked(key []byte) (*slot, error) { return e.slotLockedKeep
 
 // slotLockedKeep is slotLocked that, with keep (a batch's run,
 // batchRun.get), installs a slot by installForBatchLocked, which makes
-// key's bytes its map key: the caller guarantees that they never change.
+// key's bytes the slot's key: the caller guarantees that they never change.
 func (e *Engine) slotLockedKeep(key []byte, keep bool) (*slot, error) {
-	return e.slotLockedIn(e.shardOf(key), key, keep)
+	sh, tag := e.keyTag(key)
+	return e.slotLockedIn(sh, key, tag, keep)
 }
 
-// slotLockedIn is slotLockedKeep for a caller that knows sh, key's shard.
-func (e *Engine) slotLockedIn(sh *shard, key []byte, keep bool) (*slot, error) {
-	if sl := sh.m[string(key)]; sl != nil {
+// slotLockedIn is slotLockedKeep for a caller that knows sh and tag, key's
+// shard and tag (keyTag's).
+func (e *Engine) slotLockedIn(sh *shard, key []byte, tag uint32, keep bool) (*slot, error) {
+	if sl := sh.find(key, tag); sl != nil {
 		return sl, nil
 	}
 	en, err := e.ix.Get(key)
@@ -158,17 +182,18 @@ func (e *Engine) slotLockedIn(sh *shard, key []byte, keep bool) (*slot, error) {
 		return nil, wrapCorrupt(err)
 	}
 	if keep {
-		return e.installForBatchLocked(sh, key, en), nil
+		return e.installForBatchLocked(sh, key, tag, en), nil
 	}
-	return e.installLocked(sh, key, en, false), nil
+	return e.installLocked(sh, key, tag, en, false), nil
 }
 
 // installLocked puts a slot holding en, as read from the index, into sh
 // (whose lock is held) and evicts past the shard's share, never that slot.
-// With keep, key's bytes become the map's key as they are (no copy): the
-// caller guarantees that they never change.
-func (e *Engine) installLocked(sh *shard, key []byte, en *index.Entry, keep bool) *slot {
-	sl := e.insertLocked(sh, key, en, keep)
+// tag is key's tag (keyTag's). With keep, key's bytes become the slot's
+// key as they are (no copy): the caller guarantees that they never
+// change.
+func (e *Engine) installLocked(sh *shard, key []byte, tag uint32, en *index.Entry, keep bool) *slot {
+	sl := e.insertLocked(sh, key, tag, en, keep)
 	e.evictLocked(sh, sl)
 	return sl
 }
@@ -181,24 +206,24 @@ func (e *Engine) installLocked(sh *shard, key []byte, en *index.Entry, keep bool
 // share by a quarter already (which bounds the memory of slots installed
 // for a record never written, and of a shard whose records the applier
 // has not reached yet).
-func (e *Engine) installForBatchLocked(sh *shard, key []byte, en *index.Entry) *slot {
-	sl := e.insertLocked(sh, key, en, true)
+func (e *Engine) installForBatchLocked(sh *shard, key []byte, tag uint32, en *index.Entry) *slot {
+	sl := e.insertLocked(sh, key, tag, en, true)
 	if limit := e.o.CacheSize / numShards; sh.bytes > limit+limit/4 {
 		e.evictLocked(sh, sl)
 	}
 	return sl
 }
 
-// insertLocked is installLocked without the eviction.
-func (e *Engine) insertLocked(sh *shard, key []byte, en *index.Entry, keep bool) *slot {
-	sl := &slot{sh: sh, e: en, size: slotSize(key, en), inFlight: en != nil && en.InFlight}
-	var k string
+// insertLocked is installLocked without the eviction. key has no slot in
+// sh.
+func (e *Engine) insertLocked(sh *shard, key []byte, tag uint32, en *index.Entry, keep bool) *slot {
+	sl := &slot{shard: uint8(sh.idx), e: en, size: slotSize(key, en), inFlight: en != nil && en.InFlight}
 	if keep && len(key) > 0 {
-		k = unsafe.String(&key[0], len(key))
+		sl.key = unsafe.String(&key[0], len(key))
 	} else {
-		k = string(key)
+		sl.key = string(key)
 	}
-	sh.m[k] = sl
+	sh.add(sl, tag)
 	sh.installs++
 	sh.bytes += sl.size
 	return sl
@@ -206,7 +231,7 @@ func (e *Engine) insertLocked(sh *shard, key []byte, en *index.Entry, keep bool)
 
 // lockSlot locks key's shard and returns key's slot and the unlock
 // function. key (a reqKey.key, made by validate) must never change: a
-// slot installed here keeps its bytes as the map key. A slot that is not in memory is read from the index without
+// slot installed here keeps its bytes as its key. A slot that is not in memory is read from the index without
 // holding the shard's lock, so that a lookup that has to read the disk (a
 // duplicate of an id committed long ago, while Pebble compacts) does not
 // stall every other key of its shard behind it. A key that the index's
@@ -240,9 +265,9 @@ const (
 // lockSlotFor is lockSlot, lockSlotRead, or LookupHint's (use).
 func (e *Engine) lockSlotFor(key []byte, use slotUse) (*slot, func(), error) {
 	read := use == slotRead
-	sh := e.shardOf(key)
+	sh, tag := e.keyTag(key)
 	sh.mu.Lock()
-	if sl := sh.m[string(key)]; sl != nil {
+	if sl := sh.find(key, tag); sl != nil {
 		return sl, sh.unlock, nil
 	}
 	if !e.ix.MayContain(key) {
@@ -256,9 +281,9 @@ func (e *Engine) lockSlotFor(key []byte, use slotUse) (*slot, func(), error) {
 			sh.mu.Unlock()
 			return nil, nil, nil
 		case slotHint:
-			return e.installForBatchLocked(sh, key, nil), sh.unlock, nil
+			return e.installForBatchLocked(sh, key, tag, nil), sh.unlock, nil
 		}
-		return e.installLocked(sh, key, nil, true), sh.unlock, nil
+		return e.installLocked(sh, key, tag, nil, true), sh.unlock, nil
 	}
 	gen, installs := sh.gen, sh.installs
 	sh.mu.Unlock()
@@ -269,16 +294,16 @@ func (e *Engine) lockSlotFor(key []byte, use slotUse) (*slot, func(), error) {
 	if read && err == nil && en == nil {
 		return nil, nil, nil
 	}
-	return e.lockSlotAfterRead(sh, key, en, err, gen, installs)
+	return e.lockSlotAfterRead(sh, key, tag, en, err, gen, installs)
 }
 
 // lockSlotAfterRead is the end of lockSlot: sh's lock is taken again
-// after the read (en, err) of key made without it, which began when the
-// shard had evicted gen slots and installed installs.
-func (e *Engine) lockSlotAfterRead(sh *shard, key []byte, en *index.Entry, err error, gen, installs uint64) (*slot, func(), error) {
+// after the read (en, err) of key (table tag tag) made without it, which
+// began when the shard had evicted gen slots and installed installs.
+func (e *Engine) lockSlotAfterRead(sh *shard, key []byte, tag uint32, en *index.Entry, err error, gen, installs uint64) (*slot, func(), error) {
 	sh.mu.Lock()
-	if sh.installs != installs { // else no slot can have appeared: m was probed above
-		if sl := sh.m[string(key)]; sl != nil {
+	if sh.installs != installs { // else no slot can have appeared: the table was probed above
+		if sl := sh.find(key, tag); sl != nil {
 			return sl, sh.unlock, nil
 		}
 	}
@@ -290,7 +315,7 @@ func (e *Engine) lockSlotAfterRead(sh *shard, key []byte, en *index.Entry, err e
 		}
 		return sl, sh.unlock, nil
 	}
-	return e.installLocked(sh, key, en, true), sh.unlock, nil
+	return e.installLocked(sh, key, tag, en, true), sh.unlock, nil
 }
 
 // lockSlotRead is lockSlot for a read (Lookup, Wait, ClientState): a key
@@ -299,7 +324,7 @@ func (e *Engine) lockSlotAfterRead(sh *shard, key []byte, en *index.Entry, err e
 // then returns a nil slot and a nil unlock function (no lock is held);
 // otherwise it returns what lockSlot returns.
 //
-// Why that read is linearizable: a slot is taken out of its map only
+// Why that read is linearizable: a slot is taken out of its table only
 // when it is clean (its records applied to the index: the applier applies
 // a batch of records before it unpins their slots) and nobody waits on
 // it, and every change to a key is published into its slot under the
@@ -324,26 +349,45 @@ func (e *Engine) lockSlotRead(key []byte) (*slot, func(), error) {
 // from the index without the shard's lock, before it takes the lock again.
 var testHookUnlockedRead func(key []byte)
 
+// slotSize is the memory that a slot of key holding en takes, as the
+// shard's share of CacheSize counts it: the key's bytes, the slot
+// (slotBytes) and its part of the shard's table (tableBytesPerSlot), and
+// the entry (entryBytes) with its byte slices. The slot alone holds its
+// entry once the index has applied it.
 func slotSize(key []byte, en *index.Entry) int64 {
-	n := int64(len(key)) + 160
+	n := int64(len(key)) + slotBytes + tableBytesPerSlot
 	if en != nil {
-		n += int64(len(en.Reply) + len(en.Fingerprint) + len(en.ClaimFP))
+		n += entryBytes + int64(len(en.Reply)+len(en.Fingerprint)+len(en.ClaimFP))
 	}
 	return n
 }
 
+// The fixed parts of slotSize. TestSlotSize checks slotBytes and
+// entryBytes against the structs' sizes rounded up to their size classes
+// (what the allocator hands out), so that a field added to either cannot
+// leave the accounting behind.
+const (
+	slotBytes  = 64  // a slot (59 bytes)
+	entryBytes = 192 // an index.Entry (184 bytes)
+	// tableBytesPerSlot is a slot's part of its shard's table at most:
+	// 16 bytes of tab (8-byte entries, the table 7/16 to 7/8 full) and 8
+	// of slab (a pointer; a free position adds 4 in free until reused).
+	tableBytesPerSlot = 24
+)
+
 // evictLocked drops clean, unpinned slots while the shard is over its share
 // of CacheSize, never the slot keep (just loaded: its caller is about to use
-// it). Go's map iteration order is random, which makes this a random
-// eviction: cheap, and good enough in front of Pebble's own cache.
+// it). It sweeps the shard's slab from where the previous sweep stopped
+// (sh.evictAt): a clock over slab positions, which new slots reuse once
+// freed, so the slots looked at first are about the oldest. Cheap, and good
+// enough in front of Pebble's own cache.
 //
-// The slots are looked at in runs of evictRun, in iteration order: a run's
-// slots, and the bytes of their keys (which the map deletion hashes), are
-// loaded first, in one loop of independent loads, and then decided on one
-// by one, as before. The slots lie at random places in memory, so a loop
-// that loads one slot and then deletes it waited for one or two cache
-// misses per slot in turn (about a quarter of the applier's time at a
-// full table); loaded together, a run's misses overlap.
+// The slots are looked at in runs of evictRun: a run's slots are loaded
+// first, in one loop of independent loads, and then decided on one by one.
+// The slots lie at random places in memory, so a loop that loads one slot
+// and then drops it waited for a cache miss per slot in turn; loaded
+// together, a run's misses overlap. Dropping a slot reads no key bytes (its
+// table entry is found by its tag and position).
 func (e *Engine) evictLocked(sh *shard, keep *slot) {
 	limit := e.o.CacheSize / numShards
 	if sh.bytes <= limit {
@@ -356,8 +400,19 @@ func (e *Engine) evictLocked(sh *shard, keep *slot) {
 	// until slots are unpinned; pinned slots are needed anyway.
 	var run evictCands
 	seen := 0
-	for k, sl := range sh.m {
-		run.keys[run.n], run.slots[run.n] = k, sl
+	n := len(sh.slab)
+	at := sh.evictAt
+	defer func() { sh.evictAt = at }()
+	for range n {
+		if at >= n {
+			at = 0
+		}
+		sl := sh.slab[at]
+		at++
+		if sl == nil {
+			continue
+		}
+		run.slots[run.n] = sl
 		run.n++
 		seen++
 		if run.n < evictRun && seen < evictScan {
@@ -376,31 +431,18 @@ const evictScan = 64
 // evictRun is the number of slots evictLocked loads at once.
 const evictRun = 16
 
-// evictCands is a run of slots (and their map keys) that evictLocked looks
-// at together.
+// evictCands is a run of slots that evictLocked looks at together.
 type evictCands struct {
-	keys  [evictRun]string
 	slots [evictRun]*slot
 	n     int
 }
-
-// evictSink keeps evictRunLocked's loads of key bytes from being optimized
-// away.
-var evictSink atomic.Uint32
 
 // evictRunLocked drops the slots of run that can go, in order, while sh is
 // over target, and empties run. It says whether sh is still over target.
 func (e *Engine) evictRunLocked(sh *shard, run *evictCands, keep *slot, target int64) bool {
 	var can [evictRun]bool
-	var x uint32
 	for i, sl := range run.slots[:run.n] {
 		can[i] = sl.dirty == 0 && sl.waiters == nil && !sl.inFlight && sl != keep
-		if k := run.keys[i]; len(k) > 0 {
-			x += uint32(k[len(k)-1])
-		}
-	}
-	if x == 1 { // rarely: a store only to keep the loads above
-		evictSink.Store(x)
 	}
 	over := true
 	for i, sl := range run.slots[:run.n] {
@@ -411,23 +453,136 @@ func (e *Engine) evictRunLocked(sh *shard, run *evictCands, keep *slot, target i
 		if !can[i] {
 			continue
 		}
-		delete(sh.m, run.keys[i])
+		sh.remove(sl)
 		sl.evicted = true
 		sh.gen++
 		sh.bytes -= sl.size
 	}
-	clear(run.keys[:run.n])
 	clear(run.slots[:run.n])
 	run.n = 0
 	return over && sh.bytes > target
 }
 
+// ---- the shard's table ----
+//
+// A shard finds its slots without a Go map, whose entries (a string key
+// and a *slot each) the collector traced on every cycle and whose probe
+// and insertion were a tenth of the batch path's CPU. The slots are kept
+// in a slab (sh.slab, positions reused through sh.free) and found through
+// sh.tab, an open-addressing index with linear probing: each entry is 0
+// (empty) or a key's tag (the top 32 bits of its own hash, keyTag) above
+// its slot's position plus one. A key's home entry is its tag masked by the
+// table's size, so that an entry alone says where it belongs (deletion
+// by backward shift and growth read no slot). A probe compares key bytes
+// only when a tag matches: a key with no slot (nearly every new id) costs
+// a hash and, usually, one cache line. The table is at most 7/8 full and
+// doubles when it would be fuller; it never shrinks (neither did the
+// map).
+
+// tabMinLen is the size of a shard's table when its first slot comes.
+const tabMinLen = 16
+
+// find returns the slot in sh of key, whose tag is tag (keyTag's), or
+// nil. sh's lock is held.
+func (sh *shard) find(key []byte, tag uint32) *slot {
+	if len(sh.tab) == 0 {
+		return nil
+	}
+	mask := uint64(len(sh.tab) - 1)
+	for i := uint64(tag) & mask; ; i = (i + 1) & mask {
+		v := sh.tab[i]
+		if v == 0 {
+			return nil
+		}
+		if uint32(v>>32) == tag {
+			if sl := sh.slab[uint32(v)-1]; sl.key == string(key) {
+				return sl
+			}
+		}
+	}
+}
+
+// add puts sl, whose key has no slot in sh and whose tag is tag, into sh's
+// table.
+func (sh *shard) add(sl *slot, tag uint32) {
+	if (sh.n+1)*8 > len(sh.tab)*7 {
+		sh.grow()
+	}
+	var pos int32
+	if k := len(sh.free); k > 0 {
+		pos = sh.free[k-1]
+		sh.free = sh.free[:k-1]
+		sh.slab[pos] = sl
+	} else {
+		pos = int32(len(sh.slab))
+		sh.slab = append(sh.slab, sl)
+	}
+	sl.tag, sl.pos = tag, pos
+	sh.place(uint64(sl.tag)<<32 | uint64(pos) + 1)
+	sh.n++
+}
+
+// place puts the table entry v at its home or the first empty entry after.
+func (sh *shard) place(v uint64) {
+	mask := uint64(len(sh.tab) - 1)
+	i := v >> 32 & mask
+	for sh.tab[i] != 0 {
+		i = (i + 1) & mask
+	}
+	sh.tab[i] = v
+}
+
+// grow doubles sh's table (or makes its first one) and places its entries
+// again.
+func (sh *shard) grow() {
+	old := sh.tab
+	sh.tab = make([]uint64, max(tabMinLen, 2*len(old)))
+	for _, v := range old {
+		if v != 0 {
+			sh.place(v)
+		}
+	}
+}
+
+// remove takes sl, which is in sh's table, out of it and frees its
+// position. The entries after it in its probe run move back (backward
+// shift deletion), so that no tombstone lengthens later probes.
+func (sh *shard) remove(sl *slot) {
+	mask := uint64(len(sh.tab) - 1)
+	want := uint64(sl.tag)<<32 | uint64(sl.pos) + 1
+	i := uint64(sl.tag) & mask
+	for sh.tab[i] != want {
+		i = (i + 1) & mask
+	}
+	for {
+		sh.tab[i] = 0
+		j := i
+		for {
+			j = (j + 1) & mask
+			v := sh.tab[j]
+			if v == 0 {
+				sh.slab[sl.pos] = nil
+				sh.free = append(sh.free, sl.pos)
+				sh.n--
+				return
+			}
+			// v may fill the hole at i unless its home lies after i, up
+			// to j (cyclically): then a probe for it would stop at i.
+			if home := v >> 32 & mask; (j-home)&mask >= (j-i)&mask {
+				sh.tab[i] = v
+				i = j
+				break
+			}
+		}
+	}
+}
+
 // setLocked publishes a new entry for a slot after its record was appended.
-// The slot must be key's slot in the map (a dirty entry that is not in the
-// map would be invisible to the next caller, who would read the index): it
-// is, since its caller got it from the map under the lock it still holds.
+// The slot must be key's slot in the table (a dirty entry that is not in the
+// table would be invisible to the next caller, who would read the index): it
+// is, since its caller got it from the table under the lock it still holds.
 func (e *Engine) setLocked(key []byte, sl *slot, en *index.Entry, lsn wal.LSN) {
-	sh := sl.sh
+	sh := e.slotShard(sl)
 	sh.bytes -= sl.size
 	sl.e = en
 	sl.dirty = lsn
@@ -521,7 +676,7 @@ func (e *Engine) appendOpSlot(op *wal.Op, ts []index.Transition, key []byte, sl 
 // applier through the WAL: its index update and, for a record of one key
 // whose slot the caller passed (nearly all: claims, commits, aborts), that
 // slot, so that the applier unpins it without looking it up. A slot stays
-// in its shard's map while it is dirty, so if it still carries the
+// in its shard's table while it is dirty, so if it still carries the
 // record's LSN when the applier comes, it is the key's slot. With slot nil
 // the applier looks the keys up.
 type pinnedUpdate struct {
@@ -536,7 +691,7 @@ type pinnedUpdate struct {
 	// slots, for a record of several keys (a batch), holds the slot of
 	// transition i's key as the writer found it (nil: unknown). The
 	// applier unpins through it: a slot not evicted is its key's slot
-	// (only eviction takes a slot out of its map), and one evicted
+	// (only eviction takes a slot out of its table), and one evicted
 	// before it was published is not, so the applier then looks the key
 	// up.
 	slots []*slot
@@ -578,7 +733,7 @@ func (e *Engine) appendRecordSlots(typ byte, payload []byte, ts []index.Transiti
 // appendUpdate appends the record (typ, payload) of up, stamps its LSN and
 // publishes its transitions to their slots: up.slot for a record of one
 // key, else up.slots[i] for transition i when set and not evicted, else
-// the key's slot in its shard's map.
+// the key's slot in its shard's table.
 func (e *Engine) appendUpdate(typ byte, payload []byte, up *pinnedUpdate) (wal.LSN, error) {
 	ts := up.Transitions
 	up.mem = up.MemSize()
@@ -592,20 +747,21 @@ func (e *Engine) appendUpdate(typ byte, payload []byte, up *pinnedUpdate) (wal.L
 	}
 	for i, t := range ts {
 		tsl := up.slot
+		var was *slot // t.Key's slot, evicted
 		if tsl == nil && up.slots != nil {
 			// Installing a slot below may have evicted a later one: a
 			// slot is checked just before it is used.
 			if tsl = up.slots[i]; tsl != nil && tsl.evicted {
-				tsl = nil
+				was, tsl = tsl, nil
 			}
 		}
 		if tsl == nil {
-			sh := e.shardOf(t.Key)
-			if tsl = sh.m[string(t.Key)]; tsl == nil {
+			sh, tag := e.keyTagOf(t.Key, was)
+			if tsl = sh.find(t.Key, tag); tsl == nil {
 				// Clean, and evicted when a later key of its shard was
 				// loaded (a batch): its entry is t.Next now, so no index
 				// read (which could fail after the append) is needed.
-				tsl = e.installLocked(sh, t.Key, t.Next, false)
+				tsl = e.installLocked(sh, t.Key, tag, t.Next, false)
 			}
 		}
 		e.setLocked(t.Key, tsl, t.Next, lsn)

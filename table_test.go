@@ -2,9 +2,11 @@ package idem
 
 import (
 	"fmt"
+	"math/rand/v2"
 	"sync/atomic"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/cockroachdb/pebble/v2/vfs"
 	"github.com/idemdb/idem/index"
@@ -13,7 +15,7 @@ import (
 // TestClaimIntoEvictedSlot: a Begin that acks an id of its own shard
 // loads the acked id's slot after its own, and that load may evict its own
 // slot (clean and empty: the id is new). The claim must then go into the
-// key's slot in the map, not into the evicted one that Begin holds, or the
+// key's slot in the table, not into the evicted one that Begin holds, or the
 // claim is invisible and the id can be claimed twice.
 func TestClaimIntoEvictedSlot(t *testing.T) {
 	e := openMem(t, vfs.NewMem(), &Options{CacheSize: 1}) // every load evicts what it can
@@ -102,8 +104,8 @@ func TestEvictionKeepsShardsWithinTheirShare(t *testing.T) {
 		for i := range e.shards {
 			sh := &e.shards[i]
 			sh.mu.Lock()
-			for _, sl := range sh.m {
-				if sl.dirty != 0 {
+			for _, sl := range sh.slab {
+				if sl != nil && sl.dirty != 0 {
 					dirty++
 				}
 			}
@@ -130,7 +132,7 @@ func TestEvictionKeepsShardsWithinTheirShare(t *testing.T) {
 		if sh.bytes > perShard+512 { // its share, plus at most the slot just loaded
 			over++
 			if over <= 3 {
-				t.Errorf("shard %d holds %d bytes in %d slots, its share is %d", i, sh.bytes, len(sh.m), perShard)
+				t.Errorf("shard %d holds %d bytes in %d slots, its share is %d", i, sh.bytes, sh.n, perShard)
 			}
 		}
 		sh.mu.Unlock()
@@ -169,5 +171,164 @@ func TestFreshClaimsAreNotShared(t *testing.T) {
 		if d := mustBegin(t, e, Request{ID: id(a)}, Done); string(d.Reply) != "reply of "+a {
 			t.Fatalf("%s: reply %q", a, d.Reply)
 		}
+	}
+}
+
+// TestShardTable: a shard's table (slab and open-addressing index) agrees
+// with a map through random insertions and removals, past several
+// doublings and with probe runs that wrap around the index's end, and every
+// removal leaves each remaining key findable (backward shift deletion) and
+// its position free for the next slot.
+func TestShardTable(t *testing.T) {
+	e := openMem(t, vfs.NewMem(), nil)
+	defer e.Close()
+	seed := time.Now().UnixNano()
+	t.Logf("seed %d", seed)
+	rng := rand.New(rand.NewPCG(uint64(seed), 0))
+	sh := &e.shards[3]
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	sh.slab, sh.free, sh.tab, sh.n, sh.evictAt = nil, nil, nil, 0, 0
+	model := map[string]*slot{}
+	check := func(step int) {
+		t.Helper()
+		if sh.n != len(model) {
+			t.Fatalf("step %d: table holds %d slots, model %d", step, sh.n, len(model))
+		}
+		if sh.n*8 > len(sh.tab)*7 {
+			t.Fatalf("step %d: %d slots in an index of %d", step, sh.n, len(sh.tab))
+		}
+		for k, want := range model {
+			if got := sh.get([]byte(k)); got != want {
+				t.Fatalf("step %d: key %q found %p, want %p", step, k, got, want)
+			}
+		}
+		used := 0
+		for pos, sl := range sh.slab {
+			if sl != nil {
+				used++
+				if int(sl.pos) != pos || model[sl.key] != sl {
+					t.Fatalf("step %d: slab position %d holds key %q at pos %d", step, pos, sl.key, sl.pos)
+				}
+			}
+		}
+		if used != sh.n || len(sh.slab)-used != len(sh.free) {
+			t.Fatalf("step %d: slab of %d with %d slots and %d free positions", step, len(sh.slab), used, len(sh.free))
+		}
+	}
+	for step := range 4000 {
+		key := fmt.Appendf(nil, "k%d", rng.IntN(600))
+		if sl := sh.get(key); sl != nil {
+			if model[string(key)] != sl {
+				t.Fatalf("step %d: key %q found but not in the model", step, key)
+			}
+			if rng.IntN(3) > 0 {
+				sh.remove(sl)
+				delete(model, string(key))
+			}
+		} else {
+			if model[string(key)] != nil {
+				t.Fatalf("step %d: key %q in the model but not found", step, key)
+			}
+			_, tag := e.keyTag(key)
+			if sh.find(key, tag) != nil {
+				t.Fatalf("step %d: lookup of absent %q found a slot", step, key)
+			}
+			model[string(key)] = e.insertLocked(sh, key, tag, nil, false)
+		}
+		if step%97 == 0 {
+			check(step)
+		}
+	}
+	check(4000)
+	for k, sl := range model {
+		sh.remove(sl)
+		delete(model, k)
+	}
+	check(4001)
+	for i, v := range sh.tab {
+		if v != 0 {
+			t.Fatalf("index entry %d = %#x once every slot is removed", i, v)
+		}
+	}
+	sh.bytes = 0
+}
+
+// TestSlotSize pins what slotSize counts per slot to what the allocator
+// hands out: a slot and an index.Entry rounded up to their size classes.
+// The slot grew from the 48- to the 80-byte class (its key, tag and
+// position moved into it) while the accounting kept counting the old
+// sizes; now a field that moves either struct to another class fails
+// here until slotBytes or entryBytes follows.
+func TestSlotSize(t *testing.T) {
+	for _, c := range []struct {
+		name    string
+		size    uintptr
+		counted int64
+	}{
+		{"slot", unsafe.Sizeof(slot{}), slotBytes},
+		{"index.Entry", unsafe.Sizeof(index.Entry{}), entryBytes},
+	} {
+		if got := sizeClass(c.size); got != c.counted {
+			t.Errorf("%s is %d bytes, allocated in the %d-byte size class, but slotSize counts %d", c.name, c.size, got, c.counted)
+		}
+	}
+	key := []byte("a key of 20 bytes...")
+	en := &index.Entry{Reply: make([]byte, 100), Fingerprint: make([]byte, 32)}
+	if got, want := slotSize(key, nil), int64(20+slotBytes+tableBytesPerSlot); got != want {
+		t.Errorf("slotSize of an absent key = %d, want %d", got, want)
+	}
+	if got, want := slotSize(key, en), int64(20+slotBytes+tableBytesPerSlot+entryBytes+132); got != want {
+		t.Errorf("slotSize of an entry = %d, want %d", got, want)
+	}
+}
+
+// sizeClass is the size of the block that Go's allocator gives an object
+// of n bytes, up to 256 (runtime/sizeclasses.go).
+func sizeClass(n uintptr) int64 {
+	for _, c := range []int64{8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256} {
+		if int64(n) <= c {
+			return c
+		}
+	}
+	return -1 // past this table: add the classes above 256
+}
+
+// get is key's slot in sh, or nil; sh's lock is held. Tests put keys into
+// shards other than their own: a key's tag does not depend on its shard.
+func (sh *shard) get(key []byte) *slot {
+	_, tag := sh.e.keyTag(key)
+	return sh.find(key, tag)
+}
+
+// TestKeyTag: a key's shard and table tag come from one hash (its shard
+// index the low bits, its tag the high bits), except that a client's
+// older sequence keys, which share the client key's shard, get tags of
+// their own: with the client's hash as their tag, a window of 100,000
+// kept replies would be one probe run of the table.
+func TestKeyTag(t *testing.T) {
+	e := openMem(t, vfs.NewMem(), nil)
+	defer e.Close()
+	for _, k := range [][]byte{
+		index.EntryKey(nil, "s", index.ModeID, []byte("an-id")),
+		index.EntryKey(nil, "s", index.ModeClient, []byte("a-client")),
+	} {
+		h := index.ShardHash(e.seed, k)
+		if sh, tag := e.keyTag(k); sh.idx != int(h%numShards) || tag != uint32(h>>32) {
+			t.Fatalf("keyTag(%x) = shard %d tag %x, want %d and %x (ShardHash's)", k, sh.idx, tag, h%numShards, uint32(h>>32))
+		}
+	}
+	client := e.shardOf(index.EntryKey(nil, "s", index.ModeClient, []byte("a-client")))
+	tags := map[uint32]bool{}
+	const n = 1000
+	for seq := range uint64(n) {
+		sh, tag := e.keyTag(index.SeqKey(nil, "s", []byte("a-client"), seq+1))
+		if sh != client {
+			t.Fatalf("sequence key %d in shard %d, its client's in %d", seq+1, sh.idx, client.idx)
+		}
+		tags[tag] = true
+	}
+	if len(tags) < n/2 {
+		t.Fatalf("%d sequence keys of one client have %d distinct tags", n, len(tags))
 	}
 }

@@ -136,23 +136,50 @@ func ParseSeqIdent(ident []byte) (client []byte, seq uint64, ok bool) {
 // allocate; for a key that is not a ModeSeq key it costs one uvarint read
 // on top of maphash.Bytes.
 func ShardHash(seed maphash.Seed, key []byte) uint64 {
+	if prefix, client, ok := seqKeyClient(key); ok {
+		return clientHash(seed, prefix, client)
+	}
+	return maphash.Bytes(seed, key)
+}
+
+// KeyHashes returns ShardHash(seed, key) and key's own hash
+// (maphash.Bytes(seed, key)), which the engine's shard tables use. They
+// are one value, computed once, for every key but a ModeSeq key, whose
+// own hash tells it apart from its client's other sequence keys.
+func KeyHashes(seed maphash.Seed, key []byte) (shard, own uint64) {
+	own = maphash.Bytes(seed, key)
+	if prefix, client, ok := seqKeyClient(key); ok {
+		return clientHash(seed, prefix, client), own
+	}
+	return own, own
+}
+
+// seqKeyClient splits a well-formed ModeSeq key into its prefix up to
+// the mode byte (the scope) and its client's name; ok is false for any
+// other key.
+func seqKeyClient(key []byte) (prefix, client []byte, ok bool) {
 	if len(key) < 2 || key[0] != prefixEntry {
-		return maphash.Bytes(seed, key)
+		return nil, nil, false
 	}
 	n, w := binary.Uvarint(key[1:])
 	at := 1 + w + int(n) // the mode byte
 	if w <= 0 || n >= uint64(len(key)) || at >= len(key) || key[at] != ModeSeq {
-		return maphash.Bytes(seed, key)
+		return nil, nil, false
 	}
 	m, w2 := binary.Uvarint(key[at+1:])
 	ident := key[at+1+max(w2, 0):]
 	if w2 <= 0 || m != uint64(len(ident)) || len(ident) < 9 {
-		return maphash.Bytes(seed, key)
+		return nil, nil, false
 	}
-	client := ident[:len(ident)-8]
+	return key[:at], ident[:len(ident)-8], true
+}
+
+// clientHash is the hash of the ModeClient entry key of client in the
+// scope whose key prefix (up to the mode byte) is prefix.
+func clientHash(seed maphash.Seed, prefix, client []byte) uint64 {
 	var h maphash.Hash
 	h.SetSeed(seed)
-	h.Write(key[:at])
+	h.Write(prefix)
 	h.WriteByte(ModeClient)
 	var b [binary.MaxVarintLen64]byte
 	h.Write(binary.AppendUvarint(b[:0], uint64(len(client))))

@@ -57,7 +57,15 @@ func TestSeqKeyLayout(t *testing.T) {
 	if ShardHash(seed, idk) != maphash.Bytes(seed, idk) {
 		t.Fatal("ShardHash of an id key differs from its hash")
 	}
+	// KeyHashes is ShardHash and the key's own hash: one value but for a
+	// sequence key.
+	for _, k := range [][]byte{ck, idk, prev} {
+		if s, own := KeyHashes(seed, k); s != ShardHash(seed, k) || own != maphash.Bytes(seed, k) {
+			t.Fatalf("KeyHashes(%x) = %x %x, want ShardHash %x and the key's hash %x", k, s, own, ShardHash(seed, k), maphash.Bytes(seed, k))
+		}
+	}
 	alloctest.CheckAllocs(t, "ShardHash of an id key", 0, 100, func() { ShardHash(seed, idk) })
+	alloctest.CheckAllocs(t, "KeyHashes of a sequence key", 0, 100, func() { KeyHashes(seed, prev) })
 	alloctest.CheckAllocs(t, "ShardHash of a sequence key", 0, 100, func() { ShardHash(seed, prev) })
 }
 
