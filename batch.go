@@ -461,6 +461,9 @@ type batchRun struct {
 	nops      int       // operations in buf
 	cost      int       // their wal.BatchCost
 	ops       [2]wal.Op // the operations of the item being added
+	// into are the entries that ops' claim or commit fill (nil: the
+	// index batch allocates one); add hands them on and clears them.
+	into [2]*index.Entry
 	// items are the items with operations in the record being built.
 	items []int
 	// first is the first item not in an appended record.
@@ -613,7 +616,17 @@ func (r *batchRun) item(i int) error {
 				typ = wal.OpCommitAdvance
 			}
 			// Claim LSN 0: the claim just before, in the same record.
-			finishOp(&r.ops[1], typ, it.k, 0, r.now.UnixNano(), it.reply, it.wadv)
+			en := r.finishOp(&r.ops[1], typ, it.k, 0, it.reply, it.wadv)
+			// An id's claim with no acks is the record's only change
+			// of its key: the commit right after it fills the claim's
+			// entry in place (index.Batch), so that entry is the one
+			// allocated with the reply. Otherwise (a client's claim,
+			// acks before it) the commit's own entry is.
+			if it.k.mode == index.ModeID && len(it.k.acked) == 0 {
+				r.into[0] = en
+			} else {
+				r.into[1] = en
+			}
 			n = 2
 			it.wake = takeover // the claim it took over may have waiters
 		}
@@ -659,7 +672,12 @@ func (r *batchRun) item(i int) error {
 				}
 			}
 		}
-		finishOp(&r.ops[0], typ, it.k, c.ec.lsn, r.now.UnixNano(), it.reply, it.wadv)
+		if typ == wal.OpAbort {
+			r.ops[0] = wal.Op{}
+			setFinish(&r.ops[0], typ, it.k, c.ec.lsn, r.now.UnixNano(), nil, nil)
+		} else {
+			r.into[0] = r.finishOp(&r.ops[0], typ, it.k, c.ec.lsn, it.reply, it.wadv)
+		}
 		if _, err := r.add(i, r.ops[:1], it.k.key, false); err != nil {
 			return err
 		}
@@ -744,11 +762,27 @@ func (r *batchRun) waitCommit(it *batchItem, en *index.Entry) {
 	}
 }
 
+// finishOp fills op with the commit or commit-advance (typ) of the claim
+// claimLSN of key k, at the run's time, with a copy of reply made in one
+// allocation with the entry it returns (newCommitEntry), for the op's
+// transition to fill (into): the entry keeps the reply, in the table and
+// then in the index, and the caller's buffer is the caller's again once
+// Run returns. The copy's capacity is its length, and it shares its
+// memory with its own entry only, which lives exactly as long as it.
+func (r *batchRun) finishOp(op *wal.Op, typ byte, k reqKey, claimLSN wal.LSN, reply []byte, adv []wal.Advance) *index.Entry {
+	en, cp := newCommitEntry(reply)
+	*op = wal.Op{}
+	setFinish(op, typ, k, claimLSN, r.now.UnixNano(), cp, adv)
+	return en
+}
+
 // add adds ops, the operations of item i, to the record being built,
 // first appending the record built so far when ops would take it past
 // its bounds. With dropEmpty, operations that change nothing are left out
 // (kept false). An error stops the run.
 func (r *batchRun) add(i int, ops []wal.Op, key []byte, dropEmpty bool) (kept bool, err error) {
+	into := r.into
+	r.into = [2]*index.Entry{}
 	mark := len(r.buf)
 	cost := 0
 	for j := range ops {
@@ -770,7 +804,7 @@ func (r *batchRun) add(i int, ops []wal.Op, key []byte, dropEmpty bool) (kept bo
 	}
 	changed := 0
 	for j := range ops {
-		step, err := r.bt.Add(&ops[j], key)
+		step, err := r.bt.AddInto(&ops[j], key, into[j])
 		if err != nil {
 			return false, err
 		}

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -15,6 +16,7 @@ import (
 
 	"github.com/cockroachdb/pebble/v2/vfs"
 	"github.com/idemdb/idem/index"
+	"github.com/idemdb/idem/internal/alloctest"
 	"github.com/idemdb/idem/internal/testclock"
 	"github.com/idemdb/idem/internal/vfstest"
 	"github.com/idemdb/idem/wal"
@@ -774,5 +776,133 @@ func pinnedSlots(e *Engine) []string {
 		}
 		sh.mu.Unlock()
 	}
+	return out
+}
+
+// TestBatchItemAllocations pins what a Put and a Commit item allocate
+// while the run classifies them (batchRun.item, on the test's goroutine,
+// so that no other goroutine's allocation is counted; alloctest takes the
+// least of up to alloctest.Runs measurements): the committed entry and its
+// reply's copy, in one allocation (newCommitEntry), and nothing else when
+// the key's slot is in the table already. Before, the reply's copy
+// (cloneExact) was an allocation of its own: 2 per item.
+func TestBatchItemAllocations(t *testing.T) {
+	e := openMem(t, vfs.NewMem(), &Options{RelaxedClaims: true})
+	defer e.Close()
+	const runs = 50
+	n := alloctest.Runs * (runs + 1) // testing.AllocsPerRun calls f runs+1 times
+	reply := []byte("reply-of-24-bytes-------")
+	for _, c := range []struct {
+		name string
+		add  func(b Batch, req Request, cl *Claim)
+	}{
+		// Every id's slot is in the table (claimed and aborted before):
+		// the Put finds it in its shard's map.
+		{"Put", func(b Batch, req Request, cl *Claim) { b.Put(req, reply) }},
+		{"Commit", func(b Batch, req Request, cl *Claim) { b.Commit(cl, reply) }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			ids := make([][]byte, n)
+			for i := range ids {
+				ids[i] = []byte(fmt.Sprintf("%s-%04d", c.name, i))
+			}
+			begin := e.NewBatch()
+			for _, id := range ids {
+				begin.Begin(Request{ID: id})
+			}
+			bout, err := begin.Run(bg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			cs := make([]*Claim, n)
+			for i, r := range bout {
+				if r.Err != nil || r.Result.Status != Fresh {
+					t.Fatalf("begin %d: %v %v", i, r.Result.Status, r.Err)
+				}
+				cs[i] = r.Result.Claim
+			}
+			if c.name == "Put" {
+				ab := e.NewBatch()
+				for _, cl := range cs {
+					ab.Abort(cl)
+				}
+				if _, err := ab.Run(bg); err != nil {
+					t.Fatal(err)
+				}
+			}
+			b := e.NewBatch().(*engineBatch)
+			for i, id := range ids {
+				c.add(b, Request{ID: id}, cs[i])
+			}
+			out := runItemsMeasured(t, b, runs, 1)
+			for i, r := range out {
+				if r.Err != nil || (c.name == "Put" && r.Result.Status != Fresh) {
+					t.Fatalf("item %d: %v %v", i, r.Result.Status, r.Err)
+				}
+				got, err := e.Lookup(bg, Request{ID: ids[i]})
+				if err != nil || got.Status != Done || !bytes.Equal(got.Reply, reply) || cap(got.Reply) != len(reply) {
+					t.Fatalf("id %d after the run: %v %q (cap %d) %v", i, got.Status, got.Reply, cap(got.Reply), err)
+				}
+			}
+		})
+	}
+}
+
+// runItemsMeasured runs b as Run does, classifying its items one at a time
+// under alloctest.AllocsPerRun (runs items a measurement), fails t unless
+// an item allocates want times, and returns the results. b needs
+// alloctest.Runs*(runs+1) items: testing.AllocsPerRun calls f runs+1 times
+// a measurement.
+func runItemsMeasured(t *testing.T, b *engineBatch, runs int, want float64) []BatchResult {
+	t.Helper()
+	e := b.e
+	b.ran = true
+	defer b.release()
+	out := make([]BatchResult, len(b.items))
+	var set shardSet
+	for i := range b.items {
+		if err := b.check(i, &set); err != nil {
+			t.Fatalf("item %d: %v", i, err)
+		}
+	}
+	if err := e.enter(); err != nil {
+		t.Fatal(err)
+	}
+	defer e.leave()
+	r := e.getBatchRun(len(b.items))
+	r.b, r.out, r.now = b, out, e.o.Clock()
+	defer e.putBatchRun(r)
+	// Room for the whole record, so that no buffer grows while measured.
+	r.buf = slices.Grow(r.buf, 1<<20)
+	r.items = slices.Grow(r.items, len(b.items))
+	unlock := e.lockShards(&set)
+	// Nothing fails the test until the shards are unlocked and the run
+	// finished, so that a failure leaves the engine usable.
+	next := 0
+	var ierr error
+	got := alloctest.AllocsPerRun(want, runs, func() {
+		if next < len(b.items) && ierr == nil {
+			ierr = r.item(next)
+			next++
+		}
+	})
+	for ; next < len(b.items) && ierr == nil; next++ {
+		ierr = r.item(next)
+	}
+	if ierr == nil {
+		ierr = r.flush(len(b.items))
+	}
+	if ierr != nil {
+		r.abandon(ierr)
+	}
+	unlock()
+	r.finish()
+	if ierr != nil {
+		t.Fatal(ierr)
+	}
+	if got != want {
+		t.Fatalf("an item of the batch: %v allocations (the least of up to %d measurements of %d items), want %v", got, alloctest.Runs, runs, want)
+	}
+	r.finish()
 	return out
 }

@@ -414,8 +414,8 @@ func (c *engineClaim) write(typ byte, reply []byte, adv []wal.Advance, keys [][]
 func (c *engineClaim) writeEntered(typ byte, reply []byte, adv []wal.Advance, keys [][]byte, pbp **[]byte) error {
 	e := c.e
 	k := c.k
-	// op is zero here and filled once, by setFinish (finishOp would
-	// clear all of it again: a second pass over 300 bytes of a stack that
+	// op is zero here and filled once, by setFinish (clearing it first
+	// would pass over it again: a second pass over 300 bytes of a stack that
 	// at hundreds of callers is no longer in the processor's cache when
 	// the caller comes back from its handler).
 	op := &wal.Op{}
@@ -533,15 +533,6 @@ func (c *engineClaim) writeEntered(typ byte, reply []byte, adv []wal.Advance, ke
 	return err
 }
 
-// finishOp fills op with the commit, commit-advance or abort (typ) of the
-// claim claimLSN of key k, at time now (unix ns). The reply is copied:
-// the entry keeps it (in the table, then in the index), and the caller's
-// buffer is the caller's again once Commit returns.
-func finishOp(op *wal.Op, typ byte, k reqKey, claimLSN wal.LSN, now int64, reply []byte, adv []wal.Advance) {
-	*op = wal.Op{}
-	setFinish(op, typ, k, claimLSN, now, cloneExact(reply), adv)
-}
-
 // cloneExact is bytes.Clone with the capacity cut to the length: the
 // entry's reply is handed to every reader of the id, and spare capacity
 // behind it would let one reader's append write into another's.
@@ -550,8 +541,11 @@ func cloneExact(b []byte) []byte {
 	return c[:len(c):len(c)]
 }
 
-// setFinish is finishOp for a zero op and a reply that the caller copied
-// already (its fields are set, the others left as they are).
+// setFinish fills the zero op with the commit, commit-advance or abort
+// (typ) of the claim claimLSN of key k, at time now (unix ns), with reply,
+// which the caller copied already (the entry keeps it, in the table and
+// then in the index, and the caller's buffer is the caller's again once
+// Commit returns): its fields are set, the others left as they are.
 func setFinish(op *wal.Op, typ byte, k reqKey, claimLSN wal.LSN, now int64, reply []byte, adv []wal.Advance) {
 	op.Type, op.Scope, op.ClaimLSN, op.Time, op.Reply, op.Advances = typ, k.scope, claimLSN, now, reply, adv
 	if k.mode == index.ModeID {

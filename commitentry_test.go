@@ -34,7 +34,7 @@ func TestCommitReplySizes(t *testing.T) {
 			buf[i] = 'X' // the caller's buffer is its own again
 		}
 	}
-	// A batch's Put stores its reply the same way (finishOp).
+	// A batch's Put stores its reply the same way (batchRun.finishOp).
 	b := e.NewBatch()
 	for _, n := range []int{1, 300} {
 		b.Put(Request{ID: []byte(fmt.Sprintf("p%d", n))}, want(n))

@@ -123,6 +123,17 @@ func (b *Batch) lookup(key []byte, mode byte) (*Entry, error) {
 // request when the caller has it (nil: computed); it must not change
 // afterwards. On an error nothing of op is applied.
 func (b *Batch) Add(op *wal.Op, key []byte) ([]Transition, error) {
+	return b.AddInto(op, key, nil)
+}
+
+// AddInto is Add that, for a claim or a commit, fills into (when not nil)
+// with the request's new entry instead of allocating one, as
+// AppendTransitions does with own: into must be an entry that nothing
+// else refers to. The engine hands in an entry allocated with its reply's
+// bytes (one allocation for both): a commit's, or the claim's of a Put
+// whose commit follows it at once and fills the claim's entry in place
+// (the claim's entry is then the committed one, reply included).
+func (b *Batch) AddInto(op *wal.Op, key []byte, into *Entry) ([]Transition, error) {
 	if !wal.InBatch(op.Type) {
 		return nil, fmt.Errorf("index: a batch cannot hold a %s record", wal.OpName(op.Type))
 	}
@@ -132,7 +143,7 @@ func (b *Batch) Add(op *wal.Op, key []byte) ([]Transition, error) {
 	}
 	reuse := b.claim
 	b.claim = nil
-	step, err := appendTransitions(b.step[:0], op, b.lsn, claimLSN, key, reuse, b, b.getFn)
+	step, err := appendTransitionsInto(b.step[:0], op, b.lsn, claimLSN, key, reuse, into, b, b.getFn)
 	read := b.read
 	b.read, b.readEntry = nil, nil // op may change it: read through the batch again
 	if err != nil {

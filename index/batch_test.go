@@ -2,8 +2,10 @@ package index
 
 import (
 	"errors"
+	"fmt"
 	"testing"
 
+	"github.com/idemdb/idem/internal/alloctest"
 	"github.com/idemdb/idem/wal"
 )
 
@@ -214,5 +216,71 @@ func TestBatchAdvanceFillsItsEntry(t *testing.T) {
 		if tr.Prev != stored[string(tr.Key)] {
 			t.Errorf("key %q: Prev %+v, want the stored state %+v", tr.Key, tr.Prev, stored[string(tr.Key)])
 		}
+	}
+}
+
+// TestBatchAddIntoAllocations: an entry handed to AddInto is the one a
+// claim or a commit fills, so that the batch allocates none: a Put's claim
+// given its entry (which the commit right after it then fills in place),
+// and a commit of a claim of an earlier record given its own. The entry
+// given wins over the claim's own, and nothing else is allocated with room
+// in the batch. Before AddInto, each of them allocated its entry (1 a
+// request).
+func TestBatchAddIntoAllocations(t *testing.T) {
+	const runs = 100
+	n := alloctest.Runs * (runs + 1)
+	keys := make([][]byte, n)
+	for i := range keys {
+		keys[i] = EntryKey(nil, "s", ModeID, fmt.Appendf(nil, "id-%04d", i))
+	}
+	// Each key's claim of an earlier record (LSN 5), for the commits.
+	claimed := &Entry{InFlight: true, ClaimLSN: 5, ClaimFP: []byte("fp"), LSN: 5}
+	// The operations are made once (the engine's are its run's too).
+	claim := &wal.Op{Type: wal.OpClaim, Scope: "s", Time: 9, Flags: wal.ClaimFlagNew}
+	commit := &wal.Op{Type: wal.OpCommit, Scope: "s", Time: 9, Reply: []byte("r")}
+	id := func(i int) []byte { return keys[i][len(keys[i])-7:] }
+	for _, c := range []struct {
+		name string
+		get  func([]byte, byte) (*Entry, error)
+		add  func(b *Batch, i int, into *Entry) error
+	}{
+		{"Put", func([]byte, byte) (*Entry, error) { return nil, nil }, func(b *Batch, i int, into *Entry) error {
+			claim.ID, commit.ID, commit.ClaimLSN = id(i), id(i), 0
+			if _, err := b.AddInto(claim, keys[i], into); err != nil {
+				return err
+			}
+			step, err := b.AddInto(commit, keys[i], nil)
+			if err == nil && (step[0].Next != into || !into.Committed || string(into.Reply) != "r") {
+				err = fmt.Errorf("the commit did not fill the claim's given entry: %+v", step)
+			}
+			return err
+		}},
+		{"Commit", func([]byte, byte) (*Entry, error) { return claimed, nil }, func(b *Batch, i int, into *Entry) error {
+			commit.ID, commit.ClaimLSN = id(i), 5
+			step, err := b.AddInto(commit, keys[i], into)
+			if err == nil && (step[0].Next != into || !into.Committed || string(into.Fingerprint) != "fp") {
+				err = fmt.Errorf("the commit did not fill its given entry: %+v", step)
+			}
+			return err
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			b := NewBatch(7, c.get, n)
+			entries := make([]Entry, n)
+			next := 0
+			var err error
+			alloctest.CheckAllocs(t, c.name+" with its entry given", 0, runs, func() {
+				if next < n && err == nil {
+					err = c.add(b, next, &entries[next])
+					next++
+				}
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if ts := b.Transitions(); len(ts) != next || ts[0].Next != &entries[0] {
+				t.Fatalf("%d transitions for %d requests (first %+v)", len(ts), next, ts[0])
+			}
+		})
 	}
 }

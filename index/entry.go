@@ -178,7 +178,7 @@ func Transitions(op *wal.Op, lsn wal.LSN, get func(key []byte, mode byte) (*Entr
 		}
 		return b.Transitions(), nil
 	}
-	return appendTransitions(nil, op, lsn, op.ClaimLSN, nil, nil, nil, get)
+	return appendTransitionsInto(nil, op, lsn, op.ClaimLSN, nil, nil, nil, nil, get)
 }
 
 // AppendTransitions is Transitions that appends the changes to out (which
@@ -202,23 +202,18 @@ func AppendTransitions(out []Transition, op *wal.Op, lsn wal.LSN, key []byte, ow
 	return appendTransitionsInto(out, op, lsn, op.ClaimLSN, key, nil, own, nil, get)
 }
 
-// appendTransitions appends the transitions of op, appended at lsn, to
-// out. claimLSN is the claim a commit or abort must find: op.ClaimLSN, or
-// in a batch the batch's LSN for an operation naming claim 0 (the claim
+// appendTransitionsInto appends the transitions of op, appended at lsn,
+// to out. claimLSN is the claim a commit or abort must find: op.ClaimLSN,
+// or in a batch the batch's LSN for an operation naming claim 0 (the claim
 // made earlier in the same record). key is the entry key of op's request
-// when the caller has it (nil: computed). reuse, if not nil, is an entry
-// that nothing but the caller refers to (a Batch's claim that nobody read):
-// a commit of an id whose current entry it is fills it in place instead of
-// allocating its own. ov is the Batch whose record op belongs to (nil for a
-// record of its own): its advances find their clients through it
-// (advanceTransitions).
-func appendTransitions(out []Transition, op *wal.Op, lsn, claimLSN wal.LSN, key []byte, reuse *Entry, ov *Batch, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, error) {
-	return appendTransitionsInto(out, op, lsn, claimLSN, key, reuse, nil, ov, get)
-}
-
-// appendTransitionsInto is appendTransitions that, when op is a claim or a
-// commit and into is not nil, fills into (which nothing else refers to)
-// with the request's new entry instead of allocating one.
+// when the caller has it (nil: computed). into, if not nil, is an entry
+// that nothing else refers to, which a claim or a commit fills with the
+// request's new entry instead of allocating one. reuse, if not nil, is an
+// entry that nothing but the caller refers to (a Batch's claim that nobody
+// read): a commit of an id whose current entry it is, given no into,
+// fills it in place instead of allocating its own. ov is the Batch whose
+// record op belongs to (nil for a record of its own): its advances find
+// their clients through it (advanceTransitions).
 func appendTransitionsInto(out []Transition, op *wal.Op, lsn, claimLSN wal.LSN, key []byte, reuse, into *Entry, ov *Batch, get func(key []byte, mode byte) (*Entry, error)) ([]Transition, error) {
 	// Acked ids are removed first: they name earlier requests.
 	for _, id := range op.Acked {
@@ -331,13 +326,14 @@ func appendTransitionsInto(out []Transition, op *wal.Op, lsn, claimLSN wal.LSN, 
 			}
 		}
 		// n stays on the stack (its address is never taken): only the
-		// entry stored is allocated, and not even that when the claim's
-		// own entry, which nothing else refers to, can take it.
+		// entry stored is allocated, and not even that when the caller
+		// gave one (into: allocated with the reply's bytes) or the
+		// claim's own entry, which nothing else refers to, can take it.
 		switch {
-		case prev == reuse && mode == ModeID:
-			next = reuse
 		case into != nil:
 			next = into
+		case prev == reuse && mode == ModeID:
+			next = reuse
 		default:
 			next = new(Entry)
 		}
