@@ -1,6 +1,7 @@
 package idem
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -609,6 +610,8 @@ func (r *batchRun) item(i int) error {
 			}
 		}
 		it.lease, it.expires = e.claimOp(&r.ops[0], it.k, &it.req, it.fp, cur, r.now)
+		// The entry keeps its own copy of the fingerprint (Begin's).
+		r.ops[0].Fingerprint = bytes.Clone(r.ops[0].Fingerprint)
 		n := 1
 		if it.kind == bPut {
 			typ := wal.OpCommit

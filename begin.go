@@ -1,6 +1,7 @@
 package idem
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"sync"
@@ -259,6 +260,10 @@ func (e *Engine) beginEntered(req *Request, k reqKey, pbp **[]byte, out *Result)
 		e.claimOp(op, k, req, fp, cur, now)
 		payload = nil
 	}
+	// The entry keeps the fingerprint: its own copy, not the caller's
+	// buffer, which the caller may reuse once Begin returns (the record's
+	// payload, encoded above, holds its own bytes already).
+	op.Fingerprint = bytes.Clone(op.Fingerprint)
 	ts, err := e.slotShard(sl).transitionsHinted(fc.ups.claimTs[:0], op, k.key, sl, &fc.entry)
 	if err != nil {
 		unlock()

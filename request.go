@@ -35,6 +35,8 @@ func (s Status) String() string {
 
 // Request identifies one request. Give either ID, or Client and Seq
 // (sequence mode: per-client sequences), never both.
+// The engine keeps copies of what it stores (the id, the fingerprint, the
+// acked ids): the caller's buffers are free again once the call returns.
 type Request struct {
 	// Scope separates independent id spaces (tenants, endpoints). May be empty.
 	Scope string

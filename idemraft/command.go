@@ -242,9 +242,10 @@ func decodeCommand(data []byte) (decoded, error) {
 // every input). It runs once per command on raft's FSM goroutine, so it
 // reads in place (see wireReader): the id, the acked ids and op are
 // slices of body (as Apply hands the application raft's own Log.Data),
-// and only what the engine may keep after the entry is applied is copied
-// (the fingerprint, the scope and client strings:
-// TestDedupSetKeepsNoLogBytes).
+// and nothing the engine keeps after the entry is applied points into it:
+// the scope and client are strings, and the engine keeps its own copy of
+// the fingerprint, as of every byte slice of a Request
+// (TestDedupSetKeepsNoLogBytes).
 func decodeRequest(body []byte, window bool) (req idem.Request, op []byte, err error) {
 	if req, op, ok := decodeCanonical(body, window); ok {
 		return req, op, nil
@@ -268,7 +269,7 @@ func decodeGeneral(body []byte, window bool) (req idem.Request, op []byte, err e
 	req.ID = r.bytes()
 	req.Client = r.str()
 	req.Seq = r.uint64()
-	req.Fingerprint = bytes.Clone(r.bytes())
+	req.Fingerprint = r.bytes()
 	if k := r.arrayLen(); r.err == nil && k > r.r.Len() { // each id takes a byte at least
 		r.fail("%d acked ids in %d bytes", k, r.r.Len())
 	} else if k > 0 && r.err == nil {
@@ -322,7 +323,7 @@ func decodeCanonical(body []byte, window bool) (req idem.Request, op []byte, ok 
 	req.ID = c.bytes()
 	req.Client = string(c.bytes())
 	req.Seq = c.uint64()
-	req.Fingerprint = bytes.Clone(c.bytes())
+	req.Fingerprint = c.bytes()
 	if k := c.arrayLen(); k > len(body)-c.off { // each id takes a byte at least
 		return req, nil, false
 	} else if k > 0 {

@@ -1,0 +1,86 @@
+package idem
+
+import (
+	"testing"
+
+	"github.com/cockroachdb/pebble/v2/vfs"
+)
+
+// TestCallerBuffersNotKept: a caller may reuse the buffers of a Request
+// (its id, fingerprint and acked ids) once the call returns, as it may
+// the reply given to Commit. The engine keeps its own copies, so a retry
+// with the original bytes in new buffers is answered as the first call's
+// record says, by every path that claims: Begin, a batch's Begin and
+// Put, LookupHint's Put; in memory, and after a reopen. (The entries once
+// kept the caller's fingerprint slice: reusing it made the retry of a
+// committed request ErrConflict.)
+func TestCallerBuffersNotKept(t *testing.T) {
+	fs := vfs.NewMem()
+	e := openMem(t, fs, nil)
+	const fpA, fpB = "fingerprint-A-0123456789abcdef", "fingerprint-B-0123456789abcdef"
+	scribble := func(bufs ...[]byte) {
+		for _, b := range bufs {
+			copy(b, fpB)
+		}
+	}
+	req := func(id string) Request { return Request{ID: []byte(id), Fingerprint: []byte(fpA)} }
+
+	// Begin, Commit.
+	r1 := req("single")
+	res := mustBegin(t, e, r1, Fresh)
+	if err := res.Claim.Commit(bg, []byte("reply")); err != nil {
+		t.Fatal(err)
+	}
+	scribble(r1.ID, r1.Fingerprint)
+	// Begin left in flight.
+	r2 := req("inflight")
+	mustBegin(t, e, r2, Fresh)
+	scribble(r2.ID, r2.Fingerprint)
+	// A batch's Put, and its Begin then Commit.
+	r3, r4 := req("batch-put"), req("batch-begin")
+	b := e.NewBatch()
+	b.Put(r3, []byte("reply"))
+	b.Begin(r4)
+	rs, err := b.Run(bg)
+	if err != nil || rs[0].Err != nil || rs[1].Err != nil || rs[1].Result.Status != Fresh {
+		t.Fatalf("batch: %v %+v", err, rs)
+	}
+	scribble(r3.ID, r3.Fingerprint, r4.ID, r4.Fingerprint)
+	b = e.NewBatch()
+	b.Commit(rs[1].Result.Claim, []byte("reply"))
+	if rs, err := b.Run(bg); err != nil || rs[0].Err != nil {
+		t.Fatalf("batch commit: %v %+v", err, rs)
+	}
+	// LookupHint, then its Put.
+	r5 := req("hinted")
+	var h PutHint
+	if res, err := e.LookupHint(bg, r5, &h); err != nil || res.Status != Absent {
+		t.Fatalf("LookupHint: %v %v", res.Status, err)
+	}
+	b = e.NewBatch()
+	h.Put(b, []byte("reply"))
+	if rs, err := b.Run(bg); err != nil || rs[0].Err != nil {
+		t.Fatalf("hinted put: %v %+v", err, rs)
+	}
+	scribble(r5.ID, r5.Fingerprint)
+
+	check := func(when string) {
+		t.Helper()
+		for _, id := range []string{"single", "batch-put", "batch-begin", "hinted"} {
+			res, err := e.Begin(bg, req(id))
+			if err != nil || res.Status != Done || string(res.Reply) != "reply" {
+				t.Fatalf("%s: retry of %q with its own fingerprint: %v %q %v", when, id, res.Status, res.Reply, err)
+			}
+		}
+		if res, err := e.Begin(bg, req("inflight")); err != nil || res.Status != InFlight {
+			t.Fatalf("%s: retry of the claim in flight with its own fingerprint: %v %v", when, res.Status, err)
+		}
+	}
+	check("in memory")
+	if err := e.Close(); err != nil {
+		t.Fatal(err)
+	}
+	e = openMem(t, fs, nil)
+	defer e.Close()
+	check("after a reopen")
+}
