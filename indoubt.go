@@ -1,6 +1,7 @@
 package idem
 
 import (
+	"bytes"
 	"context"
 	"strings"
 	"time"
@@ -19,7 +20,7 @@ type InDoubtClaim struct {
 	ID          []byte // id mode
 	Client      string // sequence mode
 	Seq         uint64
-	Fingerprint []byte
+	Fingerprint []byte // the caller's own copy, as ID
 	ClaimedAt   time.Time
 	LeaseUntil  time.Time
 	Claim       *Claim
@@ -66,7 +67,7 @@ func (e *Engine) InDoubt(ctx context.Context, scopePrefix string) ([]InDoubtClai
 			continue
 		}
 		k := reqKey{scope: scope, mode: mode, ident: append([]byte(nil), ident...), key: r.key}
-		d := InDoubtClaim{Scope: scope, Fingerprint: cur.ClaimFP, ClaimedAt: time.Unix(0, cur.ClaimTime), LeaseUntil: time.Unix(0, cur.LeaseUntil)}
+		d := InDoubtClaim{Scope: scope, Fingerprint: bytes.Clone(cur.ClaimFP), ClaimedAt: time.Unix(0, cur.ClaimTime), LeaseUntil: time.Unix(0, cur.LeaseUntil)}
 		if mode == index.ModeID {
 			d.ID = k.ident
 		} else {

@@ -11,7 +11,8 @@ import (
 // the reply given to Commit. The engine keeps its own copies, so a retry
 // with the original bytes in new buffers is answered as the first call's
 // record says, by every path that claims: Begin, a batch's Begin and
-// Put, LookupHint's Put; in memory, and after a reopen. (The entries once
+// Put, LookupHint's Put; in memory, after a reopen, and after scribbling
+// over what InDoubt returned. (The entries once
 // kept the caller's fingerprint slice: reusing it made the retry of a
 // committed request ErrConflict.)
 func TestCallerBuffersNotKept(t *testing.T) {
@@ -83,4 +84,11 @@ func TestCallerBuffersNotKept(t *testing.T) {
 	e = openMem(t, fs, nil)
 	defer e.Close()
 	check("after a reopen")
+	// What InDoubt hands out is the caller's too.
+	ds, err := e.InDoubt(bg, "")
+	if err != nil || len(ds) != 1 {
+		t.Fatalf("InDoubt: %d claims, %v; want the one in flight", len(ds), err)
+	}
+	scribble(ds[0].ID, ds[0].Fingerprint)
+	check("after scribbling over InDoubt's claim")
 }
