@@ -71,12 +71,14 @@ func NewBatch(lsn wal.LSN, get func(key []byte, mode byte) (*Entry, error), n in
 	return b
 }
 
-// Reset empties b for the next batch record at lsn over the same get.
-// Slices returned by Transitions stay valid.
+// Reset empties b for the next batch record at lsn over the same get,
+// keeping its memory (its key map, its working transitions). Slices
+// returned by Transitions stay valid: they are copies.
 func (b *Batch) Reset(lsn wal.LSN) {
 	b.lsn = lsn
 	clear(b.at)
-	b.out = make([]Transition, 0, cap(b.out))
+	clear(b.out) // hold no key or entry of the last record
+	b.out = b.out[:0]
 	b.step = b.step[:0]
 	b.last = nil
 	b.claim = nil
@@ -204,22 +206,33 @@ func sameBytes(a, b []byte) bool {
 	return len(a) == len(b) && len(a) > 0 && unsafe.SliceData(a) == unsafe.SliceData(b)
 }
 
-// Len is the number of keys the batch changed so far.
+// Len is the number of keys the batch changed since it was made, Reset or
+// gave its Transitions.
 func (b *Batch) Len() int { return len(b.out) }
 
 // Transitions returns the record's transitions: one per key it changed,
 // from the key's state before the record (Prev) to its state after it
 // (Next). A key that was absent before and after (claimed and aborted,
-// committed and acked within the batch) is left out.
+// committed and acked within the batch) is left out. The slice is new and
+// exactly as long as it needs to be (it lives as long as the record's
+// update, until the record is applied): b keeps its working slice, whose
+// capacity is that of the largest record it built, for the next record
+// (Reset).
 func (b *Batch) Transitions() []Transition {
-	out := b.out[:0]
+	n := 0
 	for _, t := range b.out {
-		if t.Prev == nil && t.Next == nil {
-			continue
+		if t.Prev != nil || t.Next != nil {
+			n++
 		}
-		out = append(out, t)
 	}
-	b.out = out
+	out := make([]Transition, 0, n)
+	for _, t := range b.out {
+		if t.Prev != nil || t.Next != nil {
+			out = append(out, t)
+		}
+	}
+	clear(b.out) // hold no key or entry of this record
+	b.out = b.out[:0]
 	clear(b.at) // the indices no longer hold; Reset before the next Add
 	b.last = nil
 	b.claim = nil

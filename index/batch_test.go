@@ -1,6 +1,7 @@
 package index
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"testing"
@@ -282,5 +283,61 @@ func TestBatchAddIntoAllocations(t *testing.T) {
 				t.Fatalf("%d transitions for %d requests (first %+v)", len(ts), next, ts[0])
 			}
 		})
+	}
+}
+
+// TestBatchTransitionsSizedToRecord: a Batch reused for record after
+// record (the engine's run keeps one) gives each record a transitions
+// slice of its own size, allocated once, whatever the largest record it
+// built before: the slice lives until the record is applied. It used to
+// reallocate its working slice at the capacity of the largest record at
+// every Reset and hand that out (old: the first record's cap 682, and
+// after it a record of one key allocated 32 KiB: 'Reset, a Put and
+// Transitions allocated more than its limit of 256 bytes in each of 5
+// runs: [32768 ...]'). The transitions handed out before stay as they
+// were.
+func TestBatchTransitionsSizedToRecord(t *testing.T) {
+	const big = 512
+	keys := make([][]byte, big+alloctest.Runs)
+	for i := range keys {
+		keys[i] = EntryKey(nil, "s", ModeID, fmt.Appendf(nil, "id-%04d", i))
+	}
+	claim := &wal.Op{Type: wal.OpClaim, Scope: "s", Time: 9, Flags: wal.ClaimFlagNew}
+	commit := &wal.Op{Type: wal.OpCommit, Scope: "s", Time: 9, Reply: []byte("r")}
+	put := func(b *Batch, i int, into *Entry) {
+		t.Helper()
+		id := keys[i][len(keys[i])-7:]
+		claim.ID, commit.ID = id, id
+		if _, err := b.AddInto(claim, keys[i], into); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := b.AddInto(commit, keys[i], nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	b := NewBatch(0, func([]byte, byte) (*Entry, error) { return nil, nil }, 0)
+	for i := range big {
+		put(b, i, nil)
+	}
+	first := b.Transitions()
+	if len(first) != big || cap(first) != big {
+		t.Errorf("the first record's transitions: len %d cap %d, want %d", len(first), cap(first), big)
+	}
+	entries := make([]Entry, alloctest.Runs)
+	next := big
+	var ts []Transition
+	alloctest.Check(t, "Reset, a Put and Transitions", 256, func() {
+		b.Reset(0)
+		put(b, next, &entries[next-big])
+		ts = b.Transitions()
+		next++
+	})
+	if len(ts) != 1 || cap(ts) != 1 || !bytes.Equal(ts[0].Key, keys[next-1]) || ts[0].Next != &entries[next-1-big] {
+		t.Fatalf("the small record's transitions: len %d cap %d %+v", len(ts), cap(ts), ts)
+	}
+	for i, tr := range first {
+		if !bytes.Equal(tr.Key, keys[i]) || tr.Next == nil || !tr.Next.Committed {
+			t.Fatalf("the first record's transition %d changed after the batch was reused: %+v", i, tr)
+		}
 	}
 }
