@@ -162,7 +162,9 @@
 // these two facts instead of "only zeros follow the log". No salt is
 // needed: the LSN in every frame tells the generations apart. Recycled
 // files are not counted in Stats.AllocatedBytes; RemoveSegmentsThrough
-// counts a recycled segment as removed.
+// counts a recycled segment as removed. Stats.SegmentsRecycled and
+// Stats.SparesRecycled count the segments kept and the segments started
+// from them.
 //
 // # Durability
 //

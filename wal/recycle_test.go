@@ -126,6 +126,9 @@ func TestRecycleSegments(t *testing.T) {
 	if got := zeroWrites.Load() - warm; got != 0 {
 		t.Errorf("%d zero-fill writes after the warm-up: spare files are still zero-filled", got)
 	}
+	if st := w.Stats(); st.SegmentsRecycled < 10 || st.SparesRecycled < 10 {
+		t.Errorf("Stats: %d segments recycled, %d spare files recycled", st.SegmentsRecycled, st.SparesRecycled)
+	}
 	names := listDir(t, mem, testDir)
 	spares := 0
 	for _, n := range names {

@@ -139,6 +139,12 @@ type Stats struct {
 	Syncs          uint64
 	SyncTime       time.Duration // total time in the group commit's fdatasyncs
 	Writes         uint64
+	// SegmentsRecycled counts the old segments RemoveSegmentsThrough kept
+	// for reuse instead of removing them, and SparesRecycled the segments
+	// started from such a file instead of a zero-filled one (see
+	// "Recycling" in the package documentation).
+	SegmentsRecycled uint64
+	SparesRecycled   uint64
 }
 
 var (
@@ -294,6 +300,9 @@ type WAL struct {
 	// from then on a rotation does not zero-fill a spare file right away
 	// (see startPrep).
 	recycled atomic.Bool
+	// segmentsRecycled and sparesRecycled are Stats.SegmentsRecycled and
+	// Stats.SparesRecycled.
+	segmentsRecycled, sparesRecycled atomic.Uint64
 }
 
 func (o *Options) normalize() error {
@@ -841,6 +850,9 @@ func (w *WAL) Stats() Stats {
 		Syncs:        w.syncs.Load(),
 		SyncTime:     time.Duration(w.syncNanos.Load()),
 		Writes:       w.writes.Load(),
+
+		SegmentsRecycled: w.segmentsRecycled.Load(),
+		SparesRecycled:   w.sparesRecycled.Load(),
 	}
 	w.segMu.Lock()
 	s.Segments = len(w.segs)
@@ -935,6 +947,7 @@ func (w *WAL) recycleSegment(s SegmentInfo) (bool, error) {
 	ok, err := recycleSegment(fs, dir, s.Name, s.LastLSN+1, slots)
 	if ok {
 		w.recycled.Store(true)
+		w.segmentsRecycled.Add(1)
 	}
 	return ok, err
 }
@@ -1360,6 +1373,9 @@ func (w *WAL) rotate() error {
 	seg, err := activateSegment(fs, dir, next)
 	if err != nil {
 		return err
+	}
+	if seg.recycled {
+		w.sparesRecycled.Add(1)
 	}
 	old := w.fl.active
 	w.fl.active = seg
