@@ -138,7 +138,7 @@
 // releases the previous segment a little after the rotation), zero-filling
 // waits until the active segment is half full. Starting a segment from a
 // recycled spare file writes the version 3 header followed by zeros up to
-// padEnd(32) = 512 and fsyncs it before the rename (then fsyncs the
+// padEnd(32) = 4096 and fsyncs it before the rename (then fsyncs the
 // directory), the reverse of a zero-filled spare file's order: a segment
 // never has a torn header over stale bytes, and a crash before the rename
 // leaves a spare file whose version 3 header is still a spare header (with
@@ -153,10 +153,16 @@
 //
 //   - every write into a recycled segment (one WriteAt per flush) is
 //     followed, in the same WriteAt, by zero bytes from the logical end up to
-//     padEnd(end): the next 512-byte boundary at least 8 bytes on (a frame
+//     padEnd(end): the next 4 KiB boundary at least 8 bytes on (a frame
 //     never begins with 8 zero bytes). The next write overwrites them. Once a
 //     write is fsynced, its padding is too: a clean end of the log is always
 //     followed by at least 8 zero bytes, whatever stale bytes come after.
+//     Padding to a page boundary also means that no write leaves a page of
+//     the file partly written: the kernel would read such a page from the
+//     disk first if the recycled file's page is no longer in the page cache
+//     (the first page of a write was just written by the previous one). It
+//     costs up to 4 KiB of zeros per write, in memory: the disk writes
+//     whole pages anyway.
 //
 // The tail rules of a recycled segment (see "Torn tail vs corruption") use
 // these two facts instead of "only zeros follow the log". No salt is

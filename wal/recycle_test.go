@@ -15,9 +15,10 @@ import (
 	"github.com/idemdb/idem/internal/vfstest"
 )
 
-// recycleSegSize is small enough for many rotations per test, and holds a
-// few dozen payloadFor records.
-const recycleSegSize = 8 << 10
+// recycleSegSize is small enough for many rotations per test, and holds
+// about 200 payloadFor records: several pages of stale frames follow the
+// log of a recycled segment.
+const recycleSegSize = 32 << 10
 
 // appendTruncating appends n payloadFor records, waiting for durability
 // every every records, and after each wait removes every segment through the
@@ -109,11 +110,11 @@ func TestRecycleSegments(t *testing.T) {
 	o := testOptions(fs)
 	o.SegmentSize = recycleSegSize
 	w, _ := mustOpen(t, o, 0, nil)
-	through := appendTruncating(t, w, 300, 5) // about 6 segments: warm-up
+	through := appendTruncating(t, w, 1200, 5) // about 6 segments: warm-up
 	warm := zeroWrites.Load()
 	firstRecycled := LSN(0)
 	for round := 0; round < 10; round++ {
-		through = appendTruncating(t, w, 60, 5)
+		through = appendTruncating(t, w, 240, 5)
 		segs := w.Segments()
 		active := segs[len(segs)-1]
 		if segmentVersionOf(t, mem, active.Name) == segmentVersionRecycled && firstRecycled == 0 {
@@ -189,7 +190,7 @@ func TestRecycleSegments(t *testing.T) {
 func recycledLog(t *testing.T, fs vfs.FS, o Options) (*WAL, SegmentInfo) {
 	t.Helper()
 	w, _ := mustOpen(t, o, 0, nil)
-	for i := 0; i < 200; i++ {
+	for i := 0; i < 400; i++ {
 		appendTruncating(t, w, 10, 1)
 		segs := w.Segments()
 		a := segs[len(segs)-1]
@@ -320,7 +321,7 @@ func TestRecycledCorrupt(t *testing.T) {
 // LSN run; with only fsynced data kept, no torn tail and no .torn file.
 // Then it must keep working through more recycling and another crash.
 func TestCrashRecycled(t *testing.T) {
-	const warm, run, every = 300, 150, 4
+	const warm, run, every = 1200, 600, 8
 	cfgs := []func() vfs.CrashCloneCfg{func() vfs.CrashCloneCfg { return vfs.CrashCloneCfg{} }}
 	for seed := uint64(1); seed <= 2; seed++ {
 		cfgs = append(cfgs, func() vfs.CrashCloneCfg {
@@ -438,7 +439,7 @@ func checkRecycledRecovery(t *testing.T, fs *vfs.MemFS, synced, through LSN, onl
 		}
 	}
 	// Keep going through more recycling.
-	appendTruncating(t, w, 120, 4)
+	appendTruncating(t, w, 480, 8)
 	last := w.LastLSN()
 	if err := w.Close(); err != nil {
 		t.Fatal(err)
@@ -467,9 +468,9 @@ func TestRecycledSpareBound(t *testing.T) {
 		t.Fatal(err)
 	}
 	b := make([]byte, recycleSegSize)
-	copy(b, encodeSegmentHeaderVersion(61, segmentVersionRecycled))
+	copy(b, encodeSegmentHeaderVersion(401, segmentVersionRecycled))
 	off := segmentHeaderSize
-	for lsn := LSN(1); lsn <= 60; lsn++ {
+	for lsn := LSN(1); lsn <= 400; lsn++ { // about 25 KiB
 		p := []byte(fmt.Sprintf("a record of another log, LSN %d", lsn))
 		n := frameSize(len(p))
 		putFrame(b[off:off+n], lsn, lsn-1, 1, p)

@@ -43,6 +43,12 @@ const (
 	// minPad is the least number of zero bytes that follow the log in a
 	// recycled segment: a frame never begins with 8 zero bytes.
 	minPad = 8
+	// padAlign: the padding of a write into a recycled segment runs up to
+	// a multiple of it, the page size, so that no write leaves a page
+	// partly written: the kernel would first read such a page from the
+	// disk if the recycled file's page is no longer cached (the first page
+	// of a write was just written by the one before, and is cached).
+	padAlign = 4096
 
 	// frameHeaderSize is the header of a version 2 frame: crc(4) +
 	// length(4) + lsn(8) + synced LSN(8) + type(1).
@@ -113,8 +119,8 @@ func frameSizeHdr(hdr, payloadLen int) int {
 }
 
 // padEnd is where the zero padding after a write ending at end stops in a
-// recycled segment: at least minPad bytes, up to a sector boundary.
-func padEnd(end int64) int64 { return (end + minPad + sectorSize - 1) &^ (sectorSize - 1) }
+// recycled segment: at least minPad bytes, up to a padAlign boundary.
+func padEnd(end int64) int64 { return (end + minPad + padAlign - 1) &^ (padAlign - 1) }
 
 // frameHeaderFor returns the frame header size of a segment version.
 func frameHeaderFor(version uint16) int {
@@ -355,7 +361,7 @@ func (s *segFile) write(p []byte) error {
 }
 
 // zeroPad is the source of the zero padding of recycled segments.
-var zeroPad [sectorSize + minPad]byte
+var zeroPad [padAlign + minPad]byte
 
 // preallocName is the base name of the spare segment file: zero-filled and
 // fsynced ahead of time (by a background goroutine), or a recycled old
