@@ -873,9 +873,11 @@ func (w *WAL) Segments() []SegmentInfo {
 
 // RemoveSegmentsThrough removes, oldest first, every non-active segment whose
 // LastLSN <= lsn, fsyncing the directory after each removal (so a crash can
-// only leave a suffix of the log, never a gap). It returns the number of
-// segments and bytes (file sizes, SegmentInfo.Allocated) removed; on error,
-// what was removed before it.
+// only leave a suffix of the log, never a gap). With preallocation, up to two
+// full segments are kept for reuse instead (renamed, then recycled as later
+// segments: see "Recycling" in the package documentation); they count as
+// removed. It returns the number of segments and bytes (file sizes,
+// SegmentInfo.Allocated) removed; on error, what was removed before it.
 func (w *WAL) RemoveSegmentsThrough(lsn LSN) (int, int64, error) {
 	w.removeMu.Lock()
 	defer w.removeMu.Unlock()
