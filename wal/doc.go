@@ -15,8 +15,9 @@
 // the LSN of its first record. Only names of exactly that form are segments;
 // other files in the directory are ignored by Scan: "<segment>.torn" (bytes
 // cut off by Open), "next.prealloc" (the spare file that becomes the next
-// segment, see Preallocation), "close.hint" and "positions.hint" (see
-// Reopen). The segments
+// segment, see Preallocation), "recycled0.prealloc" and "recycled1.prealloc"
+// (old segments kept for reuse, see Recycling), "close.hint" and
+// "positions.hint" (see Reopen). The segments
 // of a log form one LSN sequence: the first frame of a segment carries the firstLSN of the segment header
 // (which matches the file name), every next frame the previous LSN plus one,
 // and the next segment starts at the previous segment's last LSN plus one.
@@ -24,9 +25,11 @@
 // RemoveSegmentsThrough).
 //
 // A segment file is: the header, the frames, then zero bytes up to the end
-// of the file (the preallocated space not used yet). The offset where the
-// frames end is the segment's logical end (SegmentInfo.Size); the file size
-// is SegmentInfo.Allocated. Segments written before preallocation existed
+// of the file (the preallocated space not used yet); in a recycled segment
+// (version 3), zero bytes up to padEnd and then stale bytes of the older
+// segment the file held (see Recycling). The offset where the frames end is
+// the segment's logical end (SegmentInfo.Size); the file size is
+// SegmentInfo.Allocated. Segments written before preallocation existed
 // simply have no zero tail.
 //
 // # Segment header (32 bytes, little-endian)
@@ -34,12 +37,16 @@
 //	 0               8      10            16              24      28      32
 //	+---------------+-------+-------------+---------------+-------+-------+
 //	| magic         |version| reserved    | firstLSN      | rsvd  | crc   |
-//	| "IDEMWAL1"    |u16 = 2| 6 zero bytes| uint64        | 4 B 0 | u32   |
+//	| "IDEMWAL1"    |u16 2/3| 6 zero bytes| uint64        | 4 B 0 | u32   |
 //	+---------------+-------+-------------+---------------+-------+-------+
 //	crc = CRC-32C (Castagnoli) of bytes [0, 28).
 //
 // The version selects the frame layout of the whole segment. New segments
-// are version 2. Version 1 segments (written before frames carried the
+// are version 2, or version 3 when the file is a recycled one: version 2
+// frames, and the recycling rules below (the padding after every write, the
+// stale bytes after the log). A reader that predates version 3 refuses such
+// a segment ("unsupported segment version 3") rather than misread it.
+// Version 1 segments (written before frames carried the
 // synced LSN) are still read, with the version 1 frame layout and the
 // crash-hole rules alone (they cannot prove a region was fsynced); Open
 // never appends to one: if the last segment is version 1 and holds frames,
@@ -88,7 +95,8 @@
 // and fsyncing the directory, all before any frame is written into it.
 //
 // The spare file is prepared in the background, off the commit path: the
-// flusher starts a goroutine right after every rotation (and, after Open,
+// flusher starts a goroutine right after every rotation (once segments are
+// recycled, that one only takes a recycled file, see Recycling; and, after Open,
 // once the active segment is half full, so that a log opened and written
 // little never allocates a spare), and waits for it (normally long
 // finished) at the next rotation; a failed preparation is retried there
@@ -106,6 +114,63 @@
 // the data back. The segment is rotated after that flush, since its logical
 // end exceeds SegmentSize. An old segment without preallocation (or any
 // segment when SegmentSize grew) is extended the same way until it is full.
+//
+// # Recycling
+//
+// Zero-filling writes every byte of the log twice (zeros, then frames). So,
+// as Pebble and RocksDB recycle WAL files, an old segment that
+// RemoveSegmentsThrough releases is kept, instead of removed, when
+// segments are preallocated (Options.Preallocate), its file is full (at
+// least SegmentSize bytes, at most twice that) and fewer than two recycled
+// files are kept (one while the disk has less than two segments' worth of
+// free space). It is renamed to "recycled<i>.prealloc", the directory is
+// fsynced (so the segment can no longer reappear: a crash before leaves the
+// segment, which is simply removed again), then its header is overwritten
+// with a spare header, fsynced: a version 3 segment header whose first LSN
+// is a bound B (the removed segment's last LSN plus one) such that every
+// valid frame in the file has an LSN below B.
+//
+// Preparing the spare file then takes a recycled file (renamed to
+// "next.prealloc"; either name is recognised after a crash, and a leftover
+// whose header is not a spare header is replaced) instead of zero-filling
+// one. Once segments are being recycled, the preparation that follows a
+// rotation only takes a recycled file; if none is kept yet (truncation
+// releases the previous segment a little after the rotation), zero-filling
+// waits until the active segment is half full. Starting a segment from a
+// recycled spare file writes the version 3 header followed by zeros up to
+// padEnd(32) = 4096 and fsyncs it before the rename (then fsyncs the
+// directory), the reverse of a zero-filled spare file's order: a segment
+// never has a torn header over stale bytes, and a crash before the rename
+// leaves a spare file whose version 3 header is still a spare header (with
+// the new first LSN as its bound). A recycled spare file becomes a segment
+// only for a first LSN at or above its bound (otherwise, which only a
+// directory whose log was replaced can cause, it is replaced by an empty
+// spare file). So:
+//
+//   - every valid frame left in a recycled segment's file from before (a
+//     stale frame) has an LSN below the segment's first LSN, and so below
+//     every LSN of its log: a stale frame is never taken for one of the log;
+//
+//   - every write into a recycled segment (one WriteAt per flush) is
+//     followed, in the same WriteAt, by zero bytes from the logical end up to
+//     padEnd(end): the next 4 KiB boundary at least 8 bytes on (a frame
+//     never begins with 8 zero bytes). The next write overwrites them. Once a
+//     write is fsynced, its padding is too: a clean end of the log is always
+//     followed by at least 8 zero bytes, whatever stale bytes come after.
+//     Padding to a page boundary also means that no write leaves a page of
+//     the file partly written: the kernel would read such a page from the
+//     disk first if the recycled file's page is no longer in the page cache
+//     (the first page of a write was just written by the previous one). It
+//     costs up to 4 KiB of zeros per write, in memory: the disk writes
+//     whole pages anyway.
+//
+// The tail rules of a recycled segment (see "Torn tail vs corruption") use
+// these two facts instead of "only zeros follow the log". No salt is
+// needed: the LSN in every frame tells the generations apart. Recycled
+// files are not counted in Stats.AllocatedBytes; RemoveSegmentsThrough
+// counts a recycled segment as removed. Stats.SegmentsRecycled and
+// Stats.SparesRecycled count the segments kept and the segments started
+// from them.
 //
 // # Durability
 //
@@ -133,8 +198,9 @@
 // segment is started from the spare file (renamed, header written and
 // fsynced, directory fsynced) before any frame goes into it. Hence every
 // segment but the last one was completely fsynced, its zero tail included
-// (zero-filled and fsynced before it became a segment), and a segment header
-// is durable before its first frame is written.
+// (zero-filled and fsynced before it became a segment; in a recycled
+// segment, the padding of its last write), and a segment header is durable
+// before its first frame is written.
 //
 // A failed write, fsync or segment creation makes the WAL fail for good:
 // every later Append, WaitDurable (for a record not yet fsynced) and Sync
@@ -198,6 +264,42 @@
 //     of the log, which must not be silently dropped along with the valid
 //     records after it.
 //
+//   - In a recycled segment (version 3), what follows the log is its zero
+//     padding, then stale bytes; a block lost by a crash reads as the stale
+//     bytes it overwrote, not as zeros. Let X be the offset of the first
+//     invalid frame (as above; a stale frame is one: its LSN is not the
+//     expected one). In a segment other than the last, the bytes [X,
+//     padEnd(X)) must be zero (else a *CorruptError at X), and the next
+//     segment must continue the LSN sequence, as for zeros above; the bytes
+//     after the padding are not read. In the last segment:
+//
+//     1. every 8-aligned offset after X holding a valid frame whose LSN is
+//     above the last good one (a frame of this log, never a stale one) is
+//     checked as in rule 3 above: one whose synced LSN is above the last
+//     good LSN is a *CorruptError at X;
+//
+//     2. if there is no such frame and [X, padEnd(X)) is zero, the log ends
+//     cleanly at X: the padding of the last fsynced write, then stale bytes.
+//     Nothing is reported or cut;
+//
+//     3. otherwise it is a torn tail (non-zero bytes in the padding were
+//     written after its fsync; valid frames after X that prove nothing were
+//     never fsynced, whatever lies between them and X: the hole rule 4
+//     cannot apply where lost blocks read as stale bytes). The cut bytes are
+//     [X, E), E the furthest of padEnd(X), the end of the last such valid
+//     frame, and, if the frame header at X carries the expected LSN, the end
+//     its length gives; they are saved and zeroed as below, which leaves no
+//     frame of this log after X and restores the padding. Stale bytes
+//     beyond E are left alone.
+//
+//     What recycled segments give up: a damaged frame followed only by
+//     frames that do not prove it was fsynced (rule 3) is cut as a torn
+//     tail, where a zero-filled segment would ask for a crash hole (rule 4)
+//     first; and an unsynced write whose first block was lost and whose
+//     later blocks hold no complete frame is taken for a clean end (its
+//     bytes, never fsynced, stay invalid and are overwritten by the next
+//     appends).
+//
 //   - A last segment whose header is invalid and which contains no valid
 //     frame (of either version) was torn while being started (renamed from the spare file, its
 //     header not yet fsynced): Open removes it (saving its bytes up to the
@@ -243,7 +345,7 @@
 //     the final fsync. Open uses the hint only if it names the last
 //     segment, its last LSN is at or below after, the frame it names is
 //     valid with that LSN and ends where the hint says, and the first 4 KiB
-//     after that end are zero; the log then ends there and the rest of the
+//     after that end (in a recycled segment, its padding) are zero; the log then ends there and the rest of the
 //     preallocated zeros is not read. Otherwise (no hint, torn, stale,
 //     mismatched, or non-zero bytes after the end) Open reads from the hint's
 //     end when it is otherwise valid, or as after a crash (below). Open
@@ -275,7 +377,8 @@
 //
 // # Full disks
 //
-// A spare file is zero-filled only while the filesystem reports at least
+// A recycled spare file is used whatever the free space: it takes no new
+// space. A spare file is zero-filled only while the filesystem reports at least
 // two segments' worth of free space (vfs.FS.GetDiskUsage; filesystems that
 // cannot tell are assumed to have it): filling the disk to the brim, even
 // for a moment, would fail whoever else writes there then. Otherwise, and

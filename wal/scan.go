@@ -191,6 +191,8 @@ type scanner struct {
 	r         segReader
 	lastSeg   bool
 	hdr       int // frame header size of the segment being scanned
+	// recycled: the segment being scanned is a recycled one (version 3).
+	recycled bool
 	// zeroTail is set when the previous segment (not the last) ends with
 	// zeros after its last valid frame, at zeroTailOff: acceptable only if
 	// the next segment continues the LSN sequence.
@@ -377,6 +379,7 @@ func (s *scanner) segmentFrom(o *scanOutcome, seg segEntry, usePositions bool) e
 		return nil
 	}
 	s.hdr = frameHeaderFor(version)
+	s.recycled = version == segmentVersionRecycled
 	o.lastVersion = version
 
 	info := SegmentInfo{Name: seg.name, FirstLSN: first, LastLSN: first - 1, Size: segmentHeaderSize, Allocated: r.size}
@@ -432,8 +435,15 @@ func (s *scanner) segmentFrom(o *scanOutcome, seg segEntry, usePositions bool) e
 				// Only zeros may follow the frames of a segment that is not
 				// the last (preallocated space left when it was rotated),
 				// and only if the next segment continues the LSN sequence
-				// (checked by run): zeros cannot hide lost frames then.
-				nz, err := r.anyNonZero(off, r.size)
+				// (checked by run): zeros cannot hide lost frames then. In a
+				// recycled segment, only the zero padding of the last write
+				// is checked: stale bytes of the file's older segment follow
+				// it, and continuity is the proof there too.
+				to := r.size
+				if s.recycled {
+					to = min(padEnd(off), r.size)
+				}
+				nz, err := r.anyNonZero(off, to)
 				if err != nil {
 					return err
 				}
@@ -442,6 +452,9 @@ func (s *scanner) segmentFrom(o *scanOutcome, seg segEntry, usePositions bool) e
 				}
 				s.zeroTail, s.zeroTailSeg, s.zeroTailOff = true, seg.name, off
 				break
+			}
+			if s.recycled {
+				return s.tailRecycled(o, info, off, reason)
 			}
 			return s.tail(o, info, off, reason)
 		}
@@ -513,7 +526,11 @@ func (s *scanner) useHint(seg segEntry, version uint16) (int64, LSN, bool, error
 // zeroAfterHint reports whether the first hintZeroCheck bytes at end (or
 // up to the end of the file) are zero.
 func (s *scanner) zeroAfterHint(end int64) (bool, error) {
-	nz, err := s.r.anyNonZero(end, min(s.r.size, end+hintZeroCheck))
+	to := end + hintZeroCheck
+	if s.recycled {
+		to = padEnd(end) // stale bytes follow the padding
+	}
+	nz, err := s.r.anyNonZero(end, min(s.r.size, to))
 	return !nz, err
 }
 
@@ -564,6 +581,66 @@ func (s *scanner) tail(o *scanOutcome, info SegmentInfo, x int64, reason string)
 	o.segs = append(o.segs, info)
 	o.lastLSN = info.LastLSN
 	o.tail, o.tailSeg, o.tailFirst, o.cut, o.fileSize, o.nzEnd = state, info.Name, info.FirstLSN, x, r.size, nzEnd
+	return nil
+}
+
+// tailRecycled is tail for the last segment when it is a recycled one: the
+// bytes after the log are the zero padding of the last write, then stale
+// bytes of the file's older segment (frames with LSNs below the segment's
+// first, remnants of them), which are no torn tail; see "Recycling" in
+// doc.go for the rules.
+func (s *scanner) tailRecycled(o *scanOutcome, info SegmentInfo, x int64, reason string) error {
+	r := &s.r
+	pz := min(padEnd(x), r.size)
+	nz, err := r.anyNonZero(x, pz)
+	if err != nil {
+		return err
+	}
+	end := x // the torn bytes are [x, end)
+	if nz {
+		// The padding was fsynced with the last frame before x: non-zero
+		// bytes there were written after it, and never fsynced.
+		end = pz
+		if x+int64(s.hdr) <= r.size {
+			hdr, err := r.at(x, s.hdr)
+			if err != nil {
+				return err
+			}
+			if LSN(binary.LittleEndian.Uint64(hdr[8:])) == info.LastLSN+1 {
+				// The head of the next frame of this log, torn.
+				if _, n, code := frameLength(hdr, s.hdr, r.size-x, s.maxRec); code == frameOK {
+					end = max(end, x+int64(n))
+				}
+			}
+		}
+	}
+	// Valid frames of this log after x (stale frames have lower LSNs):
+	// the synced proof as in tail; with none of them proving anything, they
+	// are a torn tail whatever lies between (a block lost by the crash
+	// reads as stale bytes here, not as zeros, so there is no hole rule).
+	for from := x + frameAlign; from < r.size; {
+		y, fr, err := s.findValidFrame(from, x, r.size, info.LastLSN)
+		if err != nil {
+			return err
+		}
+		if y < 0 {
+			break
+		}
+		if fr.synced > info.LastLSN {
+			return &CorruptError{Segment: info.Name, Offset: x, Reason: fmt.Sprintf(
+				"%s after LSN %d, yet the valid frame at offset %d (LSN %d) was written after LSN %d had been fsynced: fsynced records were lost, this is not a torn tail",
+				reason, info.LastLSN, y, fr.lsn, fr.synced)}
+		}
+		end = max(end, y+int64(fr.n), pz)
+		from = y + int64(fr.n)
+	}
+	state := tailZeros
+	if end > x {
+		state = tailTorn
+	}
+	o.segs = append(o.segs, info)
+	o.lastLSN = info.LastLSN
+	o.tail, o.tailSeg, o.tailFirst, o.cut, o.fileSize, o.nzEnd = state, info.Name, info.FirstLSN, x, r.size, end
 	return nil
 }
 

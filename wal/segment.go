@@ -19,11 +19,18 @@ import (
 // on-disk format (see doc.go).
 const (
 	segmentMagic = "IDEMWAL1"
-	// segmentVersion is the version written into new segments. Version 1
-	// segments (frames without the synced LSN) are still read.
-	segmentVersion    = 2
-	segmentVersion1   = 1
-	segmentHeaderSize = 32
+	// segmentVersion is the version written into new zero-filled (or
+	// growing) segments. Version 1 segments (frames without the synced LSN)
+	// are still read.
+	segmentVersion  = 2
+	segmentVersion1 = 1
+	// segmentVersionRecycled marks a recycled segment: version 2 frames in
+	// a file that held an older segment, whose bytes after the log may be
+	// stale (frames with LSNs below the header's first LSN, remnants of
+	// them). Every write ends with zero padding up to padEnd (see
+	// "Recycling" in doc.go).
+	segmentVersionRecycled = 3
+	segmentHeaderSize      = 32
 	// segmentHeaderCRCOffset is where the header checksum lives; it covers
 	// bytes [0, segmentHeaderCRCOffset).
 	segmentHeaderCRCOffset = 28
@@ -32,6 +39,16 @@ const (
 	segmentNameLen = 20 + len(segmentSuffix)
 	tornSuffix     = ".torn"
 	preallocSuffix = ".prealloc"
+
+	// minPad is the least number of zero bytes that follow the log in a
+	// recycled segment: a frame never begins with 8 zero bytes.
+	minPad = 8
+	// padAlign: the padding of a write into a recycled segment runs up to
+	// a multiple of it, the page size, so that no write leaves a page
+	// partly written: the kernel would first read such a page from the
+	// disk if the recycled file's page is no longer cached (the first page
+	// of a write was just written by the one before, and is cached).
+	padAlign = 4096
 
 	// frameHeaderSize is the header of a version 2 frame: crc(4) +
 	// length(4) + lsn(8) + synced LSN(8) + type(1).
@@ -101,6 +118,10 @@ func frameSizeHdr(hdr, payloadLen int) int {
 	return (hdr + payloadLen + frameAlign - 1) &^ (frameAlign - 1)
 }
 
+// padEnd is where the zero padding after a write ending at end stops in a
+// recycled segment: at least minPad bytes, up to a padAlign boundary.
+func padEnd(end int64) int64 { return (end + minPad + padAlign - 1) &^ (padAlign - 1) }
+
 // frameHeaderFor returns the frame header size of a segment version.
 func frameHeaderFor(version uint16) int {
 	if version == segmentVersion1 {
@@ -130,7 +151,7 @@ func encodeSegmentHeaderVersion(first LSN, version uint16) []byte {
 }
 
 // decodeSegmentHeader validates a segment header and returns its first LSN
-// and version (1 or 2). It returns a non-empty reason when the header is
+// and version (1, 2 or 3). It returns a non-empty reason when the header is
 // invalid.
 func decodeSegmentHeader(b []byte) (LSN, uint16, string) {
 	if len(b) < segmentHeaderSize {
@@ -143,7 +164,7 @@ func decodeSegmentHeader(b []byte) (LSN, uint16, string) {
 		return 0, 0, "bad segment header checksum"
 	}
 	v := binary.LittleEndian.Uint16(b[8:])
-	if v != segmentVersion && v != segmentVersion1 {
+	if v != segmentVersion && v != segmentVersion1 && v != segmentVersionRecycled {
 		return 0, 0, fmt.Sprintf("unsupported segment version %d", v)
 	}
 	first := LSN(binary.LittleEndian.Uint64(b[16:]))
@@ -302,53 +323,168 @@ func DecodeFrame(b []byte, maxRecordSize int) (lsn LSN, typ byte, payload []byte
 // by the flusher goroutine (and by Close once the flusher has exited).
 //
 // The file is normally preallocated: zero-filled and fsynced up to about
-// SegmentSize before any frame goes into it, so frames overwrite zeros at the
-// logical end and a flush is made durable with fdatasync (SyncData), which
-// then has no file-size change to commit. A write past the allocated size
-// just extends the file (see doc.go).
+// SegmentSize before any frame goes into it, or recycled from an old
+// segment, so frames overwrite allocated blocks at the logical end and a
+// flush is made durable with fdatasync (SyncData), which then has no
+// file-size change to commit. A write past the allocated size just extends
+// the file (see doc.go).
 type segFile struct {
 	f     vfs.File
 	name  string // base name
 	first LSN
 	end   int64 // logical end: offset of the next frame (header plus frames written)
 	alloc int64 // file size; >= end
+	// recycled: a version 3 segment, whose every write is followed by
+	// zeros up to padEnd (the bytes after them may be stale).
+	recycled bool
 	// lastOff is the offset of the last frame written (0: none yet) and
 	// lastLSN its LSN (first-1 when none), for the close hint.
 	lastOff int64
 	lastLSN LSN
 }
 
-// write writes p at the logical end.
+// write writes p at the logical end (in a recycled segment followed by its
+// zero padding, in the same WriteAt; p's capacity may be used for it).
 func (s *segFile) write(p []byte) error {
-	n, err := s.f.WriteAt(p, s.end)
-	s.end += int64(n)
-	s.alloc = max(s.alloc, s.end)
-	if err == nil && n != len(p) {
+	n := len(p)
+	if s.recycled {
+		pad := int(padEnd(s.end+int64(n)) - s.end - int64(n))
+		p = append(p, zeroPad[:pad]...) // copies: WriteAt may modify its input
+	}
+	m, err := s.f.WriteAt(p, s.end)
+	s.alloc = max(s.alloc, s.end+int64(m))
+	s.end += int64(min(m, n))
+	if err == nil && m != len(p) {
 		err = io.ErrShortWrite
 	}
 	return err
 }
 
+// zeroPad is the source of the zero padding of recycled segments.
+var zeroPad [padAlign + minPad]byte
+
 // preallocName is the base name of the spare segment file: zero-filled and
-// fsynced ahead of time (by a background goroutine), it becomes the next
-// segment at rotation by being renamed. It is not a segment name, so Scan
-// ignores it.
+// fsynced ahead of time (by a background goroutine), or a recycled old
+// segment, it becomes the next segment at rotation by being renamed. It is
+// not a segment name, so Scan ignores it.
 const preallocName = "next" + preallocSuffix
+
+// recycledName returns the base name of the ith kept recycled file
+// ("recycled0.prealloc", ...): an old segment released by
+// RemoveSegmentsThrough and kept for reuse (at most maxRecycled of them).
+// The next preparation of the spare file takes one (renames it to
+// preallocName) instead of zero-filling a new one. Its header is a spare
+// header (below).
+func recycledName(i int) string { return fmt.Sprintf("recycled%d%s", i, preallocSuffix) }
+
+// maxRecycled bounds the recycled files kept: the engine removes segments in
+// groups (a compaction every CompactWALBytes, two segments by default), and
+// each of them should become a later segment.
+const maxRecycled = 2
+
+// A recycled spare file (a recycledName, or preallocName once taken) starts
+// with a spare header: a version 3 segment header whose first LSN is a
+// bound B such that every valid frame anywhere in the file has an LSN below
+// B. It becomes a segment only for a first LSN >= B, so the stale frames of
+// a recycled segment are exactly those below its first LSN. A spare file
+// left with the version 3 header of a segment whose activation was
+// interrupted (see activateSegment) is a spare header too.
+
+// spareBound returns the bound of the recycled spare file f (whose size is
+// size), and whether f is one: its first bytes are a valid version 3
+// header.
+func spareBound(f vfs.File, size int64) (LSN, bool, error) {
+	if size < segmentHeaderSize {
+		return 0, false, nil
+	}
+	b := make([]byte, segmentHeaderSize)
+	if _, err := f.ReadAt(b, 0); err != nil {
+		return 0, false, err
+	}
+	first, v, reason := decodeSegmentHeader(b)
+	if reason != "" || v != segmentVersionRecycled {
+		return 0, false, nil
+	}
+	return first, true, nil
+}
+
+// recycleSegment turns the old segment name (whose records all have LSNs
+// below bound) into a recycled file, if fewer than slots are kept: it
+// renames it to a free recycledName, fsyncs the directory (so that the
+// segment can never reappear once its header is overwritten: a crash before
+// leaves the segment, which is removed again later, or an unusable spare
+// file that is replaced), then writes the spare header over the segment
+// header and fsyncs the file. It reports false, having done nothing, when
+// slots recycled files are kept already.
+func recycleSegment(fs vfs.FS, dir, name string, bound LSN, slots int) (bool, error) {
+	path := ""
+	for i := range slots {
+		p := fs.PathJoin(dir, recycledName(i))
+		if _, err := fs.Stat(p); errors.Is(err, os.ErrNotExist) {
+			path = p
+			break
+		} else if err != nil {
+			return false, err
+		}
+	}
+	if path == "" {
+		return false, nil
+	}
+	if err := fs.Rename(fs.PathJoin(dir, name), path); err != nil {
+		return false, err
+	}
+	if err := SyncDir(fs, dir); err != nil {
+		return true, err
+	}
+	f, err := fs.OpenReadWrite(path, vfs.WriteCategoryUnspecified)
+	if err != nil {
+		return true, err
+	}
+	_, err = f.WriteAt(encodeSegmentHeaderVersion(bound, segmentVersionRecycled), 0)
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	return true, err
+}
+
+// takeRecycled renames a kept recycled file, if any, to the spare file name
+// when there is no spare file. The directory is not fsynced: either name
+// is recognised after a crash, and activateSegment's rename is followed by
+// a directory fsync.
+func takeRecycled(fs vfs.FS, dir string) error {
+	spare := fs.PathJoin(dir, preallocName)
+	if _, err := fs.Stat(spare); err == nil {
+		return nil
+	} else if !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	for i := range maxRecycled {
+		err := fs.Rename(fs.PathJoin(dir, recycledName(i)), spare)
+		if !errors.Is(err, os.ErrNotExist) {
+			return err
+		}
+	}
+	return nil
+}
 
 // preparePrealloc makes sure that the spare file preallocName exists, is
 // size bytes long, is all zero (a segment header in its first 32 bytes is
-// tolerated: activateSegment overwrites it) and is fsynced. A leftover of the
-// right size (from a clean Close or a crash) is checked and reused; anything
-// else is replaced by a new file, zero-filled with real writes in
-// zeroChunkSize chunks and fsynced. The directory is not fsynced: the spare
-// file only matters once activateSegment renamed it, which fsyncs the
-// directory.
-func preparePrealloc(fs vfs.FS, dir string, size int64) error {
+// tolerated: activateSegment overwrites it) and is fsynced. With
+// acceptRecycled, a recycled spare file (spareBound) of at least size bytes
+// is fine too. A leftover (from a clean Close or a crash) is checked and
+// reused; anything else is replaced by a new file, zero-filled with real
+// writes in zeroChunkSize chunks and fsynced. The directory is not fsynced:
+// the spare file only matters once activateSegment renamed it, which fsyncs
+// the directory.
+func preparePrealloc(fs vfs.FS, dir string, size int64, acceptRecycled bool) error {
 	path := fs.PathJoin(dir, preallocName)
 	switch st, err := fs.Stat(path); {
 	case err == nil:
-		if st.Size() == size {
-			ok, err := reusePrealloc(fs, path, size)
+		if (acceptRecycled && st.Size() >= size) || st.Size() == size {
+			ok, err := reusePrealloc(fs, path, st.Size(), size, acceptRecycled)
 			if err != nil || ok {
 				return err
 			}
@@ -386,35 +522,59 @@ func isNoSpace(err error) bool {
 	return errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT) || errors.Is(err, syscall.EFBIG)
 }
 
-// reusePrealloc checks a leftover spare file: it is reusable when bytes
-// [segmentHeaderSize, size) are all zero. It is fsynced before being reused
-// (a crash may have interrupted its creation before the fsync).
-func reusePrealloc(fs vfs.FS, path string, size int64) (bool, error) {
+// reusePrealloc checks a leftover spare file of have bytes: it is reusable
+// when it is a recycled spare (with acceptRecycled), or when it is want
+// bytes long and bytes [segmentHeaderSize, want) are all zero. It is
+// fsynced before being reused (a crash may have interrupted its creation
+// before the fsync).
+func reusePrealloc(fs vfs.FS, path string, have, want int64, acceptRecycled bool) (bool, error) {
 	f, err := fs.OpenReadWrite(path, vfs.WriteCategoryUnspecified)
 	if err != nil {
 		return false, err
 	}
 	defer f.Close()
-	r := segReader{f: f, name: preallocName, size: size}
-	nz, err := r.anyNonZero(min(segmentHeaderSize, size), size)
-	if err != nil || nz {
-		return false, err
+	ok := false
+	if acceptRecycled {
+		if _, ok, err = spareBound(f, have); err != nil {
+			return false, err
+		}
+	}
+	if !ok && have == want {
+		r := segReader{f: f, name: preallocName, size: have}
+		nz, err := r.anyNonZero(min(segmentHeaderSize, have), have)
+		if err != nil {
+			return false, err
+		}
+		ok = !nz
+	}
+	if !ok {
+		return false, nil
 	}
 	return true, f.Sync()
 }
 
-// activateSegment turns the spare file into the segment starting at first:
-// it renames it, writes the segment header over its first bytes, fsyncs it
-// and fsyncs the directory, so that the new (empty) segment survives a crash
-// before any record is written into it. The file is reopened under its new
-// name.
+// activateSegment turns the spare file into the segment starting at first,
+// so that the new (empty) segment, with its header, survives a crash before
+// any record is written into it.
+//
+// A zero-filled (or empty) spare file is renamed, the segment header is
+// written over its first bytes, the file fsynced and the directory fsynced;
+// a crash between the rename and the header's fsync leaves a torn header
+// over an empty segment, which Open removes.
+//
+// A recycled spare file (spareBound) becomes a version 3 segment, and in the
+// other order: its header, followed by zeros up to padEnd, is written and
+// fsynced before the rename, then the directory is fsynced. A torn header
+// over a recycled file could not be told from a segment's torn first
+// frames as cheaply, and a crash before the rename leaves a spare file with
+// the new header, which is still a spare header. It is used only if first is
+// at least its bound (otherwise, which only a directory whose log was
+// replaced can cause, it is replaced by an empty spare file first).
 func activateSegment(fs vfs.FS, dir string, first LSN) (*segFile, error) {
+	spare := fs.PathJoin(dir, preallocName)
 	name := segmentName(first)
 	path := fs.PathJoin(dir, name)
-	if err := fs.Rename(fs.PathJoin(dir, preallocName), path); err != nil {
-		return nil, err
-	}
-	f, err := fs.OpenReadWrite(path, vfs.WriteCategoryUnspecified)
+	f, err := fs.OpenReadWrite(spare, vfs.WriteCategoryUnspecified)
 	if err != nil {
 		return nil, err
 	}
@@ -423,16 +583,46 @@ func activateSegment(fs vfs.FS, dir string, first LSN) (*segFile, error) {
 		_ = f.Close()
 		return nil, err
 	}
-	s := &segFile{f: f, name: name, first: first, alloc: st.Size(), lastLSN: first - 1}
-	if err := s.write(encodeSegmentHeader(first)); err != nil {
-		_ = f.Close()
+	bound, recycled, err := spareBound(f, st.Size())
+	if err == nil && recycled {
+		if first < bound {
+			_ = f.Close()
+			if err := preparePrealloc(fs, dir, 0, false); err != nil {
+				return nil, err
+			}
+			return activateSegment(fs, dir, first)
+		}
+		hdr := append(encodeSegmentHeaderVersion(first, segmentVersionRecycled), make([]byte, padEnd(segmentHeaderSize)-segmentHeaderSize)...)
+		_, err = f.WriteAt(hdr, 0)
+		if err == nil {
+			err = f.Sync()
+		}
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
 		return nil, err
 	}
-	if err := f.Sync(); err != nil {
-		_ = f.Close()
+	if err := fs.Rename(spare, path); err != nil {
 		return nil, err
 	}
-	if err := SyncDir(fs, dir); err != nil {
+	if f, err = fs.OpenReadWrite(path, vfs.WriteCategoryUnspecified); err != nil {
+		return nil, err
+	}
+	s := &segFile{f: f, name: name, first: first, end: segmentHeaderSize, alloc: max(st.Size(), padEnd(segmentHeaderSize)),
+		recycled: true, lastLSN: first - 1}
+	if !recycled {
+		s.end, s.alloc, s.recycled = 0, st.Size(), false
+		err = s.write(encodeSegmentHeader(first))
+		if err == nil {
+			err = f.Sync()
+		}
+	}
+	if err == nil {
+		err = SyncDir(fs, dir)
+	}
+	if err != nil {
 		_ = f.Close()
 		return nil, err
 	}
@@ -514,13 +704,14 @@ func copyRange(dst, src vfs.File, from, to int64) error {
 }
 
 // openSegmentForAppend reopens the last segment, whose valid data ends at
-// end; the file is alloc bytes long and bytes [end, alloc) are zero.
-func openSegmentForAppend(fs vfs.FS, dir, name string, first LSN, end, alloc int64) (*segFile, error) {
+// end; the file is alloc bytes long and bytes [end, alloc) are zero (in a
+// recycled segment: zero up to padEnd(end), stale after).
+func openSegmentForAppend(fs vfs.FS, dir, name string, first LSN, end, alloc int64, recycled bool) (*segFile, error) {
 	f, err := fs.OpenReadWrite(fs.PathJoin(dir, name), vfs.WriteCategoryUnspecified)
 	if err != nil {
 		return nil, err
 	}
-	return &segFile{f: f, name: name, first: first, end: end, alloc: alloc}, nil
+	return &segFile{f: f, name: name, first: first, end: end, alloc: alloc, recycled: recycled}, nil
 }
 
 // saveTorn copies bytes [from, to) of the segment into a new file next to it

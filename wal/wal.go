@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"os"
 	"runtime"
 	"slices"
 	"sync"
@@ -138,6 +139,12 @@ type Stats struct {
 	Syncs          uint64
 	SyncTime       time.Duration // total time in the group commit's fdatasyncs
 	Writes         uint64
+	// SegmentsRecycled counts the old segments RemoveSegmentsThrough kept
+	// for reuse instead of removing them, and SparesRecycled the segments
+	// started from such a file instead of a zero-filled one (see
+	// "Recycling" in the package documentation).
+	SegmentsRecycled uint64
+	SparesRecycled   uint64
 }
 
 var (
@@ -253,6 +260,11 @@ type WAL struct {
 		// spare file (preparePrealloc); nil when none was started since the
 		// last rotation (or Open).
 		prepC chan error
+		// prepRecycledOnly: the preparation in prepC was started by a
+		// rotation and only takes a recycled file; it reports
+		// errNoRecycled if none was kept, and the flusher then starts a
+		// full preparation once the segment is half full.
+		prepRecycledOnly bool
 		// Position hints (see "Reopen" in doc.go): positions is the ring
 		// written to positions.hint, cand a frame boundary written since
 		// the last entry, waiting for an fsync to cover it.
@@ -279,6 +291,18 @@ type WAL struct {
 	// removeMu serialises RemoveSegmentsThrough calls, so that only one
 	// caller drops segments from the front of segs.
 	removeMu sync.Mutex
+
+	// recycleMu guards the recycled files (recycledName): RemoveSegmentsThrough
+	// moves old segments there, prepareSpare (possibly in the background)
+	// takes one as the spare file.
+	recycleMu sync.Mutex
+	// recycled is set once RemoveSegmentsThrough kept a segment for reuse:
+	// from then on a rotation does not zero-fill a spare file right away
+	// (see startPrep).
+	recycled atomic.Bool
+	// segmentsRecycled and sparesRecycled are Stats.SegmentsRecycled and
+	// Stats.SparesRecycled.
+	segmentsRecycled, sparesRecycled atomic.Uint64
 }
 
 func (o *Options) normalize() error {
@@ -427,7 +451,7 @@ func (w *WAL) repair(out *scanOutcome, res *ScanResult) error {
 		// zeros are a clean end for the next scan. Open's Sync below makes
 		// the cut durable.
 		last := out.segs[len(out.segs)-1]
-		active, err = openSegmentForAppend(fs, dir, last.Name, last.FirstLSN, last.Size, last.Allocated)
+		active, err = openSegmentForAppend(fs, dir, last.Name, last.FirstLSN, last.Size, last.Allocated, out.lastVersion == segmentVersionRecycled)
 		if err == nil {
 			if err = zeroRange(active.f, out.cut, out.nzEnd); err != nil {
 				_ = active.f.Close()
@@ -439,7 +463,7 @@ func (w *WAL) repair(out *scanOutcome, res *ScanResult) error {
 	case err != nil || active != nil:
 	case len(out.segs) > 0:
 		last := out.segs[len(out.segs)-1]
-		active, err = openSegmentForAppend(fs, dir, last.Name, last.FirstLSN, last.Size, last.Allocated)
+		active, err = openSegmentForAppend(fs, dir, last.Name, last.FirstLSN, last.Size, last.Allocated, out.lastVersion == segmentVersionRecycled)
 	default:
 		existing = false
 		first := w.opts.FirstLSN
@@ -826,6 +850,9 @@ func (w *WAL) Stats() Stats {
 		Syncs:        w.syncs.Load(),
 		SyncTime:     time.Duration(w.syncNanos.Load()),
 		Writes:       w.writes.Load(),
+
+		SegmentsRecycled: w.segmentsRecycled.Load(),
+		SparesRecycled:   w.sparesRecycled.Load(),
 	}
 	w.segMu.Lock()
 	s.Segments = len(w.segs)
@@ -846,9 +873,11 @@ func (w *WAL) Segments() []SegmentInfo {
 
 // RemoveSegmentsThrough removes, oldest first, every non-active segment whose
 // LastLSN <= lsn, fsyncing the directory after each removal (so a crash can
-// only leave a suffix of the log, never a gap). It returns the number of
-// segments and bytes (file sizes, SegmentInfo.Allocated) removed; on error,
-// what was removed before it.
+// only leave a suffix of the log, never a gap). With preallocation, up to two
+// full segments are kept for reuse instead (renamed, then recycled as later
+// segments: see "Recycling" in the package documentation); they count as
+// removed. It returns the number of segments and bytes (file sizes,
+// SegmentInfo.Allocated) removed; on error, what was removed before it.
 func (w *WAL) RemoveSegmentsThrough(lsn LSN) (int, int64, error) {
 	w.removeMu.Lock()
 	defer w.removeMu.Unlock()
@@ -872,7 +901,11 @@ func (w *WAL) RemoveSegmentsThrough(lsn LSN) (int, int64, error) {
 	var count int
 	var bytes int64
 	for _, s := range victims {
-		if err := fs.Remove(fs.PathJoin(dir, s.Name)); err != nil {
+		recycled, err := w.recycleSegment(s)
+		if !recycled && err == nil {
+			err = fs.Remove(fs.PathJoin(dir, s.Name))
+		}
+		if err != nil && !recycled {
 			return count, bytes, fmt.Errorf("wal: removing %s: %w", s.Name, err)
 		}
 		// Only removeMu holders drop from the front, so segs[0] is s.
@@ -881,11 +914,44 @@ func (w *WAL) RemoveSegmentsThrough(lsn LSN) (int, int64, error) {
 		w.segMu.Unlock()
 		count++
 		bytes += s.Allocated
+		if err != nil {
+			return count, bytes, fmt.Errorf("wal: recycling %s: %w", s.Name, err)
+		}
+		if recycled {
+			continue // recycleSegment fsynced the directory
+		}
 		if err := SyncDir(fs, dir); err != nil {
 			return count, bytes, fmt.Errorf("wal: syncing %s: %w", dir, err)
 		}
 	}
 	return count, bytes, nil
+}
+
+// recycleSegment keeps the old segment s for reuse as a later segment
+// instead of removing it (see "Recycling" in doc.go), if segments are
+// preallocated, s is a full one (at least SegmentSize bytes, at most twice
+// that) and fewer than maxRecycled recycled files are kept (one while the
+// disk has less than two segments' worth of free space, as for
+// preallocation: the space of the others is given back). It reports
+// whether s was moved away (an error then concerns the recycled file, not
+// the log).
+func (w *WAL) recycleSegment(s SegmentInfo) (bool, error) {
+	fs, dir, size := w.opts.FS, w.opts.Dir, w.preallocSize()
+	if size == 0 || s.Allocated < size || s.Allocated > 2*size {
+		return false, nil
+	}
+	slots := maxRecycled
+	if du, err := fs.GetDiskUsage(dir); err == nil && du.AvailBytes < 2*uint64(size) {
+		slots = 1
+	}
+	w.recycleMu.Lock()
+	defer w.recycleMu.Unlock()
+	ok, err := recycleSegment(fs, dir, s.Name, s.LastLSN+1, slots)
+	if ok {
+		w.recycled.Store(true)
+		w.segmentsRecycled.Add(1)
+	}
+	return ok, err
 }
 
 // Close flushes and fsyncs everything appended, stops the flusher and closes
@@ -903,7 +969,7 @@ func (w *WAL) Close() error {
 	<-w.doneC
 	w.pos.wg.Wait()
 	if w.fl.prepC != nil {
-		if err := w.awaitPrep(); err != nil {
+		if err := w.awaitPrep(); err != nil && !errors.Is(err, errNoRecycled) {
 			// Only the spare file is affected; the next Open replaces it.
 			w.logger.Warn("wal: preparing the next segment", "error", err)
 		}
@@ -1153,10 +1219,8 @@ func (w *WAL) flush() (exit bool) {
 		s := &w.segs[len(w.segs)-1]
 		s.LastLSN, s.Size, s.Allocated = last, w.fl.active.end, w.fl.active.alloc
 		w.segMu.Unlock()
-		if w.fl.prepC == nil && w.fl.active.end >= w.opts.SegmentSize/2 {
-			// After Open the spare file is only prepared once the active
-			// segment is half full (see startPrep).
-			w.startPrep()
+		if w.fl.active.end >= w.opts.SegmentSize/2 {
+			w.prepHalfFull()
 		}
 	}
 
@@ -1298,7 +1362,11 @@ func (w *WAL) rotate() error {
 		if err := w.prepareSpare(); err != nil {
 			return err
 		}
-	} else if err := w.awaitPrep(); err != nil {
+	} else if err := w.awaitPrep(); errors.Is(err, errNoRecycled) {
+		if err := w.prepareSpare(); err != nil {
+			return err
+		}
+	} else if err != nil {
 		w.logger.Warn("wal: preparing the next segment in the background failed; retrying", "error", err)
 		if err := w.prepareSpare(); err != nil {
 			return err
@@ -1307,6 +1375,9 @@ func (w *WAL) rotate() error {
 	seg, err := activateSegment(fs, dir, next)
 	if err != nil {
 		return err
+	}
+	if seg.recycled {
+		w.sparesRecycled.Add(1)
 	}
 	old := w.fl.active
 	w.fl.active = seg
@@ -1318,7 +1389,7 @@ func (w *WAL) rotate() error {
 	w.segs = append(w.segs, SegmentInfo{Name: seg.name, FirstLSN: next, LastLSN: next - 1,
 		Size: seg.end, Allocated: seg.alloc})
 	w.segMu.Unlock()
-	w.startPrep()
+	w.startPrep(w.recycled.Load())
 	return nil
 }
 
@@ -1328,10 +1399,70 @@ func (w *WAL) rotate() error {
 // after Open once the active segment is half full, so that a log that is
 // opened and written little (tests, tools, an idle service) does not
 // allocate a spare segment at all.
-func (w *WAL) startPrep() {
+//
+// Once segments are being recycled (recycledOnly), the preparation after a
+// rotation only takes a recycled old segment: if none is kept, the next
+// one is usually about to be released (the index is made durable past it a
+// little later), so zero-filling is put off until the segment is half full
+// (prepHalfFull), by when truncation that keeps up has released one.
+func (w *WAL) startPrep(recycledOnly bool) {
 	c := make(chan error, 1)
-	w.fl.prepC = c
-	go func() { c <- w.prepareSpare() }()
+	w.fl.prepC, w.fl.prepRecycledOnly = c, recycledOnly
+	go func() {
+		if recycledOnly {
+			c <- w.takeRecycledSpare()
+			return
+		}
+		c <- w.prepareSpare()
+	}()
+}
+
+// errNoRecycled is returned by a recycled-only preparation that found no
+// recycled file.
+var errNoRecycled = errors.New("wal: no recycled segment to reuse")
+
+// prepHalfFull is called by the flusher once the active segment is half
+// full: it starts the preparation of the spare file if none was started
+// since Open, or if the one started at the rotation found no recycled file.
+func (w *WAL) prepHalfFull() {
+	if w.fl.prepC == nil {
+		w.startPrep(false)
+		return
+	}
+	if !w.fl.prepRecycledOnly {
+		return
+	}
+	select {
+	case err := <-w.fl.prepC:
+		if errors.Is(err, errNoRecycled) {
+			w.startPrep(false)
+			return
+		}
+		// Done: hand the result to awaitPrep.
+		c := make(chan error, 1)
+		c <- err
+		w.fl.prepC, w.fl.prepRecycledOnly = c, false
+	default: // still running: check again at the next flush
+	}
+}
+
+// takeRecycledSpare is the recycled-only preparation: it makes the kept
+// recycled file, if any, the spare file and checks it (prepareSpare), or
+// returns errNoRecycled when there is no spare file afterwards.
+func (w *WAL) takeRecycledSpare() error {
+	fs, dir := w.opts.FS, w.opts.Dir
+	w.recycleMu.Lock()
+	err := takeRecycled(fs, dir)
+	w.recycleMu.Unlock()
+	if err != nil {
+		return err
+	}
+	if _, err := fs.Stat(fs.PathJoin(dir, preallocName)); errors.Is(err, os.ErrNotExist) {
+		return errNoRecycled
+	} else if err != nil {
+		return err
+	}
+	return w.prepareSpare()
 }
 
 // prepareSpare prepares the spare file (preparePrealloc). If zero-filling it
@@ -1342,6 +1473,17 @@ func (w *WAL) startPrep() {
 // fallback is logged. Safe to call from the background goroutine.
 func (w *WAL) prepareSpare() error {
 	fs, dir, size := w.opts.FS, w.opts.Dir, w.preallocSize()
+	recycle := size > 0
+	if recycle {
+		// A recycled old segment, if one is kept, is the spare file: no
+		// zero-filling (and no new space taken).
+		w.recycleMu.Lock()
+		err := takeRecycled(fs, dir)
+		w.recycleMu.Unlock()
+		if err != nil {
+			return err
+		}
+	}
 	if size > 0 {
 		// Zero-filling until ENOSPC would fill the disk to the brim for a
 		// moment, failing whoever else writes there then (the index):
@@ -1349,16 +1491,16 @@ func (w *WAL) prepareSpare() error {
 		if du, err := fs.GetDiskUsage(dir); err == nil && du.AvailBytes < 2*uint64(size) {
 			w.logger.Warn("wal: little free space; the next segment is not preallocated and grows as it is written",
 				"dir", dir, "free", du.AvailBytes, "segment_size", size)
-			return preparePrealloc(fs, dir, 0)
+			return preparePrealloc(fs, dir, 0, recycle)
 		}
 	}
-	err := preparePrealloc(fs, dir, size)
+	err := preparePrealloc(fs, dir, size, recycle)
 	if err == nil || size == 0 || !isNoSpace(err) {
 		return err
 	}
 	w.logger.Warn("wal: no space to preallocate the next segment; it grows as it is written instead",
 		"file", fs.PathJoin(dir, preallocName), "size", size, "error", err)
-	if err2 := preparePrealloc(fs, dir, 0); err2 != nil {
+	if err2 := preparePrealloc(fs, dir, 0, recycle); err2 != nil {
 		return fmt.Errorf("%w (then, without preallocation: %w)", err, err2)
 	}
 	return nil
