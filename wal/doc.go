@@ -133,7 +133,9 @@
 // Preparing the spare file then takes a recycled file (renamed to
 // "next.prealloc"; either name is recognised after a crash, and a leftover
 // whose header is not a spare header is replaced) instead of zero-filling
-// one. Once segments are being recycled, the preparation that follows a
+// one. Open without Preallocate (a log reopened with preallocation off, or
+// under SyncNever) removes the recycled files an earlier run kept, which
+// it would never take. Once segments are being recycled, the preparation that follows a
 // rotation only takes a recycled file; if none is kept yet (truncation
 // releases the previous segment a little after the rotation), zero-filling
 // waits until the active segment is half full. Starting a segment from a

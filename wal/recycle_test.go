@@ -599,3 +599,40 @@ func TestCrashRecycledConcurrent(t *testing.T) {
 		checkRecs(t, all, res2.Segments[0].FirstLSN, last) // appendTruncating's payloads
 	}
 }
+
+// TestRecycledRemovedWithoutPreallocation: a log reopened with
+// preallocation off (or under SyncNever) never takes the recycled files an
+// earlier run kept, so Open removes them instead of leaving up to two
+// segments' worth of disk in use for nothing; with preallocation on they
+// stay for reuse (one may become the spare file at once).
+func TestRecycledRemovedWithoutPreallocation(t *testing.T) {
+	for _, prealloc := range []bool{false, true} {
+		mem := vfs.NewMem()
+		o := testOptions(mem)
+		o.SegmentSize = recycleSegSize
+		o.Preallocate = prealloc
+		if err := EnsureDir(mem, testDir); err != nil {
+			t.Fatal(err)
+		}
+		b := make([]byte, recycleSegSize)
+		copy(b, encodeSegmentHeaderVersion(401, segmentVersionRecycled))
+		for i := range maxRecycled {
+			vfstest.WriteFile(t, mem, mem.PathJoin(testDir, recycledName(i)), b)
+		}
+		w, _ := mustOpen(t, o, 0, nil)
+		appendWait(t, w, 3, 1)
+		if err := w.Close(); err != nil {
+			t.Fatal(err)
+		}
+		kept := 0
+		for i := range maxRecycled {
+			if _, err := mem.Stat(mem.PathJoin(testDir, recycledName(i))); err == nil {
+				kept++
+			}
+		}
+		// With preallocation one may have become the spare file.
+		if !prealloc && kept != 0 || prealloc && kept == 0 {
+			t.Errorf("Preallocate %v: %d recycled files left after Open and Close", prealloc, kept)
+		}
+	}
+}

@@ -382,6 +382,24 @@ func recycledName(i int) string { return fmt.Sprintf("recycled%d%s", i, prealloc
 // each of them should become a later segment.
 const maxRecycled = 2
 
+// removeRecycled removes the recycled files an earlier run kept (Open
+// without Preallocate, which never takes them: a log reopened with
+// preallocation off, or under SyncNever, would keep up to maxRecycled
+// segments' worth of disk for nothing). A failure is logged, not
+// returned: the file is only unused space, and the next Open tries again.
+// No directory fsync: a removal lost in a crash is redone then.
+func (w *WAL) removeRecycled() {
+	fs, dir := w.opts.FS, w.opts.Dir
+	for i := range maxRecycled {
+		p := fs.PathJoin(dir, recycledName(i))
+		if err := fs.Remove(p); err == nil {
+			w.logger.Info("wal: removed a recycled segment kept by an earlier run (preallocation is off)", "file", p)
+		} else if !errors.Is(err, os.ErrNotExist) {
+			w.logger.Warn("wal: could not remove a recycled segment kept by an earlier run", "file", p, "error", err)
+		}
+	}
+}
+
 // A recycled spare file (a recycledName, or preallocName once taken) starts
 // with a spare header: a version 3 segment header whose first LSN is a
 // bound B such that every valid frame anywhere in the file has an LSN below

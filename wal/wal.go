@@ -395,6 +395,9 @@ func Open(o Options, after LSN, fn func(Record) error) (*WAL, ScanResult, error)
 	if err := w.repair(&out, &res); err != nil {
 		return nil, res, err
 	}
+	if !o.Preallocate {
+		w.removeRecycled()
+	}
 	res.Segments = slices.Clone(out.segs)
 	res.LastLSN = out.lastLSN
 	if out.skipped > 0 {
