@@ -10,9 +10,10 @@
 //   - acks, expiry and an administrator's Forget keep storage bounded.
 //
 // Every change is a record in a write-ahead log (package wal), fsynced before
-// it is acknowledged; the live set of ids is kept in a Pebble store (package
-// index) that replays the log on Open. See docs/design.md for the formats and
-// the durability contract.
+// it is acknowledged (an engine opened with Options.Ephemeral, whose state
+// its owner rebuilds, logs nothing); the live set of ids is kept in a
+// Pebble store (package index) that replays the log on Open. See
+// docs/design.md for the formats and the durability contract.
 package idem
 
 import (

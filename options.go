@@ -200,8 +200,10 @@ type Options struct {
 	//
 	// Sync, SyncInterval and a positive KeepSnapshots are refused
 	// (ErrInvalidRequest, naming the field): there is no log to sync or
-	// to keep back for snapshots. SegmentSize, NoPreallocate,
-	// CompactWALBytes and RelaxedClaims have no effect. Stats report
+	// to keep back for snapshots. SegmentSize, NoPreallocate and
+	// CompactWALBytes have no effect; RelaxedClaims only spares a Fresh
+	// Begin the wait for its record to be handed to the applier. Restore
+	// refuses a directory holding an index, as for any engine. Stats report
 	// WALBytes, WALSegments, WALSyncs and TornTailsCut as zero and
 	// DurableLSN as the last record handed to the index's applier.
 	Ephemeral bool
