@@ -10,9 +10,10 @@
 //   - acks, expiry and an administrator's Forget keep storage bounded.
 //
 // Every change is a record in a write-ahead log (package wal), fsynced before
-// it is acknowledged; the live set of ids is kept in a Pebble store (package
-// index) that replays the log on Open. See docs/design.md for the formats and
-// the durability contract.
+// it is acknowledged (an engine opened with Options.Ephemeral, whose state
+// its owner rebuilds, logs nothing); the live set of ids is kept in a
+// Pebble store (package index) that replays the log on Open. See
+// docs/design.md for the formats and the durability contract.
 package idem
 
 import (
@@ -182,10 +183,22 @@ var (
 // the records the index has not applied are replayed (docs/design.md,
 // "Recovery (Open)"; the idem command runs the same recovery read-only).
 // `idem verify` checks every frame.
+//
+// With Options.Ephemeral there is no log to recover: see Ephemeral for what
+// Open does with the directory.
 func Open(dir string, opts *Options) (*Engine, error) {
+	return open(dir, opts, false)
+}
+
+// open is Open; restored says that Restore just loaded the index (an
+// Ephemeral engine keeps it).
+func open(dir string, opts *Options, restored bool) (*Engine, error) {
 	o := opts.withDefaults()
 	if o.Sync < SyncAlways || o.Sync > SyncNever {
 		return nil, fmt.Errorf("%w: Options.Sync: unknown mode %d (want SyncAlways, SyncInterval or SyncNever)", ErrInvalidRequest, int(o.Sync))
+	}
+	if err := checkEphemeral(opts); err != nil {
+		return nil, err
 	}
 	e := &Engine{o: o, dir: dir, fs: o.FS, seed: maphash.MakeSeed()}
 	e.getLockedFn = e.getLocked
@@ -204,6 +217,9 @@ func Open(dir string, opts *Options) (*Engine, error) {
 			e.unlockDir()
 		}
 	}()
+	if err := e.prepareDir(restored); err != nil {
+		return nil, err
+	}
 	ix, err := index.Open(index.Options{FS: o.FS, Dir: filepath.Join(dir, "index"), CacheSize: o.IndexCacheSize, MemTableSize: o.memTableSize(), IngestBytes: o.IndexIngestBytes, FilterBytes: o.IndexFilterBytes, Logger: o.Logger})
 	if errors.Is(err, syscall.EAGAIN) {
 		// Pebble's own lock on the index directory is held although ours
@@ -341,10 +357,16 @@ func (e *Engine) Close() error {
 	if f := e.failed.Load(); f != nil && err == nil {
 		err = *f
 	}
-	flush := e.failed.Load() == nil
+	// An Ephemeral engine's index is removed below: nothing to flush.
+	flush := e.failed.Load() == nil && !e.o.Ephemeral
 	e.releaseImages()
 	if cerr := e.ix.Close(flush); err == nil {
 		err = cerr
+	}
+	if e.o.Ephemeral {
+		if rerr := e.removeEphemeral(); err == nil {
+			err = rerr
+		}
 	}
 	e.unlockDir()
 	return err

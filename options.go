@@ -1,6 +1,7 @@
 package idem
 
 import (
+	"fmt"
 	"log/slog"
 	"time"
 
@@ -178,6 +179,34 @@ type Options struct {
 	// MaxReplySize bounds replies (default and maximum 12 MiB: an entry must
 	// fit in one snapshot chunk, see snapshot.MaxEntrySize).
 	MaxReplySize int
+	// Ephemeral makes an engine whose state is derived, rebuilt by its
+	// owner at every start (idemraft and idemcluster rebuild theirs from
+	// raft's snapshot and log): it writes no log. Records get their LSNs
+	// and go to the index as soon as they are appended, in LSN order, as
+	// if fsynced at once; no WAL segment is written and nothing is
+	// fsynced for them. Everything else works as usual: batches, acks,
+	// Forget, expiry, Lookup and Wait, Snapshot and Compact (which still
+	// writes the index's sstables), and the memory bounds (the index
+	// ingests by bytes). A process crash loses the engine's state.
+	//
+	// The directory holds only the index and a marker file, EPHEMERAL.
+	// Open refuses a directory that holds a WAL, an index or on-disk
+	// snapshots of an engine that was not ephemeral (ErrInvalidRequest,
+	// naming it), as a normal Open refuses one marked EPHEMERAL; an
+	// ephemeral Open removes the index an earlier ephemeral engine left
+	// (its state is not kept across Opens) and starts empty, at LSN 1
+	// (Restore: at the snapshot's LSN). Close removes the index and the
+	// marker, leaving the directory empty but for its LOCK file.
+	//
+	// Sync, SyncInterval and a positive KeepSnapshots are refused
+	// (ErrInvalidRequest, naming the field): there is no log to sync or
+	// to keep back for snapshots. SegmentSize, NoPreallocate and
+	// CompactWALBytes have no effect; RelaxedClaims only spares a Fresh
+	// Begin the wait for its record to be handed to the applier. Restore
+	// refuses a directory holding an index, as for any engine. Stats report
+	// WALBytes, WALSegments, WALSyncs and TornTailsCut as zero and
+	// DurableLSN as the last record handed to the index's applier.
+	Ephemeral bool
 }
 
 func (o *Options) withDefaults() Options {
@@ -254,5 +283,22 @@ const maxReplySize = 12 << 20
 // preallocate says whether WAL segments are zero-filled before use (see
 // NoPreallocate).
 func (o *Options) preallocate() bool {
-	return o.FS == vfs.Default && !o.NoPreallocate && o.Sync != SyncNever
+	return o.FS == vfs.Default && !o.NoPreallocate && o.Sync != SyncNever && !o.Ephemeral
+}
+
+// checkEphemeral refuses the options an ephemeral engine has no use for
+// (see Ephemeral). It is checked on the caller's options, before defaults.
+func checkEphemeral(o *Options) error {
+	if o == nil || !o.Ephemeral {
+		return nil
+	}
+	switch {
+	case o.Sync != SyncAlways:
+		return fmt.Errorf("%w: Options.Sync is %s, but an Ephemeral engine writes no log (leave Sync zero)", ErrInvalidRequest, o.Sync)
+	case o.SyncInterval != 0:
+		return fmt.Errorf("%w: Options.SyncInterval is %v, but an Ephemeral engine writes no log (leave SyncInterval zero)", ErrInvalidRequest, o.SyncInterval)
+	case o.KeepSnapshots > 0:
+		return fmt.Errorf("%w: Options.KeepSnapshots is %d, but an Ephemeral engine keeps no log to rebuild from on-disk snapshots (leave it zero or negative)", ErrInvalidRequest, o.KeepSnapshots)
+	}
+	return nil
 }

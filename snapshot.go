@@ -188,6 +188,9 @@ func (e *Engine) writeImage(ctx context.Context, w io.Writer, img *index.Image) 
 // truncated or corrupt snapshot is refused (ErrCorrupt, saying where) and
 // what Restore created is removed.
 func Restore(dir string, r io.Reader, opts *Options) (*Engine, error) {
+	if err := checkEphemeral(opts); err != nil {
+		return nil, err
+	}
 	o := opts.withDefaults()
 	fs := o.FS
 	for _, sub := range []string{"wal", "index"} {
@@ -197,6 +200,10 @@ func Restore(dir string, r io.Reader, opts *Options) (*Engine, error) {
 	}
 	e := &Engine{o: o, dir: dir, fs: fs}
 	if err := e.lockDir(); err != nil {
+		return nil, err
+	}
+	if err := e.prepareDir(false); err != nil {
+		e.unlockDir()
 		return nil, err
 	}
 	ixDir := filepath.Join(dir, "index")
@@ -220,7 +227,7 @@ func Restore(dir string, r io.Reader, opts *Options) (*Engine, error) {
 		_ = fs.RemoveAll(ixDir)
 		return nil, fmt.Errorf("idem: restore into %s: %w", dir, wrapCorrupt(err))
 	}
-	return Open(dir, opts)
+	return open(dir, opts, true)
 }
 
 func wrapSnapshotErr(err error) error {

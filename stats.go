@@ -28,7 +28,7 @@ type Stats struct {
 	WALBytes     int64
 	WALSegments  int
 	LastLSN      uint64 // last record appended
-	DurableLSN   uint64 // last record fsynced
+	DurableLSN   uint64 // last record fsynced (Options.Ephemeral: taken for the applier)
 	AppliedLSN   uint64 // last record applied to the index
 	TornTailsCut int
 	// WALSyncs counts the group commit's fdatasyncs and WALSyncTime their

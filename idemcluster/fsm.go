@@ -255,10 +255,10 @@ func newFSM(dir string, eopts idem.Options) (*fsm, error) {
 		return nil, err
 	}
 	f.eopts.Clock = f.clock
-	f.eopts.Sync = idem.SyncNever // the raft log is the durable copy
-	// Zero-filled segments make fsyncs cheap; an engine that never syncs
-	// only pays for writing the zeros (64 MiB per segment, on every node).
-	f.eopts.NoPreallocate = true
+	// The raft log is the durable copy: the engine writes no log of its
+	// own (no WAL, no fsync; SyncInterval has no use there).
+	f.eopts.Ephemeral = true
+	f.eopts.SyncInterval = 0
 	f.eopts.RelaxedClaims = true
 	f.eopts.KeepSnapshots = -1
 	f.lease = f.eopts.Lease

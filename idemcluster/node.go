@@ -72,8 +72,9 @@ type NodeOptions struct {
 	// Engine tunes the engine under the state machine. Lease (default 1
 	// hour) must be the same on every node: leases are measured in the
 	// log's time. Clock, Sync, RelaxedClaims, KeepSnapshots and FS are the
-	// node's own and must be left zero; NoPreallocate is set (the engine
-	// never syncs: the raft log is the durable copy).
+	// node's own and must be left zero; Ephemeral is set (the engine
+	// writes no log: the raft log is the durable copy), so SyncInterval,
+	// SegmentSize, CompactWALBytes and NoPreallocate have no effect.
 	Engine idem.Options
 	// HeartbeatTimeout and ElectionTimeout tune raft (defaults 500 ms and
 	// 500 ms: a failover within about 1-2 s on a LAN or loopback).

@@ -101,14 +101,12 @@
 // snapshot's Restore replaces it. The directory is never read at start, so
 // no fsync of it protects anything: the raft log store is what makes a
 // committed entry durable. Claims are relaxed (RelaxedClaims), and the
-// engine never fsyncs for a caller (idem.SyncNever, as idemcluster's
-// engines): it only fsyncs its WAL after every MemoryBudget/128 of log
-// (2 MiB by default), because it holds entries in memory until their
-// record is fsynced and then moves them into its index; that bounds what
-// it holds within its MemoryBudget. Its WAL segments are not preallocated
-// (idem.Options.NoPreallocate): zero-filling them only makes fsyncs
-// cheaper, and cost 64 MiB of disk writes per node at every Wrap and
-// Restore. A dedup set larger than memory is fine: the
+// engine writes no log of its own (idem.Options.Ephemeral, as
+// idemcluster's engines): no WAL segment, no fsync; its records go to its
+// index as soon as they are appended, and the index's ingests by bytes
+// keep what it holds within its MemoryBudget. A node crash loses the
+// engine's directory contents, which the next start removes anyway. A
+// dedup set larger than memory is fine: the
 // engine keeps it in Pebble, snapshots stream it out chunk by chunk, and
 // Restore streams it back in (idem.Restore); it is never read whole into
 // memory. The cost is that a restart rebuilds the set from the snapshot,
@@ -169,7 +167,7 @@
 // answers (Retention, MaxIDLen, MaxReplySize); MaxEntries is refused,
 // because capacity eviction is timed by each node, not by the log, and so
 // are the options idemraft sets itself (Clock, Sync, SyncInterval,
-// RelaxedClaims, KeepSnapshots) and FS.
+// RelaxedClaims, KeepSnapshots) and FS. Ephemeral is always set.
 //
 // raft.Config.NoSnapshotRestoreOnStart is not supported: it is meant for
 // applications whose state survives restarts on its own, while the dedup

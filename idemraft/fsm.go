@@ -29,17 +29,20 @@ type Options struct {
 	Dir string
 	// Engine tunes the dedup engine: memory (MemoryBudget, default 256 MiB,
 	// or the parts it is shared among: CacheSize, IndexCacheSize,
-	// IndexIngestBytes, IndexFilterBytes), SegmentSize, CompactInterval,
-	// CompactWALBytes, MaxIDLen, MaxReplySize, Retention, CleanupInterval,
-	// NoPreallocate, Logger. Every replica must use the same Retention,
-	// MaxIDLen and MaxReplySize, since they decide replies.
+	// IndexIngestBytes, IndexFilterBytes), CompactInterval, MaxIDLen,
+	// MaxReplySize, Retention, CleanupInterval, Logger (SegmentSize,
+	// CompactWALBytes and NoPreallocate are accepted and have no effect:
+	// the engine writes no log). Every replica must use the same
+	// Retention, MaxIDLen and MaxReplySize, since they decide replies.
 	//
-	// idemraft sets Clock (the time of the entry being applied), Sync
-	// (idem.SyncNever, so SyncInterval has no use), NoPreallocate (on),
-	// RelaxedClaims (on) and KeepSnapshots (none) itself: the dedup set is derived state that
-	// raft rebuilds, so fsyncs protect nothing (see the package
-	// documentation). Wrap refuses them when set, with an error naming the
-	// field, rather than ignore them. MaxEntries must be zero: capacity
+	// idemraft sets Clock (the time of the entry being applied), Ephemeral
+	// (on: the engine writes no WAL, so Sync and SyncInterval have no
+	// use), RelaxedClaims (on) and KeepSnapshots (none) itself: the dedup
+	// set is derived state that raft rebuilds, so a log of it would
+	// protect nothing (see the package documentation). Wrap refuses Clock,
+	// Sync, SyncInterval, RelaxedClaims and KeepSnapshots when set, with
+	// an error naming the field, rather than ignore them; Ephemeral is set
+	// whatever it was. MaxEntries must be zero: capacity
 	// eviction is timed by each node's engine, not by the log, so replicas
 	// would disagree about which ids they still know. FS must be nil (the
 	// operating system's).
@@ -144,14 +147,11 @@ func Wrap(fsm raft.FSM, opts *Options) (*FSM, error) {
 	}
 	f.eopts = opts.Engine
 	f.eopts.Clock = f.clock
-	// No fsync is needed (see the package documentation): SyncNever, as in
-	// idemcluster. The engine still fsyncs after every MemoryBudget/128 of
-	// log (2 MiB by default), which bounds what it holds in memory until
-	// its record is fsynced. No preallocation: zero-filling 64 MiB per
-	// segment only speeds up fsyncs, and cost every node 64 MiB of disk
-	// writes at each Wrap and Restore.
-	f.eopts.Sync = idem.SyncNever
-	f.eopts.NoPreallocate = true
+	// No log is needed (see the package documentation): the engine is
+	// Ephemeral, as in idemcluster. It writes no WAL and fsyncs nothing;
+	// its records go to its index as soon as they are appended, and the
+	// index's ingests by bytes bound what it holds in memory.
+	f.eopts.Ephemeral = true
 	f.eopts.RelaxedClaims = true
 	f.eopts.KeepSnapshots = 0 // no on-disk snapshots: raft's are the copies
 	if f.eopts.Logger == nil {
@@ -183,9 +183,9 @@ func checkEngineOptions(o *idem.Options) error {
 	case o.Clock != nil:
 		return bad("Clock", "a func", "idemraft's clock is the log time of the entry being applied (its AppendedAt), the same on every replica")
 	case o.Sync != idem.SyncAlways: // the zero value: unset
-		return bad("Sync", o.Sync, "idemraft uses idem.SyncNever (the raft log is what makes an entry durable)")
+		return bad("Sync", o.Sync, "idemraft's engine is idem.Ephemeral, with no log to sync (the raft log is what makes an entry durable)")
 	case o.SyncInterval != 0:
-		return bad("SyncInterval", o.SyncInterval, "idemraft uses idem.SyncNever, which has no interval")
+		return bad("SyncInterval", o.SyncInterval, "idemraft's engine is idem.Ephemeral, with no log to sync")
 	case o.RelaxedClaims:
 		return bad("RelaxedClaims", true, "idemraft sets it (a claim never outlives its Apply)")
 	case o.KeepSnapshots != 0:

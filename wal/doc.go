@@ -391,4 +391,20 @@
 // makes the WAL fail (ErrFailed, wrapping the error with the operation and
 // the segment name); Close still returns, and everything acknowledged before
 // is on disk for the next Open.
+//
+// # Ephemeral
+//
+// Options.Ephemeral makes a log that writes nothing, for state its owner
+// rebuilds after a restart (idem's Options.Ephemeral: the engines under
+// idemraft and idemcluster, rebuilt from raft's snapshot and log). Open
+// creates no directory or file and replays nothing; LSNs start at
+// FirstLSN. Append assigns the LSN under the lock, keeps the value for
+// OnSynced and wakes the flusher; the payload is never encoded or copied.
+// A flush (the flusher's, or a WaitDurable caller's when none runs, as
+// under SyncNever) takes the records appended so far, publishes them as
+// written and synced, wakes their waiters and hands them to OnSynced in
+// LSN order: to the owner they look fsynced at once. There are no
+// segments (Segments is empty, RemoveSegmentsThrough removes nothing), no
+// fsyncs, no hints; Close delivers the last records. A process crash loses
+// the log, which is the point.
 package wal

@@ -103,6 +103,22 @@ type Options struct {
 	// wait for the flush running it). Values are retained until their
 	// fsync, which in SyncNever mode may be a whole segment later.
 	OnSynced func(recs []Synced)
+	// Ephemeral makes a log that writes nothing: Open creates no directory
+	// or file and replays nothing, Append assigns the LSN and keeps only
+	// the value for OnSynced (the payload is checked against
+	// MaxRecordSize, never encoded or copied), and a flush hands the
+	// records appended so far to OnSynced, in LSN order, as if they were
+	// fsynced at once (SyncedLSN and WrittenLSN then cover them). There
+	// are no segments, no fsyncs and no Syncs in Stats; SyncMode,
+	// SyncInterval, MaxUnsyncedBytes, SegmentSize and Preallocate have no
+	// use. WaitDurable returns once a flush took the record (a waiter may
+	// run that flush itself, as under SyncNever: see writeOwn), which
+	// hands it to OnSynced right after waking the waiters; as with a
+	// written log, a caller that waits for its next record waits for that
+	// handover to end. For state that is
+	// rebuilt elsewhere after a restart (see "Ephemeral" in the package
+	// documentation).
+	Ephemeral bool
 
 	hooks *testHooks // nil outside tests
 }
@@ -327,6 +343,11 @@ func (o *Options) normalize() error {
 	default:
 		return fmt.Errorf("wal: invalid Options.SyncMode %d", int(o.SyncMode))
 	}
+	if o.Ephemeral {
+		// A waiter hands the records to OnSynced itself, as a SyncNever
+		// waiter writes them (wait); nothing is fsynced or written.
+		o.SyncMode, o.Preallocate, o.MaxUnsyncedBytes = SyncNever, false, 0
+	}
 	if o.SyncInterval <= 0 {
 		o.SyncInterval = defaultSyncInterval
 	}
@@ -364,6 +385,11 @@ func (o *Options) normalize() error {
 func Open(o Options, after LSN, fn func(Record) error) (*WAL, ScanResult, error) {
 	if err := o.normalize(); err != nil {
 		return nil, ScanResult{}, err
+	}
+	if o.Ephemeral {
+		w := &WAL{opts: o, logger: o.Logger}
+		w.start(o.FirstLSN - 1)
+		return w, ScanResult{LastLSN: o.FirstLSN - 1}, nil
 	}
 	fs, dir := o.FS, o.Dir
 	if err := EnsureDir(fs, dir); err != nil {
@@ -405,10 +431,16 @@ func Open(o Options, after LSN, fn func(Record) error) (*WAL, ScanResult, error)
 	}
 
 	w.segs = out.segs
-	w.written.Store(uint64(out.lastLSN))
-	w.synced.Store(uint64(out.lastLSN))
-	w.mu.nextLSN = out.lastLSN + 1
-	w.mu.syncTarget = out.lastLSN
+	w.start(out.lastLSN)
+	return w, res, nil
+}
+
+// start sets the WAL up to append after last and starts the flusher.
+func (w *WAL) start(last LSN) {
+	w.written.Store(uint64(last))
+	w.synced.Store(uint64(last))
+	w.mu.nextLSN = last + 1
+	w.mu.syncTarget = last
 	w.mu.curC = make(chan struct{})
 	w.mu.nextC = make(chan struct{})
 	w.mu.fills, w.fl.spareFills = newFills(), newFills()
@@ -416,7 +448,6 @@ func Open(o Options, after LSN, fn func(Record) error) (*WAL, ScanResult, error)
 	w.doneC = make(chan struct{})
 	w.fl.lastSync = time.Now()
 	go w.run()
-	return w, res, nil
 }
 
 // repair applies the repairs described in Open's comment and leaves the
@@ -595,6 +626,9 @@ func (w *WAL) append(typ byte, payload []byte, v any, fn func(LSN) any) (LSN, er
 		return 0, errors.New("wal: LSN space exhausted")
 	}
 	w.mu.nextLSN++
+	if w.opts.Ephemeral {
+		return w.appendEphemeralLocked(lsn, typ, v, fn), nil
+	}
 	off := len(w.mu.buf)
 	if cap(w.mu.buf)-off < n {
 		// The frames still being encoded into buf must be complete
@@ -637,6 +671,31 @@ func (w *WAL) append(typ byte, payload []byte, v any, fn func(LSN) any) (LSN, er
 	putFrame(frame, lsn, LSN(w.synced.Load()), typ, payload)
 	f.done()
 	return lsn, nil
+}
+
+// appendEphemeralLocked is append's end in Ephemeral mode, with w.mu held
+// and lsn assigned: no frame, only the value for OnSynced. It releases
+// w.mu.
+func (w *WAL) appendEphemeralLocked(lsn LSN, typ byte, v any, fn func(LSN) any) LSN {
+	if fn != nil {
+		v = fn(lsn)
+	}
+	if w.opts.OnSynced == nil {
+		// Nothing to hand over: the record is "written" and "synced" now
+		// (under w.mu, so the LSNs published only grow).
+		w.written.Store(uint64(lsn))
+		w.synced.Store(uint64(lsn))
+		w.mu.Unlock()
+		return lsn
+	}
+	w.mu.recs = append(w.mu.recs, Synced{LSN: lsn, Type: typ, Value: v})
+	signal := !w.mu.signaled
+	w.mu.signaled = true
+	w.mu.Unlock()
+	if signal {
+		w.wake()
+	}
+	return lsn
 }
 
 // fills counts the frames of one group-commit buffer that were reserved
@@ -892,7 +951,7 @@ func (w *WAL) RemoveSegmentsThrough(lsn LSN) (int, int64, error) {
 	}
 	w.segMu.Lock()
 	var victims []SegmentInfo
-	for _, s := range w.segs[:len(w.segs)-1] {
+	for _, s := range w.segs[:max(len(w.segs), 1)-1] {
 		if s.LastLSN > lsn {
 			break
 		}
@@ -1105,7 +1164,7 @@ func (w *WAL) run() {
 func (w *WAL) hasWork() bool {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	return w.mu.err == nil && (len(w.mu.buf) > 0 || w.mu.closing ||
+	return w.mu.err == nil && (len(w.mu.buf) > 0 || len(w.mu.recs) > 0 || w.mu.closing ||
 		w.mu.syncTarget > LSN(w.synced.Load()))
 }
 
@@ -1162,6 +1221,9 @@ func (w *WAL) gather() {
 // and is closing).
 func (w *WAL) flush() (exit bool) {
 	w.gather()
+	if w.opts.Ephemeral {
+		return w.flushEphemeral()
+	}
 
 	w.mu.Lock()
 	buf, recs, lastOff, fills := w.mu.buf, w.mu.recs, w.mu.lastOff, w.mu.fills
@@ -1288,6 +1350,41 @@ func (w *WAL) flush() (exit bool) {
 		}
 	}
 	return false
+}
+
+// flushEphemeral is flush in Ephemeral mode: it takes the records
+// appended so far, publishes them as written and synced, wakes their
+// waiters and hands them to OnSynced. It writes nothing.
+func (w *WAL) flushEphemeral() (exit bool) {
+	w.mu.Lock()
+	recs := w.mu.recs
+	w.mu.recs = w.fl.spareRecs[:0]
+	last := w.mu.nextLSN - 1
+	closing := w.mu.closing
+	w.mu.signaled = false
+	w.mu.inFlush, w.mu.taken = true, last
+	w.mu.curC, w.mu.nextC = w.mu.nextC, w.mu.curC
+	w.mu.curWaiters, w.mu.nextWaiters = w.mu.nextWaiters, 0
+	w.mu.Unlock()
+	// As flush does: progress is published and the waiters woken before
+	// OnSynced, which may block (the engine's applier backlog); a caller
+	// that waits for its next record then waits for this flush to end,
+	// which bounds what the appenders that wait leave queued.
+	w.written.Store(uint64(last))
+	w.synced.Store(uint64(last))
+	w.fl.frames = len(recs)
+	w.mu.Lock()
+	woken := w.detachFlushLocked()
+	w.mu.Unlock()
+	if woken != nil {
+		close(woken)
+	}
+	if len(recs) > 0 {
+		w.opts.OnSynced(recs)
+		clear(recs)
+	}
+	w.fl.spareRecs = recs[:0]
+	return closing
 }
 
 // positionInterval is how many bytes are written between position hints.
