@@ -35,7 +35,16 @@ type Stats struct {
 	// total duration (WALSyncTime / WALSyncs is the mean fsync latency).
 	WALSyncs    uint64
 	WALSyncTime time.Duration
-	IndexBytes  uint64
+	// WALSegmentsRecycled counts the old WAL segments a compaction kept for
+	// reuse instead of removing them, and WALSparesRecycled the segments
+	// started from such a file instead of a newly zero-filled one, since
+	// Open (docs/design.md, "Disk space"). With preallocation on and
+	// compaction keeping up, the second grows with the first and the log's
+	// bytes are written once; a WALSparesRecycled falling behind the
+	// segments written means new segments are being zero-filled.
+	WALSegmentsRecycled uint64
+	WALSparesRecycled   uint64
+	IndexBytes          uint64
 	// IndexFilterBuilds counts the key filters built since Open (the first
 	// one, then one each time most of its bits went stale).
 	IndexFilterBuilds int64
@@ -83,6 +92,7 @@ func (e *Engine) Stats() Stats {
 	s.WALBytes, s.WALSegments = ws.Bytes, ws.Segments
 	s.LastLSN, s.DurableLSN, s.TornTailsCut = uint64(ws.LastLSN), uint64(ws.SyncedLSN), ws.TornTailsCut
 	s.WALSyncs, s.WALSyncTime = ws.Syncs, ws.SyncTime
+	s.WALSegmentsRecycled, s.WALSparesRecycled = ws.SegmentsRecycled, ws.SparesRecycled
 	for i := range e.shards {
 		sh := &e.shards[i]
 		sh.mu.Lock()

@@ -125,6 +125,10 @@ func NewCollector(store idem.Store, opts *Options) (*Collector, error) {
 		func(s *idem.Stats) float64 { return float64(s.WALSyncs) })
 	counter("wal_sync_seconds_total", "Time spent in the WAL's group-commit fdatasyncs; divided by idem_wal_syncs_total, the mean fsync latency.",
 		func(s *idem.Stats) float64 { return s.WALSyncTime.Seconds() })
+	counter("wal_segments_recycled_total", "Old WAL segments kept for reuse by a compaction instead of being removed.",
+		func(s *idem.Stats) float64 { return float64(s.WALSegmentsRecycled) })
+	counter("wal_spares_recycled_total", "WAL segments started from a recycled file instead of a newly zero-filled one.",
+		func(s *idem.Stats) float64 { return float64(s.WALSparesRecycled) })
 	gauge("live_entries", "Entries in the index: ids and sequence-mode clients.",
 		func(s *idem.Stats) float64 { return float64(s.LiveEntries) })
 	gauge("replies", "Entries keeping a reply.",

@@ -3,7 +3,9 @@ package idemprom_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
+	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -84,8 +86,8 @@ idem_live_entries{engine="orders"} 2
 		"idem_hits_total", "idem_misses_total", "idem_conflicts_total", "idem_inflight_collisions_total", "idem_live_entries"); err != nil {
 		t.Fatal(err)
 	}
-	if n := testutil.CollectAndCount(c); n != 33 {
-		t.Fatalf("%d metrics, want 33", n)
+	if n := testutil.CollectAndCount(c); n != 35 {
+		t.Fatalf("%d metrics, want 35", n)
 	}
 	if n := testutil.ToFloat64(prometheus.CollectorFunc(func(ch chan<- prometheus.Metric) {
 		all := make(chan prometheus.Metric, 64)
@@ -227,5 +229,63 @@ idem_cleanups_total 2
 `
 	if err := testutil.CollectAndCompare(newCollector(t, e, nil), strings.NewReader(want), "idem_cleanups_total"); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestWALRecyclingCounters: an engine on the OS filesystem with small
+// segments, whose compactions release full segments, recycles them, and
+// the collector reports it.
+func TestWALRecyclingCounters(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	e, err := idem.Open(t.TempDir(), &idem.Options{SegmentSize: 256 << 10, CompactWALBytes: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	c := newCollector(t, e, nil)
+	rng := rand.New(rand.NewPCG(1, 2))
+	reply := make([]byte, 2048) // random: the log does not compress it away
+	n := 0
+	for round := 0; round < 4; round++ {
+		for range 300 { // ~2.2 KiB of log per request: two or three segments per round
+			for i := range reply {
+				reply[i] = byte(rng.Uint32())
+			}
+			n++
+			res, err := e.Begin(ctx, idem.Request{ID: []byte(fmt.Sprintf("id-%d", n)), Fingerprint: []byte("fp")})
+			if err != nil || res.Status != idem.Fresh {
+				t.Fatalf("begin %d: %v %v", n, res.Status, err)
+			}
+			if err := res.Claim.Commit(ctx, reply); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if _, err := e.Compact(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	st := e.Stats()
+	if st.WALSegmentsRecycled == 0 || st.WALSparesRecycled == 0 {
+		t.Fatalf("after 4 compactions of %d segments' worth of log: Stats.WALSegmentsRecycled %d, WALSparesRecycled %d; want both > 0",
+			st.WALSegmentsRecycled+uint64(st.WALSegments), st.WALSegmentsRecycled, st.WALSparesRecycled)
+	}
+	for name, want := range map[string]uint64{
+		"idem_wal_segments_recycled_total": st.WALSegmentsRecycled,
+		"idem_wal_spares_recycled_total":   st.WALSparesRecycled,
+	} {
+		got := testutil.ToFloat64(prometheus.CollectorFunc(func(ch chan<- prometheus.Metric) {
+			all := make(chan prometheus.Metric, 64)
+			c.Collect(all)
+			close(all)
+			for m := range all {
+				if strings.Contains(m.Desc().String(), `"`+name+`"`) {
+					ch <- m
+				}
+			}
+		}))
+		if got < float64(want) { // counters only grow between Stats and the scrape
+			t.Errorf("%s = %v, want at least %d (Stats)", name, got, want)
+		}
 	}
 }
