@@ -1,8 +1,10 @@
 package idem
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -11,8 +13,9 @@ import (
 )
 
 // TestPutHintMatchesPut: random programs run on two engines, one looking
-// each Put's request up with LookupHint before the batch and adding it
-// with PutHint.Put (idemraft's pattern), the other with Lookup and
+// each Put's request up with LookupHint before the batch (after a
+// Prefetch of the batch's requests) and adding it with PutHint.Put
+// (idemraft's pattern), the other with Lookup and
 // Batch.Put, give the same lookups, the same results and the same state.
 // The tables are small, so that many hints' slots are evicted before
 // their batch runs.
@@ -30,6 +33,11 @@ func TestPutHintMatchesPut(t *testing.T) {
 			for round := 0; round < 150; round++ {
 				steps := p.batch(len(openA))
 				hints := make([]PutHint, len(steps))
+				reqs := make([]Request, len(steps))
+				for i, s := range steps {
+					reqs[i] = s.req
+				}
+				a.Prefetch(reqs) // as idemraft does: it decides nothing
 				for i, s := range steps {
 					if s.kind != bPut || len(s.adv) > 0 {
 						continue
@@ -182,4 +190,45 @@ func TestPutHintUsedByItsEngine(t *testing.T) {
 	if out, err := b.Run(bg); err != nil || !errors.Is(out[0].Err, ErrInvalidRequest) {
 		t.Fatalf("zero hint: %s (batch err %v), want ErrInvalidRequest", describeResult(out[0]), err)
 	}
+}
+
+// TestPrefetchKeyIsLookupKey: Prefetch hashes the key that the lookup of
+// each request reads (validate's), so the filter block it loads is the
+// one MayContain checks; a request whose identity is invalid is skipped.
+// Prefetch on a closed engine does nothing.
+func TestPrefetchKeyIsLookupKey(t *testing.T) {
+	e := openMem(t, vfs.NewMem(), &Options{MaxIDLen: 16})
+	long := strings.Repeat("x", 17)
+	reqs := []Request{
+		{ID: []byte("a")},
+		{Scope: "s", ID: []byte("a")},
+		{Client: "c", Seq: 1},
+		{Scope: "s", Client: "c", Seq: 9, Fingerprint: []byte("f"), Acked: [][]byte{[]byte("z")}},
+		{Scope: "s", ID: []byte("b"), TTL: time.Hour, Acked: [][]byte{[]byte("z")}},
+		{ID: []byte(strings.Repeat("i", 16))},
+		{},                                 // no identity
+		{ID: []byte("a"), Client: "c"},     // both
+		{ID: []byte("a"), Seq: 1},          // both
+		{Client: "c"},                      // no sequence number
+		{Seq: 1},                           // no client
+		{ID: []byte(long)},                 // too long
+		{Client: long, Seq: 1},             // too long
+		{Scope: long, ID: []byte("a")},     // too long
+		{Scope: long, Client: "c", Seq: 1}, // too long
+	}
+	for _, r := range reqs {
+		got := e.prefetchKey(nil, &r)
+		k, err := e.validate(&r)
+		switch {
+		case err == nil && !bytes.Equal(got, k.key):
+			t.Fatalf("%+v: prefetch key %x, lookup key %x", r, got, k.key)
+		case err != nil && got != nil && (len(r.Scope) > 16 || len(r.ID) > 16 || len(r.Client) > 16 || len(r.ID) > 0 == (r.Client != "" || r.Seq != 0) || r.Client != "" && r.Seq == 0):
+			t.Fatalf("%+v: invalid identity (%v), prefetch key %x", r, err, got)
+		}
+	}
+	e.Prefetch(reqs)
+	if err := e.Close(); err != nil {
+		t.Fatal(err)
+	}
+	e.Prefetch(reqs)
 }

@@ -6,6 +6,7 @@ import (
 	"hash/maphash"
 	"math/bits"
 	"sync"
+	"time"
 
 	"github.com/hashicorp/raft"
 	"github.com/idemdb/idem"
@@ -90,6 +91,13 @@ type batchApply struct {
 	// lookup being made; cleared at each reset.
 	hints []idem.PutHint
 
+	// The batch's commands, decoded before any is looked up (decodeAll):
+	// reqs holds each request's idem.Request by log position (the zero
+	// Request for any other entry), for the engine's Prefetch, and cmds
+	// the rest of each entry's decoding. Cleared at the end of the call.
+	reqs []idem.Request
+	cmds []decodedEntry
+
 	// Scratch of flush, kept for the next run (cleared after each).
 	results []any           // the application's results by run position
 	items   []int           // run positions of the engine batch's items
@@ -138,9 +146,68 @@ func keyHash(scope string, id []byte, client string) uint64 {
 	return h
 }
 
+// decodedEntry is an entry of the batch as decodeAll decoded it; its
+// request, if any, is in batchApply.reqs at the same position.
+type decodedEntry struct {
+	cmd    bool  // a LogCommand entry that IsCommand: d and err hold its decoding
+	err    error // decodeCommand's error
+	kind   byte
+	op     []byte
+	before time.Time
+}
+
+// decodeAll decodes the batch's commands into a.cmds and a.reqs, and
+// hands the requests to the engine's Prefetch, which loads what their
+// lookups (run, one by one) read first, all at once. Decoding has no
+// effect, so doing it ahead of the lookups changes nothing but when.
+func (a *batchApply) decodeAll() {
+	n := len(a.logs)
+	if cap(a.reqs) < n {
+		a.reqs, a.cmds = make([]idem.Request, n), make([]decodedEntry, n)
+	}
+	a.reqs, a.cmds = a.reqs[:n], a.cmds[:n]
+	fresh := 0
+	for i, l := range a.logs {
+		if l.Type != raft.LogCommand || !IsCommand(l.Data) {
+			continue
+		}
+		d, err := decodeCommand(l.Data)
+		a.cmds[i] = decodedEntry{cmd: true, err: err, kind: d.kind, op: d.op, before: d.before}
+		if err == nil && d.kind != kindForget {
+			a.reqs[i] = d.req
+			fresh++
+		}
+	}
+	if fresh > 1 {
+		if testHookPrefetch != nil {
+			testHookPrefetch(a.reqs)
+		}
+		a.f.cur.e.Prefetch(a.reqs)
+	}
+}
+
+// testHookPrefetch, when set by a test, sees what decodeAll hands Prefetch.
+var testHookPrefetch func(reqs []idem.Request)
+
+// clearDecoded drops what decodeAll kept: requests and operations point
+// into the batch's entries.
+func (a *batchApply) clearDecoded() {
+	clear(a.reqs)
+	clear(a.cmds)
+	if cap(a.reqs) > maxKeptDecoded {
+		a.reqs, a.cmds = nil, nil
+	}
+}
+
+// maxKeptDecoded bounds the entries whose decoding a pooled batchApply
+// keeps room for (a few hundred bytes each).
+const maxKeptDecoded = 4096
+
 func (a *batchApply) run() {
 	f := a.f
 	last := -1 // the last LogCommand entry: Apply sets lastIndex for those only
+	a.decodeAll()
+	defer a.clearDecoded()
 	for i, l := range a.logs {
 		if l.Type != raft.LogCommand {
 			// A configuration change: raft's single path hands it to
@@ -154,16 +221,17 @@ func (a *batchApply) run() {
 			a.refuse(i)
 			continue
 		}
-		if !IsCommand(l.Data) {
+		c := &a.cmds[i]
+		if !c.cmd {
 			a.pending = append(a.pending, runEntry{i: i, kind: runApp})
 			continue
 		}
-		d, err := decodeCommand(l.Data)
-		if err != nil {
+		if err := c.err; err != nil {
 			f.refused.Add(1)
 			a.answer(i, &Response{Err: fmt.Errorf("%w (log index %d)", err, l.Index)})
 			continue
 		}
+		d := decoded{kind: c.kind, op: c.op, before: c.before, req: a.reqs[i]}
 		if d.kind == kindForget {
 			a.flush()
 			if f.Err() != nil {

@@ -383,3 +383,65 @@ func TestDedupSetKeepsNoLogBytes(t *testing.T) {
 		}
 	}
 }
+
+// TestApplyBatchPrefetchesRequests: ApplyBatch decodes the batch's
+// commands first and hands the engine's Prefetch every request, by log
+// position (the zero Request for an entry that is not a request: another
+// entry, a forget, a damaged command), once per batch and before any of
+// them is applied. On a build without the prefetch the hook never runs.
+func TestApplyBatchPrefetchesRequests(t *testing.T) {
+	f := wrapT(t, newCounterFSM(), t.TempDir())
+	idx := uint64(0)
+	entry := func(typ raft.LogType, data []byte) *raft.Log {
+		idx++
+		return &raft.Log{Index: idx, Term: 1, Type: typ, Data: data, AppendedAt: t0}
+	}
+	cmd := func(req idem.Request) *raft.Log {
+		c, err := Command(req, encodeOp(counterOp{ID: "op" + strconv.Itoa(int(idx)), Key: "k", Delta: 1}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return entry(raft.LogCommand, c)
+	}
+	conf := raft.EncodeConfiguration(raft.Configuration{Servers: []raft.Server{{ID: "n1", Address: "a1"}}})
+	want := []idem.Request{
+		{ID: []byte("a")},
+		{},
+		{Scope: "s", Client: "c", Seq: 1, Fingerprint: []byte("f")},
+		{},
+		{},
+		{},
+		{ID: []byte("b"), Acked: [][]byte{[]byte("a")}},
+	}
+	batch := []*raft.Log{
+		cmd(want[0]),
+		entry(raft.LogCommand, encodeOp(counterOp{ID: "raw", Key: "k"})), // not a command
+		cmd(want[2]),
+		entry(raft.LogConfiguration, conf),
+		entry(raft.LogCommand, append([]byte(commandMagic), kindCommand, 0x91)), // damaged
+		entry(raft.LogCommand, ForgetCommand(t0.Add(-time.Hour))),
+		cmd(want[6]),
+	}
+	var calls int
+	testHookPrefetch = func(reqs []idem.Request) {
+		calls++
+		if n := f.Stats().Applied; n != 0 {
+			t.Errorf("prefetch after %d requests were applied, want before any", n)
+		}
+		if !reflect.DeepEqual(reqs, want) {
+			t.Errorf("prefetched %+v\nwant %+v", reqs, want)
+		}
+	}
+	t.Cleanup(func() { testHookPrefetch = nil })
+	for _, r := range f.ApplyBatch(batch) {
+		if resp, ok := r.(*Response); ok && resp.Err != nil && !errors.Is(resp.Err, ErrInvalidCommand) {
+			t.Fatal(resp.Err)
+		}
+	}
+	if calls != 1 {
+		t.Fatalf("%d prefetches for one batch, want 1", calls)
+	}
+	if st := f.Stats(); st.Applied != 3 {
+		t.Fatalf("applied %d, want 3", st.Applied)
+	}
+}

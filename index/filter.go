@@ -140,6 +140,19 @@ func (f *keyFilter) addHashes(hs []uint64) {
 // addRun is the number of blocks addHashes loads at once.
 const addRun = 32
 
+// prefetch loads the blocks of the hashes hs (mayContain's first reads),
+// as addHashes loads them: independent loads whose cache misses overlap.
+// It changes nothing.
+func (f *keyFilter) prefetch(hs []uint64) {
+	var x uint64
+	for _, h := range hs {
+		x += f.block(h)[0].Load()
+	}
+	if x == 1 { // rarely: a store only to keep the loads above
+		filterSink.Store(x)
+	}
+}
+
 // filterSink keeps addHashes' loads from being optimized away.
 var filterSink atomic.Uint64
 
@@ -188,6 +201,23 @@ func (ix *Index) filterAbsent(key []byte) bool {
 // has failed, so that the caller's Get reports the failure.
 func (ix *Index) MayContain(key []byte) bool {
 	return !ix.filterAbsent(key) || ix.failure() != nil
+}
+
+// FilterHash returns key's hash in the key filter, for PrefetchFilter.
+func (ix *Index) FilterHash(key []byte) uint64 { return ix.keyHash(key) }
+
+// PrefetchFilter loads the key filter's blocks of the keys whose
+// FilterHash are hs into the CPU's cache, and changes nothing. A check of
+// a key the filter does not hold reads one block at a random place in
+// megabytes, nearly always a cache miss: a caller about to check many
+// keys one by one (MayContain, Get; the engine's lookups of a batch of
+// requests) calls it first with all of them, so that the misses overlap
+// instead of coming one per check. It is only a hint: no answer depends
+// on it.
+func (ix *Index) PrefetchFilter(hs []uint64) {
+	if f := ix.filter.Load(); f != nil {
+		f.prefetch(hs)
+	}
 }
 
 // FilterBuilds returns how many key filters were built since Open.

@@ -313,3 +313,43 @@ func TestKeyFilterDroppedWhenSaturated(t *testing.T) {
 	}
 	m.check()
 }
+
+// TestPrefetchFilter: FilterHash is the hash the key filter holds a stored
+// key under (so PrefetchFilter loads the block MayContain reads), and
+// PrefetchFilter changes no bit of the filter and no answer.
+func TestPrefetchFilter(t *testing.T) {
+	m := newFilterModel(t)
+	defer m.ix.Close(true)
+	m.waitReady()
+	m.step(100)
+	f := m.ix.filter.Load()
+	if f == nil {
+		t.Fatal("no key filter")
+	}
+	var hs []uint64
+	for k := range m.live {
+		h := m.ix.FilterHash([]byte(k))
+		if !f.mayContain(h) {
+			t.Fatalf("stored key %q: its FilterHash is not in the filter", k)
+		}
+		hs = append(hs, h)
+	}
+	for i := 0; i < 100; i++ {
+		hs = append(hs, m.ix.FilterHash(m.key(m.next+1_000_000+i)))
+	}
+	words := make([]uint64, len(f.words))
+	for i := range f.words {
+		words[i] = f.words[i].Load()
+	}
+	added := f.added.Load()
+	m.ix.PrefetchFilter(hs)
+	for i := range f.words {
+		if f.words[i].Load() != words[i] {
+			t.Fatalf("PrefetchFilter changed word %d", i)
+		}
+	}
+	if f.added.Load() != added {
+		t.Fatalf("PrefetchFilter counted adds: %d -> %d", added, f.added.Load())
+	}
+	m.check()
+}
