@@ -92,10 +92,6 @@ func (e *Engine) prefetchKey(dst []byte, r *Request) []byte {
 	return nil
 }
 
-// prefetchRun is the number of filter blocks Prefetch loads at once: about
-// the misses a core keeps in flight.
-const prefetchRun = 32
-
 // Put adds req's Put with reply to b, as b.Put(req, reply) for the request
 // LookupHint was given. When b is a batch of the engine that filled h, the
 // item reuses the request's key and slot instead of validating and reading

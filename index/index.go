@@ -92,8 +92,12 @@ type Index struct {
 	ingestErr   error      // sticky ingest failure
 	memDirty    bool       // a batch was committed since the last memtable flush
 	ingestSeq   int
-	ingestBytes int64
-	writerOpts  sstable.WriterOptions // the ingested entries' tables (L0's options)
+	// ingestTimes and ingestExpiries are the time and expiry rows of the
+	// last set written (writeSSTs sizes the next set's lists by them;
+	// one ingest runs at a time).
+	ingestTimes, ingestExpiries int
+	ingestBytes                 int64
+	writerOpts                  sstable.WriterOptions // the ingested entries' tables (L0's options)
 	// indexWriterOpts are writerOpts without a bloom filter, for the
 	// ingested tables of the time, in-doubt and expiry indexes (pending.go).
 	indexWriterOpts sstable.WriterOptions
@@ -116,6 +120,9 @@ type Index struct {
 	// filterHashes is addPending's buffer for the key hashes of a chunk
 	// (guarded by applyMu).
 	filterHashes []uint64
+	// pendHashes is addPending's buffer for the pending-set hashes
+	// (pendSeed) of a chunk's keys (guarded by applyMu).
+	pendHashes   []uint64
 	filterBuilds atomic.Int64
 
 	// pin keeps the deletion of obsolete tables off the lookups (pin.go);

@@ -113,6 +113,19 @@ func (x *pendIndex) find(s *pendingSet, key string, h uint64) int {
 	}
 }
 
+// touch loads the slots where the keys of the hashes hs start their
+// probes, in one run of independent loads (see addPending).
+func (x *pendIndex) touch(hs []uint64) {
+	mask := uint64(len(x.slots) - 1)
+	var v uint64
+	for _, h := range hs {
+		v += x.slots[h&mask]
+	}
+	if v == 1 { // rarely: a store only to keep the loads above
+		filterSink.Store(v)
+	}
+}
+
 // insert records that the key with hash h is at pos; the key is not in
 // the index, which has room for it.
 func (x *pendIndex) insert(pos int, h uint64) {
@@ -241,24 +254,34 @@ func (ix *Index) addPending(ups []*Update, ingestAt int64) error {
 		}
 		chunk := ups[:n]
 		ups = ups[n:]
-		hs := ix.filterHashes[:0]
+		hs, ph := ix.filterHashes[:0], ix.pendHashes[:0]
 		for _, u := range chunk {
 			for i := range u.Transitions {
+				t := &u.Transitions[i]
 				// Absent to present: the key may be new to the key
 				// filter. (A present key is there already: added when it
 				// became present, or by the scan that built the filter.)
-				if t := &u.Transitions[i]; t.Next != nil && t.Prev == nil && ix.filterBytes > 0 {
+				if t.Next != nil && t.Prev == nil && ix.filterBytes > 0 {
 					hs = append(hs, ix.keyHash(t.Key))
 				}
+				ph = append(ph, maphash.Bytes(pendSeed, t.Key))
 			}
 		}
 		ix.filterAddHashesLocked(hs)
-		ix.filterHashes = hs[:0]
+		ix.filterHashes, ix.pendHashes = hs[:0], ph[:0]
 		ix.pmu.Lock()
+		j := 0 // the transition's index in ph
 		for _, u := range chunk {
 			for _, t := range u.Transitions {
+				if j%touchAhead == 0 {
+					// The keys' index slots lie at random in a table
+					// of megabytes: load the next ones at once, so
+					// that their misses overlap.
+					s.ix.touch(ph[j:min(j+touchAhead, len(ph))])
+				}
 				k := unsafe.String(unsafe.SliceData(t.Key), len(t.Key)) // not kept
-				h := maphash.String(pendSeed, k)
+				h := ph[j]
+				j++
 				var p *pendEntry
 				if pos := s.ix.find(s, k, h); pos >= 0 {
 					p = s.at(pos)
@@ -661,7 +684,11 @@ func (ix *Index) writeSSTs(base string, s *pendingSet) (paths []string, err erro
 	key := func(r entryRow) []byte { return unsafe.Slice(unsafe.StringData(r.p.key), len(r.p.key)) }
 	// The entries' table; the other indexes' rows are collected on the
 	// way, while each entry is in the processor's cache.
-	var times, expiries []timeRow
+	// Sized as the last set's were (a set has about as many as the one
+	// before it): grown by appends, they were copied a dozen times over
+	// per set, and their garbage was a tenth of a sink's allocations.
+	times := make([]timeRow, 0, min(ix.ingestTimes, 2*len(rows)))
+	expiries := make([]timeRow, 0, min(ix.ingestExpiries, 2*len(rows)))
 	var doubts []int32
 	err = table(&ix.writerOpts, func(w *sstable.Writer) error {
 		// Meta rows, in key order: applied ('a'), count ('n'), replies ('r').
@@ -703,6 +730,7 @@ func (ix *Index) writeSSTs(base string, s *pendingSet) (paths []string, err erro
 		}
 		return err
 	})
+	ix.ingestTimes, ix.ingestExpiries = len(times), len(expiries)
 	sortTimeRows(times)
 	sortTimeRows(expiries)
 	timeTableOf := func(trs []timeRow, rowKey func(dst []byte, t int64, entryKey []byte) []byte) error {
