@@ -1003,7 +1003,7 @@ func (r *batchRun) finish() {
 			c := &claims[0]
 			claims = claims[1:]
 			// sl: nil, or the key's slot when the run read it (write checks evicted).
-			c.ec = engineClaim{e: e, k: it.k, lsn: r.lsns[it.rec], fp: it.fp, sl: it.sl}
+			c.ec = engineClaim{e: e, k: it.k, lsn: r.lsns[it.rec], sl: it.sl}
 			c.leaseUntil = it.lease
 			r.out[i].Result = Result{Status: Fresh, Claim: c, LeaseUntil: it.lease, Seq: it.k.seq, ExpiresAt: it.expires}
 		case bPut:

@@ -297,7 +297,7 @@ func (e *Engine) beginEntered(req *Request, k reqKey, pbp **[]byte, out *Result)
 	// applier read only fc.ups and fc.entry.
 	// The result too, for the same reason (see Begin).
 	c := &fc.Claim
-	c.ec = engineClaim{e: e, k: k, lsn: lsn, fp: fp, sl: sl, ups: &fc.ups}
+	c.ec = engineClaim{e: e, k: k, lsn: lsn, sl: sl, ups: &fc.ups}
 	c.leaseUntil = lease
 	*out = Result{Status: Fresh, Claim: c, LeaseUntil: lease, Seq: k.seq, ExpiresAt: expiresAt}
 	if !e.o.RelaxedClaims {

@@ -42,7 +42,6 @@ type engineClaim struct {
 	e   *Engine
 	k   reqKey
 	lsn wal.LSN
-	fp  []byte
 	// sl is k.key's slot as Begin left it (nil: unknown). It stays the
 	// key's slot while the claim is in flight (an in-flight slot is never
 	// evicted), so the finish takes it without a lookup unless it was
@@ -77,8 +76,8 @@ type freshClaim struct {
 	entry index.Entry
 }
 
-func newEngineClaim(e *Engine, k reqKey, lsn wal.LSN, fp []byte, leaseUntil time.Time) *Claim {
-	return &Claim{ec: engineClaim{e: e, k: k, lsn: lsn, fp: fp}, leaseUntil: leaseUntil}
+func newEngineClaim(e *Engine, k reqKey, lsn wal.LSN, leaseUntil time.Time) *Claim {
+	return &Claim{ec: engineClaim{e: e, k: k, lsn: lsn}, leaseUntil: leaseUntil}
 }
 
 // LeaseUntil is when the claim's lease runs out.

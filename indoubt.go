@@ -73,7 +73,7 @@ func (e *Engine) InDoubt(ctx context.Context, scopePrefix string) ([]InDoubtClai
 		} else {
 			d.Client, d.Seq, k.seq = string(k.ident), cur.ClaimSeq, cur.ClaimSeq
 		}
-		d.Claim = newEngineClaim(e, k, cur.ClaimLSN, cur.ClaimFP, d.LeaseUntil)
+		d.Claim = newEngineClaim(e, k, cur.ClaimLSN, d.LeaseUntil)
 		out = append(out, d)
 	}
 	e.inDoubt = keep

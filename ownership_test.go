@@ -1,7 +1,10 @@
 package idem
 
 import (
+	"runtime"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/cockroachdb/pebble/v2/vfs"
 )
@@ -91,4 +94,45 @@ func TestCallerBuffersNotKept(t *testing.T) {
 	}
 	scribble(ds[0].ID, ds[0].Fingerprint)
 	check("after scribbling over InDoubt's claim")
+}
+
+// TestClaimKeepsNoCallerBuffer: a claim in flight does not keep the
+// caller's request buffers reachable (the engine works on its own copies,
+// see TestCallerBuffersNotKept): a caller's fingerprint buffer, dropped
+// after Begin (or a batch's Begin) returned the claim, is collected while
+// the claim is still held.
+func TestClaimKeepsNoCallerBuffer(t *testing.T) {
+	e := openMem(t, vfs.NewMem(), nil)
+	for _, path := range []string{"Begin", "batch Begin"} {
+		t.Run(path, func(t *testing.T) {
+			var freed atomic.Bool
+			fp := make([]byte, 64)
+			copy(fp, "fingerprint-"+path)
+			runtime.AddCleanup(&fp[0], func(f *atomic.Bool) { f.Store(true) }, &freed)
+			req := Request{ID: []byte("claim-" + path), Fingerprint: fp}
+			var c *Claim
+			if path == "Begin" {
+				c = mustBegin(t, e, req, Fresh).Claim
+			} else {
+				b := e.NewBatch()
+				b.Begin(req)
+				rs, err := b.Run(bg)
+				if err != nil || rs[0].Err != nil || rs[0].Result.Status != Fresh {
+					t.Fatalf("batch Begin: %+v %v", rs, err)
+				}
+				c = rs[0].Result.Claim
+			}
+			fp, req = nil, Request{}
+			for i := 0; i < 50 && !freed.Load(); i++ {
+				runtime.GC()
+				time.Sleep(time.Millisecond)
+			}
+			if !freed.Load() {
+				t.Errorf("%s: the caller's fingerprint buffer is still reachable while its claim is held", path)
+			}
+			if err := c.Commit(bg, []byte("reply")); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
 }
