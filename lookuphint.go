@@ -2,7 +2,6 @@ package idem
 
 import (
 	"context"
-	"unsafe"
 
 	"github.com/idemdb/idem/index"
 )
@@ -77,19 +76,17 @@ func (e *Engine) Prefetch(reqs []Request) {
 }
 
 // prefetchKey appends r's entry key to dst, as validate builds it (the
-// key its lookup reads), without copying the client's name; nil when r's
-// identity is not valid.
+// key its lookup reads: requestIdentity), without copying the client's
+// name; nil when r's scope or identity is not valid.
 func (e *Engine) prefetchKey(dst []byte, r *Request) []byte {
 	if len(r.Scope) > e.o.MaxIDLen {
 		return nil
 	}
-	switch {
-	case len(r.ID) > 0 && r.Client == "" && r.Seq == 0 && len(r.ID) <= e.o.MaxIDLen:
-		return index.EntryKey(dst, r.Scope, index.ModeID, r.ID)
-	case len(r.ID) == 0 && r.Client != "" && r.Seq != 0 && len(r.Client) <= e.o.MaxIDLen:
-		return index.EntryKey(dst, r.Scope, index.ModeClient, unsafe.Slice(unsafe.StringData(r.Client), len(r.Client)))
+	mode, ident, err := requestIdentity(r, e.o.MaxIDLen)
+	if err != nil {
+		return nil
 	}
-	return nil
+	return index.EntryKey(dst, r.Scope, mode, ident)
 }
 
 // Put adds req's Put with reply to b, as b.Put(req, reply) for the request

@@ -55,26 +55,13 @@ func (e *Engine) validate(r *Request) (reqKey, error) {
 		return reqKey{}, invalid("KeepReplies and KeepRepliesFor apply to sequence mode (Client and Seq) only")
 	}
 	k := reqKey{scope: r.Scope}
-	switch {
-	case len(r.ID) > 0 && (r.Client != "" || r.Seq != 0):
-		return reqKey{}, invalid("both an id and a client/seq were given; use one identity")
-	case len(r.ID) > 0:
-		if len(r.ID) > max {
-			return reqKey{}, invalid("id of %d bytes exceeds %d", len(r.ID), max)
-		}
-		k.mode, k.ident = index.ModeID, r.ID
-	case r.Client != "":
-		if r.Seq == 0 {
-			return reqKey{}, invalid("client %q without a sequence number (sequences start at 1)", r.Client)
-		}
-		if len(r.Client) > max {
-			return reqKey{}, invalid("client name of %d bytes exceeds %d", len(r.Client), max)
-		}
-		k.mode, k.ident, k.seq = index.ModeClient, []byte(r.Client), r.Seq
-	case r.Seq != 0:
-		return reqKey{}, invalid("sequence number %d without a client", r.Seq)
-	default:
-		return reqKey{}, invalid("empty id")
+	mode, ident, err := requestIdentity(r, max)
+	if err != nil {
+		return reqKey{}, err
+	}
+	k.mode, k.ident, k.seq = mode, ident, r.Seq
+	if mode == index.ModeClient {
+		k.ident = []byte(r.Client) // the key's own copy, not the caller's string
 	}
 	k.key = index.EntryKey(nil, k.scope, k.mode, k.ident)
 	if len(r.Acked) > 4096 {
@@ -91,6 +78,35 @@ func (e *Engine) validate(r *Request) (reqKey, error) {
 		k.ackKey = append(k.ackKey, index.EntryKey(nil, k.scope, index.ModeID, a))
 	}
 	return k, nil
+}
+
+// requestIdentity checks r's identity, an id or a client with a
+// sequence number, and returns its mode and identifier: r.ID, or the
+// client's name as a read-only view of r.Client (not copied). validate
+// and Engine.Prefetch both take a request's identity from it, so the key
+// a prefetch loads is the key the lookup reads.
+func requestIdentity(r *Request, max int) (mode byte, ident []byte, err error) {
+	switch {
+	case len(r.ID) > 0 && (r.Client != "" || r.Seq != 0):
+		return 0, nil, invalid("both an id and a client/seq were given; use one identity")
+	case len(r.ID) > 0:
+		if len(r.ID) > max {
+			return 0, nil, invalid("id of %d bytes exceeds %d", len(r.ID), max)
+		}
+		return index.ModeID, r.ID, nil
+	case r.Client != "":
+		if r.Seq == 0 {
+			return 0, nil, invalid("client %q without a sequence number (sequences start at 1)", r.Client)
+		}
+		if len(r.Client) > max {
+			return 0, nil, invalid("client name of %d bytes exceeds %d", len(r.Client), max)
+		}
+		return index.ModeClient, unsafe.Slice(unsafe.StringData(r.Client), len(r.Client)), nil
+	case r.Seq != 0:
+		return 0, nil, invalid("sequence number %d without a client", r.Seq)
+	default:
+		return 0, nil, invalid("empty id")
+	}
 }
 
 // shardIdx is key's lock shard. A client's older sequence replies
