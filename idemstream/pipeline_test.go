@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -150,4 +151,71 @@ func TestCheckpointPipelinedLookupFails(t *testing.T) {
 	l.check(t)
 	st.failID.Store(nil)
 	checkpointAppliesAll(t, ctx, tp, l, evs, 2)
+}
+
+// prefetchSpyStore is an engine that records the requests handed to its
+// Prefetch and, for each lookup, whether its request was prefetched by
+// the same goroutine's last Prefetch.
+type prefetchSpyStore struct {
+	*idem.Engine
+	mu         sync.Mutex
+	prefetched map[string]bool // scope and id of the last Prefetch's requests
+	calls      int
+	looked     int
+	missed     []string
+}
+
+func (s *prefetchSpyStore) Prefetch(reqs []idem.Request) {
+	s.mu.Lock()
+	s.calls++
+	s.prefetched = map[string]bool{}
+	for _, r := range reqs {
+		s.prefetched[r.Scope+"\x00"+string(r.ID)] = true
+	}
+	s.mu.Unlock()
+	s.Engine.Prefetch(reqs)
+}
+
+func (s *prefetchSpyStore) LookupHint(ctx context.Context, req idem.Request, h *idem.PutHint) (idem.Result, error) {
+	s.mu.Lock()
+	s.looked++
+	if !s.prefetched[req.Scope+"\x00"+string(req.ID)] {
+		s.missed = append(s.missed, string(req.ID))
+	}
+	s.mu.Unlock()
+	return s.Engine.LookupHint(ctx, req, h)
+}
+
+// TestCheckpointPrefetchesLookups: a checkpoint on an engine hands each
+// chunk of its lookups to the engine's Prefetch before making them, with
+// the lookups one after the other (lookupChunk 0) and on the helper
+// goroutine (lookupChunk 2), so every lookup finds its key filter block
+// loaded with its chunk's; the outcomes are those of pipelineBatches.
+func TestCheckpointPrefetchesLookups(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	for _, chunk := range []int{0, 2} {
+		w := newWorld()
+		st := &prefetchSpyStore{Engine: openEngine(t, w.mem, nil)}
+		l := newTxnLedger(w)
+		tp, _, err := NewTwoPhase[*ledgerTxn](ctx, st, "tx", l, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tp.lookupChunk = chunk
+		for n, evs := range pipelineBatches() {
+			if _, err := tp.Checkpoint(ctx, evs); err != nil {
+				t.Fatalf("lookupChunk %d, checkpoint %d: %v", chunk, n, err)
+			}
+		}
+		l.check(t)
+		tp.Close()
+		st.Close()
+		if st.looked == 0 || st.calls == 0 {
+			t.Fatalf("lookupChunk %d: %d lookups, %d prefetches", chunk, st.looked, st.calls)
+		}
+		if len(st.missed) > 0 {
+			t.Errorf("lookupChunk %d: %d of %d lookups not prefetched with their chunk, first %q", chunk, len(st.missed), st.looked, st.missed[0])
+		}
+	}
 }

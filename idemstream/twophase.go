@@ -159,8 +159,9 @@ type checkpointBufs struct {
 	order []*eventClaim
 	fresh []*eventClaim
 	hints []idem.PutHint
-	ids   [][]byte // the checkpoint record's events
-	fps   [][]byte // and their fingerprints
+	reqs  []idem.Request // a chunk's lookups, handed to the engine's Prefetch
+	ids   [][]byte       // the checkpoint record's events
+	fps   [][]byte       // and their fingerprints
 }
 
 // reset sizes the buffers for a batch of n events.
@@ -182,6 +183,7 @@ func (b *checkpointBufs) release() {
 	clear(b.order[:cap(b.order)])
 	clear(b.fresh[:cap(b.fresh)])
 	clear(b.hints)
+	clear(b.reqs)
 	clear(b.ids)
 	clear(b.fps)
 	if len(b.all) > maxKeptBatchBuffer {
@@ -218,6 +220,13 @@ type eventClaim struct {
 // on to the Put that follows (idem.PutHint).
 type hintLookuper interface {
 	LookupHint(ctx context.Context, req idem.Request, h *idem.PutHint) (idem.Result, error)
+}
+
+// prefetcher is the engine's Prefetch: it loads what the lookups of
+// reqs will read first (the key filter's blocks) together, so that their
+// cache misses overlap instead of coming one per lookup.
+type prefetcher interface {
+	Prefetch(reqs []idem.Request)
 }
 
 // put adds c's Put with rec to b: through its hint when it has one.
@@ -1099,6 +1108,21 @@ func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event, onFresh
 			outs[c.first] = o
 		}
 	}
+	// prefetch readies the store for the lookups of order[from:to]
+	// (an engine: idem.Engine.Prefetch), from the goroutine that makes
+	// them. It decides nothing.
+	pf, _ := t.st.(prefetcher)
+	prefetch := func(from, to int) {
+		if pf == nil || hl == nil || to <= from {
+			return
+		}
+		reqs := t.bufs.reqs[:0]
+		for _, c := range order[from:to] {
+			reqs = append(reqs, c.req(t.escope, t.opts.TTL))
+		}
+		pf.Prefetch(reqs)
+		t.bufs.reqs = reqs
+	}
 	fresh := t.bufs.fresh
 	// settle takes c's classification, in batch order: a failed event's
 	// outcome, the end on an error, or a fresh event to hand on.
@@ -1128,6 +1152,7 @@ func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event, onFresh
 	} else if chunk := t.lookupChunk; len(events) <= chunk || chunk <= 0 {
 		// An embedded engine answers from memory: no goroutines.
 		prepare(len(events))
+		prefetch(0, n)
 		for j, c := range order[:n] {
 			lookup(j)
 			if err = settle(c); err != nil {
@@ -1135,7 +1160,7 @@ func (t *TwoPhase[Txn]) lookupBatch(ctx context.Context, events []Event, onFresh
 			}
 		}
 	} else {
-		err = pipelineLookups(len(events), chunk, prepare, lookup, func(j int) error { return settle(order[j]) })
+		err = pipelineLookups(len(events), chunk, prepare, prefetch, lookup, func(j int) error { return settle(order[j]) })
 	}
 	// The buffers keep what this batch used (release clears it).
 	t.bufs.order, t.bufs.fresh = order[:n], fresh
@@ -1162,13 +1187,13 @@ const defaultLookupChunk = 64
 
 // pipelineLookups runs, for a batch of n events, prepare on this
 // goroutine chunk by chunk (prepare(end) takes the events up to end and
-// returns how many lookups they make so far), lookup(0..) on a helper
-// goroutine for each chunk prepared, and then settle(j) on this one, in
+// returns how many lookups they make so far), prefetch(from, end) and
+// lookup(from..end-1) on a helper goroutine for each chunk prepared, and then settle(j) on this one, in
 // order, for each j whose chunk is looked up; the first error of settle
 // stops both and is returned. The helper has ended when it returns or
 // panics (settle runs the caller's sink): the lookups write into the
 // checkpoint's buffers.
-func pipelineLookups(n, chunk int, prepare func(end int) int, lookup func(int), settle func(int) error) error {
+func pipelineLookups(n, chunk int, prepare func(end int) int, prefetch func(from, to int), lookup func(int), settle func(int) error) error {
 	chunks := (n + chunk - 1) / chunk
 	// Neither channel ever blocks its sender: one message per chunk.
 	ready := make(chan int, chunks) // lookups prepared so far
@@ -1178,6 +1203,7 @@ func pipelineLookups(n, chunk int, prepare func(end int) int, lookup func(int), 
 		defer close(done)
 		j := 0
 		for end := range ready {
+			prefetch(j, end)
 			for ; j < end; j++ {
 				if stop.Load() {
 					return
