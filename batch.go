@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	mbits "math/bits"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -33,7 +34,9 @@ type Batcher interface {
 // items were added, with exactly the result and error the single call
 // would have given. Items of one batch that name the same key see each
 // other in order (a second Begin of an id claimed earlier in the batch is
-// InFlight). A Batch is used by one goroutine and run once.
+// InFlight). A Batch is used by one goroutine and run once. The engine's
+// batch also implements RunAppender, which runs it into a results slice
+// the caller reuses from batch to batch.
 type Batch interface {
 	// Begin is Store.Begin as an item of the batch.
 	Begin(req Request)
@@ -62,6 +65,33 @@ type Batch interface {
 	Run(ctx context.Context) ([]BatchResult, error)
 }
 
+// RunAppender is implemented by a Batch that can append its results to a
+// slice the caller gives (the engine's batch does), as io.WriterTo is by
+// a Writer that can do better than Copy's loop. It is not part of Batch:
+// a caller that runs many batches checks for it and reuses one slice for
+// the results of all of them, Run otherwise:
+//
+//	if ra, ok := b.(idem.RunAppender); ok {
+//		buf, err = ra.AppendRun(ctx, buf[:0])
+//	} else {
+//		buf, err = b.Run(ctx)
+//	}
+type RunAppender interface {
+	// AppendRun is Run with the results appended to dst, one per item in
+	// the order the items were added, and the extended slice returned,
+	// as append does: the results are dst[len(dst):] of what it returns,
+	// written in dst's spare capacity when it has room for them all (no
+	// allocation), else in a new array holding dst's elements first. Its
+	// items, semantics and errors are Run's; Run is AppendRun(ctx, nil).
+	// On an error for the batch as a whole it returns dst as given (its
+	// spare capacity is left cleared). The results are the caller's, as
+	// Run's are (a Claim to finish, a Reply to keep): the Batch keeps no
+	// reference to dst or to any of its elements once AppendRun returns,
+	// and a caller reusing dst clears it after use (clear(buf)) so that
+	// it holds no claim or reply until the next run.
+	AppendRun(ctx context.Context, dst []BatchResult) ([]BatchResult, error)
+}
+
 // BatchResult is the outcome of one item of a Batch: Result as the single
 // call returns it (Begin, Put), and its error.
 type BatchResult struct {
@@ -69,7 +99,10 @@ type BatchResult struct {
 	Err    error
 }
 
-var _ Batcher = (*Engine)(nil)
+var (
+	_ Batcher     = (*Engine)(nil)
+	_ RunAppender = (*engineBatch)(nil)
+)
 
 // batchKind is what an item of an engine batch does.
 type batchKind uint8
@@ -263,16 +296,26 @@ const batchRecordBytes = 4 << 20
 // write part of its record), and a claim already finished (also by an
 // earlier item) is ErrLeaseLost.
 func (b *engineBatch) Run(ctx context.Context) ([]BatchResult, error) {
+	return b.AppendRun(ctx, nil)
+}
+
+// AppendRun is Run appending its results to dst (see RunAppender). The
+// run writes the results in place, in dst's spare capacity (grown first
+// when it is too small), and keeps no reference to them once it returns:
+// the batchRun's out is dropped by putBatchRun.
+func (b *engineBatch) AppendRun(ctx context.Context, dst []BatchResult) ([]BatchResult, error) {
 	if b.ran {
-		return nil, fmt.Errorf("%w: the batch was run already", ErrInvalidRequest)
+		return dst, fmt.Errorf("%w: the batch was run already", ErrInvalidRequest)
 	}
 	b.ran = true
 	defer b.release()
 	if err := ctx.Err(); err != nil {
-		return nil, err
+		return dst, err
 	}
 	e := b.e
-	out := make([]BatchResult, len(b.items))
+	all := slices.Grow(dst, len(b.items))[:len(dst)+len(b.items)]
+	out := all[len(dst):]
+	clear(out) // a reused dst's spare capacity may hold an earlier run's results
 	var set shardSet
 	for i := range b.items {
 		if err := b.check(i, &set); err != nil {
@@ -282,7 +325,8 @@ func (b *engineBatch) Run(ctx context.Context) ([]BatchResult, error) {
 	}
 	if err := e.enter(); err != nil {
 		b.reopenClaims(0)
-		return nil, err
+		clear(out)
+		return dst, err
 	}
 	defer e.leave()
 	r := e.getBatchRun(len(b.items))
@@ -309,10 +353,11 @@ func (b *engineBatch) Run(ctx context.Context) ([]BatchResult, error) {
 	}
 	unlock()
 	if r.fatal != nil && len(r.lsns) == 0 {
-		return nil, r.fatal
+		clear(out)
+		return dst, r.fatal
 	}
 	r.finish()
-	return out, nil
+	return all, nil
 }
 
 // prefetchRun is the number of keys whose key filter blocks (and, in a

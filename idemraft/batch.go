@@ -45,11 +45,18 @@ func (f *FSM) ApplyBatch(logs []*raft.Log) []any {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	a := batchApplyPool.Get().(*batchApply)
+	out := a.apply(f, logs)
+	batchApplyPool.Put(a)
+	return out
+}
+
+// apply is ApplyBatch with a (f.mu read-locked): it returns the entries'
+// results, and a keeps nothing of the call.
+func (a *batchApply) apply(f *FSM, logs []*raft.Log) []any {
 	a.f, a.logs, a.out, a.clk = f, logs, make([]any, len(logs)), f.now.Load()
 	a.run()
 	out := a.out
 	a.f, a.logs, a.out = nil, nil, nil
-	batchApplyPool.Put(a)
 	return out
 }
 
@@ -104,6 +111,9 @@ type batchApply struct {
 	ends    []int           // where each item's envelope ends in envs
 	envs    *envelopeWriter // the items' envelopes, back to back (the engine copies them); nil until the first
 	appPos  []int           // run positions of the entries given to the application's ApplyBatch
+	// bres holds the engine batch's results (idem.RunAppender), cleared
+	// once read so that it keeps no reply or error between runs.
+	bres []idem.BatchResult
 }
 
 // runEntry is an entry of the run: a new request (op set; its request is
@@ -414,7 +424,7 @@ func (a *batchApply) write(resps []Response) bool {
 		a.hints[n].Put(b, envs[from:a.ends[n]:a.ends[n]])
 		from = a.ends[n]
 	}
-	out, err := b.Run(context.Background())
+	out, err := a.runBatch(b)
 	for n := 0; err == nil && n < len(a.items); n++ {
 		switch {
 		case n >= len(out):
@@ -425,12 +435,28 @@ func (a *batchApply) write(resps []Response) bool {
 			err = fmt.Errorf("the dedup set answered %v on writing a request it had just looked up as new", out[n].Result.Status)
 		}
 	}
+	clear(out)
+	if cap(out) <= maxKeptDecoded {
+		a.bres = out[:0]
+	} else {
+		a.bres = nil
+	}
 	if err != nil {
 		f.fail(a.logs[a.pending[a.items[0]].i].Index, err)
 		return false
 	}
 	f.applied.Add(uint64(len(a.items)))
 	return true
+}
+
+// runBatch runs the engine batch b into a.bres: its results take no
+// allocation of their own once a.bres has the room for a run's items.
+// The caller clears them.
+func (a *batchApply) runBatch(b idem.Batch) ([]idem.BatchResult, error) {
+	if ra, ok := b.(idem.RunAppender); ok {
+		return ra.AppendRun(context.Background(), a.bres[:0])
+	}
+	return b.Run(context.Background())
 }
 
 // applyApp hands the run's entries for the application to it, in log

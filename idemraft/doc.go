@@ -62,7 +62,8 @@
 // entry; configuration changes go to its ApplyBatch, or its
 // StoreConfiguration), and writes the new requests' replies in one engine
 // batch (idem.Batch.Put, claim and commit in one step): one record for the
-// batch instead of two per request. Every entry gets what Apply would give
+// batch instead of two per request, its results appended to a buffer the
+// FSM reuses (idem.RunAppender) and clears after reading them. Every entry gets what Apply would give
 // it, whatever the batch boundaries, which differ between the leader and
 // the followers: the batch is taken in runs, and a run ends before a
 // command that names a key a new request of the run writes (its id or

@@ -24,6 +24,24 @@ func newBatch(st idem.Store) idem.Batch {
 	return &storeBatch{st: st}
 }
 
+// appendRun runs b with its results appended to dst: through
+// idem.RunAppender when b has it (the engine's batch: the results go in
+// dst's spare capacity, so a caller that keeps dst from batch to batch
+// allocates none for them), else through Run and a copy. It returns dst
+// as given when err is for the batch as a whole. The caller clears what
+// it keeps of the results once it is done with them: they hold the
+// claims and replies of the batch.
+func appendRun(ctx context.Context, b idem.Batch, dst []idem.BatchResult) ([]idem.BatchResult, error) {
+	if ra, ok := b.(idem.RunAppender); ok {
+		return ra.AppendRun(ctx, dst)
+	}
+	res, err := b.Run(ctx)
+	if err != nil {
+		return dst, err
+	}
+	return append(dst, res...), nil
+}
+
 // storeBatch is an idem.Batch over a Store without Batcher: each item is
 // the single call it stands for, with the same result. Items run in the
 // order they were added, except that a run of consecutive items of the

@@ -28,8 +28,9 @@
 // the store implements idem.Batcher (an *idem.Engine): one batch claims
 // every event, the handlers run, and one batch commits the events that
 // ran (each commit with its frontier advance), releases those whose
-// handler failed and advances the frontier past replayed deliveries. A
-// store without batches (an idemcluster client) gets the same items one
+// handler failed and advances the frontier past replayed deliveries; both
+// batches' results go to a buffer the consumer reuses (idem.RunAppender),
+// cleared once read. A store without batches (an idemcluster client) gets the same items one
 // request at a time; the outcome of each event is the same. The claims
 // are durable before any handler runs, as Apply's: a crash before the
 // second batch leaves them in doubt, resolved as below. A

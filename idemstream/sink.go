@@ -520,9 +520,10 @@ type sinkBatch struct {
 	finished bool // nothing left to write (the claims failed)
 
 	// Buffers of the two steps.
-	items    []int          // claims batch item -> event
-	advs     []idem.Advance // the commits' advances
-	finItems []*freshEvent  // finish batch item -> fresh event
+	items    []int              // claims batch item -> event
+	advs     []idem.Advance     // the commits' advances
+	finItems []*freshEvent      // finish batch item -> fresh event
+	res      []idem.BatchResult // either batch's results (appendRun), cleared after use
 }
 
 // freshEvent is a claimed event of a sinkBatch.
@@ -566,7 +567,10 @@ func (s *Sink) startBatch(sb *sinkBatch, ctx context.Context, h Handler, conc in
 		claims.Begin(eventRequestFP(s.scope, &evs[i], s.opts.NoFingerprint, s.opts.TTL, &fps))
 		items = append(items, i)
 	}
-	res, err := claims.Run(ctx)
+	res, err := appendRun(ctx, claims, sb.res[:0])
+	// Drop the results (claims, replies) once classified: fresh and outs
+	// keep what the batch goes on with.
+	defer func() { sb.res = keepResults(res) }()
 	if err != nil {
 		for _, i := range items {
 			errs[i] = fmt.Errorf("idemstream: %s: claiming event %q: %w", who, evs[i].ID, err)
@@ -608,6 +612,17 @@ func (s *Sink) startBatch(sb *sinkBatch, ctx context.Context, h Handler, conc in
 		returned = true
 	})
 	sb.fresh, sb.replayed = fresh, replayed
+}
+
+// keepResults clears a batch's results (appendRun's) for the next batch
+// to reuse, so that the buffer holds no claim, reply or error between
+// batches, and drops it if it is of an exceptionally large batch.
+func keepResults(res []idem.BatchResult) []idem.BatchResult {
+	clear(res)
+	if cap(res) > maxKeptBatchBuffer {
+		return nil
+	}
+	return res[:0]
 }
 
 // maxKeptBatchBuffer bounds the batch size (in events) whose buffers the
@@ -689,7 +704,8 @@ func (sb *sinkBatch) finish() ([]Outcome, []error) {
 	var err error
 	if fin.Len() > 0 {
 		// Once an effect has run, its commit is written whatever ctx says.
-		finRes, err = fin.Run(context.WithoutCancel(ctx))
+		finRes, err = appendRun(context.WithoutCancel(ctx), fin, sb.res[:0])
+		defer func() { sb.res = keepResults(finRes) }()
 	}
 	// The counters are added once for the batch, not per event.
 	var frontierWrites, applied uint64

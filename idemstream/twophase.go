@@ -159,9 +159,10 @@ type checkpointBufs struct {
 	order []*eventClaim
 	fresh []*eventClaim
 	hints []idem.PutHint
-	reqs  []idem.Request // a chunk's lookups, handed to the engine's Prefetch
-	ids   [][]byte       // the checkpoint record's events
-	fps   [][]byte       // and their fingerprints
+	reqs  []idem.Request     // a chunk's lookups, handed to the engine's Prefetch
+	ids   [][]byte           // the checkpoint record's events
+	fps   [][]byte           // and their fingerprints
+	res   []idem.BatchResult // the record's batch results (appendRun), cleared after use
 }
 
 // reset sizes the buffers for a batch of n events.
@@ -988,7 +989,8 @@ func (t *TwoPhase[Txn]) recordCheckpoint(ctx context.Context, k uint64, handle [
 	for _, c := range fresh {
 		c.put(b, t.escope, t.opts.TTL, enc.encode(nil, k, c.ev.Partition, c.ev.Offset))
 	}
-	res, err := b.Run(context.WithoutCancel(ctx))
+	res, err := appendRun(context.WithoutCancel(ctx), b, t.bufs.res[:0])
+	defer func() { t.bufs.res = keepResults(res) }()
 	if err != nil {
 		return err
 	}
