@@ -1,0 +1,155 @@
+package index
+
+import (
+	"crypto/rand"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/cockroachdb/pebble/v2/vfs"
+	"github.com/idemdb/idem/wal"
+)
+
+// TestSSTableIOInLargePieces: the sstables the index ingests and the
+// ones Pebble's compactions write reach the file system in pieces of
+// ioBufSize, not block by block, and a compaction reads its inputs in
+// such pieces too (iobuf.go); and what was written so reads back whole.
+// On the old code: "ix/ingest/000001-0.sst: 1135565 bytes in 278
+// writes" and "ix/000011.sst: compaction read 3375183 bytes in 858 reads"
+// (about 4 KiB each).
+func TestSSTableIOInLargePieces(t *testing.T) {
+	const sets, per, replyLen = 4, 2000, 512
+	fs := &ioCountFS{FS: vfs.NewMem(), files: map[string]*ioCount{}}
+	ix, err := Open(Options{FS: fs, Dir: "ix", IngestBytes: 1 << 30})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ix.Close(false)
+	want := map[string][]byte{}
+	lsn := wal.LSN(0)
+	for range sets {
+		ts := make([]Transition, 0, per)
+		for range per {
+			lsn++
+			id := make([]byte, 16)
+			_, _ = rand.Read(id)
+			reply := make([]byte, replyLen) // incompressible: tables of about 1 MiB
+			_, _ = rand.Read(reply)
+			k := EntryKey(nil, "s", ModeID, id)
+			e := &Entry{Committed: true, ReplyKept: true, Reply: reply, CommitTime: int64(lsn), CommitLSN: lsn, LSN: lsn}
+			ts = append(ts, Transition{Key: k, Mode: ModeID, Next: e})
+			want[string(k)] = reply
+		}
+		if err := ix.Apply([]*Update{{LSN: lsn, Transitions: ts}}); err != nil {
+			t.Fatal(err)
+		}
+		if err := ix.Flush(); err != nil { // one ingest per set
+			t.Fatal(err)
+		}
+	}
+	if err := ix.db.Compact(t.Context(), []byte{0}, []byte{0xff}, false); err != nil {
+		t.Fatal(err)
+	}
+	// Pieces of at least 64 KiB on average (a table's last piece is
+	// smaller), where block by block they were about 4 KiB.
+	const minPiece = 64 << 10
+	written, read := 0, 0
+	fs.mu.Lock()
+	for name, c := range fs.files {
+		if c.writeBytes >= 4*minPiece {
+			written++
+			if c.writeBytes/c.writes < minPiece {
+				t.Errorf("%s: %d bytes in %d writes", name, c.writeBytes, c.writes)
+			}
+		}
+		if c.seqReadBytes >= 4*minPiece {
+			read++
+			if c.seqReadBytes/c.seqReads < minPiece {
+				t.Errorf("%s: compaction read %d bytes in %d reads", name, c.seqReadBytes, c.seqReads)
+			}
+		}
+	}
+	fs.mu.Unlock()
+	if written < sets+1 || read < sets {
+		t.Fatalf("%d large tables written, %d read sequentially: want the %d ingested and the compaction's output, and its inputs", written, read, sets)
+	}
+	for k, reply := range want {
+		e, err := ix.Get([]byte(k))
+		if err != nil || e == nil || string(e.Reply) != string(reply) {
+			t.Fatalf("Get %x after the compaction: %v, %v", k, e, err)
+		}
+	}
+}
+
+// ioCountFS counts the writes to each sstable and its reads through
+// handles opened for sequential reading.
+type ioCountFS struct {
+	vfs.FS
+	mu    sync.Mutex
+	files map[string]*ioCount // by name; guarded by mu, as the counts are
+}
+
+type ioCount struct {
+	writes, writeBytes     int
+	seqReads, seqReadBytes int
+}
+
+func (fs *ioCountFS) Unwrap() vfs.FS { return fs.FS }
+
+func (fs *ioCountFS) count(name string) *ioCount {
+	fs.mu.Lock()
+	defer fs.mu.Unlock()
+	c := fs.files[name]
+	if c == nil {
+		c = &ioCount{}
+		fs.files[name] = c
+	}
+	return c
+}
+
+func (fs *ioCountFS) Create(name string, cat vfs.DiskWriteCategory) (vfs.File, error) {
+	f, err := fs.FS.Create(name, cat)
+	if err != nil || !strings.HasSuffix(name, ".sst") {
+		return f, err
+	}
+	return &ioCountFile{File: f, fs: fs, c: fs.count(name)}, nil
+}
+
+func (fs *ioCountFS) Open(name string, opts ...vfs.OpenOption) (vfs.File, error) {
+	f, err := fs.FS.Open(name, opts...)
+	if err != nil || !strings.HasSuffix(name, ".sst") {
+		return f, err
+	}
+	for _, o := range opts {
+		if o == vfs.SequentialReadsOption {
+			return &ioCountFile{File: f, fs: fs, c: fs.count(name), seq: true}, nil
+		}
+	}
+	return f, nil
+}
+
+type ioCountFile struct {
+	vfs.File
+	fs  *ioCountFS
+	c   *ioCount
+	seq bool
+}
+
+func (f *ioCountFile) Write(p []byte) (int, error) {
+	f.fs.mu.Lock()
+	f.c.writes++
+	f.c.writeBytes += len(p)
+	f.fs.mu.Unlock()
+	return f.File.Write(p)
+}
+
+func (f *ioCountFile) ReadAt(p []byte, off int64) (int, error) {
+	n, err := f.File.ReadAt(p, off)
+	if f.seq {
+		f.fs.mu.Lock()
+		f.c.seqReads++
+		f.c.seqReadBytes += n
+		f.fs.mu.Unlock()
+	}
+	return n, err
+}
