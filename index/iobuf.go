@@ -206,15 +206,17 @@ func (f *bufReadFile) ReadAt(p []byte, off int64) (int, error) {
 	if f.buf == nil {
 		f.buf = ioBufPool.Get().(*[]byte)
 	}
-	// Fill from off. Near the end of the file the read is short (io.EOF):
-	// whatever it got is kept, and a read it did not cover is answered
-	// by the file itself, with the file's own error.
-	n, _ := f.File.ReadAt(*f.buf, off)
-	f.off, f.n = off, max(n, 0)
+	// Fill from off. Near the end of the file the fill is short (io.EOF):
+	// it served p if it covered p; if not, p passes the end of the file
+	// (or the read failed), and p gets what the file gave and its error,
+	// as a read of p alone would have.
+	n, err := f.File.ReadAt(*f.buf, off)
+	n = max(n, 0)
+	f.off, f.n = off, n
 	if n >= len(p) {
 		return copy(p, (*f.buf)[:len(p)]), nil
 	}
-	return f.File.ReadAt(p, off)
+	return copy(p, (*f.buf)[:n]), err
 }
 
 func (f *bufReadFile) Close() error {

@@ -1,7 +1,10 @@
 package index
 
 import (
+	"bytes"
 	"crypto/rand"
+	"errors"
+	mrand "math/rand/v2"
 	"strings"
 	"sync"
 	"testing"
@@ -153,3 +156,98 @@ func (f *ioCountFile) ReadAt(p []byte, off int64) (int, error) {
 	}
 	return n, err
 }
+
+// TestIOBufFiles: what goes through ioBufFS's buffers reaches the file
+// whole and in order, reads through a sequential handle return what the
+// file holds (near its end as the file does: short, with io.EOF), and a
+// failed write comes back from the Sync after it and from every call after
+// that.
+func TestIOBufFiles(t *testing.T) {
+	mem := vfs.NewMem()
+	fs := ioBufFS{mem}
+	rng := mrand.New(mrand.NewPCG(3, 4))
+	data := make([]byte, 3*ioBufSize+12345)
+	_, _ = rand.Read(data)
+	f, err := fs.Create("t.sst", vfs.WriteCategoryUnspecified)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for at := 0; at < len(data); {
+		n := 1 + rng.IntN(9000)
+		if rng.IntN(20) == 0 {
+			n = ioBufSize + 1 // larger than the buffer: written through
+		}
+		n = min(n, len(data)-at)
+		if _, err := f.Write(data[at : at+n]); err != nil {
+			t.Fatal(err)
+		}
+		at += n
+	}
+	if err := f.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Close(); err != nil {
+		t.Fatal(err)
+	}
+	raw, err := mem.Open("t.sst")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer raw.Close()
+	got := make([]byte, len(data)+1)
+	if n, _ := raw.ReadAt(got, 0); n != len(data) || !bytes.Equal(got[:n], data) {
+		t.Fatalf("the file holds %d bytes, not the %d written (or other bytes)", n, len(data))
+	}
+
+	r, err := fs.Open("t.sst", vfs.SequentialReadsOption)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	if _, ok := r.(*bufReadFile); !ok {
+		t.Fatalf("a sequential handle is a %T", r)
+	}
+	for i := range 2000 {
+		off := rng.IntN(len(data) + 10)
+		if i%3 == 0 && i > 0 { // mostly onwards, as a compaction reads
+			off = min(len(data), off/8+i*1500)
+		}
+		p := make([]byte, 1+rng.IntN(8000))
+		n, err := r.ReadAt(p, int64(off))
+		want := max(0, min(len(p), len(data)-off))
+		if n != want || !bytes.Equal(p[:n], data[off:off+n]) {
+			t.Fatalf("ReadAt(%d bytes, %d) = %d bytes (want %d) or other bytes", len(p), off, n, want)
+		}
+		if (n < len(p)) != (err != nil) {
+			t.Fatalf("ReadAt(%d bytes, %d) = %d, %v: an error exactly when short", len(p), off, n, err)
+		}
+	}
+
+	// A write that fails in the file.
+	ff, err := fs.Create("f.sst", vfs.WriteCategoryUnspecified)
+	if err != nil {
+		t.Fatal(err)
+	}
+	bf := ff.(*bufWriteFile)
+	errDisk := errors.New("disk full")
+	bf.File = failingWriteFile{bf.File, errDisk}
+	if _, err := bf.Write(data[:100]); err != nil {
+		t.Fatalf("a buffered write: %v", err)
+	}
+	if err := bf.Sync(); !errors.Is(err, errDisk) {
+		t.Fatalf("Sync after a failed write = %v, want %v", err, errDisk)
+	}
+	if _, err := bf.Write(data[:100]); !errors.Is(err, errDisk) {
+		t.Fatalf("Write after a failed write = %v, want %v", err, errDisk)
+	}
+	if err := bf.Close(); !errors.Is(err, errDisk) {
+		t.Fatalf("Close after a failed write = %v, want %v", err, errDisk)
+	}
+}
+
+type failingWriteFile struct {
+	vfs.File
+	err error
+}
+
+func (f failingWriteFile) Write(p []byte) (int, error) { return 0, f.err }
