@@ -170,7 +170,7 @@ func Open(o Options) (*Index, error) {
 	plog := &pebbleLogger{l: o.Logger, ix: ix}
 	rp := newReadPin(ix)
 	popts := &pebble.Options{
-		FS:           dirSyncFS{FS: pfs, log: plog},
+		FS:           dirSyncFS{FS: ioBufFS{pfs}, log: plog},
 		Cache:        cache,
 		DisableWAL:   true,
 		MemTableSize: o.MemTableSize,

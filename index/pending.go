@@ -672,7 +672,8 @@ func (ix *Index) writeSSTs(base string, s *pendingSet) (paths []string, err erro
 			return err
 		}
 		paths = append(paths, path)
-		w := sstable.NewWriter(objstorageprovider.NewFileWritable(f), *o)
+		// Written in ioBufSize pieces, not block by block (iobuf.go).
+		w := sstable.NewWriter(objstorageprovider.NewFileWritable(newBufWriteFile(f)), *o)
 		if err := rows(w); err != nil {
 			_ = w.Close()
 			return err
