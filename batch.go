@@ -552,6 +552,29 @@ type batchRun struct {
 	// second time when the item's operation is added). nil: unknown.
 	itemKey []byte
 	itemSl  *slot
+	// itemNone says that itemKey has no slot in itemShard's table:
+	// getItem probed for it, so get installs one without probing again.
+	itemNone bool
+	// mark is the run's mark (Engine.batchMarks), which get leaves in
+	// every slot it reads (slot.batch). Every key that the record being
+	// built changed was read through get first (an item's own key by its
+	// getItem, the other keys by their operations' transitions), and only
+	// eviction takes a slot out of its table. So while no slot carrying
+	// the mark was evicted since the run began (evicted false), a key
+	// whose slot lacks the mark, or which has no slot, is one the record
+	// has not changed: getItem reads it without looking it up among the
+	// record's keys (index.Batch.GetUnchanged). A mark on a key the record
+	// did not change (read and left as it was, or changed by a record the
+	// run appended already) only costs that lookup.
+	mark uint32
+	// evicted says that a slot carrying the mark may have been evicted
+	// since the run began: the slot of a key the record changed, whose
+	// new slot would lack the mark. Then every item's key is looked up
+	// among the record's. While a record is built only get installs slots
+	// (and so evicts), and it notes when an install evicted a marked slot
+	// (shard.markEvicted); publishing a record (flush) may evict too,
+	// when a run is split into records (add).
+	evicted bool
 	// itemShard and itemTag are itemKey's shard and tag when known (nil:
 	// get hashes the key).
 	itemShard *shard
@@ -578,16 +601,21 @@ type batchRun struct {
 
 // getBatchRun returns a batchRun for a batch of about n items.
 func (e *Engine) getBatchRun(n int) *batchRun {
-	if r, ok := e.batchRuns.Get().(*batchRun); ok {
+	r, ok := e.batchRuns.Get().(*batchRun)
+	if ok {
 		if r.reset {
 			r.bt.Reset(0)
 			r.reset = false
 		}
-		return r
+	} else {
+		r = &batchRun{e: e}
+		r.bt = index.NewBatch(0, r.get, n)
+		r.buf = make([]byte, wal.MaxBatchHeader, max(64<<10, wal.MaxBatchHeader))
 	}
-	r := &batchRun{e: e}
-	r.bt = index.NewBatch(0, r.get, n)
-	r.buf = make([]byte, wal.MaxBatchHeader, max(64<<10, wal.MaxBatchHeader))
+	if r.mark = e.batchMarks.Add(1); r.mark == 0 { // 0 is a new slot's
+		r.mark = e.batchMarks.Add(1)
+	}
+	r.evicted = false
 	return r
 }
 
@@ -624,11 +652,22 @@ func (r *batchRun) get(key []byte, mode byte) (*index.Entry, error) {
 		case sh == nil:
 			sh, tag = r.e.keyTagOf(key, sl) // sl, when set, is key's (evicted)
 		}
+		sh.evictMark, sh.markEvicted = r.mark, false
 		var err error
-		if sl, err = r.e.slotLockedIn(sh, key, tag, true); err != nil {
+		if item && r.itemNone {
+			r.itemNone = false
+			sl, err = r.e.loadSlotLocked(sh, key, tag, true)
+		} else {
+			sl, err = r.e.slotLockedIn(sh, key, tag, true)
+		}
+		if err != nil {
 			return nil, err
 		}
+		if sh.markEvicted { // installing sl evicted a slot the run read
+			r.evicted = true
+		}
 	}
+	sl.batch = r.mark
 	r.lastKey, r.lastSl = key, sl
 	return r.e.current(sl, mode), nil
 }
@@ -640,7 +679,7 @@ func (r *batchRun) get(key []byte, mode byte) (*index.Entry, error) {
 // in its shard's table (only eviction takes a slot out): get takes it
 // without a lookup.
 func (r *batchRun) getItem(it *batchItem) (*index.Entry, error) {
-	r.lastSl, r.itemKey, r.itemSl, r.itemShard = nil, it.k.key, nil, nil
+	r.lastSl, r.itemKey, r.itemSl, r.itemShard, r.itemNone = nil, it.k.key, nil, nil, false
 	if it.kind == bBegin || it.kind == bPut {
 		r.itemShard, r.itemTag = &r.e.shards[it.shard], it.tag
 	}
@@ -650,12 +689,42 @@ func (r *batchRun) getItem(it *batchItem) (*index.Entry, error) {
 	if sl := it.hintSlot(); sl != nil {
 		r.itemSl = sl
 	}
-	cur, err := r.bt.Get(it.k.key, it.k.mode)
+	var cur *index.Entry
+	var err error
+	if r.unchanged() {
+		cur, err = r.bt.GetUnchanged(it.k.key, it.k.mode)
+	} else {
+		cur, err = r.bt.Get(it.k.key, it.k.mode)
+	}
 	if err == nil && r.lastSl != nil && sameSlice(r.lastKey, it.k.key) {
 		it.sl = r.lastSl
 		r.itemSl = it.sl
 	}
 	return cur, err
+}
+
+// unchanged says whether the record being built has certainly not
+// changed the item's key (itemKey) yet, from the key's slot (see mark):
+// the item's own (a claim's, a hint's), else the slot found by probing
+// its shard's table, which it notes in itemSl (none: itemNone) so that
+// get does not probe again. A Commit or Abort whose claim's slot was
+// evicted is not known (false).
+func (r *batchRun) unchanged() bool {
+	if r.evicted {
+		return false
+	}
+	sl := r.itemSl
+	if sl == nil {
+		if r.itemShard == nil {
+			return false
+		}
+		if sl = r.itemShard.find(r.itemKey, r.itemTag); sl == nil {
+			r.itemNone = true
+			return true
+		}
+		r.itemSl = sl
+	}
+	return sl.batch != r.mark
 }
 
 // sameSlice says whether a and b are the same bytes in memory (keys are
@@ -900,6 +969,10 @@ func (r *batchRun) add(i int, ops []wal.Op, key []byte, dropEmpty bool) (kept bo
 		}
 		r.bt.Reset(0)
 		r.reset = false
+		// Publishing the record may have installed slots and evicted
+		// others, among them that of item i's key, which ops (a claim
+		// of a key the index has not: no read) add to the new record.
+		r.evicted = true
 		r.buf = append(r.buf, tail...)
 		mark = wal.MaxBatchHeader
 	}

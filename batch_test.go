@@ -306,53 +306,130 @@ func indexEntries(t *testing.T, e *Engine) map[string]string {
 
 // TestBatchMatchesSingleCalls: random batches run as one record each give
 // every item exactly the result the single calls give it one at a time,
-// and leave the same state and counters.
+// and leave the same state and counters. Each seed runs as drawn, with
+// repeats (withRepeats: items naming the key of an earlier item of their
+// batch again, one to three items later, up to three times: two Puts of
+// an id, a Put and then a Begin, an Ack and then a Put, the Commit or
+// Abort of a claim and then a Begin of its request), so that a run reads
+// keys its record changed and keys it did not (batchRun.unchanged tells
+// them apart from the table), and with repeats over a table of a few
+// slots per shard, whose slots are evicted between batches (keys then
+// only in the index) and within a run, between two items of one key.
 func TestBatchMatchesSingleCalls(t *testing.T) {
-	for seed := uint64(1); seed <= 6; seed++ {
-		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) {
-			clkA, clkB := testclock.New(), testclock.New()
-			a := openMem(t, vfs.NewMem(), &Options{Clock: clkA.Now, Lease: 10 * time.Second})
-			defer a.Close()
-			b := openMem(t, vfs.NewMem(), &Options{Clock: clkB.Now, Lease: 10 * time.Second})
-			defer b.Close()
-			p := newBatchProgram(seed)
-			var openA, openB []*Claim
-			for round := 0; round < 150; round++ {
-				steps := p.batch(len(openA))
-				var outA, outB []BatchResult
-				outA, openA = runSteps(t, a, steps, openA, false)
-				outB, openB = runSteps(t, b, steps, openB, true)
-				for i := range steps {
-					if da, db := describeResult(outA[i]), describeResult(outB[i]); da != db {
-						t.Fatalf("round %d item %d (%+v):\nbatch:  %s\nsingly: %s", round, i, steps[i], da, db)
-					}
-				}
-				d := time.Duration(p.rng.IntN(4)) * time.Second
-				clkA.Advance(d)
-				clkB.Advance(d)
-			}
-			if sa, sb := observeBatchState(t, a), observeBatchState(t, b); sa != sb {
-				t.Fatalf("state differs:\nbatch:\n%s\nsingly:\n%s", sa, sb)
-			}
-			sa, sb := a.Stats(), b.Stats()
-			for _, c := range []struct {
-				name string
-				a, b uint64
-			}{
-				{"hits", sa.Hits, sb.Hits}, {"misses", sa.Misses, sb.Misses}, {"conflicts", sa.Conflicts, sb.Conflicts},
-				{"collisions", sa.InFlightCollisions, sb.InFlightCollisions}, {"acked", sa.Acked, sb.Acked},
-				{"cleanups", sa.Cleanups, sb.Cleanups}, {"expired", sa.Expired, sb.Expired}, {"gaps", sa.SequenceGaps, sb.SequenceGaps},
-				{"already", sa.AlreadyCommitted, sb.AlreadyCommitted}, {"leaseLost", sa.LeaseLost, sb.LeaseLost}, {"takeovers", sa.Takeovers, sb.Takeovers},
-			} {
-				if c.a != c.b {
-					t.Errorf("Stats %s: %d in batches, %d singly", c.name, c.a, c.b)
-				}
-			}
-			if sa.LastLSN >= sb.LastLSN {
-				t.Errorf("batches wrote %d records, the single calls %d", sa.LastLSN, sb.LastLSN)
-			}
-		})
+	for _, c := range []struct {
+		name    string
+		repeats bool
+		cache   int64
+	}{{"drawn", false, 0}, {"repeats", true, 0}, {"repeats-evicting", true, 8 << 10}} {
+		for seed := uint64(1); seed <= 6; seed++ {
+			t.Run(fmt.Sprintf("%s/seed%d", c.name, seed), func(t *testing.T) {
+				testBatchMatchesSingleCalls(t, seed, c.repeats, c.cache)
+			})
+		}
 	}
+}
+
+func testBatchMatchesSingleCalls(t *testing.T, seed uint64, repeats bool, cache int64) {
+	clkA, clkB := testclock.New(), testclock.New()
+	a := openMem(t, vfs.NewMem(), &Options{Clock: clkA.Now, Lease: 10 * time.Second, CacheSize: cache})
+	defer a.Close()
+	b := openMem(t, vfs.NewMem(), &Options{Clock: clkB.Now, Lease: 10 * time.Second, CacheSize: cache})
+	defer b.Close()
+	p := newBatchProgram(seed)
+	var openA, openB []*Claim
+	for round := 0; round < 150; round++ {
+		steps := p.batch(len(openA))
+		if repeats {
+			steps = withRepeats(p.rng, steps, openA)
+		}
+		var outA, outB []BatchResult
+		outA, openA = runSteps(t, a, steps, openA, false)
+		outB, openB = runSteps(t, b, steps, openB, true)
+		for i := range steps {
+			if da, db := describeResult(outA[i]), describeResult(outB[i]); da != db {
+				t.Fatalf("round %d item %d (%+v):\nbatch:  %s\nsingly: %s", round, i, steps[i], da, db)
+			}
+		}
+		d := time.Duration(p.rng.IntN(4)) * time.Second
+		clkA.Advance(d)
+		clkB.Advance(d)
+	}
+	if sa, sb := observeBatchState(t, a), observeBatchState(t, b); sa != sb {
+		t.Fatalf("state differs:\nbatch:\n%s\nsingly:\n%s", sa, sb)
+	}
+	sa, sb := a.Stats(), b.Stats()
+	for _, c := range []struct {
+		name string
+		a, b uint64
+	}{
+		{"hits", sa.Hits, sb.Hits}, {"misses", sa.Misses, sb.Misses}, {"conflicts", sa.Conflicts, sb.Conflicts},
+		{"collisions", sa.InFlightCollisions, sb.InFlightCollisions}, {"acked", sa.Acked, sb.Acked},
+		{"cleanups", sa.Cleanups, sb.Cleanups}, {"expired", sa.Expired, sb.Expired}, {"gaps", sa.SequenceGaps, sb.SequenceGaps},
+		{"already", sa.AlreadyCommitted, sb.AlreadyCommitted}, {"leaseLost", sa.LeaseLost, sb.LeaseLost}, {"takeovers", sa.Takeovers, sb.Takeovers},
+	} {
+		if c.a != c.b {
+			t.Errorf("Stats %s: %d in batches, %d singly", c.name, c.a, c.b)
+		}
+	}
+	if sa.LastLSN >= sb.LastLSN {
+		t.Errorf("batches wrote %d records, the single calls %d", sa.LastLSN, sb.LastLSN)
+	}
+}
+
+// withRepeats returns steps with items added that name the key of an
+// earlier item of the batch again (a Begin's or Put's request, an open
+// claim's, an acked id), each 1 to 3 items after the item it repeats (or
+// at the batch's end), up to twice per item: a Begin, a Put, or an Ack of
+// the id. open are the claims that steps' Commits and Aborts name.
+func withRepeats(rng *rand.Rand, steps []batchStep, open []*Claim) []batchStep {
+	type later struct {
+		at int // the step it goes before (len(steps) or more: at the end)
+		s  batchStep
+	}
+	var adds []later
+	for i, s := range steps {
+		var req Request
+		switch s.kind {
+		case bBegin, bPut:
+			req = s.req
+		case bCommit, bAbort:
+			k := open[s.claim].ec.k
+			req.Scope = k.scope
+			if k.mode == index.ModeID {
+				req.ID = k.ident
+			} else {
+				req.Client, req.Seq = string(k.ident), k.seq
+			}
+		case bAck:
+			req = Request{Scope: s.scope, ID: s.ids[0]}
+		default:
+			continue
+		}
+		for n := rng.IntN(3); n > 0; n-- {
+			r := batchStep{kind: bBegin, req: req}
+			switch rng.IntN(3) {
+			case 0:
+				r = batchStep{kind: bPut, req: req, reply: []byte(fmt.Sprint("r", rng.IntN(1000)))}
+			case 1:
+				if req.ID != nil {
+					r = batchStep{kind: bAck, scope: req.Scope, ids: [][]byte{req.ID}}
+				}
+			}
+			adds = append(adds, later{i + 1 + rng.IntN(3), r})
+		}
+	}
+	out := make([]batchStep, 0, len(steps)+len(adds))
+	for i := 0; i <= len(steps); i++ {
+		for _, a := range adds {
+			if a.at == i || i == len(steps) && a.at > i {
+				out = append(out, a.s)
+			}
+		}
+		if i < len(steps) {
+			out = append(out, steps[i])
+		}
+	}
+	return out
 }
 
 // TestBatchReplayEqualsLive: after random batches, the index the engine

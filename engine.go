@@ -67,6 +67,8 @@ type Engine struct {
 	getLockedFn func(key []byte, mode byte) (*index.Entry, error)
 	// batchRuns holds *batchRun for reuse by Batch.Run.
 	batchRuns sync.Pool
+	// batchMarks numbers the batch runs (batchRun.mark, slot.batch).
+	batchMarks atomic.Uint32
 	// mark is the newest forget mark. It is replaced only while every shard
 	// lock is held, so an operation holding one shard lock sees a mark that
 	// agrees with the log order of its own record.
@@ -124,6 +126,12 @@ type shard struct {
 	// skips its second probe when none was installed while it read
 	// the index without the lock.
 	installs uint64
+	// evictMark and markEvicted (guarded by mu): a batch run that installs
+	// a slot sets evictMark to its mark (batchRun.mark), and evicting a
+	// slot that carries evictMark sets markEvicted: a slot of a key the
+	// run's record may have changed left the table (batchRun.get).
+	evictMark   uint32
+	markEvicted bool
 	// unlock is mu.Unlock bound once, so that lockKeys of one key does not
 	// allocate a method value per call.
 	unlock func()
@@ -159,6 +167,12 @@ type slot struct {
 	inFlight bool
 	evicted  bool  // dropped from its shard's table by eviction (for holders of a slot pointer)
 	shard    uint8 // its shard's index in Engine.shards (immutable)
+	// batch is the mark (batchRun.mark) of the batch run whose overlay
+	// last read the key (0: none), guarded by the shard's lock: a run
+	// that finds its mark missing from a key's slot knows that its record
+	// has not changed the key (batchRun.getItem). It fills the slot's
+	// padding: a slot stays 64 bytes.
+	batch uint32
 }
 
 // A slot's shard index is a byte.

@@ -193,6 +193,13 @@ func (e *Engine) slotLockedIn(sh *shard, key []byte, tag uint32, keep bool) (*sl
 	if sl := sh.find(key, tag); sl != nil {
 		return sl, nil
 	}
+	return e.loadSlotLocked(sh, key, tag, keep)
+}
+
+// loadSlotLocked is slotLockedIn for a key that has no slot in sh (its
+// caller probed the table already): it reads the key from the index and
+// installs its slot.
+func (e *Engine) loadSlotLocked(sh *shard, key []byte, tag uint32, keep bool) (*slot, error) {
 	en, err := e.ix.Get(key)
 	if err != nil {
 		return nil, wrapCorrupt(err)
@@ -383,7 +390,7 @@ func slotSize(key []byte, en *index.Entry) int64 {
 // (what the allocator hands out), so that a field added to either cannot
 // leave the accounting behind.
 const (
-	slotBytes  = 64  // a slot (59 bytes)
+	slotBytes  = 64  // a slot (64 bytes)
 	entryBytes = 192 // an index.Entry (184 bytes)
 	// tableBytesPerSlot is a slot's part of its shard's table at most:
 	// 16 bytes of tab (8-byte entries, the table 7/16 to 7/8 full) and 8
@@ -471,6 +478,9 @@ func (e *Engine) evictRunLocked(sh *shard, run *evictCands, keep *slot, target i
 		}
 		sh.remove(sl)
 		sl.evicted = true
+		if sl.batch == sh.evictMark {
+			sh.markEvicted = true
+		}
 		sh.gen++
 		sh.bytes -= sl.size
 	}

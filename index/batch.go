@@ -14,8 +14,9 @@ import (
 // record's transitions keep, for a key changed more than once, its first
 // Prev and its last Next. Transitions of a batch record is a Batch fed
 // every operation; the engine feeds one the operations it decides on,
-// classifying each request against Get first, so that the live engine and
-// replay compute a batch with the same code.
+// classifying each request against Get first (GetUnchanged for a key it
+// knows the batch has not changed), so that the live engine and replay
+// compute a batch with the same code.
 //
 // Every claim of the batch gets the batch's LSN as its claim LSN, and a
 // commit or abort naming claim 0 finishes the claim made earlier in the
@@ -23,8 +24,13 @@ import (
 type Batch struct {
 	lsn wal.LSN
 	get func(key []byte, mode byte) (*Entry, error)
-	// at maps a key changed by the batch to its transition in out.
+	// at maps a key changed by the batch to its transition in out, for
+	// the first nat transitions: the others are added when a lookup
+	// needs them (find), so that a batch whose keys are never looked up
+	// (each changed by one item of the engine's, which knows that the
+	// batch has not changed it before: GetUnchanged) hashes none of them.
 	at   map[string]int
+	nat  int
 	out  []Transition
 	step []Transition // the transitions of the last Add
 	// last is the key of the last transition added to out (at index
@@ -77,6 +83,7 @@ func NewBatch(lsn wal.LSN, get func(key []byte, mode byte) (*Entry, error), n in
 func (b *Batch) Reset(lsn wal.LSN) {
 	b.lsn = lsn
 	clear(b.at)
+	b.nat = 0
 	clear(b.out) // hold no key or entry of the last record
 	b.out = b.out[:0]
 	b.step = b.step[:0]
@@ -94,8 +101,26 @@ func (b *Batch) Get(key []byte, mode byte) (*Entry, error) {
 	if mode == b.readMode && sameBytes(key, b.read) {
 		return b.readEntry, nil
 	}
-	if i, ok := b.at[string(key)]; ok {
+	if i, ok := b.find(key); ok {
 		return b.out[i].Next, nil
+	}
+	en, err := b.get(key, mode)
+	if err == nil {
+		b.read, b.readMode, b.readEntry = key, mode, en
+	}
+	return en, err
+}
+
+// GetUnchanged is Get for a key that the caller knows no operation added
+// since the batch was made, Reset or gave its Transitions has changed: it
+// reads key through get without looking it up among the keys the batch
+// changed (the engine knows it from its table: batchRun.getItem). A caller
+// that cannot tell calls Get; called for a key the batch did change, it
+// returns the state before the batch, which is wrong.
+func (b *Batch) GetUnchanged(key []byte, mode byte) (*Entry, error) {
+	b.claim = nil // as Get
+	if mode == b.readMode && sameBytes(key, b.read) {
+		return b.readEntry, nil
 	}
 	en, err := b.get(key, mode)
 	if err == nil {
@@ -112,7 +137,7 @@ func (b *Batch) lookup(key []byte, mode byte) (*Entry, error) {
 	if mode == b.readMode && sameBytes(key, b.read) {
 		return b.readEntry, nil // not changed since: no Add came between
 	}
-	if i, ok := b.at[string(key)]; ok {
+	if i, ok := b.find(key); ok {
 		return b.out[i].Next, nil
 	}
 	return b.get(key, mode)
@@ -162,15 +187,11 @@ func (b *Batch) AddInto(op *wal.Op, key []byte, into *Entry) ([]Transition, erro
 		}
 		if sameBytes(t.Key, read) {
 			read = nil // Get found it absent from at; added below
-		} else if i, ok := b.at[string(t.Key)]; ok {
+		} else if i, ok := b.find(t.Key); ok {
 			b.out[i].Next = t.Next
 			continue
 		}
-		// The map keeps the key's bytes without copying them: transition
-		// keys are never changed once made (EntryKey's, or the caller's
-		// key, which Add's contract freezes).
-		b.at[unsafe.String(unsafe.SliceData(t.Key), len(t.Key))] = len(b.out)
-		b.out = append(b.out, t)
+		b.out = append(b.out, t) // a new key: at gets it when find needs it
 		b.last = t.Key
 	}
 	return step, nil
@@ -188,7 +209,7 @@ func (b *Batch) AddInto(op *wal.Op, key []byte, into *Entry) ([]Transition, erro
 // a new slice, and prev is to be read with get.
 func (b *Batch) advanceKey(scope, client string) (key []byte, prev, fill *Entry, found bool) {
 	b.scratch = EntryKey(b.scratch[:0], scope, ModeClient, unsafe.Slice(unsafe.StringData(client), len(client)))
-	i, ok := b.at[string(b.scratch)]
+	i, ok := b.find(b.scratch)
 	if !ok {
 		return bytes.Clone(b.scratch), nil, nil, false
 	}
@@ -197,6 +218,20 @@ func (b *Batch) advanceKey(scope, client string) (key []byte, prev, fill *Entry,
 		fill = t.Next
 	}
 	return t.Key, t.Next, fill, true
+}
+
+// find returns the index in out of key's transition, if the batch changed
+// key, after adding the transitions at does not hold yet to it.
+func (b *Batch) find(key []byte) (int, bool) {
+	for ; b.nat < len(b.out); b.nat++ {
+		// The map keeps the key's bytes without copying them: transition
+		// keys are never changed once made (EntryKey's, or the caller's
+		// key, which Add's contract freezes).
+		k := b.out[b.nat].Key
+		b.at[unsafe.String(unsafe.SliceData(k), len(k))] = b.nat
+	}
+	i, ok := b.at[string(key)]
+	return i, ok
 }
 
 // sameBytes says whether a and b are the same slice (not only equal
@@ -234,6 +269,7 @@ func (b *Batch) Transitions() []Transition {
 	clear(b.out) // hold no key or entry of this record
 	b.out = b.out[:0]
 	clear(b.at) // the indices no longer hold; Reset before the next Add
+	b.nat = 0
 	b.last = nil
 	b.claim = nil
 	b.read, b.readEntry = nil, nil
