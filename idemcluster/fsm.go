@@ -499,11 +499,19 @@ type segment struct {
 	touched map[uint64]struct{}
 	seed    maphash.Seed // of touched's hashes (the node's own)
 	name    []byte       // reused to hash a name
+	// res receives the batch's results (idem.RunAppender), reused from
+	// segment to segment and cleared after each: it holds no claim, reply
+	// or error between them.
+	res []idem.BatchResult
 }
 
 // maxReusedTouched is the most names a segment's table of touched names
 // may have held to be cleared and reused for the next segment.
 const maxReusedTouched = 1024
+
+// maxReusedResults bounds the results buffer a segment keeps for the
+// next (a raft batch's largest segments; a larger one is dropped).
+const maxReusedResults = 4096
 
 // segItem is a command of the segment waiting for its batch item's result.
 type segItem struct {
@@ -622,7 +630,21 @@ func (s *segment) run() {
 		s.items = items[:0]
 	}()
 	f := s.f
-	res, err := b.Run(context.Background())
+	var res []idem.BatchResult
+	var err error
+	if ra, ok := b.(idem.RunAppender); ok {
+		res, err = ra.AppendRun(context.Background(), s.res[:0])
+		defer func() {
+			clear(res)
+			if cap(res) <= maxReusedResults {
+				s.res = res[:0]
+			} else {
+				s.res = nil
+			}
+		}()
+	} else {
+		res, err = b.Run(context.Background())
+	}
 	if err == nil && len(res) != len(items) {
 		err = fmt.Errorf("idemcluster: the engine answered %d of a batch of %d", len(res), len(items))
 	}

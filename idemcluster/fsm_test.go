@@ -7,6 +7,7 @@ import (
 	"io"
 	"math/rand/v2"
 	"path/filepath"
+	"reflect"
 	"testing"
 	"time"
 
@@ -478,5 +479,32 @@ func TestRemovedIDsSurviveSnapshot(t *testing.T) {
 	if !dst.wasRemoved("n3") || dst.wasRemoved("n9") || dst.member("n3") != "" {
 		t.Fatalf("after the restore: n3 removed %v, n9 removed %v, n3's address %q; want true, false, none",
 			dst.wasRemoved("n3"), dst.wasRemoved("n9"), dst.member("n3"))
+	}
+}
+
+// TestSegmentResultsBuffer: a segment runs its engine batch into one
+// results buffer, kept for the next segment and cleared after each, so it
+// holds no claim, reply or error between raft batches.
+func TestSegmentResultsBuffer(t *testing.T) {
+	f := testFSM(t, "f")
+	begin := func(id, tok string) command {
+		return command{Op: cmdBegin, Req: toWire(idem.Request{ID: []byte(id)}), Owner: "o", Token: []byte(tok)}
+	}
+	logs := fsmLogs(t, []fsmEntry{{c: begin("a", "t1")}, {c: begin("b", "t2")}, {c: begin("a", "t3")}})
+	for round, batch := range [][]*raft.Log{logs[:2], logs[2:]} {
+		for i, a := range f.ApplyBatch(batch) {
+			if got, want := outcome(a), []string{"fresh", "fresh", "in-flight"}[round*2+i]; got != want {
+				t.Fatalf("batch %d, entry %d: %s, want %s (%s)", round, i, got, want, detail(a))
+			}
+		}
+		res := f.seg.res
+		if cap(res) == 0 {
+			t.Fatalf("batch %d: no results buffer kept", round)
+		}
+		for i, r := range res[:cap(res)] {
+			if !reflect.ValueOf(r).IsZero() {
+				t.Fatalf("batch %d: the kept buffer holds %+v at %d", round, r, i)
+			}
+		}
 	}
 }
