@@ -10,7 +10,6 @@ import (
 	"testing"
 
 	"github.com/cockroachdb/pebble/v2/vfs"
-	"github.com/idemdb/idem/wal"
 )
 
 // TestSSTableIOInLargePieces: the sstables the index ingests and the
@@ -28,28 +27,11 @@ func TestSSTableIOInLargePieces(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer ix.Close(false)
-	want := map[string][]byte{}
-	lsn := wal.LSN(0)
-	for range sets {
-		ts := make([]Transition, 0, per)
-		for range per {
-			lsn++
-			id := make([]byte, 16)
-			_, _ = rand.Read(id)
-			reply := make([]byte, replyLen) // incompressible: tables of about 1 MiB
-			_, _ = rand.Read(reply)
-			k := EntryKey(nil, "s", ModeID, id)
-			e := &Entry{Committed: true, ReplyKept: true, Reply: reply, CommitTime: int64(lsn), CommitLSN: lsn, LSN: lsn}
-			ts = append(ts, Transition{Key: k, Mode: ModeID, Next: e})
-			want[string(k)] = reply
-		}
-		if err := ix.Apply([]*Update{{LSN: lsn, Transitions: ts}}); err != nil {
-			t.Fatal(err)
-		}
-		if err := ix.Flush(); err != nil { // one ingest per set
-			t.Fatal(err)
-		}
-	}
+	want := ingestSets(t, ix, sets, per, func() []byte {
+		reply := make([]byte, replyLen) // incompressible: tables of about 1 MiB
+		_, _ = rand.Read(reply)
+		return reply
+	})
 	if err := ix.db.Compact(t.Context(), []byte{0}, []byte{0xff}, false); err != nil {
 		t.Fatal(err)
 	}

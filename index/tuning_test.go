@@ -30,28 +30,13 @@ func TestCompressionFollowsReplies(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer ix.Close(false)
-			lsn := wal.LSN(0)
-			for range sets {
-				ts := make([]Transition, 0, per)
-				for range per {
-					lsn++
-					id := make([]byte, 16)
-					_, _ = rand.Read(id)
-					reply := make([]byte, replyLen)
-					if !c.compress {
-						_, _ = rand.Read(reply)
-					}
-					k := EntryKey(nil, "s", ModeID, id)
-					e := &Entry{Committed: true, ReplyKept: true, Reply: reply, CommitTime: int64(lsn), CommitLSN: lsn, LSN: lsn}
-					ts = append(ts, Transition{Key: k, Mode: ModeID, Next: e})
+			ingestSets(t, ix, sets, per, func() []byte {
+				reply := make([]byte, replyLen)
+				if !c.compress {
+					_, _ = rand.Read(reply)
 				}
-				if err := ix.Apply([]*Update{{LSN: lsn, Transitions: ts}}); err != nil {
-					t.Fatal(err)
-				}
-				if err := ix.Flush(); err != nil { // one ingest per set
-					t.Fatal(err)
-				}
-			}
+				return reply
+			})
 			check := func(when string) {
 				levels, err := ix.db.SSTables(pebble.WithProperties())
 				if err != nil {
@@ -124,4 +109,33 @@ func TestL0CompactionThreshold(t *testing.T) {
 	if !found {
 		t.Fatalf("no OPTIONS file in %v", names)
 	}
+}
+
+// ingestSets applies sets sets of per new committed ids to ix, each with
+// the reply newReply returns, and flushes after each set (one ingest per
+// set). It returns each entry key's reply.
+func ingestSets(t *testing.T, ix *Index, sets, per int, newReply func() []byte) map[string][]byte {
+	t.Helper()
+	want := map[string][]byte{}
+	lsn := wal.LSN(0)
+	for range sets {
+		ts := make([]Transition, 0, per)
+		for range per {
+			lsn++
+			id := make([]byte, 16)
+			_, _ = rand.Read(id)
+			reply := newReply()
+			k := EntryKey(nil, "s", ModeID, id)
+			e := &Entry{Committed: true, ReplyKept: true, Reply: reply, CommitTime: int64(lsn), CommitLSN: lsn, LSN: lsn}
+			ts = append(ts, Transition{Key: k, Mode: ModeID, Next: e})
+			want[string(k)] = reply
+		}
+		if err := ix.Apply([]*Update{{LSN: lsn, Transitions: ts}}); err != nil {
+			t.Fatal(err)
+		}
+		if err := ix.Flush(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return want
 }
