@@ -2,6 +2,7 @@ package idem
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"strings"
@@ -231,4 +232,138 @@ func TestPrefetchKeyIsLookupKey(t *testing.T) {
 		t.Fatal(err)
 	}
 	e.Prefetch(reqs)
+}
+
+// TestLookupHintsMatchesLookupHint: random programs run on two engines,
+// one looking each batch's Begin and Put requests up together with
+// LookupHints, the other one by one with LookupHint, give the same
+// results and the same hints (request, key, fingerprint, a slot), and
+// the hinted Puts that follow give the same results and the same state.
+// Some of the requests are invalid (each gets its own error), some name
+// one key twice (both get the same answer), and the tables are small, so
+// that a lookup of the call evicts the slots of earlier ones. A cancelled
+// context and a closed engine give every valid request their error.
+func TestLookupHintsMatchesLookupHint(t *testing.T) {
+	invalid := []Request{{}, {ID: []byte("x"), Client: "c", Seq: 1}, {Client: "c"}, {ID: []byte("x"), TTL: -1}}
+	for seed := uint64(1); seed <= 6; seed++ {
+		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) {
+			clkA, clkB := testclock.New(), testclock.New()
+			a := openMem(t, vfs.NewMem(), &Options{Clock: clkA.Now, Lease: 10 * time.Second, CacheSize: 8 << 10})
+			defer a.Close()
+			b := openMem(t, vfs.NewMem(), &Options{Clock: clkB.Now, Lease: 10 * time.Second, CacheSize: 8 << 10})
+			defer b.Close()
+			p := newBatchProgram(seed)
+			var openA, openB []*Claim
+			looked, statuses := 0, map[string]int{}
+			for round := 0; round < 150; round++ {
+				steps := p.batch(len(openA))
+				var reqs []Request
+				at := make([]int, len(steps)) // step i's position in reqs (-1: none)
+				for i, s := range steps {
+					at[i] = -1
+					if p.rng.IntN(8) == 0 {
+						reqs = append(reqs, invalid[p.rng.IntN(len(invalid))])
+					}
+					if s.kind == bBegin || s.kind == bPut {
+						at[i] = len(reqs)
+						reqs = append(reqs, s.req)
+						if p.rng.IntN(8) == 0 {
+							reqs = append(reqs, s.req)
+						}
+					}
+				}
+				hintsA, hintsB := make([]PutHint, len(reqs)), make([]PutHint, len(reqs))
+				out := make([]BatchResult, len(reqs))
+				a.LookupHints(bg, reqs, hintsA, out)
+				for i, r := range reqs {
+					rb, errb := b.LookupHint(bg, r, &hintsB[i])
+					da, db := describeResult(out[i]), describeResult(BatchResult{rb, errb})
+					if da != db {
+						t.Fatalf("round %d request %d (%+v): LookupHints %s, LookupHint %s", round, i, r, da, db)
+					}
+					kind := out[i].Result.Status.String()
+					if err := out[i].Err; err != nil {
+						kind = "error"
+						if errors.Is(err, ErrInvalidRequest) {
+							kind = "invalid"
+						}
+					}
+					statuses[kind]++
+					ha, hb := &hintsA[i], &hintsB[i]
+					if (ha.e == nil) != (hb.e == nil) || (ha.sl == nil) != (hb.sl == nil) ||
+						!bytes.Equal(ha.k.key, hb.k.key) || !bytes.Equal(ha.fp, hb.fp) || fmt.Sprint(ha.req) != fmt.Sprint(hb.req) {
+						t.Fatalf("round %d request %d (%+v): hints differ:\nLookupHints: %+v\nLookupHint:  %+v", round, i, r, *ha, *hb)
+					}
+					if ha.sl != nil && string(ha.k.key) != ha.sl.key {
+						t.Fatalf("round %d request %d: the hint's slot is key %q's, want %q", round, i, ha.sl.key, ha.k.key)
+					}
+					looked++
+				}
+				ba, bb := a.NewBatch(), b.NewBatch()
+				for i, s := range steps {
+					if s.kind == bPut && len(s.adv) == 0 {
+						hintsA[at[i]].Put(ba, s.reply)
+						hintsB[at[i]].Put(bb, s.reply)
+						continue
+					}
+					addStep(ba, s, openA)
+					addStep(bb, s, openB)
+				}
+				outA, err := ba.Run(bg)
+				if err != nil {
+					t.Fatal(err)
+				}
+				outB, err := bb.Run(bg)
+				if err != nil {
+					t.Fatal(err)
+				}
+				for i := range steps {
+					if da, db := describeResult(outA[i]), describeResult(outB[i]); da != db {
+						t.Fatalf("round %d item %d (%+v):\nafter LookupHints: %s\nafter LookupHint:  %s", round, i, steps[i], da, db)
+					}
+					if c := outA[i].Result.Claim; c != nil {
+						openA = append(openA, c)
+					}
+					if c := outB[i].Result.Claim; c != nil {
+						openB = append(openB, c)
+					}
+				}
+				d := time.Duration(p.rng.IntN(4)) * time.Second
+				clkA.Advance(d)
+				clkB.Advance(d)
+			}
+			if looked == 0 || len(statuses) < 5 {
+				t.Fatalf("the program looked %d requests up, answers %v: want more kinds", looked, statuses)
+			}
+			if sa, sb := observeBatchState(t, a), observeBatchState(t, b); sa != sb {
+				t.Fatalf("state differs:\nLookupHints:\n%s\nLookupHint:\n%s", sa, sb)
+			}
+			// A cancelled context, then a closed engine: every valid
+			// request gets their error, an invalid one its own.
+			reqs := []Request{{ID: []byte("id1")}, invalid[0], {Client: "c0", Seq: 1}}
+			ctx, cancel := context.WithCancel(bg)
+			cancel()
+			for _, c := range []struct {
+				ctx  context.Context
+				want error
+			}{{ctx, context.Canceled}, {bg, ErrClosed}} {
+				if c.want == ErrClosed {
+					if err := a.Close(); err != nil {
+						t.Fatal(err)
+					}
+				}
+				hints, out := make([]PutHint, len(reqs)), make([]BatchResult, len(reqs))
+				a.LookupHints(c.ctx, reqs, hints, out)
+				for i, r := range out {
+					want := c.want
+					if i == 1 {
+						want = ErrInvalidRequest
+					}
+					if !errors.Is(r.Err, want) || hints[i].e != nil {
+						t.Fatalf("%v: request %d: %s (hint %+v), want %v and no hint", c.want, i, describeResult(r), hints[i], want)
+					}
+				}
+			}
+		})
+	}
 }

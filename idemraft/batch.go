@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"hash/maphash"
 	"math/bits"
+	"slices"
 	"sync"
 	"time"
 
@@ -24,7 +25,8 @@ var _ raft.BatchingFSM = (*FSM)(nil)
 // The entries are taken in runs. A command's request is looked up in the
 // dedup set (idem.Engine.LookupHint: Lookup, which answers what Begin
 // would, keeping the request's key and slot for its Put) at the entry's
-// log time; the application then gets the new requests' operations
+// log time, several at once where nothing can change between them
+// (lookAhead); the application then gets the new requests' operations
 // and the entries that are not commands, in log order, in one ApplyBatch
 // call when it implements raft.BatchingFSM (one Apply per entry
 // otherwise, and configuration changes to its StoreConfiguration); and the
@@ -69,10 +71,6 @@ var batchApplyPool = sync.Pool{New: func() any { return new(batchApply) }}
 // maxKeptEnvs bounds the envelope buffer a pooled batchApply keeps.
 const maxKeptEnvs = 1 << 20
 
-// maxKeptHints bounds the hints a pooled batchApply keeps (a few hundred
-// bytes each).
-const maxKeptHints = 4096
-
 // batchApply is one ApplyBatch call.
 type batchApply struct {
 	f    *FSM
@@ -91,19 +89,27 @@ type batchApply struct {
 	// writes. A hash shared by two keys only ends a run early, which
 	// changes no result (the results do not depend on where runs end).
 	written map[uint64]struct{}
-	// hints holds what the lookups of the run's new requests read
-	// (idem.PutHint), in run order: the n-th new request's Put reuses
-	// hints[n] (its key, validated once, and its slot in the engine's
-	// table) instead of reading its key again. hints[fresh] is the
-	// lookup being made; cleared at each reset.
-	hints []idem.PutHint
 
 	// The batch's commands, decoded before any is looked up (decodeAll):
 	// reqs holds each request's idem.Request by log position (the zero
-	// Request for any other entry), for the engine's Prefetch, and cmds
-	// the rest of each entry's decoding. Cleared at the end of the call.
+	// Request for any other entry), for the engine's Prefetch and
+	// LookupHints, and cmds the rest of each entry's decoding. Cleared at
+	// the end of the call.
 	reqs []idem.Request
 	cmds []decodedEntry
+	// The lookups of the requests, by log position, made a segment at a
+	// time (lookAhead): looked[i] is what the engine answered for reqs[i]
+	// and hints[i] what it read (idem.PutHint), which the request's Put
+	// reuses if it is new (its key, validated once, and its slot in the
+	// engine's table) instead of reading its key again. The lookups of
+	// positions up to lookedTo (exclusive) were made at clock lookedClk
+	// and hold until the engine is written (flush, a forget), which sets
+	// lookedTo to 0. Cleared at the end of the call.
+	looked    []idem.BatchResult
+	hints     []idem.PutHint
+	lookedTo  int
+	lookedClk int64
+	segKeys   []uint64 // lookAhead's scratch: the keys its segment reads or writes
 
 	// Scratch of flush, kept for the next run (cleared after each).
 	results []any           // the application's results by run position
@@ -164,6 +170,7 @@ type decodedEntry struct {
 	kind   byte
 	op     []byte
 	before time.Time
+	key    uint64 // a request's keyHash
 }
 
 // decodeAll decodes the batch's commands into a.cmds and a.reqs, and
@@ -174,8 +181,10 @@ func (a *batchApply) decodeAll() {
 	n := len(a.logs)
 	if cap(a.reqs) < n {
 		a.reqs, a.cmds = make([]idem.Request, n), make([]decodedEntry, n)
+		a.looked, a.hints = make([]idem.BatchResult, n), make([]idem.PutHint, n)
 	}
 	a.reqs, a.cmds = a.reqs[:n], a.cmds[:n]
+	a.looked, a.hints = a.looked[:n], a.hints[:n]
 	fresh := 0
 	for i, l := range a.logs {
 		if l.Type != raft.LogCommand || !IsCommand(l.Data) {
@@ -185,6 +194,7 @@ func (a *batchApply) decodeAll() {
 		a.cmds[i] = decodedEntry{cmd: true, err: err, kind: d.kind, op: d.op, before: d.before}
 		if err == nil && d.kind != kindForget {
 			a.reqs[i] = d.req
+			a.cmds[i].key = keyHash(d.req.Scope, d.req.ID, d.req.Client)
 			fresh++
 		}
 	}
@@ -204,9 +214,70 @@ var testHookPrefetch func(reqs []idem.Request)
 func (a *batchApply) clearDecoded() {
 	clear(a.reqs)
 	clear(a.cmds)
+	clear(a.looked) // replies and errors
+	clear(a.hints)  // what they read: requests, keys and slots
+	a.lookedTo = 0
 	if cap(a.reqs) > maxKeptDecoded {
-		a.reqs, a.cmds = nil, nil
+		a.reqs, a.cmds, a.looked, a.hints = nil, nil, nil, nil
 	}
+}
+
+// maxSegment bounds the requests lookAhead looks up at once.
+const maxSegment = 64
+
+// lookAhead looks the requests from log position i on up in one
+// idem.Engine.LookupHints call, into a.looked and a.hints, with the clock
+// a.clk: the requests at i and after, up to the first entry that is not a
+// request, has a later log time (it would move the clock), or has a key
+// (keyHash) that a request of the run or an earlier one of the segment
+// reads or writes (its own key, an id it acks), at most maxSegment. Up to
+// there the run writes nothing to the engine (it flushes only at a
+// forget, at a key its new requests write, at a later log time), so each
+// lookup answers what it would have answered alone, at its entry. What
+// makes that a rule rather than a prediction is run's: a lookup made
+// ahead is used only while a.lookedTo and a.lookedClk say so, and every
+// write to the engine (flush, a forget) sets a.lookedTo to 0. Entry i is
+// a request, and a.clk is its clock.
+func (a *batchApply) lookAhead(i int) {
+	j := i + 1
+	seg := append(a.segKeys[:0], a.cmds[i].key)
+	seg = a.ackKeys(seg, i)
+	for ; j < len(a.logs) && j-i < maxSegment; j++ {
+		c, l := &a.cmds[j], a.logs[j]
+		if l.Type != raft.LogCommand || !c.cmd || c.err != nil || c.kind == kindForget || logTime(l) > a.clk {
+			break
+		}
+		if _, dep := a.written[c.key]; dep || slices.Contains(seg, c.key) {
+			break
+		}
+		seg = append(seg, c.key)
+		seg = a.ackKeys(seg, j)
+	}
+	a.segKeys = seg[:0]
+	if testHookLookAhead != nil {
+		testHookLookAhead(i, j)
+	}
+	e := a.f.cur.e
+	if j == i+1 {
+		a.looked[i].Result, a.looked[i].Err = e.LookupHint(context.Background(), a.reqs[i], &a.hints[i])
+	} else {
+		e.LookupHints(context.Background(), a.reqs[i:j], a.hints[i:j], a.looked[i:j])
+	}
+	a.lookedTo, a.lookedClk = j, a.clk
+}
+
+// testHookLookAhead, when set by a test, sees the log positions of each
+// segment lookAhead looks up (from, to exclusive).
+var testHookLookAhead func(from, to int)
+
+// ackKeys appends the keyHash of every id the request at log position i
+// acks to seg.
+func (a *batchApply) ackKeys(seg []uint64, i int) []uint64 {
+	r := &a.reqs[i]
+	for _, id := range r.Acked {
+		seg = append(seg, keyHash(r.Scope, id, ""))
+	}
+	return seg
 }
 
 // maxKeptDecoded bounds the entries whose decoding a pooled batchApply
@@ -249,6 +320,7 @@ func (a *batchApply) run() {
 				continue
 			}
 			f.now.Store(a.clk)
+			a.lookedTo = 0 // the forget changes what a lookup reads
 			resp := &Response{}
 			if err := f.cur.e.Forget(context.Background(), d.before); err != nil {
 				resp.Err = f.fail(l.Index, err)
@@ -256,7 +328,7 @@ func (a *batchApply) run() {
 			a.out[i] = resp
 			continue
 		}
-		k := keyHash(d.req.Scope, d.req.ID, d.req.Client)
+		k := c.key
 		if _, dep := a.written[k]; dep || a.fresh > 0 && a.clk != a.freshAt {
 			a.flush()
 			if f.Err() != nil {
@@ -265,10 +337,10 @@ func (a *batchApply) run() {
 			}
 		}
 		f.now.Store(a.clk)
-		if len(a.hints) <= a.fresh {
-			a.hints = append(a.hints, idem.PutHint{})
+		if i >= a.lookedTo || a.clk != a.lookedClk {
+			a.lookAhead(i)
 		}
-		res, err := f.cur.e.LookupHint(context.Background(), d.req, &a.hints[a.fresh])
+		res, err := a.looked[i].Result, a.looked[i].Err
 		if resp := f.answered(l.Index, res, err); resp != nil {
 			if f.Err() != nil {
 				a.refuse(i)
@@ -345,10 +417,6 @@ func (a *batchApply) reset() {
 	}
 	a.fresh = 0
 	clear(a.written)
-	clear(a.hints) // what they read: requests, keys and slots
-	if cap(a.hints) > maxKeptHints {
-		a.hints = nil
-	}
 }
 
 // flush applies the run: the application first (new requests' operations
@@ -362,6 +430,7 @@ func (a *batchApply) flush() {
 		return
 	}
 	f := a.f
+	a.lookedTo = 0 // the run's write changes what a lookup reads
 	if f.Err() != nil {
 		a.refuseRest()
 		return
@@ -420,8 +489,8 @@ func (a *batchApply) write(resps []Response) bool {
 	// TestCommitCopiesReply covers Batch.Put), so envs is reused by the
 	// next run.
 	envs, from := a.envs.buf.Bytes(), 0
-	for n := range a.items {
-		a.hints[n].Put(b, envs[from:a.ends[n]:a.ends[n]])
+	for n, p := range a.items {
+		a.hints[a.pending[p].i].Put(b, envs[from:a.ends[n]:a.ends[n]])
 		from = a.ends[n]
 	}
 	out, err := a.runBatch(b)

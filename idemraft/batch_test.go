@@ -445,3 +445,52 @@ func TestApplyBatchPrefetchesRequests(t *testing.T) {
 		t.Fatalf("applied %d, want 3", st.Applied)
 	}
 }
+
+// TestApplyBatchLooksUpSegments: ApplyBatch looks its requests up a
+// segment at a time (lookAhead): the requests of one log time up to the
+// first entry that is not a request, one with a later log time, or one
+// whose key a request of the run or of the segment reads or writes (a
+// repeated id, an acked id), at most maxSegment; and once more after a
+// run's write (a repeated id after its fresh request is looked up again,
+// and answered as a duplicate). On a build that looks requests up one by
+// one, every segment is one request long.
+func TestApplyBatchLooksUpSegments(t *testing.T) {
+	f := wrapT(t, newCounterFSM(), t.TempDir())
+	idx := uint64(0)
+	cmd := func(at time.Duration, req idem.Request) *raft.Log {
+		idx++
+		c, err := Command(req, encodeOp(counterOp{ID: "op" + strconv.Itoa(int(idx)), Key: "k", Delta: 1}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return &raft.Log{Index: idx, Term: 1, Type: raft.LogCommand, Data: c, AppendedAt: t0.Add(at)}
+	}
+	id := func(s string) idem.Request { return idem.Request{ID: []byte(s)} }
+	var batch []*raft.Log
+	for i := range 3 {
+		batch = append(batch, cmd(0, id(fmt.Sprint("a", i)))) // 0-2
+	}
+	batch = append(batch, cmd(0, id("a1")))                                                      // 3: a repeat: the run writes a0-a2 first
+	batch = append(batch, cmd(0, id("b0")))                                                      // 4
+	batch = append(batch, cmd(0, idem.Request{ID: []byte("b1"), Acked: [][]byte{[]byte("b2")}})) // 5
+	batch = append(batch, cmd(0, id("b2")))                                                      // 6: acked by 5
+	batch = append(batch, cmd(time.Millisecond, id("c0")))                                       // 7: a later log time
+	batch = append(batch, &raft.Log{Index: 100, Term: 1, Type: raft.LogCommand, Data: encodeOp(counterOp{ID: "raw", Key: "k"})})
+	for i := range maxSegment + 2 {
+		batch = append(batch, cmd(time.Millisecond, id(fmt.Sprint("d", i)))) // 9-
+	}
+	var got [][2]int
+	testHookLookAhead = func(from, to int) { got = append(got, [2]int{from, to}) }
+	t.Cleanup(func() { testHookLookAhead = nil })
+	out := f.ApplyBatch(batch)
+	want := [][2]int{{0, 3}, {3, 6}, {6, 7}, {7, 8}, {9, 9 + maxSegment}, {9 + maxSegment, 11 + maxSegment}}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("segments %v, want %v", got, want)
+	}
+	if r := out[3].(*Response); r.Err != nil || !r.Duplicate {
+		t.Fatalf("the repeated request: %+v, want a duplicate", r)
+	}
+	if st := f.Stats(); st.Applied != 9+maxSegment || st.Duplicates != 1 {
+		t.Fatalf("applied %d, duplicates %d; want %d, 1", st.Applied, st.Duplicates, 9+maxSegment)
+	}
+}
