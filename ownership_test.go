@@ -209,3 +209,35 @@ func TestClaimIDNotCallers(t *testing.T) {
 		}
 	}
 }
+
+// TestPutHintIDNotCallers: LookupHint's hint keeps the request's key for
+// the Put that follows, and that Put's record names the id from the
+// engine's bytes: a caller reusing its id buffer between LookupHint and
+// the batch's Run still stores the id it looked up, after a crash too.
+// (The hint kept the caller's id slice: the record named another id, and
+// the next Open refused the log.)
+func TestPutHintIDNotCallers(t *testing.T) {
+	fs := vfs.NewCrashableMem()
+	e := openMem(t, fs, nil)
+	defer e.Close()
+	idb := []byte("hinted-id")
+	var h PutHint
+	if res, err := e.LookupHint(bg, Request{ID: idb}, &h); err != nil || res.Status != Absent {
+		t.Fatalf("LookupHint: %v %v", res.Status, err)
+	}
+	copy(idb, "another-i") // the caller's buffer, reused
+	b := e.NewBatch()
+	h.Put(b, []byte("reply"))
+	if rs, err := b.Run(bg); err != nil || rs[0].Err != nil {
+		t.Fatalf("hinted Put: %v %+v", err, rs)
+	}
+	e2, err := Open("db", &Options{FS: fs.CrashClone(vfs.CrashCloneCfg{})})
+	if err != nil {
+		t.Fatalf("open after a crash: %v", err)
+	}
+	defer e2.Close()
+	if res := mustBegin(t, e2, Request{ID: []byte("hinted-id")}, Done); string(res.Reply) != "reply" {
+		t.Fatalf("reply %q after a crash, want %q", res.Reply, "reply")
+	}
+	mustBegin(t, e2, Request{ID: []byte("another-i")}, Fresh)
+}
