@@ -66,10 +66,13 @@ func (e *Engine) InDoubt(ctx context.Context, scopePrefix string) ([]InDoubtClai
 		if !strings.HasPrefix(scope, scopePrefix) {
 			continue
 		}
-		k := reqKey{scope: scope, mode: mode, ident: append([]byte(nil), ident...), key: r.key}
+		// The claim's identifier is r.key's (ident aliases it: the
+		// engine's own bytes); the caller gets a copy of its own, which
+		// it may reuse while the claim keeps k (TestClaimIDNotCallers).
+		k := reqKey{scope: scope, mode: mode, ident: ident, key: r.key}
 		d := InDoubtClaim{Scope: scope, Fingerprint: bytes.Clone(cur.ClaimFP), ClaimedAt: time.Unix(0, cur.ClaimTime), LeaseUntil: time.Unix(0, cur.LeaseUntil)}
 		if mode == index.ModeID {
-			d.ID = k.ident
+			d.ID = bytes.Clone(ident)
 		} else {
 			d.Client, d.Seq, k.seq = string(k.ident), cur.ClaimSeq, cur.ClaimSeq
 		}

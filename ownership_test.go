@@ -136,3 +136,108 @@ func TestClaimKeepsNoCallerBuffer(t *testing.T) {
 		})
 	}
 }
+
+// TestClaimIDNotCallers: a claim's finish writes its record with the
+// engine's copy of the id, not the caller's buffer: the caller may reuse
+// the Request's ID (or InDoubtClaim's ID) as soon as Begin (or InDoubt)
+// returned, and the commit or abort written later must still name the
+// claimed id. Checked the way it matters, after a crash: the log replays
+// and the id's state is the finish's. (The claim kept the caller's id
+// slice and encoded it at the finish: the commit named another id, the
+// engine answered from memory as if nothing was wrong, and the next Open
+// refused the log: "commit at LSN 2 names claim 1".)
+func TestClaimIDNotCallers(t *testing.T) {
+	for _, path := range []string{"Begin", "batch Begin", "InDoubt"} {
+		for _, abort := range []bool{false, true} {
+			name := path + "/commit"
+			if abort {
+				name = path + "/abort"
+			}
+			t.Run(name, func(t *testing.T) {
+				fs := vfs.NewCrashableMem()
+				e := openMem(t, fs, nil)
+				idb := []byte("claimed-id")
+				var c *Claim
+				switch path {
+				case "Begin":
+					c = mustBegin(t, e, Request{ID: idb}, Fresh).Claim
+				case "batch Begin":
+					b := e.NewBatch()
+					b.Begin(Request{ID: idb})
+					rs, err := b.Run(bg)
+					if err != nil || rs[0].Err != nil || rs[0].Result.Status != Fresh {
+						t.Fatalf("batch Begin: %+v %v", rs, err)
+					}
+					c = rs[0].Result.Claim
+				case "InDoubt":
+					mustBegin(t, e, Request{ID: idb}, Fresh)
+					if err := e.Close(); err != nil {
+						t.Fatal(err)
+					}
+					e = openMem(t, fs, nil)
+					ds, err := e.InDoubt(bg, "")
+					if err != nil || len(ds) != 1 {
+						t.Fatalf("InDoubt: %d claims, %v", len(ds), err)
+					}
+					idb, c = ds[0].ID, ds[0].Claim
+				}
+				defer e.Close()
+				copy(idb, "another-id") // the caller's buffer, reused
+				var err error
+				if abort {
+					err = c.Abort(bg)
+				} else {
+					err = c.Commit(bg, []byte("reply"))
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+				e2, err := Open("db", &Options{FS: fs.CrashClone(vfs.CrashCloneCfg{})})
+				if err != nil {
+					t.Fatalf("open after a crash: %v", err)
+				}
+				defer e2.Close()
+				want := Done
+				if abort {
+					want = Fresh // released: runs again
+				}
+				if res := mustBegin(t, e2, Request{ID: []byte("claimed-id")}, want); !abort && string(res.Reply) != "reply" {
+					t.Fatalf("reply %q after a crash, want %q", res.Reply, "reply")
+				}
+				mustBegin(t, e2, Request{ID: []byte("another-id")}, Fresh)
+			})
+		}
+	}
+}
+
+// TestPutHintIDNotCallers: LookupHint's hint keeps the request's key for
+// the Put that follows, and that Put's record names the id from the
+// engine's bytes: a caller reusing its id buffer between LookupHint and
+// the batch's Run still stores the id it looked up, after a crash too.
+// (The hint kept the caller's id slice: the record named another id, and
+// the next Open refused the log.)
+func TestPutHintIDNotCallers(t *testing.T) {
+	fs := vfs.NewCrashableMem()
+	e := openMem(t, fs, nil)
+	defer e.Close()
+	idb := []byte("hinted-id")
+	var h PutHint
+	if res, err := e.LookupHint(bg, Request{ID: idb}, &h); err != nil || res.Status != Absent {
+		t.Fatalf("LookupHint: %v %v", res.Status, err)
+	}
+	copy(idb, "another-i") // the caller's buffer, reused
+	b := e.NewBatch()
+	h.Put(b, []byte("reply"))
+	if rs, err := b.Run(bg); err != nil || rs[0].Err != nil {
+		t.Fatalf("hinted Put: %v %+v", err, rs)
+	}
+	e2, err := Open("db", &Options{FS: fs.CrashClone(vfs.CrashCloneCfg{})})
+	if err != nil {
+		t.Fatalf("open after a crash: %v", err)
+	}
+	defer e2.Close()
+	if res := mustBegin(t, e2, Request{ID: []byte("hinted-id")}, Done); string(res.Reply) != "reply" {
+		t.Fatalf("reply %q after a crash, want %q", res.Reply, "reply")
+	}
+	mustBegin(t, e2, Request{ID: []byte("another-i")}, Fresh)
+}

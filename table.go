@@ -59,11 +59,13 @@ func (e *Engine) validate(r *Request) (reqKey, error) {
 	if err != nil {
 		return reqKey{}, err
 	}
-	k.mode, k.ident, k.seq = mode, ident, r.Seq
-	if mode == index.ModeClient {
-		k.ident = []byte(r.Client) // the key's own copy, not the caller's string
-	}
-	k.key = index.EntryKey(nil, k.scope, k.mode, k.ident)
+	k.mode, k.seq = mode, r.Seq
+	k.key = index.EntryKey(nil, k.scope, k.mode, ident)
+	// The identifier as the key holds it (its last bytes): the engine's
+	// own, never the caller's ID buffer, which the caller may reuse once
+	// the call returns while a claim keeps k until its finish writes
+	// k.ident into the commit or abort record (TestClaimIDNotCallers).
+	k.ident = k.key[len(k.key)-len(ident):]
 	if len(r.Acked) > 4096 {
 		return reqKey{}, invalid("%d acked ids exceed 4096", len(r.Acked))
 	}

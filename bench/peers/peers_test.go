@@ -378,3 +378,50 @@ func startRedis(t *testing.T) (addr string, pid int, ok bool) {
 	}
 	return addr, cmd.Process.Pid, true
 }
+
+// countingPeer is a store in memory that counts the requests it handles
+// and remembers the ids it committed.
+type countingPeer struct {
+	mu        sync.Mutex
+	committed map[string][]byte
+	fresh     int
+}
+
+func (p *countingPeer) Do(_ context.Context, id []byte, fn func() []byte) ([]byte, bool, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if r, ok := p.committed[string(id)]; ok {
+		return r, false, nil
+	}
+	r := fn()
+	p.committed[string(id)] = r
+	p.fresh++
+	return r, true, nil
+}
+
+func (p *countingPeer) Close() error { return nil }
+
+// TestRunWarmup: a warm-up runs fresh requests before the fresh phase
+// without a row of its own, and the measured phases count only their own
+// requests (the fresh phase's are all the fresh requests the store
+// handled but the warm-up's), so the rows describe the store after its
+// start. Without Warmup the fresh phase counts every fresh request.
+func TestRunWarmup(t *testing.T) {
+	for _, warmup := range []time.Duration{0, 150 * time.Millisecond} {
+		p := &countingPeer{committed: map[string][]byte{}}
+		rows, err := Run(context.Background(), p, RunConfig{Concurrency: 4, Warmup: warmup, Fresh: 50 * time.Millisecond, Duplicate: 20 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(rows) != 2 || rows[0].Phase != "fresh" || rows[1].Phase != "duplicate" {
+			t.Fatalf("warm-up %v: phases %+v, want fresh then duplicate", warmup, rows)
+		}
+		fresh := int(rows[0].Requests)
+		switch {
+		case warmup == 0 && fresh != p.fresh:
+			t.Errorf("no warm-up: the fresh phase counts %d requests, the store ran %d", fresh, p.fresh)
+		case warmup > 0 && (fresh == 0 || fresh >= p.fresh):
+			t.Errorf("warm-up %v: the fresh phase counts %d requests of the %d the store ran: want its own only, some", warmup, fresh, p.fresh)
+		}
+	}
+}

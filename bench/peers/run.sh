@@ -17,6 +17,7 @@
 #   CALLERS  concurrent callers (default "1 8 64 512"; shared: "8 64 512")
 #   FRESH    length of each fresh phase (default 3s)
 #   DUP      length of each duplicate phase (default 2s)
+#   WARMUP   unmeasured fresh requests before each fresh phase (default 0: none)
 #   PEERS    peers to run (default "idem pebble bbolt sqlite redis postgres
 #            file"; shared: "idemcluster etcd redis postgres idem")
 #   NAME     the output files' name (default peers; shared: peers-shared)
@@ -37,7 +38,7 @@ root=$(cd "$here/../.." && pwd)
 # The command as given (the settings set in the environment), for the
 # figures' record.
 given=""
-for v in SET ROUNDS CALLERS FRESH DUP PEERS NAME BASE; do
+for v in SET ROUNDS CALLERS FRESH DUP WARMUP PEERS NAME BASE; do
 	if [[ -n ${!v:-} ]]; then
 		case ${!v} in
 		*[!A-Za-z0-9._-]*) given+="$v=\"${!v}\" " ;;
@@ -67,6 +68,7 @@ esac
 ROUNDS=${ROUNDS:-5}
 FRESH=${FRESH:-3s}
 DUP=${DUP:-2s}
+WARMUP=${WARMUP:-0s}
 OUT=${OUT:-$root/docs}
 WORKDIR=${WORKDIR:-/var/tmp}
 
@@ -233,7 +235,7 @@ for ((round = 1; round <= ROUNDS; round++)); do
 			extra=()
 			[[ $p == redis ]] && extra=("${redis_args[@]}")
 			[[ $p == postgres ]] && extra=("${pg_args[@]}")
-			"$bin" run -peer "$p" -c "$c" -round "$round" -fresh "$FRESH" -dup "$DUP" \
+			"$bin" run -peer "$p" -c "$c" -round "$round" -warmup "$WARMUP" -fresh "$FRESH" -dup "$DUP" \
 				-dir "$work" -out "$raw" "${extra[@]}"
 		done
 	done

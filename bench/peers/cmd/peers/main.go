@@ -50,7 +50,7 @@ func main() {
 
 func usage() {
 	fmt.Fprintf(os.Stderr, `usage:
-  peers run -peer NAMES -c N [-round R] [-fresh 3s] [-dup 2s] [-out FILE] [-redis ADDR -redis-pid PID] [-postgres URL -postgres-pid PID] [-cpuprofile FILE] [-mutexprofile FILE] [-blockprofile FILE]
+  peers run -peer NAMES -c N [-round R] [-warmup 0] [-fresh 3s] [-dup 2s] [-out FILE] [-redis ADDR -redis-pid PID] [-postgres URL -postgres-pid PID] [-cpuprofile FILE] [-mutexprofile FILE] [-blockprofile FILE]
       run each named peer (comma-separated; known: %s) on a new
       store and append its fresh and duplicate rows to FILE (CSV; stdout if none)
   peers summary -in RAW.csv [-csv OUT.csv] [-medians MEDIANS.csv] [-base PEER]
@@ -69,6 +69,7 @@ func run(args []string) error {
 	round := fs.Int("round", 1, "round number written to the CSV")
 	fresh := fs.Duration("fresh", 3*time.Second, "length of the fresh phase")
 	dup := fs.Duration("dup", 2*time.Second, "length of the duplicate phase")
+	warmup := fs.Duration("warmup", 0, "length of an unmeasured phase of fresh requests before the fresh phase (0: none)")
 	out := fs.String("out", "", "append rows to this CSV `file` (header written if it is empty)")
 	dir := fs.String("dir", "", "parent `directory` of the embedded peers' stores (default: the system's temporary directory)")
 	redisAddr := fs.String("redis", "", "Redis server `host:port`")
@@ -134,7 +135,7 @@ func run(args []string) error {
 			return err
 		}
 		cfg := peers.Config{Dir: tmp, Concurrency: *conc, RedisAddr: *redisAddr, PostgresURL: *pgURL}
-		rc := peers.RunConfig{Concurrency: *conc, Fresh: *fresh, Duplicate: *dup}
+		rc := peers.RunConfig{Concurrency: *conc, Fresh: *fresh, Duplicate: *dup, Warmup: *warmup}
 		switch name {
 		case "redis":
 			if *redisPID > 0 {
