@@ -777,16 +777,20 @@ func (r *batchRun) item(i int) error {
 			}
 		}
 		it.lease, it.expires = e.claimOp(&r.ops[0], it.k, &it.req, it.fp, cur, r.now)
-		// The entry keeps its own copy of the fingerprint (Begin's).
-		r.ops[0].Fingerprint = bytes.Clone(r.ops[0].Fingerprint)
 		n := 1
-		if it.kind == bPut {
+		if it.kind == bBegin {
+			// The entry keeps its own copy of the fingerprint.
+			r.ops[0].Fingerprint = bytes.Clone(r.ops[0].Fingerprint)
+		} else {
 			typ := wal.OpCommit
 			if len(it.wadv) > 0 {
 				typ = wal.OpCommitAdvance
 			}
 			// Claim LSN 0: the claim just before, in the same record.
-			en := r.finishOp(&r.ops[1], typ, it.k, 0, it.reply, it.wadv)
+			// The fingerprint's copy, which the claim and then its
+			// commit keep, is made in the commit's allocation.
+			en, fp := r.finishOp(&r.ops[1], typ, &it.k, 0, it.reply, r.ops[0].Fingerprint, it.wadv)
+			r.ops[0].Fingerprint = fp
 			// An id's claim with no acks is the record's only change
 			// of its key: the commit right after it fills the claim's
 			// entry in place (index.Batch), so that entry is the one
@@ -844,9 +848,9 @@ func (r *batchRun) item(i int) error {
 		}
 		if typ == wal.OpAbort {
 			r.ops[0] = wal.Op{}
-			setFinish(&r.ops[0], typ, it.k, c.ec.lsn, r.now.UnixNano(), nil, nil)
+			setFinish(&r.ops[0], typ, &it.k, c.ec.lsn, r.now.UnixNano(), nil, nil)
 		} else {
-			r.into[0] = r.finishOp(&r.ops[0], typ, it.k, c.ec.lsn, it.reply, it.wadv)
+			r.into[0], _ = r.finishOp(&r.ops[0], typ, &it.k, c.ec.lsn, it.reply, nil, it.wadv)
 		}
 		if _, err := r.add(i, r.ops[:1], it.k.key, false); err != nil {
 			return err
@@ -938,12 +942,15 @@ func (r *batchRun) waitCommit(it *batchItem, en *index.Entry) {
 // transition to fill (into): the entry keeps the reply, in the table and
 // then in the index, and the caller's buffer is the caller's again once
 // Run returns. The copy's capacity is its length, and it shares its
-// memory with its own entry only, which lives exactly as long as it.
-func (r *batchRun) finishOp(op *wal.Op, typ byte, k reqKey, claimLSN wal.LSN, reply []byte, adv []wal.Advance) *index.Entry {
-	en, cp := newCommitEntry(reply)
+// memory with its own entry only, which lives exactly as long as it. fp,
+// when not nil, is a Put's fingerprint, which its claim in the same
+// record takes: its copy (the one the committed entry keeps) is returned,
+// made in the same allocation when it fits.
+func (r *batchRun) finishOp(op *wal.Op, typ byte, k *reqKey, claimLSN wal.LSN, reply, fp []byte, adv []wal.Advance) (*index.Entry, []byte) {
+	en, cp, fcp := newCommitEntry(reply, fp)
 	*op = wal.Op{}
 	setFinish(op, typ, k, claimLSN, r.now.UnixNano(), cp, adv)
-	return en
+	return en, fcp
 }
 
 // add adds ops, the operations of item i, to the record being built,

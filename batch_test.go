@@ -862,7 +862,8 @@ func pinnedSlots(e *Engine) []string {
 // least of up to alloctest.Runs measurements): the committed entry and its
 // reply's copy, in one allocation (newCommitEntry), and nothing else when
 // the key's slot is in the table already. Before, the reply's copy
-// (cloneExact) was an allocation of its own: 2 per item.
+// (cloneExact) was an allocation of its own: 2 per item; and a Put's
+// fingerprint's copy (bytes.Clone) too.
 func TestBatchItemAllocations(t *testing.T) {
 	e := openMem(t, vfs.NewMem(), &Options{RelaxedClaims: true})
 	defer e.Close()
@@ -876,6 +877,12 @@ func TestBatchItemAllocations(t *testing.T) {
 		// Every id's slot is in the table (claimed and aborted before):
 		// the Put finds it in its shard's map.
 		{"Put", func(b Batch, req Request, cl *Claim) { b.Put(req, reply) }},
+		// The fingerprint's copy, which the committed entry keeps, is
+		// made in the same allocation (2 allocations before).
+		{"PutFingerprint", func(b Batch, req Request, cl *Claim) {
+			req.Fingerprint = []byte("fingerprint-of-32-bytes---------")
+			b.Put(req, reply)
+		}},
 		{"Commit", func(b Batch, req Request, cl *Claim) { b.Commit(cl, reply) }},
 	} {
 		t.Run(c.name, func(t *testing.T) {
@@ -898,7 +905,7 @@ func TestBatchItemAllocations(t *testing.T) {
 				}
 				cs[i] = r.Result.Claim
 			}
-			if c.name == "Put" {
+			if c.name != "Commit" {
 				ab := e.NewBatch()
 				for _, cl := range cs {
 					ab.Abort(cl)
@@ -913,7 +920,7 @@ func TestBatchItemAllocations(t *testing.T) {
 			}
 			out := runItemsMeasured(t, b, runs, 1)
 			for i, r := range out {
-				if r.Err != nil || (c.name == "Put" && r.Result.Status != Fresh) {
+				if r.Err != nil || (c.name != "Commit" && r.Result.Status != Fresh) {
 					t.Fatalf("item %d: %v %v", i, r.Result.Status, r.Err)
 				}
 				got, err := e.Lookup(bg, Request{ID: ids[i]})

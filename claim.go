@@ -441,10 +441,10 @@ func (c *engineClaim) writeEntered(typ byte, reply []byte, adv []wal.Advance, ke
 			// allocation (two before: the copy, and the entry that
 			// the index's transition allocated).
 			var r []byte
-			own, r = newCommitEntry(reply)
-			setFinish(op, typ, k, c.lsn, e.o.Clock().UnixNano(), r, adv)
+			own, r, _ = newCommitEntry(reply, nil)
+			setFinish(op, typ, &k, c.lsn, e.o.Clock().UnixNano(), r, adv)
 		} else {
-			setFinish(op, typ, k, c.lsn, e.o.Clock().UnixNano(), cloneExact(reply), adv)
+			setFinish(op, typ, &k, c.lsn, e.o.Clock().UnixNano(), cloneExact(reply), adv)
 		}
 		pb = payloadPool.Get().(*[]byte)
 		*pbp = pb
@@ -492,7 +492,7 @@ func (c *engineClaim) writeEntered(typ byte, reply []byte, adv []wal.Advance, ke
 		}
 	}
 	if keys != nil {
-		setFinish(op, typ, k, c.lsn, e.o.Clock().UnixNano(), cloneExact(reply), adv)
+		setFinish(op, typ, &k, c.lsn, e.o.Clock().UnixNano(), cloneExact(reply), adv)
 	}
 	var (
 		up *pinnedUpdate
@@ -545,7 +545,7 @@ func cloneExact(b []byte) []byte {
 // which the caller copied already (the entry keeps it, in the table and
 // then in the index, and the caller's buffer is the caller's again once
 // Commit returns): its fields are set, the others left as they are.
-func setFinish(op *wal.Op, typ byte, k reqKey, claimLSN wal.LSN, now int64, reply []byte, adv []wal.Advance) {
+func setFinish(op *wal.Op, typ byte, k *reqKey, claimLSN wal.LSN, now int64, reply []byte, adv []wal.Advance) {
 	op.Type, op.Scope, op.ClaimLSN, op.Time, op.Reply, op.Advances = typ, k.scope, claimLSN, now, reply, adv
 	if k.mode == index.ModeID {
 		op.ID = k.ident
@@ -556,45 +556,115 @@ func setFinish(op *wal.Op, typ byte, k reqKey, claimLSN wal.LSN, now int64, repl
 
 // newCommitEntry returns an entry for a commit's transition to fill
 // (index.AppendTransitions) and a copy of reply allocated with it: one
-// object instead of two for a reply of up to 256 bytes (the entry alone
-// for a longer one, the copy then allocated apart). The copy's capacity is
-// its length, so that nothing appended to a reply read back can reach the
-// rest of the object. The entry lives as long as its reply would: the
-// table, the pending set and every reader keep the one through the other.
-func newCommitEntry(reply []byte) (*index.Entry, []byte) {
-	var (
-		en *index.Entry
-		r  []byte
-	)
-	switch n := len(reply); {
-	case n <= 64:
-		x := new(entryReply64)
-		en, r = &x.e, x.r[:n:n]
-	case n <= 128:
-		x := new(entryReply128)
-		en, r = &x.e, x.r[:n:n]
-	case n <= 256:
-		x := new(entryReply256)
-		en, r = &x.e, x.r[:n:n]
-	default:
-		return new(index.Entry), cloneExact(reply)
+// object instead of two for a reply of up to maxEntryRoom bytes (the entry
+// alone for a longer one, the copy then allocated apart). fp, when not
+// nil, is the fingerprint the committed entry keeps (a batch's Put: its
+// claim is made in the same record), copied into the same object when
+// reply and fp fit together (apart otherwise); nil for a commit that keeps
+// its claim's (the transition takes the claim's ClaimFP), and then f is
+// nil. The copies' capacities are their lengths, so that nothing appended
+// to a reply or fingerprint read back can reach the rest of the object.
+// The entry lives as long as its reply would: the table, the pending set
+// and every reader keep the one through the other.
+func newCommitEntry(reply, fp []byte) (en *index.Entry, r, f []byte) {
+	n := len(reply)
+	if fp != nil && n+len(fp) <= maxEntryRoom {
+		n += len(fp)
+	} else if fp != nil {
+		f = cloneExact(fp)
 	}
+	en, room := entryWithRoom(n)
+	if room == nil {
+		return en, cloneExact(reply), f
+	}
+	r = room[:len(reply):len(reply)]
 	copy(r, reply)
-	return en, r
+	if fp != nil && f == nil {
+		f = room[len(reply):n:n]
+		copy(f, fp)
+	}
+	return en, r, f
 }
 
-// An entry and room for its reply, in one allocation (newCommitEntry).
+// entryWithRoom returns a zero entry allocated with at least n bytes of
+// room after it (nil room, and the entry alone, for n over maxEntryRoom),
+// in the smallest of the objects below that holds n: their sizes are the
+// allocator's size classes exactly (TestEntryRoomSizeClasses), so a reply
+// of 30 bytes takes 224 bytes with its entry, not 256.
+func entryWithRoom(n int) (*index.Entry, []byte) {
+	switch {
+	case n <= 8:
+		x := new(entryRoom8)
+		return &x.e, x.r[:]
+	case n <= 24:
+		x := new(entryRoom24)
+		return &x.e, x.r[:]
+	case n <= 40:
+		x := new(entryRoom40)
+		return &x.e, x.r[:]
+	case n <= 56:
+		x := new(entryRoom56)
+		return &x.e, x.r[:]
+	case n <= 72:
+		x := new(entryRoom72)
+		return &x.e, x.r[:]
+	case n <= 104:
+		x := new(entryRoom104)
+		return &x.e, x.r[:]
+	case n <= 136:
+		x := new(entryRoom136)
+		return &x.e, x.r[:]
+	case n <= 200:
+		x := new(entryRoom200)
+		return &x.e, x.r[:]
+	case n <= maxEntryRoom:
+		x := new(entryRoom264)
+		return &x.e, x.r[:]
+	}
+	return new(index.Entry), nil
+}
+
+// maxEntryRoom is the most bytes entryWithRoom allocates with an entry.
+const maxEntryRoom = 264
+
+// An entry and room for its reply (and fingerprint), in one allocation
+// (entryWithRoom): with the 184-byte index.Entry, the size classes 192,
+// 208, 224, 240, 256, 288, 320, 384 and 448.
 type (
-	entryReply64 struct {
+	entryRoom8 struct {
 		e index.Entry
-		r [64]byte
+		r [8]byte
 	}
-	entryReply128 struct {
+	entryRoom24 struct {
 		e index.Entry
-		r [128]byte
+		r [24]byte
 	}
-	entryReply256 struct {
+	entryRoom40 struct {
 		e index.Entry
-		r [256]byte
+		r [40]byte
+	}
+	entryRoom56 struct {
+		e index.Entry
+		r [56]byte
+	}
+	entryRoom72 struct {
+		e index.Entry
+		r [72]byte
+	}
+	entryRoom104 struct {
+		e index.Entry
+		r [104]byte
+	}
+	entryRoom136 struct {
+		e index.Entry
+		r [136]byte
+	}
+	entryRoom200 struct {
+		e index.Entry
+		r [200]byte
+	}
+	entryRoom264 struct {
+		e index.Entry
+		r [maxEntryRoom]byte
 	}
 )

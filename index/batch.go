@@ -54,6 +54,15 @@ type Batch struct {
 	read      []byte
 	readMode  byte
 	readEntry *Entry
+	// found is the key that find found last, as its caller gave it, and
+	// foundAt its transition's index in out (which only grows until the
+	// next Reset or Transitions): a caller that looks the same key up
+	// again by the same slice (the engine's commits of a stream's events,
+	// each reading its partition's client key, one slice for the whole
+	// batch: batchRun.raising) finds it without hashing it, and without
+	// adding the transitions made since to at. nil: none.
+	found   []byte
+	foundAt int
 	// scratch is where advanceKey builds a client's key to look it up.
 	scratch []byte
 	// fills are the entries an operation's advances fill in place once
@@ -90,6 +99,7 @@ func (b *Batch) Reset(lsn wal.LSN) {
 	b.last = nil
 	b.claim = nil
 	b.read, b.readEntry = nil, nil
+	b.found = nil
 }
 
 // Get returns key's state as the operations added so far leave it.
@@ -209,7 +219,7 @@ func (b *Batch) AddInto(op *wal.Op, key []byte, into *Entry) ([]Transition, erro
 // a new slice, and prev is to be read with get.
 func (b *Batch) advanceKey(scope, client string) (key []byte, prev, fill *Entry, found bool) {
 	b.scratch = EntryKey(b.scratch[:0], scope, ModeClient, unsafe.Slice(unsafe.StringData(client), len(client)))
-	i, ok := b.find(b.scratch)
+	i, ok := b.findMapped(b.scratch) // not find: scratch's bytes change
 	if !ok {
 		return bytes.Clone(b.scratch), nil, nil, false
 	}
@@ -221,8 +231,22 @@ func (b *Batch) advanceKey(scope, client string) (key []byte, prev, fill *Entry,
 }
 
 // find returns the index in out of key's transition, if the batch changed
-// key, after adding the transitions at does not hold yet to it.
+// key: the one found last when key is the same slice (found), else
+// through findMapped.
 func (b *Batch) find(key []byte) (int, bool) {
+	if sameBytes(key, b.found) {
+		return b.foundAt, true
+	}
+	i, ok := b.findMapped(key)
+	if ok {
+		b.found, b.foundAt = key, i
+	}
+	return i, ok
+}
+
+// findMapped is find through at, after adding the transitions at does
+// not hold yet to it.
+func (b *Batch) findMapped(key []byte) (int, bool) {
 	for ; b.nat < len(b.out); b.nat++ {
 		// The map keeps the key's bytes without copying them: transition
 		// keys are never changed once made (EntryKey's, or the caller's
@@ -270,6 +294,7 @@ func (b *Batch) Transitions() []Transition {
 	b.out = b.out[:0]
 	clear(b.at) // the indices no longer hold; Reset before the next Add
 	b.nat = 0
+	b.found = nil
 	b.last = nil
 	b.claim = nil
 	b.read, b.readEntry = nil, nil

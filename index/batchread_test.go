@@ -139,3 +139,71 @@ func TestBatchGetUnchanged(t *testing.T) {
 		}
 	}
 }
+
+// TestBatchFindsAgainBySlice: a batch of commits of in-flight ids, each
+// reading, as the engine's batchRun.raising does, the client key it
+// advances (one slice for the whole batch) before its Add, in falling
+// order of the advances (a stream sink's frontier: only the first
+// raises), looks that key up in its key map once: the later reads take
+// it by the slice (found), and the key map holds the few keys added
+// before that lookup, not every commit's (on the code before, the map
+// was brought up to date at each read: one key per commit). The
+// transitions are those of the same batch read with a copy of the key
+// at every read (no slice to recognize).
+func TestBatchFindsAgainBySlice(t *testing.T) {
+	const n = 64
+	key := func(i int) []byte { return EntryKey(nil, "s", ModeID, []byte{'e', byte(i)}) }
+	stored := map[string]*Entry{}
+	for i := range n {
+		stored[string(key(i))] = &Entry{InFlight: true, ClaimLSN: 5, ClaimTime: 1, LeaseUntil: 99, LSN: 5}
+	}
+	get := func(k []byte, _ byte) (*Entry, error) { return stored[string(k)], nil }
+	client := EntryKey(nil, "f", ModeClient, []byte("p:0"))
+	run := func(sameSlice bool) (mapped int, ts []Transition) {
+		bt := NewBatch(20, get, n)
+		for i := range n {
+			k := key(i)
+			if _, err := bt.GetUnchanged(k, ModeID); err != nil {
+				t.Fatal(err)
+			}
+			ck := client
+			if !sameSlice {
+				ck = append([]byte(nil), client...)
+			}
+			cur, err := bt.Get(ck, ModeClient)
+			if err != nil {
+				t.Fatal(err)
+			}
+			seq := uint64(n - i)
+			op := &wal.Op{Type: wal.OpCommit, Scope: "s", ID: []byte{'e', byte(i)}, ClaimLSN: 5, Time: 9, Reply: []byte("r")}
+			if cur == nil || cur.Seq < seq { // as raising: only an advance that raises
+				op.Type, op.Advances = wal.OpCommitAdvance, []wal.Advance{{Scope: "f", Client: "p:0", Seq: seq}}
+			}
+			if _, err := bt.Add(op, k); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return len(bt.at), bt.Transitions()
+	}
+	mapped, got := run(true)
+	if mapped > 3 {
+		t.Errorf("the key map held %d keys, want at most 3: the client key is found again by its slice", mapped)
+	}
+	_, want := run(false)
+	if len(got) != n+1 || len(got) != len(want) {
+		t.Fatalf("%d and %d transitions, want %d (every id, the client once)", len(got), len(want), n+1)
+	}
+	for i := range got {
+		if string(got[i].Key) != string(want[i].Key) || !sameEntry(got[i].Prev, want[i].Prev) || !sameEntry(got[i].Next, want[i].Next) {
+			t.Errorf("transition %d: %q %+v -> %+v, read with copies %q %+v -> %+v", i, got[i].Key, got[i].Prev, got[i].Next, want[i].Key, want[i].Prev, want[i].Next)
+		}
+		if string(got[i].Key) == string(client) && (got[i].Next == nil || got[i].Next.Seq != n) {
+			t.Errorf("client after the batch: %+v, want seq %d", got[i].Next, n)
+		}
+	}
+}
+
+// sameEntry is equalEntry for entries that may be nil (absent).
+func sameEntry(a, b *Entry) bool {
+	return a == nil && b == nil || a != nil && b != nil && equalEntry(a, b)
+}
