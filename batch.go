@@ -34,7 +34,11 @@ type Batcher interface {
 // items were added, with exactly the result and error the single call
 // would have given. Items of one batch that name the same key see each
 // other in order (a second Begin of an id claimed earlier in the batch is
-// InFlight). A Batch is used by one goroutine and run once. The engine's
+// InFlight). A Batch is used by one goroutine and run once. An item keeps
+// the slices it is given (a Request's id, fingerprint and acked ids, a
+// reply) until Run returns: the engine copies what it stores when the
+// batch runs, so the caller must not change those buffers before then
+// (after Run they are the caller's again, as after a single call). The engine's
 // batch also implements RunAppender, which runs it into a results slice
 // the caller reuses from batch to batch.
 type Batch interface {
