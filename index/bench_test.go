@@ -138,3 +138,90 @@ func benchApplyFresh(b *testing.B, reply []byte, acks bool) {
 		b.Logf("LSM at the end:\n%s", m)
 	}
 }
+
+// BenchmarkApplySteady is the index's cost per fresh item in a warm LSM
+// written at a steady rate, as a long-running engine's is: BenchmarkApplyFresh
+// writes as fast as it can into an empty store, so its compactions fall
+// behind, L0 fills far past the compaction threshold, and each L0
+// compaction brings down many tables at once; at a rate the compactions
+// keep up with, each brings down only the threshold's worth, and what the
+// compaction settings cost shows. The store is first filled with 2 million
+// fresh ids at 150,000 items/s (about what the engine applies at 512
+// callers; not measured), then b.N more are applied at that rate (claim
+// and commit of a new 16-byte random id with a 128-byte reply, the same
+// for every item, as bench/peers sends, in batches of 1,024):
+//
+//	go test -run '^$' -bench ApplySteady -benchtime 1500000x ./index/
+//
+// cpu-ns/item is the process's CPU time per measured item (ingests and
+// compactions included, sleeps not); compacted-B/item the bytes Pebble's
+// compactions wrote meanwhile, ingested-B/item the bytes ingested.
+func BenchmarkApplySteady(b *testing.B) {
+	const per, warm, rate = 1024, 2_000_000, 150_000
+	ix, err := Open(Options{FS: vfs.Default, Dir: b.TempDir(), CacheSize: 64 << 20})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer ix.Close(false)
+	ix.StartFilter()
+	for !ix.FilterReady() {
+		time.Sleep(time.Millisecond)
+	}
+	reply := make([]byte, 128)
+	_, _ = rand.Read(reply)
+	get := func(k []byte, mode byte) (*Entry, error) { return ix.Get(k) }
+	ops := make([]wal.Op, 2*per)
+	ids := make([]byte, 16*per)
+	keys := make([][]byte, per)
+	ups := make([]*Update, 1)
+	lsn := wal.LSN(0)
+	start, total := time.Now(), 0
+	run := func(n int) {
+		for done := 0; done < n; done += per {
+			total += per
+			if d := time.Duration(float64(total)/rate*float64(time.Second)) - time.Since(start); d > 0 {
+				time.Sleep(d)
+			}
+			_, _ = rand.Read(ids)
+			lsn++
+			now := time.Now().UnixNano()
+			bt := NewBatch(lsn, get, per)
+			for j := range per {
+				id := ids[16*j : 16*j+16]
+				keys[j] = EntryKey(keys[j][:0], "", ModeID, id)
+				ops[2*j] = wal.Op{Type: wal.OpClaim, ID: id, Time: now, LeaseUntil: now + int64(time.Minute), Flags: wal.ClaimFlagNew}
+				ops[2*j+1] = wal.Op{Type: wal.OpCommit, ID: id, Time: now, Reply: reply}
+				if _, err := bt.Add(&ops[2*j], keys[j]); err != nil {
+					b.Fatal(err)
+				}
+				if _, err := bt.Add(&ops[2*j+1], keys[j]); err != nil {
+					b.Fatal(err)
+				}
+			}
+			ups[0] = &Update{LSN: lsn, Transitions: bt.Transitions()}
+			if err := ix.Apply(ups); err != nil {
+				b.Fatal(err)
+			}
+		}
+	}
+	run(warm)
+	m0 := ix.db.Metrics()
+	b.ResetTimer()
+	cpu0 := cputime.Process()
+	run(b.N)
+	cpu := cputime.Process() - cpu0
+	b.StopTimer()
+	m1 := ix.db.Metrics()
+	var ingested, compacted uint64
+	for l := range m1.Levels {
+		ingested += m1.Levels[l].TableBytesIngested - m0.Levels[l].TableBytesIngested
+		compacted += m1.Levels[l].TableBytesCompacted - m0.Levels[l].TableBytesCompacted
+	}
+	b.ReportMetric(float64(cpu.Nanoseconds())/float64(b.N), "cpu-ns/item")
+	b.ReportMetric(float64(ingested)/float64(b.N), "ingested-B/item")
+	b.ReportMetric(float64(compacted)/float64(b.N), "compacted-B/item")
+	b.ReportMetric(float64(m1.Levels[0].Sublevels), "l0-sublevels")
+	if testing.Verbose() {
+		b.Logf("LSM at the end:\n%s", m1)
+	}
+}

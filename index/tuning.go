@@ -10,13 +10,14 @@ import (
 // each rewritten by compactions on its way down the levels. It runs after
 // EnsureDefaults, so it changes only what it names; the ingested tables'
 // writer options (Index.writerOpts) are derived from L0's options after
-// it. L0 is compacted at twice the depth Pebble's default allows
+// it. L0 is compacted at four times the depth Pebble's default allows
 // (l0CompactionThreshold); the other level settings (the base level's
 // size, the multiplier, the compaction concurrency) keep Pebble's
 // defaults: the alternatives measured wrote less only at some sizes, or at
 // the lookups' expense (docs/design.md, "Index writes").
 func tunePebble(o *pebble.Options) {
 	o.L0CompactionThreshold = l0CompactionThreshold
+	o.L0StopWritesThreshold = 2 * l0CompactionThreshold
 	// Compression: Snappy where it pays, none where it does not
 	// (snappyAdaptive), on every level, so the ingested tables and every
 	// compaction's output alike.
@@ -27,18 +28,24 @@ func tunePebble(o *pebble.Options) {
 
 // l0CompactionThreshold is Pebble's L0CompactionThreshold: L0 is compacted
 // into the base level once it is half that many sublevels deep (Pebble
-// scores L0 at 2 x depth / threshold), so at 4 sublevels rather than 2 with
+// scores L0 at 2 x depth / threshold), so at 8 sublevels rather than 2 with
 // Pebble's default of 4. Every ingested entries table holds random keys, so
 // it overlaps the whole base level, and each L0 compaction rewrites all of
-// that level (up to 64 MB) whatever it brings down: bringing down twice
-// the sublevels at once halves how often that happens.
-// BenchmarkApplyFresh/zero-reply, CPU per item with the compactions
-// (docs/design.md, "Index writes"): 3,014-3,611 -> 2,675-2,789 ns at
-// 300,000 items, 3,235 -> 2,840 at 2 million. The price is up to 3
-// sublevels left in L0 when the writes pause (1 before), each a bloom
-// filter probe for a lookup that reaches Pebble; under load L0 held 7-10
-// sublevels with either setting (the one compaction slot is the limit).
-const l0CompactionThreshold = 8
+// that level (up to 64 MB) whatever it brings down: bringing down more
+// sublevels at once makes that rarer. In a warm LSM written at a steady
+// 150,000 ids/s (docs/design.md, "Index writes") the L0 compactions wrote
+// 588-593 MB into the base level for 67 MB ingested at 8 (4 sublevels),
+// 345-347 MB at 16; all compactions 6.9 -> 4.4 bytes per byte ingested,
+// and BenchmarkApplySteady's CPU per item 4,970 -> 3,696 ns (medians of 3
+// interleaved pairs). The price is up to 7 sublevels left in L0 when the
+// writes pause, each a bloom filter probe for a lookup that reaches Pebble
+// (about 0.6 us), and under writes a present id's lookup +8% (20.9 -> 22.5
+// us, BenchmarkLookupWhileWriting/writing, L0 4.1 -> 5.9 sublevels).
+// Pebble requires L0StopWritesThreshold (default 12) to be at least this;
+// it is set to twice it. It stalls only memtable writes (the index's few
+// batches: forget marks, Load), not ingests: under a burst L0 held 39
+// sublevels with the default 12.
+const l0CompactionThreshold = 16
 
 // snappyAdaptive compresses data blocks with Snappy only while Snappy
 // makes them at least 12% smaller, judged on a sample: Pebble's adaptive
