@@ -59,25 +59,7 @@ func TestPutHintMatchesPut(t *testing.T) {
 					}
 					addStep(ba, s, openA)
 				}
-				outA, err := ba.Run(bg)
-				if err != nil {
-					t.Fatal(err)
-				}
-				outB, err := bb.Run(bg)
-				if err != nil {
-					t.Fatal(err)
-				}
-				for i := range steps {
-					if da, db := describeResult(outA[i]), describeResult(outB[i]); da != db {
-						t.Fatalf("round %d item %d (%+v):\nhinted: %s\nPut:    %s", round, i, steps[i], da, db)
-					}
-					if c := outA[i].Result.Claim; c != nil {
-						openA = append(openA, c)
-					}
-					if c := outB[i].Result.Claim; c != nil {
-						openB = append(openB, c)
-					}
-				}
+				openA, openB = runBatchPair(t, round, steps, ba, bb, openA, openB, "hinted: ", "Put:    ")
 				d := time.Duration(p.rng.IntN(4)) * time.Second
 				clkA.Advance(d)
 				clkB.Advance(d)
@@ -309,25 +291,7 @@ func TestLookupHintsMatchesLookupHint(t *testing.T) {
 					addStep(ba, s, openA)
 					addStep(bb, s, openB)
 				}
-				outA, err := ba.Run(bg)
-				if err != nil {
-					t.Fatal(err)
-				}
-				outB, err := bb.Run(bg)
-				if err != nil {
-					t.Fatal(err)
-				}
-				for i := range steps {
-					if da, db := describeResult(outA[i]), describeResult(outB[i]); da != db {
-						t.Fatalf("round %d item %d (%+v):\nafter LookupHints: %s\nafter LookupHint:  %s", round, i, steps[i], da, db)
-					}
-					if c := outA[i].Result.Claim; c != nil {
-						openA = append(openA, c)
-					}
-					if c := outB[i].Result.Claim; c != nil {
-						openB = append(openB, c)
-					}
-				}
+				openA, openB = runBatchPair(t, round, steps, ba, bb, openA, openB, "after LookupHints: ", "after LookupHint:  ")
 				d := time.Duration(p.rng.IntN(4)) * time.Second
 				clkA.Advance(d)
 				clkB.Advance(d)
@@ -366,4 +330,31 @@ func TestLookupHintsMatchesLookupHint(t *testing.T) {
 			}
 		})
 	}
+}
+
+// runBatchPair runs ba and bb, two batches of steps on two engines, and
+// fails unless each item got the same result from both (labelled la and
+// lb); it returns openA and openB with the claims each batch made.
+func runBatchPair(t *testing.T, round int, steps []batchStep, ba, bb Batch, openA, openB []*Claim, la, lb string) ([]*Claim, []*Claim) {
+	t.Helper()
+	outA, err := ba.Run(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	outB, err := bb.Run(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range steps {
+		if da, db := describeResult(outA[i]), describeResult(outB[i]); da != db {
+			t.Fatalf("round %d item %d (%+v):\n%s%s\n%s%s", round, i, steps[i], la, da, lb, db)
+		}
+		if c := outA[i].Result.Claim; c != nil {
+			openA = append(openA, c)
+		}
+		if c := outB[i].Result.Claim; c != nil {
+			openB = append(openB, c)
+		}
+	}
+	return openA, openB
 }

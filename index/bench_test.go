@@ -54,15 +54,7 @@ func benchApplyFresh(b *testing.B, reply []byte, acks bool) {
 		pool = make([]byte, 4<<20)
 		_, _ = rand.Read(pool)
 	}
-	ix, err := Open(Options{FS: vfs.Default, Dir: b.TempDir(), CacheSize: 64 << 20})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer ix.Close(false)
-	ix.StartFilter()
-	for !ix.FilterReady() {
-		time.Sleep(time.Millisecond)
-	}
+	ix := openBenchIndex(b)
 	const per = 1024
 	ids := make([]byte, 16*b.N)
 	_, _ = rand.Read(ids)
@@ -158,15 +150,7 @@ func benchApplyFresh(b *testing.B, reply []byte, acks bool) {
 // compactions wrote meanwhile, ingested-B/item the bytes ingested.
 func BenchmarkApplySteady(b *testing.B) {
 	const per, warm, rate = 1024, 2_000_000, 150_000
-	ix, err := Open(Options{FS: vfs.Default, Dir: b.TempDir(), CacheSize: 64 << 20})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer ix.Close(false)
-	ix.StartFilter()
-	for !ix.FilterReady() {
-		time.Sleep(time.Millisecond)
-	}
+	ix := openBenchIndex(b)
 	reply := make([]byte, 128)
 	_, _ = rand.Read(reply)
 	get := func(k []byte, mode byte) (*Entry, error) { return ix.Get(k) }
@@ -224,4 +208,19 @@ func BenchmarkApplySteady(b *testing.B) {
 	if testing.Verbose() {
 		b.Logf("LSM at the end:\n%s", m1)
 	}
+}
+
+// openBenchIndex opens an index on disk for a benchmark (closed when it
+// ends), with a 64 MiB block cache and its key filter built.
+func openBenchIndex(b *testing.B) *Index {
+	ix, err := Open(Options{FS: vfs.Default, Dir: b.TempDir(), CacheSize: 64 << 20})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { ix.Close(false) })
+	ix.StartFilter()
+	for !ix.FilterReady() {
+		time.Sleep(time.Millisecond)
+	}
+	return ix
 }

@@ -7,7 +7,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/cockroachdb/pebble/v2/vfs"
 	"github.com/idemdb/idem/internal/cputime"
 	"github.com/idemdb/idem/wal"
 )
@@ -51,15 +50,7 @@ func benchLookups(b *testing.B, writeRatio int) {
 	if b.N == 1 {
 		return // the testing package's first, probing run: not worth a fill
 	}
-	ix, err := Open(Options{FS: vfs.Default, Dir: b.TempDir(), CacheSize: 64 << 20})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer ix.Close(false)
-	ix.StartFilter()
-	for !ix.FilterReady() {
-		time.Sleep(time.Millisecond)
-	}
+	ix := openBenchIndex(b)
 	pool := make([]byte, 4<<20)
 	_, _ = rand.Read(pool)
 	total := fill + writeRatio*b.N
